@@ -1,0 +1,265 @@
+"""Byte-level BPE tokenizer: a thin wrapper over the HF `tokenizers` library.
+
+Checkpoints store the native ``tokenizer.json`` (no pickle). Invariants, checked on every load:
+the seven ``SPECIAL_TOKENS`` hold ids 0..6 in order, so model code may rely on ``pad_id == 0``.
+
+Special tokens in user text: a literal "[MASK]" or "<s>" inside a string is encoded as ordinary
+bytes, never as the special id (``encode_special_tokens = True`` on the backend), so untrusted
+input cannot forge control tokens. Special ids only enter a sequence through ``add_bos``,
+``add_eos`` and ``encode_pair``. That flag is runtime state and is not written to tokenizer.json,
+so a Hugging Face export of ``backend`` keeps the library's default matching behaviour.
+
+Thread safety: encode/decode on a `tokenizers.Tokenizer` are safe to call from several threads;
+this wrapper never mutates its backend after ``__init__``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import ClassVar
+
+import tokenizers
+import torch
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
+
+logger = logging.getLogger(__name__)
+
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>", "[CLS]", "[SEP]", "[MASK]")
+TOKENIZER_FILE = "tokenizer.json"
+MAX_PLACEHOLDERS = 200  # most frequent placeholders kept as single tokens
+_BYTE_ALPHABET = 256  # ByteLevel initial alphabet: every byte is always a token
+
+# printf / str.format placeholders: %%, %s, %d, %.2f, %5d, %ld, %lu, %1$s, %(name)s, {name}, {0}, {}.
+# No space flag ("% d"), so prose such as "100% done" does not match.
+PLACEHOLDER_PATTERN = re.compile(
+    r"%%"
+    r"|%(?:\d+\$)?(?:\([A-Za-z_]\w*\))?[-+#0]*\d*(?:\.\d+)?(?:hh|h|ll|l|L|z|j|t)?[diouxXeEfFgGcrs]"
+    r"|\{(?:[A-Za-z_]\w*|\d+)?\}",
+    re.ASCII,
+)
+
+
+class TokenizerError(ValueError):
+    """A tokenizer file is missing, unreadable, or breaks the special-token contract."""
+
+
+class Tokenizer:
+    """Byte-level BPE tokenizer with the project's special tokens."""
+
+    # Fixed by SPECIAL_TOKENS and verified in __init__.
+    pad_id: ClassVar[int] = 0
+    bos_id: ClassVar[int] = 1
+    eos_id: ClassVar[int] = 2
+    unk_id: ClassVar[int] = 3
+    cls_id: ClassVar[int] = 4
+    sep_id: ClassVar[int] = 5
+    mask_id: ClassVar[int] = 6
+
+    def __init__(self, backend: tokenizers.Tokenizer) -> None:
+        """Wrap ``backend``; raises TokenizerError unless it is byte-level BPE with our specials."""
+        _check_byte_level(backend)
+        _check_special_tokens(backend)
+        backend.encode_special_tokens = True  # literal "[MASK]" in text stays plain text
+        self._backend = backend
+        self._added_ids = frozenset(backend.get_added_tokens_decoder())
+
+    @classmethod
+    def train(
+        cls,
+        texts: Iterable[str],
+        vocab_size: int,
+        min_frequency: int = 2,
+        keep_placeholders: bool = True,
+    ) -> Tokenizer:
+        """Train on ``texts``; the result has at most ``vocab_size`` tokens, placeholders included.
+
+        ``texts`` is materialised once (placeholder counting and BPE need two passes).
+        Placeholders seen at least ``min_frequency`` times become non-special added tokens.
+        """
+        floor = len(SPECIAL_TOKENS) + _BYTE_ALPHABET
+        if vocab_size < floor:
+            raise ValueError(f"vocab_size must be >= {floor} (specials + 256 bytes), got {vocab_size}")
+        start = time.perf_counter()
+        texts = list(texts)
+        placeholders: list[str] = []
+        if keep_placeholders:
+            limit = min(MAX_PLACEHOLDERS, vocab_size - floor)
+            placeholders = _frequent_placeholders(texts, min_frequency, limit)
+
+        backend = tokenizers.Tokenizer(models.BPE())
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size - len(placeholders),  # leave room for the placeholders
+            min_frequency=min_frequency,
+            special_tokens=list(SPECIAL_TOKENS),
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        backend.train_from_iterator(texts, trainer=trainer, length=len(texts))
+        # normalized=False: matched on the raw text, before byte-level pre-tokenization.
+        backend.add_tokens([AddedToken(p, special=False, normalized=False) for p in placeholders])
+        logger.info(
+            "trained tokenizer: %d tokens (%d placeholders) on %d texts in %.2fs",
+            backend.get_vocab_size(),
+            len(placeholders),
+            len(texts),
+            time.perf_counter() - start,
+        )
+        return cls(backend)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Tokenizer:
+        """Load a tokenizer.json file, or a directory containing one."""
+        file = _resolve_file(Path(path))
+        try:
+            text = file.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise TokenizerError(f"tokenizer file not found: {file}") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise TokenizerError(f"cannot read tokenizer file {file}: {e}") from e
+        try:
+            backend = tokenizers.Tokenizer.from_str(text)
+        except Exception as e:  # tokenizers raises a bare Exception on bad JSON or schema
+            raise TokenizerError(f"invalid tokenizer file {file}: {e}") from e
+        try:
+            tokenizer = cls(backend)
+        except TokenizerError as e:
+            raise TokenizerError(f"{file}: {e}") from None
+        logger.debug("loaded tokenizer from %s (%d tokens)", file, tokenizer.vocab_size)
+        return tokenizer
+
+    def save(self, path: str | Path) -> None:
+        """Write tokenizer.json atomically; ``path`` is a ``*.json`` file or a directory."""
+        path = Path(path)
+        file = path if path.suffix == ".json" and not path.is_dir() else path / TOKENIZER_FILE
+        file.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=f".{file.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(self._backend.to_str(pretty=True))
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)  # mkstemp creates 0600
+            os.replace(tmp, file)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        logger.debug("saved tokenizer to %s", file)
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The wrapped `tokenizers.Tokenizer` (for export to Hugging Face)."""
+        return self._backend
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, special and added tokens included."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        """Token ids of ``text``, optionally wrapped in <s> ... </s>."""
+        ids = self._backend.encode(text, add_special_tokens=False).ids
+        return self._wrap(ids, add_bos, add_eos)
+
+    def encode_batch(
+        self, texts: Sequence[str], add_bos: bool = False, add_eos: bool = False
+    ) -> list[list[int]]:
+        """``encode`` over many texts (parallel in Rust)."""
+        encodings = self._backend.encode_batch_fast(list(texts), add_special_tokens=False)
+        return [self._wrap(e.ids, add_bos, add_eos) for e in encodings]
+
+    def encode_pair(self, text_a: str, text_b: str | None = None) -> tuple[list[int], list[int]]:
+        """BERT layout ``[CLS] a [SEP] (b [SEP])``; returns ``(ids, segment_ids)``, segment 1 for b."""
+        ids = [self.cls_id, *self.encode(text_a), self.sep_id]
+        segments = [0] * len(ids)
+        if text_b is not None:
+            b = [*self.encode(text_b), self.sep_id]
+            ids += b
+            segments += [1] * len(b)
+        return ids, segments
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; ids outside the vocabulary (e.g. padded embedding rows) are dropped."""
+        return self._backend.decode(self._valid(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_batch(self, seqs: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
+        """``decode`` over many sequences."""
+        return self._backend.decode_batch(
+            [self._valid(ids) for ids in seqs], skip_special_tokens=skip_special_tokens
+        )
+
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """Readable piece per id ('Ġthe' -> ' the'); a partial UTF-8 character shows as '\ufffd'."""
+        pieces = []
+        for i in map(int, ids):
+            token = self._backend.id_to_token(i) if i >= 0 else None
+            if token is None:
+                raise ValueError(f"token id {i} is outside the vocabulary (size {self.vocab_size})")
+            # Added tokens (specials, placeholders) are stored as raw text, not byte-level.
+            pieces.append(token if i in self._added_ids else self._backend.decoder.decode([token]))
+        return pieces
+
+    def _wrap(self, ids: list[int], add_bos: bool, add_eos: bool) -> list[int]:
+        return [self.bos_id] * add_bos + ids + [self.eos_id] * add_eos
+
+    def _valid(self, ids: Sequence[int]) -> list[int]:
+        size = self.vocab_size
+        return [i for i in map(int, ids) if 0 <= i < size]
+
+
+def pad_batch(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad ``seqs``; returns ``(ids (B, T), lengths (B,))``, both int64."""
+    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)  # (B,)
+    max_len = int(lengths.max()) if len(seqs) else 0
+    ids = torch.full((len(seqs), max_len), pad_id, dtype=torch.long)  # (B, T)
+    for row, seq in enumerate(seqs):
+        ids[row, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
+    return ids, lengths
+
+
+def _frequent_placeholders(texts: Iterable[str], min_frequency: int, limit: int) -> list[str]:
+    """Placeholders seen at least ``min_frequency`` times, most frequent first (ties by text)."""
+    counts = Counter(m for text in texts for m in PLACEHOLDER_PATTERN.findall(text))
+    ranked = sorted((p for p, n in counts.items() if n >= min_frequency), key=lambda p: (-counts[p], p))
+    return ranked[:limit]
+
+
+def _check_byte_level(backend: tokenizers.Tokenizer) -> None:
+    """Raise TokenizerError unless ``backend`` is the lossless byte-level BPE layout built by train."""
+    if not (
+        isinstance(backend.model, models.BPE)
+        and backend.normalizer is None  # any normalizer would break decode(encode(x)) == x
+        and isinstance(backend.pre_tokenizer, pre_tokenizers.ByteLevel)
+        and isinstance(backend.decoder, decoders.ByteLevel)
+    ):
+        raise TokenizerError(
+            "expected a byte-level BPE tokenizer (BPE model, no normalizer, ByteLevel pre-tokenizer and "
+            f"decoder); got model={type(backend.model).__name__}, "
+            f"normalizer={type(backend.normalizer).__name__}, "
+            f"pre_tokenizer={type(backend.pre_tokenizer).__name__}, decoder={type(backend.decoder).__name__}"
+        )
+
+
+def _check_special_tokens(backend: tokenizers.Tokenizer) -> None:
+    """Raise TokenizerError unless SPECIAL_TOKENS are special added tokens with ids 0..6."""
+    added = backend.get_added_tokens_decoder()
+    for expected_id, name in enumerate(SPECIAL_TOKENS):
+        actual_id = backend.token_to_id(name)
+        if actual_id != expected_id or not added.get(expected_id, AddedToken("")).special:
+            found = [backend.id_to_token(i) for i in range(len(SPECIAL_TOKENS))]
+            raise TokenizerError(
+                f"special tokens must be {list(SPECIAL_TOKENS)} at ids 0..{len(SPECIAL_TOKENS) - 1}; "
+                f"found {found} ({name!r} has id {actual_id})"
+            )
+
+
+def _resolve_file(path: Path) -> Path:
+    return path / TOKENIZER_FILE if path.is_dir() else path
