@@ -47,7 +47,7 @@ PLACEHOLDER_PATTERN = re.compile(
 
 
 class TokenizerError(ValueError):
-    """A tokenizer file is missing, unreadable, or breaks the special-token contract."""
+    """A tokenizer file is missing or unreadable, not byte-level BPE, or has the wrong special tokens."""
 
 
 class Tokenizer:
