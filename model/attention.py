@@ -1,0 +1,82 @@
+"""Multi-head scaled dot-product attention: softmax(Q K^T / sqrt(d_k)) V.
+
+The fast path is ``torch.nn.functional.scaled_dot_product_attention`` (fused kernels on GPU);
+``attention_weights=True`` takes the explicit path so the weights can be returned for introspection.
+Masks are boolean, True where a query may attend, broadcastable to (B, H, Tq, Tk).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.kv_cache import KVCache
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, dropout: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Explicit attention returning (output, weights); shapes (B, H, Tq, Dh) and (B, H, Tq, Tk)."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = scores.softmax(dim=-1)
+    return F.dropout(weights, p=dropout) @ v, weights
+
+
+class MultiHeadAttention(nn.Module):
+    """Self- or cross-attention with separate q/k/v/out projections (the names LoRA targets)."""
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, bias: bool = True) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.head_dim = d_model // n_heads
+        self.dropout = dropout
+        self.q_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.k_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.v_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+
+    def split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, D) -> (B, H, T, Dh)."""
+        b, t, _ = x.shape
+        return x.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+
+    def project_kv(self, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``source`` (B, S, D), each (B, H, S, Dh); cached once for cross-attention."""
+        return self.split_heads(self.k_proj(source)), self.split_heads(self.v_proj(source))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        *,
+        source: torch.Tensor | None = None,
+        kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache: KVCache | None = None,
+        layer: int = 0,
+        attention_weights: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attend from ``x`` (B, T, D) to itself, to ``source`` (cross), or to precomputed ``kv``.
+
+        With ``cache`` (self-attention while decoding) this step's K/V are written into the cache
+        at each row's position and the query attends to everything the cache holds for its row.
+        """
+        q = self.split_heads(self.q_proj(x))  # (B, H, T, Dh)
+        if kv is not None:
+            k, v = kv
+        else:
+            k, v = self.project_kv(x if source is None else source)
+            if cache is not None:
+                k, v = cache.write(layer, k, v)
+        dropout = self.dropout if self.training else 0.0
+        if attention_weights:
+            out, weights = attention(q, k.to(q.dtype), v.to(q.dtype), mask, dropout)
+        else:
+            out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, dropout_p=dropout)
+            weights = None
+        b, _, t, _ = out.shape
+        return self.out_proj(out.transpose(1, 2).reshape(b, t, -1)), weights

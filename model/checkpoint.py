@@ -1,0 +1,271 @@
+"""Checkpoints: a directory of config.json + model.safetensors + tokenizer.json (+ labels.json, metrics.json).
+
+No pickle anywhere: tensors go through safetensors, everything else is JSON. Writes are atomic
+(a temporary sibling directory renamed into place); loads validate every file and tensor and name
+the culprit when something is missing, truncated or mismatched.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from model.causal_lm import CausalLM
+from model.classifier import TransformerClassifier
+from model.config import ConfigError, TransformerConfig
+from model.seq2seq import Seq2SeqTransformer
+from model.tokenizer import Tokenizer, TokenizerError
+
+FORMAT_VERSION = 1
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+TOKENIZER_FILE = "tokenizer.json"
+SOURCE_TOKENIZER_FILE = "source_tokenizer.json"
+LABELS_FILE = "labels.json"
+METRICS_FILE = "metrics.json"
+
+MODELS: dict[str, type[nn.Module]] = {
+    "seq2seq": Seq2SeqTransformer,
+    "classifier": TransformerClassifier,
+    "causal_lm": CausalLM,
+}
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, unreadable or does not match its config."""
+
+
+@dataclass
+class Checkpoint:
+    """A loaded model with everything stored beside it."""
+
+    model: nn.Module
+    config: TransformerConfig
+    tokenizer: Tokenizer
+    source_tokenizer: Tokenizer | None = None  # seq2seq with separate vocabularies
+    labels: list[str] | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    path: Path | None = None
+
+    @property
+    def family(self) -> str:
+        return self.config.family
+
+    @property
+    def src_tokenizer(self) -> Tokenizer:
+        return self.source_tokenizer or self.tokenizer
+
+
+def build_model(config: TransformerConfig) -> nn.Module:
+    """Instantiate the model class of ``config.family``."""
+    return MODELS[config.family](config)
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """"auto" -> CUDA when available, else CPU."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """"auto"/None -> bf16 on CUDA (fp16 where bf16 is unsupported), fp32 on CPU."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise CheckpointError(f"unknown dtype {dtype!r}; expected one of {sorted(names)}")
+    return names[dtype]
+
+
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """Map each state-dict key that shares storage with an earlier key to that key (tied weights)."""
+    first: dict[tuple[int, int, tuple[int, ...]], str] = {}
+    aliases = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        key = (tensor.data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key in first:
+            aliases[name] = first[key]
+        else:
+            first[key] = name
+    return aliases
+
+
+def save_checkpoint(
+    directory: str | Path,
+    model: nn.Module,
+    tokenizer: Tokenizer,
+    *,
+    source_tokenizer: Tokenizer | None = None,
+    labels: list[str] | None = None,
+    metrics: dict[str, Any] | None = None,
+    extra_files: dict[str, bytes] | None = None,
+) -> Path:
+    """Write the checkpoint directory atomically and return its path."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        aliases = tied_aliases(model)
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items() if k not in aliases}
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format_version": str(FORMAT_VERSION)})
+        config = {"format_version": FORMAT_VERSION, **model.config.to_dict()}
+        _write_json(tmp / CONFIG_FILE, config)
+        tokenizer.save(tmp / TOKENIZER_FILE)
+        if source_tokenizer is not None:
+            source_tokenizer.save(tmp / SOURCE_TOKENIZER_FILE)
+        if labels is not None:
+            _write_json(tmp / LABELS_FILE, labels)
+        if metrics is not None:
+            _write_json(tmp / METRICS_FILE, metrics)
+        for name, data in (extra_files or {}).items():
+            (tmp / name).write_bytes(data)
+        _fsync_dir(tmp)
+        _replace_dir(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory
+
+
+def load_config(directory: str | Path) -> TransformerConfig:
+    """Read and validate ``config.json`` of a checkpoint directory."""
+    path = Path(directory) / CONFIG_FILE
+    data = _read_json(path)
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    version = data.pop("format_version", None)
+    if version != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: format_version {version!r} is not supported (expected {FORMAT_VERSION})")
+    try:
+        return TransformerConfig.from_dict(data)
+    except ConfigError as exc:
+        raise CheckpointError(f"{path}: {exc}") from exc
+
+
+def load_checkpoint(
+    directory: str | Path, device: str | torch.device = "auto", dtype: str | torch.dtype | None = None
+) -> Checkpoint:
+    """Load a checkpoint directory onto ``device`` ("auto": CUDA when available) in ``dtype``."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: checkpoint directory not found")
+    config = load_config(directory)
+    model = build_model(config)
+    load_weights(model, directory / WEIGHTS_FILE)
+    torch_device = resolve_device(device)
+    model.to(device=torch_device, dtype=resolve_dtype(dtype, torch_device)).eval()
+    tokenizer = _load_tokenizer(directory / TOKENIZER_FILE)
+    source_path = directory / SOURCE_TOKENIZER_FILE
+    source_tokenizer = _load_tokenizer(source_path) if source_path.exists() else None
+    _check_vocab(directory / TOKENIZER_FILE, tokenizer, config.vocab_size)
+    if source_tokenizer is not None:
+        _check_vocab(source_path, source_tokenizer, getattr(config, "src_vocab_size", None) or config.vocab_size)
+    labels = _read_json(directory / LABELS_FILE) if (directory / LABELS_FILE).exists() else None
+    if config.family == "classifier":
+        if not (isinstance(labels, list) and len(labels) == config.num_labels):
+            raise CheckpointError(f"{directory / LABELS_FILE}: expected a list of {config.num_labels} label names")
+    metrics = _read_json(directory / METRICS_FILE) if (directory / METRICS_FILE).exists() else {}
+    return Checkpoint(model, config, tokenizer, source_tokenizer, labels, metrics, directory)
+
+
+def load_weights(model: nn.Module, path: Path) -> None:
+    """Copy tensors from a safetensors file into ``model``, checking names, shapes, dtypes and values."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: weights file not found")
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from exc
+    aliases = tied_aliases(model)
+    expected = {k: v for k, v in model.state_dict().items() if k not in aliases}
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing:
+        raise CheckpointError(f"{path}: missing tensor {missing[0]!r} ({len(missing)} missing in all)")
+    if unexpected:
+        raise CheckpointError(f"{path}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} in all)")
+    for name, tensor in tensors.items():
+        want = expected[name]
+        if tuple(tensor.shape) != tuple(want.shape):
+            raise CheckpointError(f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(want.shape)}")
+        if not tensor.is_floating_point():
+            raise CheckpointError(f"{path}: tensor {name!r} has dtype {tensor.dtype}, expected a floating dtype")
+        if not torch.isfinite(tensor).all():
+            raise CheckpointError(f"{path}: tensor {name!r} contains NaN or infinite values")
+    model.load_state_dict({**tensors, **{k: tensors[v] for k, v in aliases.items()}}, strict=True)
+
+
+def parameter_count(model: nn.Module) -> int:
+    """Number of distinct parameters (tied weights counted once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def _load_tokenizer(path: Path) -> Tokenizer:
+    try:
+        return Tokenizer.load(path)
+    except TokenizerError as exc:
+        raise CheckpointError(str(exc)) from exc
+
+
+def _check_vocab(path: Path, tokenizer: Tokenizer, vocab_size: int) -> None:
+    if tokenizer.vocab_size > vocab_size:
+        raise CheckpointError(
+            f"{path}: tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary holds {vocab_size}"
+        )
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{path}: file not found") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: invalid JSON ({exc})") from exc
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True, allow_nan=False) + "\n", encoding="utf-8")
+
+
+def _fsync_dir(directory: Path) -> None:
+    for p in directory.iterdir():
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+
+
+def _replace_dir(tmp: Path, target: Path) -> None:
+    """Swap ``tmp`` into ``target``: the old directory is moved aside first, then removed."""
+    if target.exists():
+        old = target.with_name(f".{target.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(target, old)
+        os.replace(tmp, target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, target)
+    logger.debug("checkpoint written to %s", target)
+
+
+__all__ = [
+    "Checkpoint", "CheckpointError", "build_model", "load_checkpoint", "save_checkpoint", "resolve_device",
+    "resolve_dtype", "load_config", "parameter_count",
+]

@@ -1,0 +1,79 @@
+"""BERT-style bidirectional encoder: classification, pooled embeddings, and pre-training heads."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.config import ClassifierConfig
+from model.layers import Embeddings, LayerStack, init_weights, padding_mask
+
+POOLINGS = ("cls", "mean")
+
+
+class MaskedLMHead(nn.Module):
+    """BERT's MLM head: dense + GELU + LayerNorm, then a projection tied to the token embedding."""
+
+    def __init__(self, config: ClassifierConfig, embedding: nn.Embedding) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.d_model, config.d_model)
+        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.decoder = nn.Linear(config.d_model, config.vocab_size)
+        self.decoder.weight = embedding.weight
+        nn.init.zeros_(self.decoder.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.norm(F.gelu(self.dense(hidden))))
+
+
+class TransformerClassifier(nn.Module):
+    """Encoder over "[CLS] a [SEP] b [SEP]" with segment embeddings; [CLS] pooling feeds the heads."""
+
+    def __init__(self, config: ClassifierConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = Embeddings(config, config.vocab_size, config.type_vocab_size)
+        self.encoder = LayerStack(config, config.n_layers)
+        self.pooler = nn.Linear(config.d_model, config.d_model) if config.pooler else None
+        self.dropout = nn.Dropout(config.dropout)
+        self.classifier = nn.Linear(config.d_model, config.num_labels)
+        self.mlm_head = MaskedLMHead(config, self.embed.tokens)
+        self.order_head = nn.Linear(config.d_model, 2)  # sentence order / next sentence: 0 = in order
+        init_weights(self)
+        if config.scale_embeddings:
+            nn.init.normal_(self.embed.tokens.weight, std=config.d_model**-0.5)
+
+    def encode(
+        self, ids: torch.Tensor, segments: torch.Tensor | None = None, attention_weights: bool = False
+    ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+        """ids (B, T) right-padded -> hidden states (B, T, D) and attention maps when asked."""
+        mask = padding_mask(ids, self.config.pad_id)
+        return self.encoder(self.embed(ids, segments=segments), mask, attention_weights=attention_weights)
+
+    def pool(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The pooled [CLS] representation (B, D) the heads read."""
+        cls = hidden[:, 0]
+        return torch.tanh(self.pooler(cls)) if self.pooler is not None else cls
+
+    def forward(self, ids: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+        """Class logits (B, num_labels)."""
+        hidden, _ = self.encode(ids, segments)
+        return self.classifier(self.dropout(self.pool(hidden)))
+
+    def pretraining_logits(
+        self, ids: torch.Tensor, segments: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """MLM logits (B, T, V) and sentence-order logits (B, 2)."""
+        hidden, _ = self.encode(ids, segments)
+        return self.mlm_head(hidden), self.order_head(self.dropout(self.pool(hidden)))
+
+    def embed_texts(self, ids: torch.Tensor, segments: torch.Tensor | None = None, pooling: str = "mean") -> torch.Tensor:
+        """Sentence embeddings (B, D): the [CLS] hidden state or the mean over non-pad tokens."""
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+        hidden, _ = self.encode(ids, segments)
+        if pooling == "cls":
+            return hidden[:, 0]
+        keep = (ids != self.config.pad_id).unsqueeze(-1).to(hidden.dtype)
+        return (hidden * keep).sum(1) / keep.sum(1).clamp(min=1.0)

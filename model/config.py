@@ -1,0 +1,149 @@
+"""One dataclass config per model family, validated on construction and saved in every checkpoint.
+
+The shared fields can express the paper's base model, GPT-2 and BERT exactly:
+
+- paper / Marian: sinusoidal positions, post-LN, ReLU, scaled and tied embeddings;
+- GPT-2: learned positions, pre-LN with a final LayerNorm, tanh-approximated GELU, no scaling;
+- BERT: learned positions, segment embeddings, embedding LayerNorm, post-LN, exact GELU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+POSITIONS = ("sinusoidal", "learned")
+NORMS = ("pre", "post")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
+
+
+class ConfigError(ValueError):
+    """A config field is missing or outside its allowed range."""
+
+
+@dataclass
+class TransformerConfig:
+    """Fields shared by every family."""
+
+    vocab_size: int = 8000  # target/output vocabulary (shared with the source unless src_vocab_size is set)
+    d_model: int = 256  # width of the residual stream
+    n_heads: int = 4  # attention heads; d_model must divide evenly
+    d_ff: int = 1024  # inner width of the position-wise feed-forward block
+    dropout: float = 0.1  # on embeddings, sub-layer outputs and attention weights (training only)
+    max_len: int = 512  # longest sequence the positional encoding covers
+    positions: str = "sinusoidal"  # "sinusoidal" (the paper) or "learned" (GPT-2, BERT)
+    norm: str = "pre"  # "pre": x + f(LN(x)); "post" (the paper): LN(x + f(x))
+    activation: str = "relu"  # "relu" (the paper), "gelu" (BERT), "gelu_tanh" (GPT-2)
+    bias: bool = True  # biases in the attention and feed-forward projections
+    scale_embeddings: bool = True  # multiply token embeddings by sqrt(d_model) (the paper)
+    tie_embeddings: bool = True  # output projection shares the token embedding matrix
+    embedding_norm: bool = False  # LayerNorm right after the embedding sum (BERT)
+    final_norm: bool | None = None  # LayerNorm after the last layer; None = on for pre-LN, off for post-LN
+    layer_norm_eps: float = 1e-5
+    pad_id: int = 0  # padding token id (masked out of attention)
+
+    family: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        if self.final_norm is None:
+            self.final_norm = self.norm == "pre"
+        _check(self.vocab_size >= 8, "vocab_size", "must be at least 8")
+        _check(self.d_model > 0 and self.n_heads > 0, "d_model/n_heads", "must be positive")
+        _check(self.d_model % self.n_heads == 0, "d_model", f"must be divisible by n_heads={self.n_heads}")
+        _check(self.d_ff > 0, "d_ff", "must be positive")
+        _check(0.0 <= self.dropout < 1.0, "dropout", "must be in [0, 1)")
+        _check(self.max_len > 0, "max_len", "must be positive")
+        _check(self.positions in POSITIONS, "positions", f"must be one of {POSITIONS}")
+        _check(self.norm in NORMS, "norm", f"must be one of {NORMS}")
+        _check(self.activation in ACTIVATIONS, "activation", f"must be one of {ACTIVATIONS}")
+        _check(0 <= self.pad_id < self.vocab_size, "pad_id", "must be a valid token id")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"family": self.family, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TransformerConfig:
+        """Build the config of the family named in ``data`` (unknown keys are an error)."""
+        data = dict(data)
+        family = data.pop("family", cls.family)
+        config_cls = CONFIGS.get(family)
+        if config_cls is None:
+            raise ConfigError(f"unknown model family {family!r}; expected one of {sorted(CONFIGS)}")
+        names = {f.name for f in dataclasses.fields(config_cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ConfigError(f"unknown {family} config fields: {unknown}")
+        try:
+            return config_cls(**data)
+        except TypeError as exc:
+            raise ConfigError(f"invalid {family} config: {exc}") from exc
+
+
+@dataclass
+class Seq2SeqConfig(TransformerConfig):
+    """Encoder-decoder for translation ("Attention Is All You Need")."""
+
+    n_encoder_layers: int = 3
+    n_decoder_layers: int = 3
+    src_vocab_size: int | None = None  # None: source and target share one vocabulary and embedding
+    max_src_len: int = 256  # longest accepted source, in tokens
+    bos_id: int = 1  # decoder start token
+    eos_id: int = 2
+
+    family: ClassVar[str] = "seq2seq"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(self.n_encoder_layers > 0 and self.n_decoder_layers > 0, "n_*_layers", "must be positive")
+        _check(self.max_src_len <= self.max_len, "max_src_len", f"must be <= max_len={self.max_len}")
+        if self.src_vocab_size is not None:
+            _check(self.src_vocab_size >= 8, "src_vocab_size", "must be at least 8")
+
+
+@dataclass
+class ClassifierConfig(TransformerConfig):
+    """BERT-style bidirectional encoder with [CLS] pooling and pre-training heads."""
+
+    n_layers: int = 4
+    num_labels: int = 2
+    type_vocab_size: int = 2  # segment embeddings for sentence pairs (0 = off)
+    pooler: bool = True  # BERT's dense + tanh on the [CLS] state before the classification head
+    cls_id: int = 4
+
+    family: ClassVar[str] = "classifier"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(self.n_layers > 0, "n_layers", "must be positive")
+        _check(self.num_labels >= 1, "num_labels", "must be at least 1")
+        _check(self.type_vocab_size >= 0, "type_vocab_size", "must be >= 0")
+
+
+@dataclass
+class CausalLMConfig(TransformerConfig):
+    """GPT-style decoder-only language model."""
+
+    n_layers: int = 4
+    bos_id: int = 1
+    eos_id: int = 2
+
+    family: ClassVar[str] = "causal_lm"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(self.n_layers > 0, "n_layers", "must be positive")
+
+
+CONFIGS: dict[str, type[TransformerConfig]] = {
+    c.family: c for c in (Seq2SeqConfig, ClassifierConfig, CausalLMConfig)
+}
+
+
+def _check(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{field} {message}")

@@ -1,0 +1,149 @@
+"""The decoder's key/value cache: an explicit object passed to every decoding step.
+
+Each row of the batch keeps its own length, so rows can sit at different positions: a right-padded
+prompt batch, beams, and the serving engine's continuously batched requests all share one layout.
+Self-attention K/V live in preallocated buffers (B, H, capacity, Dh) that grow in chunks; a new
+token of row b is written in place at position ``lengths[b]``. Keys at positions a query may not
+see (padding, or beyond the query's own position) are masked by ``attention_mask``.
+Cross-attention K/V (encoder-decoder) are computed once per source and only reordered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+GROWTH = 64  # positions added when a buffer runs out; amortises the copy
+
+
+@dataclass
+class CrossAttentionMemory:
+    """Per-layer encoder keys/values (B, H, S, Dh) and the source padding mask (B, 1, 1, S)."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    mask: torch.Tensor
+
+
+@dataclass
+class KVCache:
+    """Self-attention K/V for every decoder layer plus per-row lengths."""
+
+    keys: list[torch.Tensor]  # per layer (B, H, capacity, Dh)
+    values: list[torch.Tensor]
+    lengths: torch.Tensor  # (B,) tokens already cached per row
+    max_length: int = 0  # host-side upper bound of lengths, to slice buffers without a device sync
+    cross: CrossAttentionMemory | None = None
+    _write_positions: torch.Tensor | None = field(default=None, repr=False)
+
+    @classmethod
+    def empty(
+        cls,
+        n_layers: int,
+        batch: int,
+        n_heads: int,
+        head_dim: int,
+        capacity: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+    ) -> KVCache:
+        shape = (batch, n_heads, max(capacity, 1), head_dim)
+        return cls(
+            keys=[torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)],
+            values=[torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)],
+            lengths=torch.zeros(batch, dtype=torch.long, device=device),
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+    def begin_step(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prepare to append ``num_tokens`` per row; return (positions (B, t), attention mask (B, 1, t, K)).
+
+        A query at position p sees every cached key at a position <= p. Right padding is therefore
+        safe: a real token never sees the pad slots after it, and the next token overwrites them.
+        """
+        self._reserve(self.max_length + num_tokens)
+        offsets = torch.arange(num_tokens, device=self.lengths.device)
+        positions = self.lengths[:, None] + offsets  # (B, t)
+        self._write_positions = positions
+        key_positions = torch.arange(self.max_length + num_tokens, device=self.lengths.device)
+        mask = key_positions[None, None, :] <= positions[:, :, None]  # (B, t, K)
+        return positions, mask[:, None]
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this step's (B, H, t, Dh) keys/values of ``layer``; return views of all visible K/V."""
+        positions = self._write_positions
+        if positions is None:
+            raise RuntimeError("KVCache.write called before begin_step")
+        rows = torch.arange(self.batch_size, device=positions.device)[:, None]
+        # Advanced indices on dims 0 and 2 put the (B, t) index dims first: (B, t, H, Dh).
+        self.keys[layer][rows, :, positions] = k.transpose(1, 2).to(self.keys[layer].dtype)
+        self.values[layer][rows, :, positions] = v.transpose(1, 2).to(self.values[layer].dtype)
+        visible = self.max_length + positions.shape[1]
+        return self.keys[layer][:, :, :visible], self.values[layer][:, :, :visible]
+
+    def end_step(self, advance: torch.Tensor | int, max_advance: int | None = None) -> None:
+        """Advance lengths by ``advance`` per row (an int, or (B,) for a right-padded prefill)."""
+        self.lengths = self.lengths + advance
+        self.max_length += advance if isinstance(advance, int) else int(max_advance or advance.max())
+        self._write_positions = None
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep, reorder or duplicate rows: row i becomes old row ``index[i]`` (beams, finished rows)."""
+        self.keys = [k.index_select(0, index) for k in self.keys]
+        self.values = [v.index_select(0, index) for v in self.values]
+        self.lengths = self.lengths.index_select(0, index)
+        if self.cross is not None:
+            self.cross = CrossAttentionMemory(
+                keys=[k.index_select(0, index) for k in self.cross.keys],
+                values=[v.index_select(0, index) for v in self.cross.values],
+                mask=self.cross.mask.index_select(0, index),
+            )
+
+    @classmethod
+    def concat(cls, caches: list[KVCache]) -> KVCache:
+        """Stack the rows of several caches (continuous batching: requests joining a running batch)."""
+        capacity = max(c.capacity for c in caches)
+        joined = cls(
+            keys=[_cat_padded([c.keys[i] for c in caches], 2, capacity) for i in range(len(caches[0].keys))],
+            values=[_cat_padded([c.values[i] for c in caches], 2, capacity) for i in range(len(caches[0].keys))],
+            lengths=torch.cat([c.lengths for c in caches]),
+            max_length=max(c.max_length for c in caches),
+        )
+        if caches[0].cross is not None:
+            source_len = max(c.cross.mask.shape[-1] for c in caches)
+            n_layers = len(caches[0].cross.keys)
+            joined.cross = CrossAttentionMemory(
+                keys=[_cat_padded([c.cross.keys[i] for c in caches], 2, source_len) for i in range(n_layers)],
+                values=[_cat_padded([c.cross.values[i] for c in caches], 2, source_len) for i in range(n_layers)],
+                mask=_cat_padded([c.cross.mask for c in caches], 3, source_len),
+            )
+        return joined
+
+    def _reserve(self, needed: int) -> None:
+        if needed <= self.capacity:
+            return
+        new_capacity = max(needed, self.capacity + GROWTH)
+        pad = new_capacity - self.capacity
+        self.keys = [F.pad(k, (0, 0, 0, pad)) for k in self.keys]
+        self.values = [F.pad(v, (0, 0, 0, pad)) for v in self.values]
+
+
+def _cat_padded(tensors: list[torch.Tensor], dim: int, size: int) -> torch.Tensor:
+    """Concatenate on dim 0 after zero/False-padding ``dim`` of each tensor up to ``size``."""
+    padded = []
+    for t in tensors:
+        missing = size - t.shape[dim]
+        if missing:
+            pad = [0, 0] * (t.dim() - 1 - dim) + [0, missing]
+            t = F.pad(t, pad)
+        padded.append(t)
+    return torch.cat(padded, dim=0)

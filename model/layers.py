@@ -1,0 +1,195 @@
+"""Building blocks: embeddings, positional encoding, feed-forward, and the Transformer layer."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.attention import MultiHeadAttention
+from model.config import TransformerConfig
+from model.kv_cache import KVCache
+
+
+def sinusoidal_table(max_len: int, d_model: int) -> torch.Tensor:
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d)); shape (max_len, d)."""
+    position = torch.arange(max_len, dtype=torch.float64)[:, None]
+    two_i = torch.arange(0, d_model, 2, dtype=torch.float64)
+    angle = position / torch.pow(10000.0, two_i / d_model)
+    table = torch.zeros(max_len, d_model, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(angle)
+    table[:, 1::2] = torch.cos(angle[:, : d_model // 2])
+    return table.float()
+
+
+class Embeddings(nn.Module):
+    """Token embedding (optionally * sqrt(d_model)) + positions (+ segments), then optional LayerNorm, dropout."""
+
+    def __init__(self, config: TransformerConfig, vocab_size: int, type_vocab_size: int = 0) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab_size, config.d_model, padding_idx=config.pad_id)
+        self.scale = math.sqrt(config.d_model) if config.scale_embeddings else 1.0
+        if config.positions == "learned":
+            self.positions = nn.Embedding(config.max_len, config.d_model)
+        else:
+            self.positions = None
+            self.register_buffer("sinusoids", sinusoidal_table(config.max_len, config.d_model), persistent=False)
+        self.segments = nn.Embedding(type_vocab_size, config.d_model) if type_vocab_size else None
+        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.embedding_norm else None
+        self.dropout = nn.Dropout(config.dropout)
+        self.max_len = config.max_len
+
+    def forward(
+        self, ids: torch.Tensor, positions: torch.Tensor | None = None, segments: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """ids (B, T) and optional positions (B, T) -> (B, T, D)."""
+        if positions is None:
+            positions = torch.arange(ids.shape[1], device=ids.device)[None, :]
+        x = self.tokens(ids) * self.scale
+        if self.positions is not None:
+            x = x + self.positions(positions)
+        else:
+            x = x + self.sinusoids[positions].to(x.dtype)
+        if self.segments is not None:
+            x = x + self.segments(torch.zeros_like(ids) if segments is None else segments)
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.dropout(x)
+
+
+class FeedForward(nn.Module):
+    """Position-wise FFN(x) = fc2(act(fc1(x)))."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
+        self.fc2 = nn.Linear(config.d_ff, config.d_model, bias=config.bias)
+        self.activation = config.activation
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        if self.activation == "relu":
+            h = F.relu(h)
+        else:
+            h = F.gelu(h, approximate="tanh" if self.activation == "gelu_tanh" else "none")
+        return self.fc2(self.dropout(h))
+
+
+class TransformerLayer(nn.Module):
+    """Self-attention, optional cross-attention, feed-forward; each wrapped in residual + LayerNorm.
+
+    Pre-LN: x + Dropout(f(LN(x))). Post-LN (the paper): LN(x + Dropout(f(x))).
+    """
+
+    def __init__(self, config: TransformerConfig, cross_attention: bool = False) -> None:
+        super().__init__()
+        d, eps = config.d_model, config.layer_norm_eps
+        self.self_attn = MultiHeadAttention(d, config.n_heads, config.dropout, config.bias)
+        self.self_attn_norm = nn.LayerNorm(d, eps=eps)
+        self.cross_attn = MultiHeadAttention(d, config.n_heads, config.dropout, config.bias) if cross_attention else None
+        self.cross_attn_norm = nn.LayerNorm(d, eps=eps) if cross_attention else None
+        self.ffn = FeedForward(config)
+        self.ffn_norm = nn.LayerNorm(d, eps=eps)
+        self.dropout = nn.Dropout(config.dropout)
+        self.pre_norm = config.norm == "pre"
+
+    def _residual(self, x: torch.Tensor, norm: nn.LayerNorm, sublayer) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out, weights = sublayer(norm(x) if self.pre_norm else x)
+        x = x + self.dropout(out)
+        return (x if self.pre_norm else norm(x)), weights
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None,
+        *,
+        memory: torch.Tensor | None = None,
+        memory_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        layer: int = 0,
+        attention_weights: bool = False,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """x (B, T, D) -> (B, T, D) and, when asked, the attention weights by kind ("self", "cross")."""
+        weights: dict[str, torch.Tensor] = {}
+        x, w = self._residual(
+            x,
+            self.self_attn_norm,
+            lambda h: self.self_attn(h, mask, cache=cache, layer=layer, attention_weights=attention_weights),
+        )
+        if w is not None:
+            weights["self"] = w
+        if self.cross_attn is not None:
+            cross_kv = None
+            if cache is not None and cache.cross is not None:
+                cross_kv = (cache.cross.keys[layer], cache.cross.values[layer])
+            x, w = self._residual(
+                x,
+                self.cross_attn_norm,
+                lambda h: self.cross_attn(
+                    h, memory_mask, source=memory, kv=cross_kv, attention_weights=attention_weights
+                ),
+            )
+            if w is not None:
+                weights["cross"] = w
+        x, _ = self._residual(x, self.ffn_norm, lambda h: (self.ffn(h), None))
+        return x, weights
+
+
+class LayerStack(nn.Module):
+    """A stack of Transformer layers with the optional final LayerNorm of pre-LN models."""
+
+    def __init__(self, config: TransformerConfig, n_layers: int, cross_attention: bool = False) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(TransformerLayer(config, cross_attention) for _ in range(n_layers))
+        self.final_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.final_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None,
+        *,
+        memory: torch.Tensor | None = None,
+        memory_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        attention_weights: bool = False,
+    ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+        maps = []
+        for i, layer in enumerate(self.layers):
+            x, weights = layer(
+                x, mask, memory=memory, memory_mask=memory_mask, cache=cache, layer=i,
+                attention_weights=attention_weights,
+            )
+            maps.append(weights)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        return x, maps
+
+
+def causal_mask(length: int, device: torch.device) -> torch.Tensor:
+    """(1, 1, T, T) boolean mask, True on and below the diagonal."""
+    return torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]
+
+
+def padding_mask(ids: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """(B, 1, 1, T) boolean key mask, False at padding."""
+    return (ids != pad_id)[:, None, None, :]
+
+
+def init_weights(module: nn.Module, std: float = 0.02) -> None:
+    """GPT/BERT-style init: N(0, std) for Linear and Embedding weights, zero biases, unit LayerNorm."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=std)
+            if m.padding_idx is not None:
+                with torch.no_grad():
+                    m.weight[m.padding_idx].zero_()
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)

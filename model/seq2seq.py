@@ -1,0 +1,79 @@
+"""Encoder-decoder Transformer for translation ("Attention Is All You Need")."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from model.config import Seq2SeqConfig
+from model.kv_cache import CrossAttentionMemory, KVCache
+from model.layers import Embeddings, LayerStack, causal_mask, init_weights, padding_mask
+
+
+class Seq2SeqTransformer(nn.Module):
+    """Encoder stack, decoder stack with masked self-attention and encoder-decoder attention, output head."""
+
+    def __init__(self, config: Seq2SeqConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tgt_embed = Embeddings(config, config.vocab_size)
+        shared = config.src_vocab_size is None
+        self.src_embed = self.tgt_embed if shared else Embeddings(config, config.src_vocab_size)
+        self.encoder = LayerStack(config, config.n_encoder_layers)
+        self.decoder = LayerStack(config, config.n_decoder_layers, cross_attention=True)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        init_weights(self)
+        if config.scale_embeddings:
+            for embed in {id(self.tgt_embed): self.tgt_embed, id(self.src_embed): self.src_embed}.values():
+                nn.init.normal_(embed.tokens.weight, std=config.d_model**-0.5)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.tgt_embed.tokens.weight
+
+    def encode(
+        self, src: torch.Tensor, attention_weights: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, list[dict[str, torch.Tensor]]]:
+        """src (B, S) right-padded -> (memory (B, S, D), source mask (B, 1, 1, S), attention maps)."""
+        mask = padding_mask(src, self.config.pad_id)
+        memory, maps = self.encoder(self.src_embed(src), mask, attention_weights=attention_weights)
+        return memory, mask, maps
+
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced logits (B, T, V) for decoder inputs ``tgt_in`` (B, T) (BOS + target[:-1])."""
+        return self.forward_with_attention(src, tgt_in, attention_weights=False)[0]
+
+    def forward_with_attention(
+        self, src: torch.Tensor, tgt_in: torch.Tensor, attention_weights: bool = True
+    ) -> tuple[torch.Tensor, dict[str, list[dict[str, torch.Tensor]]]]:
+        memory, src_mask, enc_maps = self.encode(src, attention_weights)
+        x = self.tgt_embed(tgt_in)
+        x, dec_maps = self.decoder(
+            x, causal_mask(tgt_in.shape[1], tgt_in.device), memory=memory, memory_mask=src_mask,
+            attention_weights=attention_weights,
+        )
+        return self.lm_head(x), {"encoder": enc_maps, "decoder": dec_maps}
+
+    def new_cache(self, memory: torch.Tensor, src_mask: torch.Tensor, capacity: int) -> KVCache:
+        """A decoding cache with the cross-attention K/V of ``memory`` computed once per layer."""
+        c = self.config
+        cache = KVCache.empty(
+            c.n_decoder_layers, memory.shape[0], c.n_heads, c.head_dim, capacity, memory.device, memory.dtype
+        )
+        keys, values = zip(*(layer.cross_attn.project_kv(memory) for layer in self.decoder.layers), strict=True)
+        cache.cross = CrossAttentionMemory(keys=list(keys), values=list(values), mask=src_mask)
+        return cache
+
+    def start(self, src: torch.Tensor, capacity: int) -> tuple[torch.Tensor, KVCache]:
+        """Encode ``src`` and feed BOS: returns the first-token logits (B, V) and the cache."""
+        memory, src_mask, _ = self.encode(src)
+        cache = self.new_cache(memory, src_mask, capacity)
+        bos = torch.full((src.shape[0],), self.config.bos_id, dtype=torch.long, device=src.device)
+        return self.decode_step(bos, cache), cache
+
+    def decode_step(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Feed one target token per row (N,); return next-token logits (N, V)."""
+        positions, mask = cache.begin_step(1)
+        x, _ = self.decoder(
+            self.tgt_embed(tokens[:, None], positions), mask, memory_mask=cache.cross.mask, cache=cache
+        )
+        cache.end_step(1)
+        return self.lm_head(x[:, 0])

@@ -1,0 +1,39 @@
+"""Tiny models shared by the model tests (float64 where the test compares numerics)."""
+
+import pytest
+import torch
+
+from model.causal_lm import CausalLM
+from model.classifier import TransformerClassifier
+from model.config import CausalLMConfig, ClassifierConfig, Seq2SeqConfig
+from model.seq2seq import Seq2SeqTransformer
+
+TINY = dict(vocab_size=40, d_model=32, n_heads=4, d_ff=64, dropout=0.0, max_len=64)
+
+
+def tiny_causal_lm(**overrides) -> CausalLM:
+    torch.manual_seed(0)
+    return CausalLM(CausalLMConfig(**{**TINY, "n_layers": 2, **overrides})).eval()
+
+
+def tiny_seq2seq(**overrides) -> Seq2SeqTransformer:
+    torch.manual_seed(0)
+    return Seq2SeqTransformer(
+        Seq2SeqConfig(**{**TINY, "n_encoder_layers": 2, "n_decoder_layers": 2, "max_src_len": 64, **overrides})
+    ).eval()
+
+
+def tiny_classifier(**overrides) -> TransformerClassifier:
+    torch.manual_seed(0)
+    return TransformerClassifier(ClassifierConfig(**{**TINY, "n_layers": 2, "num_labels": 3, **overrides})).eval()
+
+
+@pytest.fixture(params=["pre", "post"])
+def norm(request) -> str:
+    return request.param
+
+
+def random_ids(batch: int, length: int, vocab: int = 40, seed: int = 1) -> torch.Tensor:
+    """Token ids avoiding the special ids 0..6."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(7, vocab, (batch, length), generator=g)
