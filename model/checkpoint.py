@@ -75,22 +75,28 @@ def build_model(config: TransformerConfig) -> nn.Module:
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
-    """"auto" -> CUDA when available, else CPU."""
+    """ "auto" -> CUDA when available, else CPU."""
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """"auto"/None -> bf16 on CUDA (fp16 where bf16 is unsupported), fp32 on CPU."""
+    """ "auto"/None -> bf16 on CUDA (fp16 where bf16 is unsupported), fp32 on CPU."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.float32
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
+    names = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
     if dtype not in names:
         raise CheckpointError(f"unknown dtype {dtype!r}; expected one of {sorted(names)}")
     return names[dtype]
@@ -206,7 +212,9 @@ def load_weights(model: nn.Module, path: Path) -> None:
     for name, tensor in tensors.items():
         want = expected[name]
         if tuple(tensor.shape) != tuple(want.shape):
-            raise CheckpointError(f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(want.shape)}")
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(want.shape)}"
+            )
         if not tensor.is_floating_point():
             raise CheckpointError(f"{path}: tensor {name!r} has dtype {tensor.dtype}, expected a floating dtype")
         if not torch.isfinite(tensor).all():
@@ -266,6 +274,13 @@ def _replace_dir(tmp: Path, target: Path) -> None:
 
 
 __all__ = [
-    "Checkpoint", "CheckpointError", "build_model", "load_checkpoint", "save_checkpoint", "resolve_device",
-    "resolve_dtype", "load_config", "parameter_count",
+    "Checkpoint",
+    "CheckpointError",
+    "build_model",
+    "load_checkpoint",
+    "save_checkpoint",
+    "resolve_device",
+    "resolve_dtype",
+    "load_config",
+    "parameter_count",
 ]

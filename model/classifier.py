@@ -68,7 +68,9 @@ class TransformerClassifier(nn.Module):
         hidden, _ = self.encode(ids, segments)
         return self.mlm_head(hidden), self.order_head(self.dropout(self.pool(hidden)))
 
-    def embed_texts(self, ids: torch.Tensor, segments: torch.Tensor | None = None, pooling: str = "mean") -> torch.Tensor:
+    def embed_texts(
+        self, ids: torch.Tensor, segments: torch.Tensor | None = None, pooling: str = "mean"
+    ) -> torch.Tensor:
         """Sentence embeddings (B, D): the [CLS] hidden state or the mean over non-pad tokens."""
         if pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")

@@ -139,9 +139,7 @@ class CausalLMConfig(TransformerConfig):
         _check(self.n_layers > 0, "n_layers", "must be positive")
 
 
-CONFIGS: dict[str, type[TransformerConfig]] = {
-    c.family: c for c in (Seq2SeqConfig, ClassifierConfig, CausalLMConfig)
-}
+CONFIGS: dict[str, type[TransformerConfig]] = {c.family: c for c in (Seq2SeqConfig, ClassifierConfig, CausalLMConfig)}
 
 
 def _check(ok: bool, field: str, message: str) -> None:

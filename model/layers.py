@@ -89,7 +89,9 @@ class TransformerLayer(nn.Module):
         d, eps = config.d_model, config.layer_norm_eps
         self.self_attn = MultiHeadAttention(d, config.n_heads, config.dropout, config.bias)
         self.self_attn_norm = nn.LayerNorm(d, eps=eps)
-        self.cross_attn = MultiHeadAttention(d, config.n_heads, config.dropout, config.bias) if cross_attention else None
+        self.cross_attn = (
+            MultiHeadAttention(d, config.n_heads, config.dropout, config.bias) if cross_attention else None
+        )
         self.cross_attn_norm = nn.LayerNorm(d, eps=eps) if cross_attention else None
         self.ffn = FeedForward(config)
         self.ffn_norm = nn.LayerNorm(d, eps=eps)
@@ -159,7 +161,12 @@ class LayerStack(nn.Module):
         maps = []
         for i, layer in enumerate(self.layers):
             x, weights = layer(
-                x, mask, memory=memory, memory_mask=memory_mask, cache=cache, layer=i,
+                x,
+                mask,
+                memory=memory,
+                memory_mask=memory_mask,
+                cache=cache,
+                layer=i,
                 attention_weights=attention_weights,
             )
             maps.append(weights)

@@ -47,7 +47,10 @@ class Seq2SeqTransformer(nn.Module):
         memory, src_mask, enc_maps = self.encode(src, attention_weights)
         x = self.tgt_embed(tgt_in)
         x, dec_maps = self.decoder(
-            x, causal_mask(tgt_in.shape[1], tgt_in.device), memory=memory, memory_mask=src_mask,
+            x,
+            causal_mask(tgt_in.shape[1], tgt_in.device),
+            memory=memory,
+            memory_mask=src_mask,
             attention_weights=attention_weights,
         )
         return self.lm_head(x), {"encoder": enc_maps, "decoder": dec_maps}
@@ -72,8 +75,6 @@ class Seq2SeqTransformer(nn.Module):
     def decode_step(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Feed one target token per row (N,); return next-token logits (N, V)."""
         positions, mask = cache.begin_step(1)
-        x, _ = self.decoder(
-            self.tgt_embed(tokens[:, None], positions), mask, memory_mask=cache.cross.mask, cache=cache
-        )
+        x, _ = self.decoder(self.tgt_embed(tokens[:, None], positions), mask, memory_mask=cache.cross.mask, cache=cache)
         cache.end_step(1)
         return self.lm_head(x[:, 0])

@@ -31,9 +31,10 @@ def test_round_trip_is_bit_exact(tmp_path, tokenizer, make):
     for name in original:
         assert torch.equal(original[name], restored[name]), name
     if hasattr(loaded.model, "lm_head") and model.config.tie_embeddings:
-        assert loaded.model.lm_head.weight.data_ptr() == next(
-            m.tokens.weight for m in loaded.model.modules() if hasattr(m, "tokens")
-        ).data_ptr()
+        assert (
+            loaded.model.lm_head.weight.data_ptr()
+            == next(m.tokens.weight for m in loaded.model.modules() if hasattr(m, "tokens")).data_ptr()
+        )
     assert loaded.tokenizer.encode("hello world") == tokenizer.encode("hello world")
 
 
