@@ -1,0 +1,42 @@
+"""Command-line entry: `python -m training <command> ...`.
+
+Each command is a module with `add_parser(subparsers) -> None` that adds its parser and sets
+`func=<callable taking the parsed namespace>` via `set_defaults`. To add a command, import its
+module here and append it to COMMANDS. Keep heavy imports (torch) inside the command's func so
+that `--help` and other commands stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from training import prepare
+from training.errors import UserError
+
+# Commands in the order `--help` lists them; extend with train, lora, evaluate, export.
+COMMANDS = (prepare,)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with one subparser per module in COMMANDS."""
+    parser = argparse.ArgumentParser(prog="python -m training", description="Data, training and export.")
+    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="<command>")
+    for command in COMMANDS:
+        command.add_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse `argv` and run the command; 0 on success, 1 on a UserError (2 on bad usage, by argparse)."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        args.func(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
