@@ -1,0 +1,543 @@
+"""LoRA: named low-rank adapters on nn.Linear layers, several resident at once, selectable per batch row.
+
+Each targeted ``nn.Linear`` is wrapped in a :class:`LoRALinear` computing
+``y = W x + b + (alpha / r) * B(A(dropout(x)))`` for the adapter its batch row selects. Keys and files
+follow PEFT (``adapter_config.json`` + ``adapter_model.safetensors``), so adapters move between the two.
+
+Merging is an optimisation, never a change of meaning: with adapter ``m`` merged into W, rows that
+select ``m`` cost nothing extra, and every other row (base only, or another adapter) gets ``m``'s
+delta subtracted, so outputs depend only on the selection, not on what is merged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLE_FILE = "adapter_model.bin"
+KEY_PREFIX = "base_model.model."
+_KEY_RE = re.compile(r"base_model\.model\.(.+)\.lora_([AB])\.weight")
+_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+# PEFT options that change the math when set (truthy); rejected rather than silently ignored.
+_UNSUPPORTED = ("fan_in_fan_out", "use_dora", "use_rslora", "lora_bias", "rank_pattern", "alpha_pattern",
+                "modules_to_save", "layers_to_transform")
+
+AdapterSelection = str | None | Sequence[str | None]
+
+
+class AdapterError(ValueError):
+    """A user-facing LoRA failure; the message names the adapter, file or tensor involved."""
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+@dataclass
+class LoRAConfig:
+    """Hyperparameters of one adapter (the subset of PEFT's LoraConfig implemented here)."""
+
+    r: int = 8  # rank: A is (r, in_features), B is (out_features, r)
+    lora_alpha: float = 16.0  # scaling = lora_alpha / r
+    lora_dropout: float = 0.0  # dropout on the adapter's input only (training mode)
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "out_proj")  # last name components
+    bias: str = "none"  # only "none": biases stay those of the base layers
+    task_type: str | None = None  # PEFT's task_type, e.g. "SEQ_2_SEQ_LM"; informational
+    base_model_name_or_path: str | None = None
+
+    def __post_init__(self) -> None:
+        targets = self.target_modules
+        checks = {
+            "r": _is_int(self.r) and self.r >= 1,
+            "lora_alpha": _is_real(self.lora_alpha) and self.lora_alpha > 0,
+            "lora_dropout": _is_real(self.lora_dropout) and 0 <= self.lora_dropout < 1,
+            "target_modules": isinstance(targets, list | tuple) and len(targets) > 0
+            and all(isinstance(t, str) and t for t in targets),
+            "bias": self.bias == "none",
+            "task_type": self.task_type is None or isinstance(self.task_type, str),
+            "base_model_name_or_path": self.base_model_name_or_path is None
+            or isinstance(self.base_model_name_or_path, str),
+        }
+        bad = [k for k, ok in checks.items() if not ok]
+        if bad:
+            got = ", ".join(f"{k}={getattr(self, k)!r}" for k in bad)
+            raise AdapterError(f"invalid LoRAConfig: {got} (r int >= 1, lora_alpha > 0, 0 <= lora_dropout < 1, "
+                               "non-empty target_modules of names, bias 'none')")
+        self.target_modules = tuple(targets)
+        self.lora_alpha = float(self.lora_alpha)
+        self.lora_dropout = float(self.lora_dropout)
+
+    @property
+    def scaling(self) -> float:
+        return self.lora_alpha / self.r
+
+    def to_peft_dict(self) -> dict[str, Any]:
+        """The contents of PEFT's adapter_config.json for this adapter."""
+        return {
+            "peft_type": "LORA", "task_type": self.task_type,
+            "base_model_name_or_path": self.base_model_name_or_path,
+            "r": self.r, "lora_alpha": self.lora_alpha, "lora_dropout": self.lora_dropout,
+            "target_modules": list(self.target_modules), "bias": self.bias,
+            "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
+            "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None,
+            "rank_pattern": {}, "alpha_pattern": {}, "use_rslora": False, "use_dora": False, "revision": None,
+        }
+
+    @classmethod
+    def from_peft_dict(cls, d: Mapping[str, Any]) -> LoRAConfig:
+        """Parse PEFT's adapter_config.json contents; unknown keys are ignored, unsupported features rejected."""
+        if not isinstance(d, Mapping):
+            raise AdapterError(f"adapter config must be a JSON object, got {type(d).__name__}")
+        if d.get("peft_type", "LORA") != "LORA":
+            raise AdapterError(f"peft_type must be 'LORA', got {d.get('peft_type')!r}")
+        unsupported = {k: d[k] for k in _UNSUPPORTED if d.get(k)}
+        if unsupported:
+            raise AdapterError(f"unsupported PEFT options {unsupported}")
+        if isinstance(d.get("target_modules"), str):
+            raise AdapterError(f"target_modules must be a list of module names, got the string "
+                               f"{d['target_modules']!r} (regex/'all-linear' are not supported)")
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+
+
+class _AdapterDict(nn.ModuleDict):
+    """nn.ModuleDict keyed by adapter name: '.' (illegal in module names) is stored as ':', and names
+    that shadow ModuleDict attributes ('train', 'keys', ...) are allowed."""
+
+    def __getitem__(self, name: str) -> nn.Module:
+        return self._modules[name.replace(".", ":")]
+
+    def __setitem__(self, name: str, module: nn.Module) -> None:
+        self._modules[name.replace(".", ":")] = module
+
+    def __delitem__(self, name: str) -> None:
+        del self._modules[name.replace(".", ":")]
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name.replace(".", ":") in self._modules
+
+    def __iter__(self) -> Iterator[str]:
+        return (k.replace(":", ".") for k in self._modules)
+
+    def keys(self) -> list[str]:  # type: ignore[override]
+        return list(self)
+
+    def items(self) -> list[tuple[str, nn.Module]]:  # type: ignore[override]
+        return [(k.replace(":", "."), m) for k, m in self._modules.items()]
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Adapter selection shared by every LoRALinear: one `name` for all rows, or per-row `groups`."""
+
+    name: str | None = None
+    groups: dict[str | None, torch.Tensor] | None = None  # adapter (None = base) -> LongTensor of rows
+    rows: int = 0  # batch size the groups were built for
+
+    def names(self) -> set[str]:
+        return {n for n in (self.groups or {self.name: None}) if n is not None}
+
+
+def _linear_from(weight: torch.Tensor) -> nn.Linear:
+    """A bias-free nn.Linear holding `weight` (out, in), without running an init."""
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    layer.weight = nn.Parameter(weight)
+    return layer
+
+
+class LoRALinear(nn.Module):
+    """nn.Linear plus any number of named low-rank adapters: y = W x + b + sum_selected (alpha/r) * B(A(dropout(x)))."""
+
+    def __init__(self, base: nn.Linear) -> None:
+        super().__init__()
+        self.base = base
+        self.lora_A = _AdapterDict()  # name -> nn.Linear(in, r, bias=False)
+        self.lora_B = _AdapterDict()  # name -> nn.Linear(r, out, bias=False)
+        self.scaling: dict[str, float] = {}
+        self.configs: dict[str, LoRAConfig] = {}
+        self.merged: str | None = None  # adapter whose delta is currently added into base.weight
+        self.routing = Routing()
+        self.train(base.training)  # a wrapper made after model.eval() must not switch dropout on
+
+    def add(self, name: str, config: LoRAConfig, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Attach adapter `name` with copies of A (r, in) and B (out, r) on the base's device and dtype."""
+        w = self.base.weight
+        self.lora_A[name] = _linear_from(a.detach().to(w.device, w.dtype, copy=True))
+        self.lora_B[name] = _linear_from(b.detach().to(w.device, w.dtype, copy=True))
+        self.scaling[name] = config.scaling
+        self.configs[name] = config
+
+    def remove(self, name: str) -> None:
+        del self.lora_A[name], self.lora_B[name], self.scaling[name], self.configs[name]
+
+    def delta_weight(self, name: str) -> torch.Tensor:
+        """scale * B @ A as (out, in) in the base weight's dtype (the product is taken in >= float32)."""
+        a, b = self.lora_A[name].weight, self.lora_B[name].weight
+        dtype = torch.promote_types(a.dtype, torch.float32)
+        return (b.to(dtype) @ a.to(dtype) * self.scaling[name]).to(self.base.weight.dtype)
+
+    def _delta(self, name: str, x: torch.Tensor, dropout: float) -> torch.Tensor:
+        a = self.lora_A[name]
+        x = F.dropout(x.to(a.weight.dtype), dropout, self.training)
+        return self.lora_B[name](a(x)) * self.scaling[name]
+
+    def _terms(self, name: str | None) -> tuple[str | None, str | None]:
+        """(adapter to add, merged adapter to subtract) for rows selecting `name`."""
+        if name == self.merged:
+            return None, None
+        return (name if name in self.lora_A else None), self.merged
+
+    def _correction(self, terms: tuple[str | None, str | None], x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        add, sub = terms
+        # The merged delta sits in W and acts on the un-dropped input, so it is subtracted without dropout.
+        delta = self._delta(add, x, self.configs[add].lora_dropout) if add is not None else 0
+        return (delta - self._delta(sub, x, 0.0) if sub is not None else delta).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (rows, ..., in) -> (rows, ..., out); mixed routings index rows on dim 0."""
+        out = self.base(x)
+        routing = self.routing
+        if routing.groups is None:
+            terms = self._terms(routing.name)
+            return out if terms == (None, None) else out + self._correction(terms, x, out.dtype)
+        if x.shape[0] != routing.rows:
+            raise AdapterError(f"per-row adapters were set for {routing.rows} rows but the input has {x.shape[0]}")
+        for name, idx in routing.groups.items():
+            terms = self._terms(name)
+            if terms != (None, None):
+                idx = idx.to(x.device)
+                out.index_add_(0, idx, self._correction(terms, x.index_select(0, idx), out.dtype))
+        return out
+
+    def extra_repr(self) -> str:
+        return f"adapters={list(self.configs)}, merged={self.merged!r}"
+
+
+# ---- model-level helpers -------------------------------------------------------------------------
+
+
+def _check_name(name: Any) -> None:
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or name in (".", ".."):
+        raise AdapterError(f"invalid adapter name {name!r}: use 1-64 of [A-Za-z0-9_.-], not '.' or '..'")
+
+
+def _lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
+    return {path: m for path, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def _layers_with(model: nn.Module, name: str) -> dict[str, LoRALinear]:
+    layers = {path: m for path, m in _lora_layers(model).items() if name in m.configs}
+    if not layers:
+        raise AdapterError(f"unknown adapter {name!r}; resident adapters: {adapter_names(model)}")
+    return layers
+
+
+def _check_new_name(model: nn.Module, name: str) -> None:
+    _check_name(name)
+    if name in adapter_names(model):
+        raise AdapterError(f"adapter {name!r} already exists; delete_adapter it first")
+
+
+def _targets(model: nn.Module, targets: Sequence[str]) -> dict[str, nn.Module]:
+    """Plain nn.Linear or LoRALinear modules whose last name component is in `targets`."""
+    found: dict[str, nn.Module] = {}
+    for path, module in model.named_modules():
+        parent, _, leaf = path.rpartition(".")
+        if leaf not in targets:
+            continue
+        # A LoRALinear's own base is not a target; nn.MultiheadAttention reads out_proj.weight directly.
+        plain = isinstance(module, nn.Linear) and not isinstance(
+            model.get_submodule(parent), LoRALinear | nn.MultiheadAttention
+        )
+        if plain or isinstance(module, LoRALinear):
+            found[path] = module
+    return found
+
+
+def _set_module(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, leaf = path.rpartition(".")
+    setattr(model.get_submodule(parent), leaf, module)
+
+
+def _wrap(model: nn.Module, found: dict[str, nn.Module]) -> dict[str, LoRALinear]:
+    """Replace each plain Linear in `found` by a LoRALinear around it (same base parameters)."""
+    existing = list(_lora_layers(model).values())
+    current = existing[0].routing if existing else Routing()
+    layers = {}
+    for path, module in found.items():
+        if not isinstance(module, LoRALinear):
+            module = LoRALinear(module)
+            module.routing = current
+            _set_module(model, path, module)
+        layers[path] = module
+    return layers
+
+
+def _routing(adapters: AdapterSelection, layers: list[LoRALinear]) -> Routing:
+    """Validate a selection against the resident adapters and turn it into a Routing."""
+    if adapters is None:
+        return Routing()
+    rows = [adapters] if isinstance(adapters, str) else list(adapters)
+    wrong = [a for a in rows if a is not None and not isinstance(a, str)]
+    if not rows or wrong:
+        raise AdapterError(f"adapters must be None, a name, or a non-empty per-row list of names/None; "
+                           f"got {adapters!r}")
+    known = {n for layer in layers for n in layer.configs}
+    distinct = list(dict.fromkeys(rows))
+    unknown = [a for a in distinct if a is not None and a not in known]
+    if unknown:
+        raise AdapterError(f"unknown adapter(s) {unknown}; resident adapters: {sorted(known)}")
+    if len(distinct) == 1:
+        return Routing(name=distinct[0])
+    device = layers[0].base.weight.device
+    groups = {n: torch.tensor([i for i, a in enumerate(rows) if a == n], dtype=torch.long, device=device)
+              for n in distinct}
+    return Routing(groups=groups, rows=len(rows))
+
+
+# ---- public API ----------------------------------------------------------------------------------
+
+
+def add_adapter(model: nn.Module, name: str, config: LoRAConfig, seed: int | None = None) -> None:
+    """Wrap the target Linears of `model` (once) and attach a new adapter: A kaiming-uniform, B zero."""
+    _check_new_name(model, name)
+    found = _targets(model, config.target_modules)
+    if not found:
+        raise AdapterError(f"adapter {name!r}: the model has no nn.Linear named any of {list(config.target_modules)}")
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
+    for layer in _wrap(model, found).values():
+        # PEFT's init, drawn in float32 on CPU so a seed gives the same A on any device or dtype.
+        a = torch.empty(config.r, layer.base.in_features)
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+        layer.add(name, config, a, torch.zeros(layer.base.out_features, config.r))
+    logger.info("added LoRA adapter %r (r=%d) on %d modules", name, config.r, len(found))
+
+
+def delete_adapter(model: nn.Module, name: str) -> None:
+    """Remove adapter `name`; layers left with no adapter go back to their plain nn.Linear."""
+    layers = _layers_with(model, name)
+    if any(layer.merged == name for layer in layers.values()):
+        raise AdapterError(f"adapter {name!r} is merged; unmerge_adapter first")
+    routing = next(iter(layers.values())).routing
+    if name in routing.names():
+        raise AdapterError(f"adapter {name!r} is selected for the current forward passes; clear_adapters first")
+    for path, layer in layers.items():
+        layer.remove(name)
+        if not layer.configs:
+            _set_module(model, path, layer.base)
+    logger.info("deleted LoRA adapter %r", name)
+
+
+def adapter_names(model: nn.Module) -> list[str]:
+    """Resident adapters, sorted."""
+    return sorted({n for layer in _lora_layers(model).values() for n in layer.configs})
+
+
+def get_adapter_config(model: nn.Module, name: str) -> LoRAConfig:
+    return next(iter(_layers_with(model, name).values())).configs[name]
+
+
+def set_adapters(model: nn.Module, adapters: AdapterSelection) -> None:
+    """Select adapters for following forwards: None (base), a name (all rows), or one name/None per row."""
+    layers = list(_lora_layers(model).values())
+    routing = _routing(adapters, layers)
+    for layer in layers:
+        layer.routing = routing
+
+
+def clear_adapters(model: nn.Module) -> None:
+    """Back to base-only forwards."""
+    set_adapters(model, None)
+
+
+@contextmanager
+def use_adapters(model: nn.Module, adapters: AdapterSelection) -> Iterator[None]:
+    """set_adapters for the duration of the block, restoring the previous selection on exit."""
+    layers = list(_lora_layers(model).values())
+    routing = _routing(adapters, layers)
+    previous = [layer.routing for layer in layers]
+    for layer in layers:
+        layer.routing = routing
+    try:
+        yield
+    finally:
+        for layer, prev in zip(layers, previous, strict=True):
+            layer.routing = prev
+
+
+@torch.no_grad()
+def merge_adapter(model: nn.Module, name: str, safe: bool = True) -> None:
+    """W += scale * B @ A for adapter `name` (one merged adapter at a time; outputs do not change)."""
+    layers = _layers_with(model, name)
+    merged = {layer.merged for layer in _lora_layers(model).values()} - {None}
+    if merged:
+        raise AdapterError(f"cannot merge {name!r}: adapter {merged.pop()!r} is merged; unmerge_adapter first")
+    if safe:  # check every layer before touching any, so a failure leaves the model unmerged
+        for path, layer in layers.items():
+            if not torch.isfinite(layer.base.weight + layer.delta_weight(name)).all():
+                raise AdapterError(f"adapter {name!r}: merging into {path} gives non-finite weights; not merged")
+    for layer in layers.values():
+        layer.base.weight.add_(layer.delta_weight(name))
+        layer.merged = name
+    logger.info("merged LoRA adapter %r into %d modules", name, len(layers))
+
+
+@torch.no_grad()
+def unmerge_adapter(model: nn.Module) -> None:
+    """Subtract the merged adapter's delta from the base weights (no-op if nothing is merged)."""
+    for layer in _lora_layers(model).values():
+        if layer.merged is not None:
+            layer.base.weight.sub_(layer.delta_weight(layer.merged))
+            layer.merged = None
+
+
+def mark_only_lora_trainable(model: nn.Module, name: str) -> list[nn.Parameter]:
+    """Freeze every parameter except adapter `name`'s A and B, which are returned."""
+    layers = _layers_with(model, name)
+    if any(layer.merged == name for layer in layers.values()):
+        raise AdapterError(f"adapter {name!r} is merged; unmerge_adapter before training it")
+    model.requires_grad_(False)
+    params = [p for layer in layers.values() for p in (layer.lora_A[name].weight, layer.lora_B[name].weight)]
+    for p in params:
+        p.requires_grad_(True)
+    return params
+
+
+def lora_state_dict(model: nn.Module, name: str) -> dict[str, torch.Tensor]:
+    """Adapter `name`'s tensors under PEFT's keys: base_model.model.<linear path>.lora_{A,B}.weight."""
+    out = {}
+    for path, layer in _layers_with(model, name).items():
+        out[f"{KEY_PREFIX}{path}.lora_A.weight"] = layer.lora_A[name].weight.detach()
+        out[f"{KEY_PREFIX}{path}.lora_B.weight"] = layer.lora_B[name].weight.detach()
+    return out
+
+
+def save_adapter(
+    model: nn.Module, name: str, directory: str | os.PathLike, base_model_name_or_path: str | None = None
+) -> None:
+    """Write PEFT's layout into `directory`: built in a temp dir beside it, then renamed into place."""
+    config = get_adapter_config(model, name)
+    if base_model_name_or_path is not None:
+        config = replace(config, base_model_name_or_path=base_model_name_or_path)
+    tensors = {k: v.cpu().contiguous() for k, v in lora_state_dict(model, name).items()}
+    target = Path(directory)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        (tmp / CONFIG_FILE).write_text(json.dumps(config.to_peft_dict(), indent=2) + "\n")
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        if target.exists():  # a directory cannot be renamed over a non-empty one: swap via a side name
+            old = tmp.with_name(tmp.name + ".old")
+            os.replace(target, old)
+            os.replace(tmp, target)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("saved LoRA adapter %r to %s", name, target)
+
+
+def _read_config(path: Path, name: str) -> LoRAConfig:
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise AdapterError(f"adapter {name!r}: cannot read {path}: {e}") from e
+    try:
+        return LoRAConfig.from_peft_dict(raw)
+    except AdapterError as e:
+        raise AdapterError(f"adapter {name!r}: {path}: {e}") from None
+
+
+def _read_tensors(path: Path, name: str, device: str | torch.device | None) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path), device=str(device or "cpu"))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise AdapterError(f"adapter {name!r}: {path} is not a readable safetensors file: {e}") from e
+
+
+def _validate(
+    where: str, config: LoRAConfig, found: dict[str, nn.Module], tensors: dict[str, torch.Tensor]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Check loaded tensors against the model's target Linears; returns module path -> (A, B)."""
+    if not found:
+        raise AdapterError(f"{where}: the model has no nn.Linear named any of {list(config.target_modules)}")
+    for key in tensors:
+        match = _KEY_RE.fullmatch(key)
+        if match is None:
+            raise AdapterError(f"{where}: unexpected tensor {key!r}; expected {KEY_PREFIX}<module>.lora_A/B.weight")
+        if match[1] not in found:
+            raise AdapterError(f"{where}: tensor {key!r} names module {match[1]!r}, not a target nn.Linear "
+                               f"of this model (targets: {list(config.target_modules)})")
+    weights = {}
+    for path, module in found.items():
+        base = module.base if isinstance(module, LoRALinear) else module
+        expected = {"A": (config.r, base.in_features), "B": (base.out_features, config.r)}
+        pair = []
+        for kind, shape in expected.items():
+            key = f"{KEY_PREFIX}{path}.lora_{kind}.weight"
+            t = tensors.get(key)
+            if t is None:
+                raise AdapterError(f"{where}: missing tensor {key!r}")
+            if tuple(t.shape) != shape:
+                raise AdapterError(f"{where}: tensor {key!r} has shape {tuple(t.shape)}, expected {shape} "
+                                   f"(r={config.r}, base in={base.in_features}, out={base.out_features})")
+            if not t.is_floating_point():
+                raise AdapterError(f"{where}: tensor {key!r} has dtype {t.dtype}, expected a floating dtype")
+            if not torch.isfinite(t).all():
+                raise AdapterError(f"{where}: tensor {key!r} has non-finite values")
+            pair.append(t)
+        weights[path] = (pair[0], pair[1])
+    return weights
+
+
+def load_adapter(
+    model: nn.Module, directory: str | os.PathLike, name: str, device: str | torch.device | None = None
+) -> LoRAConfig:
+    """Load a PEFT-layout adapter as `name`, fully validated before the model is touched.
+
+    Only adapter_config.json and adapter_model.safetensors are read (never pickle). `device` is where
+    the file is read to (default CPU); the adapter then lives on each base layer's device and dtype.
+    """
+    _check_new_name(model, name)
+    directory = Path(directory)
+    weights_path = directory / WEIGHTS_FILE
+    if not weights_path.is_file():
+        if (directory / PICKLE_FILE).exists():
+            raise AdapterError(f"adapter {name!r}: {directory} has only {PICKLE_FILE}; pickle files are not "
+                               f"loaded, convert it to {WEIGHTS_FILE}")
+        raise AdapterError(f"adapter {name!r}: {weights_path} not found")
+    config_path = directory / CONFIG_FILE
+    config = _read_config(config_path, name)
+    tensors = _read_tensors(weights_path, name, device)
+    found = _targets(model, config.target_modules)
+    weights = _validate(f"adapter {name!r} ({weights_path})", config, found, tensors)
+    layers = _wrap(model, found)
+    for path, (a, b) in weights.items():
+        layers[path].add(name, config, a, b)
+    logger.info("loaded LoRA adapter %r (r=%d) from %s", name, config.r, directory)
+    return config

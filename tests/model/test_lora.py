@@ -1,0 +1,491 @@
+"""LoRA equivalence tests on a tiny float64 model named like the real ones (layers.N.self_attn.q_proj, ...)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from model.lora import (
+    AdapterError,
+    LoRAConfig,
+    LoRALinear,
+    adapter_names,
+    add_adapter,
+    clear_adapters,
+    delete_adapter,
+    get_adapter_config,
+    load_adapter,
+    lora_state_dict,
+    mark_only_lora_trainable,
+    merge_adapter,
+    save_adapter,
+    set_adapters,
+    unmerge_adapter,
+    use_adapters,
+)
+
+D = 8
+ATTN = LoRAConfig(r=4, lora_alpha=12.0)  # scaling 3
+MIXED = LoRAConfig(r=2, lora_alpha=2.0, target_modules=("v_proj", "fc1", "fc2"))  # scaling 1
+ROWS = ["a", None, "b", "a"]
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(D, D) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if x.dim() == 3:  # (B, T, D): softmax attention over T
+            h = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(D), dim=-1) @ v
+        else:  # (B, D): one token per row, as in a decode step
+            h = torch.tanh(q * k) * v
+        return self.out_proj(h)
+
+
+class FFN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.self_attn, self.ffn = Attention(), FFN()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(x)
+        return x + self.ffn(x)
+
+
+class Toy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(D, 5)  # never targeted
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def toy() -> Toy:
+    torch.manual_seed(0)
+    return Toy().double().eval()
+
+
+def randomize(model: nn.Module, name: str, seed: int) -> None:
+    """Nonzero B (and fresh A) for adapter `name`, so it actually changes outputs."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, LoRALinear) and name in m.lora_A:
+                for w in (m.lora_A[name].weight, m.lora_B[name].weight):
+                    w.copy_(torch.randn(w.shape, generator=g, dtype=w.dtype) * 0.3)
+
+
+def with_adapters(*names: str) -> Toy:
+    model = toy()
+    for i, name in enumerate(names):
+        add_adapter(model, name, MIXED if name == "b" else ATTN, seed=i)
+        randomize(model, name, seed=100 + i)
+    return model
+
+
+def run(model: nn.Module, x: torch.Tensor, adapters) -> torch.Tensor:
+    with torch.no_grad(), use_adapters(model, adapters):
+        return model(x)
+
+
+def inputs(dim: int, rows: int = 4) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    shape = (rows, D) if dim == 2 else (rows, 3, D)
+    return torch.randn(shape, generator=g, dtype=torch.float64)
+
+
+def snapshot(model: nn.Module) -> tuple:
+    return (
+        [(n, type(m)) for n, m in model.named_modules()],
+        {k: v.clone() for k, v in model.state_dict().items()},
+        adapter_names(model),
+    )
+
+
+def assert_unchanged(model: nn.Module, snap: tuple) -> None:
+    modules, state, names = snapshot(model)
+    assert modules == snap[0] and names == snap[2]
+    assert state.keys() == snap[1].keys()
+    assert all(torch.equal(state[k], snap[1][k]) for k in state)
+
+
+# ---- forward -------------------------------------------------------------------------------------
+
+
+def test_zero_b_equals_base_exactly_and_keeps_base_parameters() -> None:
+    model, base = toy(), toy()
+    q_proj = model.layers[0].self_attn.q_proj
+    add_adapter(model, "a", ATTN, seed=0)
+    wrapped = model.layers[0].self_attn.q_proj
+    assert isinstance(wrapped, LoRALinear) and wrapped.base is q_proj
+    assert isinstance(model.head, nn.Linear) and not isinstance(model.head, LoRALinear)
+    assert isinstance(model.layers[0].ffn.fc1, nn.Linear)  # not in ATTN's targets
+    assert wrapped.lora_A["a"].weight.dtype == torch.float64 and not wrapped.lora_B["a"].weight.any()
+    for dim in (2, 3):
+        x = inputs(dim)
+        assert torch.equal(run(model, x, "a"), base(x))
+        assert torch.equal(run(model, x, None), base(x))
+
+
+def test_forward_matches_naive_reference() -> None:
+    model, base = with_adapters("a"), toy()
+    layer = model.layers[0].self_attn.q_proj
+    x = inputs(3)
+    W, b = layer.base.weight, layer.base.bias
+    A, B = layer.lora_A["a"].weight, layer.lora_B["a"].weight
+    with torch.no_grad(), use_adapters(model, "a"):
+        naive = x @ W.T + b + 3.0 * (x @ A.T) @ B.T
+        torch.testing.assert_close(layer(x), naive, rtol=0, atol=1e-12)
+    # Whole model: the same weights folded into a plain copy by hand.
+    with torch.no_grad():
+        for path, m in model.named_modules():
+            if isinstance(m, LoRALinear):
+                dense = base.get_submodule(path)
+                dense.weight += m.scaling["a"] * m.lora_B["a"].weight @ m.lora_A["a"].weight
+    for dim in (2, 3):
+        torch.testing.assert_close(run(model, inputs(dim), "a"), base(inputs(dim)), rtol=0, atol=1e-10)
+    assert not torch.allclose(run(model, x, "a"), run(model, x, None))
+
+
+def test_seed_makes_init_reproducible() -> None:
+    one, two, three = toy(), toy(), toy()
+    for model, seed in ((one, 1), (two, 1), (three, 2)):
+        add_adapter(model, "a", ATTN, seed=seed)
+    sd1, sd2, sd3 = (lora_state_dict(m, "a") for m in (one, two, three))
+    assert all(torch.equal(sd1[k], sd2[k]) for k in sd1)
+    assert not all(torch.equal(sd1[k], sd3[k]) for k in sd1)
+
+
+@pytest.mark.parametrize("dim", [2, 3])
+def test_mixed_batch_equals_each_row_alone(dim: int) -> None:
+    model = with_adapters("a", "b")  # "b" targets v_proj/fc1/fc2, so modules mix adapters and gaps
+    x = inputs(dim)
+    mixed = run(model, x, ROWS)
+    alone = torch.cat([run(model, x[i : i + 1], name) for i, name in enumerate(ROWS)])
+    torch.testing.assert_close(mixed, alone, rtol=0, atol=1e-12)
+    assert not torch.allclose(mixed[0], run(model, x, None)[0])
+    set_adapters(model, ROWS)  # the non-context form the engine uses per decode step
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), alone, rtol=0, atol=1e-12)
+        with pytest.raises(AdapterError, match="4 rows but the input has 3"):
+            model(x[:3])
+    clear_adapters(model)
+    assert torch.equal(run(model, x, None), model(x).detach())
+
+
+def test_uniform_sequence_takes_the_single_adapter_path() -> None:
+    model = with_adapters("a")
+    x = inputs(3)
+    assert torch.equal(run(model, x, ["a"] * 4), run(model, x, "a"))
+    assert torch.equal(run(model, x, [None] * 4), run(model, x, None))
+
+
+def test_use_adapters_validates_nests_and_restores() -> None:
+    model = with_adapters("a", "b")
+    x = inputs(2)
+    expected = {sel: run(model, x, sel) for sel in ("a", "b", None)}
+    for bad, match in ((["a", "zzz"], "unknown adapter"), ("zzz", "unknown adapter"), ([], "non-empty"),
+                       (["a", 3], "non-empty")):
+        with pytest.raises(AdapterError, match=match), use_adapters(model, bad):
+            pytest.fail("body must not run")
+    with torch.no_grad(), use_adapters(model, "a"):
+        assert torch.equal(model(x), expected["a"])
+        with use_adapters(model, "b"):
+            assert torch.equal(model(x), expected["b"])
+        with pytest.raises(RuntimeError), use_adapters(model, None):
+            raise RuntimeError
+        assert torch.equal(model(x), expected["a"])
+    assert torch.equal(run(model, x, None), expected[None])
+    with torch.no_grad():
+        assert torch.equal(model(x), expected[None])
+
+
+def test_dropout_applies_only_in_training() -> None:
+    model = toy()
+    add_adapter(model, "d", LoRAConfig(r=4, lora_dropout=0.5))
+    randomize(model, "d", 0)
+    x = inputs(3)
+    reference = run(model, x, "d")
+    model.train()
+    assert not torch.allclose(run(model, x, "d"), reference)
+    model.eval()
+    assert torch.equal(run(model, x, "d"), reference)
+
+
+# ---- adapter management ----------------------------------------------------------------------------
+
+
+def test_several_adapters_delete_one_others_unaffected() -> None:
+    model = with_adapters("a", "b", "c")
+    x = inputs(3)
+    before = {n: run(model, x, n) for n in ("a", "c", None)}
+    assert adapter_names(model) == ["a", "b", "c"]
+    with use_adapters(model, ["a", "b", None, None]), pytest.raises(AdapterError, match="selected"):
+        delete_adapter(model, "b")
+    delete_adapter(model, "b")
+    assert adapter_names(model) == ["a", "c"]
+    assert all(torch.equal(run(model, x, n), before[n]) for n in before)
+    with pytest.raises(AdapterError, match="unknown adapter 'b'"):
+        delete_adapter(model, "b")
+    delete_adapter(model, "a")
+    delete_adapter(model, "c")  # last adapter gone: plain Linears and the original state_dict keys again
+    assert not any(isinstance(m, LoRALinear) for m in model.modules())
+    assert model.state_dict().keys() == toy().state_dict().keys()
+    assert torch.equal(model(x), before[None])
+
+
+def test_add_adapter_rejects_bad_names_duplicates_and_no_match() -> None:
+    model = with_adapters("a")
+    snap = snapshot(model)
+    for name in ("../x", ".", "..", "", "a/b", "x" * 65, "sp ace", 3):
+        with pytest.raises(AdapterError, match="invalid adapter name"):
+            add_adapter(model, name, ATTN)
+    with pytest.raises(AdapterError, match="already exists"):
+        add_adapter(model, "a", ATTN)
+    with pytest.raises(AdapterError, match="no nn.Linear named"):
+        add_adapter(model, "z", LoRAConfig(target_modules=("nope",)))
+    assert_unchanged(model, snap)
+
+
+def test_names_with_dots_and_module_dict_attributes_work() -> None:
+    model = with_adapters("a")
+    for name in ("v1.2", "train"):
+        add_adapter(model, name, ATTN)
+        randomize(model, name, 5)
+    assert adapter_names(model) == ["a", "train", "v1.2"]
+    lora_a = model.layers[0].self_attn.q_proj.lora_A
+    assert list(lora_a.keys()) == list(lora_a) == [k for k, _ in lora_a.items()] == ["a", "v1.2", "train"]
+    x = inputs(2, rows=3)
+    mixed = run(model, x, ["v1.2", "train", "a"])
+    alone = torch.cat([run(model, x[i : i + 1], n) for i, n in enumerate(["v1.2", "train", "a"])])
+    torch.testing.assert_close(mixed, alone, rtol=0, atol=1e-12)
+    assert "base_model.model.layers.0.self_attn.q_proj.lora_A.weight" in lora_state_dict(model, "v1.2")
+
+
+def test_multihead_attention_out_proj_is_not_wrapped() -> None:
+    model = nn.Sequential(nn.MultiheadAttention(D, 2))
+    with pytest.raises(AdapterError, match="no nn.Linear named"):
+        add_adapter(model, "a", LoRAConfig(target_modules=("out_proj",)))
+
+
+# ---- merge -----------------------------------------------------------------------------------------
+
+
+def test_merge_equals_unmerged_for_every_selection_and_unmerge_restores() -> None:
+    model = with_adapters("a", "b")
+    x = inputs(3)
+    selections = ["a", "b", None, ROWS]
+    before = [run(model, x, s) for s in selections]
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    params = dict(model.named_parameters())
+    merge_adapter(model, "a")
+    q_proj = model.layers[0].self_attn.q_proj
+    assert q_proj.merged == "a"
+    assert not torch.equal(q_proj.base.weight, weights["layers.0.self_attn.q_proj.base.weight"])
+    assert model.layers[0].ffn.fc1.merged is None  # "a" does not target fc1
+    for s, expected in zip(selections, before, strict=True):
+        torch.testing.assert_close(run(model, x, s), expected, rtol=0, atol=1e-10)
+    unmerge_adapter(model)
+    unmerge_adapter(model)  # nothing merged: no-op
+    assert dict(model.named_parameters()) == params  # same Parameter objects
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p, weights[n], rtol=0, atol=1e-12)
+    for s, expected in zip(selections, before, strict=True):
+        torch.testing.assert_close(run(model, x, s), expected, rtol=0, atol=1e-12)
+
+
+def test_merge_guards() -> None:
+    model = with_adapters("a", "b")
+    with torch.no_grad():
+        model.layers[1].self_attn.v_proj.lora_B["b"].weight[0, 0] = float("inf")
+    snap = snapshot(model)
+    with pytest.raises(AdapterError, match="layers.1.self_attn.v_proj gives non-finite"):
+        merge_adapter(model, "b")
+    assert_unchanged(model, snap)
+    assert all(m.merged is None for m in model.modules() if isinstance(m, LoRALinear))
+    merge_adapter(model, "a")
+    with pytest.raises(AdapterError, match="'a' is merged"):
+        merge_adapter(model, "b", safe=False)
+    with pytest.raises(AdapterError, match="merged"):
+        delete_adapter(model, "a")
+    with pytest.raises(AdapterError, match="merged"):
+        mark_only_lora_trainable(model, "a")
+    with pytest.raises(AdapterError, match="unknown adapter"):
+        merge_adapter(model, "zzz")
+
+
+# ---- training --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("adapters", ["a", ["a", None, "b", "a"]])
+def test_mark_only_lora_trainable_gives_grads_only_to_that_adapter(adapters) -> None:
+    model = with_adapters("a", "b")
+    trainable = mark_only_lora_trainable(model, "a")
+    assert len(trainable) == 2 * 4 * 2  # A and B on 4 projections in 2 layers
+    with use_adapters(model, adapters):
+        model(inputs(3)).pow(2).sum().backward()
+    ids = {id(p) for p in trainable}
+    for name, p in model.named_parameters():
+        if id(p) in ids:
+            assert p.requires_grad and p.grad is not None and p.grad.abs().sum() > 0, name
+        else:
+            assert not p.requires_grad and p.grad is None, name
+
+
+# ---- config ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"r": 0}, {"r": 2.0}, {"r": True}, {"lora_alpha": 0}, {"lora_alpha": float("nan")}, {"lora_dropout": 1.0},
+     {"target_modules": ()}, {"target_modules": "q_proj"}, {"target_modules": ("q_proj", "")}, {"bias": "all"},
+     {"task_type": 3}],
+)
+def test_config_validation(kwargs: dict) -> None:
+    with pytest.raises(AdapterError, match=next(iter(kwargs))):
+        LoRAConfig(**kwargs)
+
+
+def test_peft_dict_round_trip() -> None:
+    cfg = LoRAConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    assert cfg.target_modules == ("q_proj", "v_proj") and cfg.scaling == 2.0
+    d = cfg.to_peft_dict()
+    assert d["peft_type"] == "LORA" and d["target_modules"] == ["q_proj", "v_proj"] and not d["fan_in_fan_out"]
+    assert LoRAConfig.from_peft_dict({**d, "some_future_key": 1}) == cfg
+    assert json.loads(json.dumps(d)) == d
+    for bad, match in (({"r": "8"}, "r="), ({"peft_type": "IA3"}, "peft_type"), ({"use_dora": True}, "unsupported"),
+                       ({"target_modules": "all-linear"}, "list of module names"), ({"lora_alpha": None}, "alpha")):
+        with pytest.raises(AdapterError, match=match):
+            LoRAConfig.from_peft_dict({**d, **bad})
+    with pytest.raises(AdapterError, match="JSON object"):
+        LoRAConfig.from_peft_dict([1])
+
+
+# ---- save / load -----------------------------------------------------------------------------------
+
+
+def test_save_load_round_trip(tmp_path: Path) -> None:
+    model = with_adapters("a", "b")
+    save_adapter(model, "b", tmp_path / "b", base_model_name_or_path="toy")
+    save_adapter(model, "b", tmp_path / "b", base_model_name_or_path="toy")  # overwrite in place
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    config = json.loads((tmp_path / "b" / "adapter_config.json").read_text())
+    for key in ("peft_type", "r", "lora_alpha", "lora_dropout", "target_modules", "bias", "task_type",
+                "base_model_name_or_path", "fan_in_fan_out", "inference_mode", "modules_to_save"):
+        assert key in config, key
+    assert config["base_model_name_or_path"] == "toy" and config["r"] == 2
+    saved = load_file(tmp_path / "b" / "adapter_model.safetensors")
+    assert "base_model.model.layers.1.ffn.fc2.lora_B.weight" in saved and len(saved) == 2 * 6
+
+    fresh = with_adapters("a")
+    loaded = load_adapter(fresh, tmp_path / "b", "b2")
+    assert loaded == get_adapter_config(fresh, "b2") and loaded.base_model_name_or_path == "toy"
+    original, reloaded = lora_state_dict(model, "b"), lora_state_dict(fresh, "b2")
+    assert original.keys() == reloaded.keys() == saved.keys()
+    assert all(torch.equal(original[k], reloaded[k]) for k in original)
+    x = inputs(3)
+    assert torch.equal(run(fresh, x, "b2"), run(model, x, "b"))
+    assert torch.equal(run(fresh, x, ["a", None, "b2", "a"]), run(model, x, ROWS))
+
+    single = toy().float()  # loads into the model's dtype
+    load_adapter(single, tmp_path / "b", "b")
+    assert single.layers[0].ffn.fc1.lora_A["b"].weight.dtype == torch.float32
+
+
+def _edit_tensors(directory: Path, edit) -> None:
+    path = directory / "adapter_model.safetensors"
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path)
+
+
+def _edit_config(directory: Path, **changes) -> None:
+    path = directory / "adapter_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+A0 = "base_model.model.layers.0.self_attn.q_proj.lora_A.weight"
+B1 = "base_model.model.layers.1.self_attn.v_proj.lora_B.weight"
+
+
+def _truncate(d: Path) -> None:
+    path = d / "adapter_model.safetensors"
+    path.write_bytes(path.read_bytes()[:-40])
+
+
+def _pickle_only(d: Path) -> None:
+    (d / "adapter_model.safetensors").unlink()
+    (d / "adapter_model.bin").write_bytes(b"\x80\x04not really a pickle")
+
+
+CORRUPTIONS = {
+    "wrong_rank": (lambda d: _edit_config(d, r=2), "shape \\(4, 8\\), expected \\(2, 8\\)"),
+    "wrong_shape": (lambda d: _edit_tensors(d, lambda t: t.update({A0: torch.zeros(4, 9)})), "expected \\(4, 8\\)"),
+    "unknown_module": (lambda d: _edit_tensors(d, lambda t: t.update({A0.replace("q_proj", "fc1"): t[A0].clone()})),
+                       "not a target nn.Linear"),
+    "unknown_layer": (lambda d: _edit_tensors(d, lambda t: t.update({A0.replace(".0.", ".9."): t[A0].clone()})),
+                      "not a target nn.Linear"),
+    "bad_key": (lambda d: _edit_tensors(d, lambda t: t.update({"lora_A": t[A0].clone()})), "unexpected tensor"),
+    "missing_tensor": (lambda d: _edit_tensors(d, lambda t: t.pop(B1)), "missing tensor.*v_proj.lora_B"),
+    "nan": (lambda d: _edit_tensors(d, lambda t: t[B1].__setitem__((0, 0), float("nan"))), "non-finite"),
+    "int_dtype": (lambda d: _edit_tensors(d, lambda t: t.update({B1: t[B1].long()})), "dtype torch.int64"),
+    "truncated": (_truncate, "adapter_model.safetensors is not a readable safetensors file"),
+    "pickle_only": (_pickle_only, "pickle files are not loaded"),
+    "bad_json": (lambda d: (d / "adapter_config.json").write_text("{"), "cannot read.*adapter_config.json"),
+    "no_config": (lambda d: (d / "adapter_config.json").unlink(), "cannot read.*adapter_config.json"),
+    "unsupported": (lambda d: _edit_config(d, use_dora=True), "unsupported PEFT options"),
+    "bad_config_type": (lambda d: _edit_config(d, lora_alpha="16"), "lora_alpha='16'"),
+    "no_targets": (lambda d: _edit_config(d, target_modules=["nope"]), "no nn.Linear named"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CORRUPTIONS))
+def test_load_rejects_mismatched_adapters_and_leaves_model_unchanged(tmp_path: Path, case: str) -> None:
+    source = with_adapters("a")
+    save_adapter(source, "a", tmp_path / "a")
+    corrupt, match = CORRUPTIONS[case]
+    corrupt(tmp_path / "a")
+    model = with_adapters("keep")
+    snap = snapshot(model)
+    with pytest.raises(AdapterError, match=match) as err:
+        load_adapter(model, tmp_path / "a", "new")
+    assert "'new'" in str(err.value)
+    assert_unchanged(model, snap)
+
+
+def test_load_rejects_bad_or_taken_names(tmp_path: Path) -> None:
+    source = with_adapters("a")
+    save_adapter(source, "a", tmp_path / "a")
+    model = toy()
+    snap = snapshot(model)
+    with pytest.raises(AdapterError, match="invalid adapter name '../x'"):
+        load_adapter(model, tmp_path / "a", "../x")
+    with pytest.raises(AdapterError, match="not found"):
+        load_adapter(model, tmp_path / "missing", "m")
+    assert_unchanged(model, snap)
+    load_adapter(model, tmp_path / "a", "a")
+    with pytest.raises(AdapterError, match="already exists"):
+        load_adapter(model, tmp_path / "a", "a")
