@@ -1,0 +1,478 @@
+"""Greedy, beam and sampling decoding as model-agnostic search objects.
+
+A search owns some rows of a model batch. `advance(logits)` consumes the last-position logits of
+those rows and returns the token every surviving row feeds next and the current row it continues
+from, so one implementation serves offline generation (`run_search`) and an engine that
+concatenates the rows of many searches into one model step. Finished rows leave at once.
+
+Conventions:
+- `Hypothesis.tokens` holds generated tokens only. The EOS or stop token that ended a sequence is
+  left out, but its log-prob is part of `logprob`/`score` and it counts in the GNMT length. Tokens
+  that made `stop_fn` fire are kept (the caller trims the stop string from the text).
+- With a seed, input i of a sampling search draws from its own generator seeded `seed + i`, and
+  draws noise for all its samples every step, so an input samples the same whatever else shares
+  the batch. The engine builds one search per request, so a seeded request is reproducible.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+StopFn = Callable[[int, list[int]], bool]
+NEG_INF = float("-inf")
+# Finish codes of independent rows (0 = running): EOS, stop token, stop_fn, length.
+_EOS, _STOP_TOKEN, _STOP_FN, _LENGTH = 1, 2, 3, 4
+_REASON = {_EOS: "eos", _STOP_TOKEN: "stop", _STOP_FN: "stop", _LENGTH: "length"}
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """How to decode; validated on construction."""
+
+    strategy: Literal["greedy", "beam", "sample"] = "greedy"
+    max_new_tokens: int = 64
+    min_new_tokens: int = 0  # EOS/stop tokens (and stop_fn) are disabled until this many are generated
+    num_beams: int = 4  # beam only
+    length_penalty: float = 1.0  # GNMT: score = sum_logprob / (((5 + len) / 6) ** length_penalty)
+    early_stopping: bool = True  # beam: stop at num_beams finished, else when no live beam can beat them
+    num_return_sequences: int = 1  # beam: n-best (<= num_beams); sample: samples per input
+    temperature: float = 1.0  # sample only
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # nucleus, 1.0 = off
+    seed: int | None = None  # sample: per-input generators seeded seed + input index
+    eos_token_id: int = 2
+    stop_token_ids: tuple[int, ...] = ()  # end a sequence with finish_reason "stop"; not kept in tokens
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _require(self.strategy in ("greedy", "beam", "sample"),
+                 f"strategy must be 'greedy', 'beam' or 'sample', got {self.strategy!r}")
+        for name in ("max_new_tokens", "min_new_tokens", "num_beams", "num_return_sequences", "top_k"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and not isinstance(value, bool),
+                     f"{name} must be an int, got {value!r}")
+        _require(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        _require(0 <= self.min_new_tokens <= self.max_new_tokens,
+                 f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
+                 f"got {self.min_new_tokens}")
+        _require(self.num_beams >= 1, f"num_beams must be >= 1, got {self.num_beams}")
+        _require(self.num_return_sequences >= 1,
+                 f"num_return_sequences must be >= 1, got {self.num_return_sequences}")
+        if self.strategy == "beam":
+            _require(self.num_return_sequences <= self.num_beams,
+                     f"num_return_sequences must be <= num_beams={self.num_beams} for beam search, "
+                     f"got {self.num_return_sequences}")
+        if self.strategy == "greedy":
+            _require(self.num_return_sequences == 1,
+                     f"num_return_sequences must be 1 for greedy, got {self.num_return_sequences}")
+        _require(math.isfinite(self.length_penalty),
+                 f"length_penalty must be finite, got {self.length_penalty}")
+        _require(math.isfinite(self.temperature) and self.temperature > 0,
+                 f"temperature must be finite and > 0, got {self.temperature}")
+        _require(self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}")
+        _require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        _require(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+                 f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
+        _require(isinstance(self.eos_token_id, int) and self.eos_token_id >= 0,
+                 f"eos_token_id must be an int >= 0, got {self.eos_token_id!r}")
+        _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                 f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
+
+    @property
+    def finish_token_ids(self) -> tuple[int, ...]:
+        """EOS followed by the stop tokens."""
+        return (self.eos_token_id, *self.stop_token_ids)
+
+
+@dataclass
+class Hypothesis:
+    """One finished sequence."""
+
+    tokens: list[int]  # generated tokens only: no prompt, no EOS/stop token
+    score: float  # greedy/sample: == logprob; beam: logprob / GNMT length penalty
+    logprob: float  # sum of log_softmax(raw logits) of the chosen tokens, terminator included
+    finish_reason: str  # "eos" | "stop" | "length"
+
+
+# ---- logits processing: pure functions over (rows, V) tensors ---------------------------------
+
+def log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """log_softmax over the vocabulary, in float32 whatever the logits' dtype."""
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def mask_tokens(scores: torch.Tensor, token_ids: tuple[int, ...]) -> torch.Tensor:
+    """Copy of `scores` (rows, V) with the columns `token_ids` set to -inf."""
+    if not token_ids:
+        return scores
+    scores = scores.clone()
+    scores[:, list(token_ids)] = NEG_INF
+    return scores
+
+
+def min_length_mask(scores: torch.Tensor, step: int, config: GenerationConfig) -> torch.Tensor:
+    """Forbid EOS and stop tokens while fewer than `min_new_tokens` tokens are generated."""
+    return mask_tokens(scores, config.finish_token_ids) if step < config.min_new_tokens else scores
+
+
+def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep the k highest logits per row (ties with the k-th survive); k = 0 keeps all."""
+    if k <= 0 or k >= logits.size(-1):
+        return logits
+    kth = torch.topk(logits, k, dim=-1).values[:, -1:]
+    return logits.masked_fill(logits < kth, NEG_INF)
+
+
+def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches p (at least one)."""
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs  # 0 for the most likely token
+    drop_sorted = mass_before >= p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, NEG_INF)
+
+
+def sampling_logits(logits: torch.Tensor, step: int, config: GenerationConfig) -> torch.Tensor:
+    """Min-length mask, temperature, top-k and top-p, in that order, in float32."""
+    scores = min_length_mask(logits.float(), step, config) / config.temperature
+    return apply_top_p(apply_top_k(scores, config.top_k), config.top_p)
+
+
+def gumbel_argmax(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Sample one token per row from softmax(logits) given uniforms in [0, 1) of the same shape."""
+    return torch.argmax(logits - torch.log(-torch.log(uniforms)), dim=-1)
+
+
+def length_penalty(length: int, alpha: float) -> float:
+    """GNMT length penalty ((5 + length) / 6) ** alpha."""
+    return ((5 + length) / 6) ** alpha
+
+
+# ---- searches ---------------------------------------------------------------------------------
+
+class Search(ABC):
+    """Decoding state for a group of input sequences; vectorised over its own rows."""
+
+    def __init__(self, config: GenerationConfig, num_inputs: int, stop_fn: StopFn | None = None):
+        _require(num_inputs >= 1, f"num_inputs must be >= 1, got {num_inputs}")
+        self.config = config
+        self.num_inputs = num_inputs
+        self.stop_fn = stop_fn
+        self.step = 0  # tokens generated so far by every live row
+
+    @property
+    @abstractmethod
+    def num_rows(self) -> int:
+        """Rows this search occupies in the model batch right now."""
+
+    @property
+    @abstractmethod
+    def done(self) -> bool:
+        """True once every input is finished (no rows left)."""
+
+    @abstractmethod
+    def advance(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Consume the rows' last-position logits (num_rows, V); return (next_tokens, parent_rows), both (R',).
+
+        parent_rows index the current rows; R' is the new row count (finished rows are left out).
+        The first call sees one row per input and may expand it (beams, samples); once done it
+        returns empty tensors.
+        """
+
+    @abstractmethod
+    def results(self) -> list[list[Hypothesis]]:
+        """Finished hypotheses per input, once done."""
+
+    def _check_logits(self, logits: torch.Tensor) -> None:
+        _require(logits.dim() == 2 and logits.size(0) == self.num_rows,
+                 f"logits must be (num_rows={self.num_rows}, V), got {tuple(logits.shape)}")
+        _require(max(self.config.finish_token_ids) < logits.size(1),
+                 f"eos/stop token ids {self.config.finish_token_ids} out of vocabulary {logits.size(1)}")
+
+    def _check_done(self) -> None:
+        if not self.done:
+            raise RuntimeError("results() called before the search is done")
+
+
+def _empty(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    empty = torch.empty(0, dtype=torch.long, device=device)
+    return empty, empty.clone()
+
+
+class _IndependentSearch(Search):
+    """Rows that never interact: `samples` rows per input, each ends on its own and then leaves."""
+
+    def __init__(self, config: GenerationConfig, num_inputs: int, stop_fn: StopFn | None, samples: int):
+        super().__init__(config, num_inputs, stop_fn)
+        self.samples = samples
+        self._slots: torch.Tensor | None = None  # (R,) input * samples + sample index of each live row
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_inputs if self._slots is None else self._slots.numel()
+
+    @property
+    def done(self) -> bool:
+        return self._slots is not None and self._slots.numel() == 0
+
+    @abstractmethod
+    def _choose(self, logits: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+        """Next token (R,) of every live row."""
+
+    def _start(self, device: torch.device) -> None:
+        n = self.num_inputs * self.samples
+        self._slots = torch.arange(n, device=device)
+        self._tokens = torch.zeros(n, self.config.max_new_tokens, dtype=torch.long, device=device)
+        self._logprob = torch.zeros(n, device=device)
+        self._reason = torch.zeros(n, dtype=torch.long, device=device)  # finish code per slot
+        self._length = torch.zeros(n, dtype=torch.long, device=device)  # tokens kept per slot
+        self._stop_ids = torch.tensor(self.config.stop_token_ids, dtype=torch.long, device=device)
+
+    def advance(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self._check_logits(logits)
+        if self.done:
+            return _empty(logits.device)
+        if self._slots is None:  # one row per input -> `samples` rows per input
+            self._start(logits.device)
+            parents = torch.arange(self.num_inputs, device=logits.device).repeat_interleave(self.samples)
+            logits = logits.index_select(0, parents) if self.samples > 1 else logits
+        else:
+            parents = torch.arange(self.num_rows, device=logits.device)
+        slots = self._slots
+        logprobs = log_probs(logits)
+        tokens = self._choose(logits, logprobs)
+        self._tokens[slots, self.step] = tokens
+        self._logprob[slots] += logprobs.gather(1, tokens[:, None]).squeeze(1)
+        self.step += 1
+        reason = self._finish_codes(tokens, slots)
+        self._reason[slots] = reason
+        self._length[slots] = self.step - ((reason == _EOS) | (reason == _STOP_TOKEN)).long()
+        live = reason == 0
+        self._slots = slots[live]
+        return tokens[live], parents[live]
+
+    def _finish_codes(self, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Finish code per row (0 = continues), by priority EOS > stop token > stop_fn > length."""
+        reason = torch.zeros_like(tokens)
+        reason.masked_fill_(torch.isin(tokens, self._stop_ids), _STOP_TOKEN)
+        reason.masked_fill_(tokens == self.config.eos_token_id, _EOS)
+        if self.stop_fn is not None and self.step >= self.config.min_new_tokens:
+            rows = (reason == 0).nonzero().flatten()
+            histories = self._tokens[slots[rows], : self.step].tolist()
+            inputs = (slots[rows] // self.samples).tolist()
+            for row, input_index, history in zip(rows.tolist(), inputs, histories, strict=True):
+                if self.stop_fn(input_index, history):
+                    reason[row] = _STOP_FN
+        if self.step >= self.config.max_new_tokens:
+            reason.masked_fill_(reason == 0, _LENGTH)
+        return reason
+
+    def results(self) -> list[list[Hypothesis]]:
+        self._check_done()
+        columns = (self._tokens.tolist(), self._length.tolist(), self._logprob.tolist(), self._reason.tolist())
+        hyps = [Hypothesis(tokens[:length], logprob, logprob, _REASON[code])
+                for tokens, length, logprob, code in zip(*columns, strict=True)]
+        return [hyps[i * self.samples: (i + 1) * self.samples] for i in range(self.num_inputs)]
+
+
+class GreedySearch(_IndependentSearch):
+    """Argmax decoding, one row per input."""
+
+    def __init__(self, config: GenerationConfig, num_inputs: int, stop_fn: StopFn | None = None):
+        super().__init__(config, num_inputs, stop_fn, samples=1)
+
+    def _choose(self, logits: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+        return torch.argmax(min_length_mask(logprobs, self.step, self.config), dim=-1)
+
+
+class SampleSearch(_IndependentSearch):
+    """Ancestral sampling with temperature, top-k and top-p; num_return_sequences rows per input."""
+
+    def __init__(self, config: GenerationConfig, num_inputs: int, stop_fn: StopFn | None = None):
+        super().__init__(config, num_inputs, stop_fn, samples=config.num_return_sequences)
+        self._generators: list[torch.Generator] | None = None
+
+    def _choose(self, logits: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+        scores = sampling_logits(logits, self.step, self.config)
+        return gumbel_argmax(scores, self._uniforms(scores.shape, scores.device))
+
+    def _uniforms(self, shape: torch.Size, device: torch.device) -> torch.Tensor:
+        """Uniform noise (R, V); with a seed, drawn per input for all its samples, then gathered."""
+        if self.config.seed is None:
+            return torch.rand(shape, device=device)
+        if self._generators is None:
+            self._generators = [torch.Generator(device=device).manual_seed(self.config.seed + i)
+                                for i in range(self.num_inputs)]
+        inputs = self._slots // self.samples
+        active = torch.unique(inputs)  # sorted
+        noise = torch.cat([torch.rand((self.samples, shape[1]), generator=self._generators[i], device=device)
+                           for i in active.tolist()])  # (len(active) * samples, V)
+        rows = torch.searchsorted(active, inputs) * self.samples + self._slots % self.samples
+        return noise.index_select(0, rows)
+
+
+class _NBest:
+    """The best `size` finished hypotheses of one sentence."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.hyps: list[Hypothesis] = []
+
+    def add(self, hyp: Hypothesis) -> None:
+        self.hyps.append(hyp)
+        if len(self.hyps) > self.size:
+            self.hyps.remove(min(self.hyps, key=lambda h: h.score))
+
+    @property
+    def full(self) -> bool:
+        return len(self.hyps) >= self.size
+
+    @property
+    def worst(self) -> float:
+        return min(h.score for h in self.hyps)
+
+
+class BeamSearch(Search):
+    """Beam search over sentences x beams in one tensor; a finished sentence's rows leave."""
+
+    def __init__(self, config: GenerationConfig, num_inputs: int):
+        super().__init__(config, num_inputs)
+        self._nbest = [_NBest(config.num_beams) for _ in range(num_inputs)]
+        self._sentences: torch.Tensor | None = None  # (S,) input index of each live sentence
+        self._scores: torch.Tensor | None = None  # (S, width) sum of log-probs per beam; -inf = empty
+        self._history: torch.Tensor | None = None  # (S * width, step) tokens of each row
+        self._finish_ids: torch.Tensor | None = None  # EOS + stop ids, on the logits' device
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_inputs if self._scores is None else self._scores.numel()
+
+    @property
+    def done(self) -> bool:
+        return self._scores is not None and self._scores.numel() == 0
+
+    def advance(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self._check_logits(logits)
+        if self.done:
+            return _empty(logits.device)
+        device, vocab, beams = logits.device, logits.size(1), self.config.num_beams
+        if self._scores is None:  # one row per input; expanded to `beams` rows below
+            self._sentences = torch.arange(self.num_inputs, device=device)
+            self._scores = torch.zeros(self.num_inputs, 1, device=device)
+            self._history = torch.zeros(self.num_inputs, 0, dtype=torch.long, device=device)
+            self._finish_ids = torch.tensor(self.config.finish_token_ids, device=device)
+        sentences, width = self._scores.shape
+        logprobs = min_length_mask(log_probs(logits), self.step, self.config)
+        flat = (self._scores[:, :, None] + logprobs.view(sentences, width, vocab)).view(sentences, -1)
+        # Enough candidates that `beams` live ones remain even if every beam's EOS/stop tokens rank first.
+        count = min(beams * (1 + len(self.config.finish_token_ids)), width * vocab)
+        cand_scores, cand_ids = flat.topk(count, dim=1)  # (S, count), best first
+        cand_tokens = cand_ids % vocab
+        cand_rows = cand_ids // vocab + torch.arange(sentences, device=device)[:, None] * width
+        finishing = torch.isin(cand_tokens, self._finish_ids)
+        self.step += 1
+        # As in HF: only EOS/stop candidates ranked within the top `beams` finish a hypothesis.
+        ranked = torch.arange(count, device=device) < beams
+        self._finalize(cand_scores, cand_rows, cand_tokens, finishing & ranked & cand_scores.isfinite(), False)
+        live_scores, pick = cand_scores.masked_fill(finishing, NEG_INF).topk(min(beams, count), dim=1)
+        if pick.size(1) < beams:  # tiny vocabulary: pad with empty (-inf) beams
+            pad = beams - pick.size(1)
+            live_scores = torch.cat([live_scores, live_scores.new_full((sentences, pad), NEG_INF)], 1)
+            pick = torch.cat([pick, pick.new_zeros(sentences, pad)], 1)
+        live_rows, live_tokens = cand_rows.gather(1, pick), cand_tokens.gather(1, pick)
+        if self.step >= self.config.max_new_tokens:
+            self._finalize(live_scores, live_rows, live_tokens, live_scores.isfinite(), True)
+        keep = self._open(live_scores)
+        tokens, parents = live_tokens[keep].flatten(), live_rows[keep].flatten()
+        self._sentences, self._scores = self._sentences[keep], live_scores[keep]
+        self._history = torch.cat([self._history[parents], tokens[:, None]], dim=1)
+        return tokens, parents
+
+    def _finalize(self, scores: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor,
+                  select: torch.Tensor, at_length: bool) -> None:
+        """Add the selected candidates (S, n) as finished hypotheses of their sentences."""
+        where_s, where_c = select.nonzero(as_tuple=True)
+        if where_s.numel() == 0:
+            return
+        penalty = length_penalty(self.step, self.config.length_penalty)  # the terminator counts
+        rows, tokens = rows[where_s, where_c], tokens[where_s, where_c].tolist()
+        columns = (self._sentences[where_s].tolist(), self._history[rows].tolist(), tokens,
+                   scores[where_s, where_c].tolist())
+        for input_index, history, token, logprob in zip(*columns, strict=True):
+            if at_length:
+                hyp = Hypothesis(history + [token], logprob / penalty, logprob, "length")
+            else:
+                reason = "eos" if token == self.config.eos_token_id else "stop"
+                hyp = Hypothesis(history, logprob / penalty, logprob, reason)
+            self._nbest[input_index].add(hyp)
+
+    def _open(self, live_scores: torch.Tensor) -> torch.Tensor:
+        """(S,) bool: sentences that keep their beams for another step."""
+        if self.step >= self.config.max_new_tokens:
+            return torch.zeros(live_scores.size(0), dtype=torch.bool, device=live_scores.device)
+        alpha = self.config.length_penalty
+        # A live sum s <= 0 only falls; s / penalty(L) is monotone in L, so its best is at an end.
+        lengths = (self.step + 1, self.config.max_new_tokens)
+        keep = []
+        for input_index, best in zip(self._sentences.tolist(), live_scores.max(dim=1).values.tolist(),
+                                     strict=True):
+            nbest = self._nbest[input_index]
+            if not math.isfinite(best):
+                keep.append(False)
+            elif not nbest.full:
+                keep.append(True)
+            elif self.config.early_stopping:
+                keep.append(False)
+            else:
+                keep.append(max(best / length_penalty(n, alpha) for n in lengths) > nbest.worst)
+        return torch.tensor(keep, dtype=torch.bool, device=live_scores.device)
+
+    def results(self) -> list[list[Hypothesis]]:
+        """The num_return_sequences best per input, best first (fewer only if the vocabulary is tiny)."""
+        self._check_done()
+        n = self.config.num_return_sequences
+        return [sorted(nbest.hyps, key=lambda h: h.score, reverse=True)[:n] for nbest in self._nbest]
+
+
+def make_search(config: GenerationConfig, num_inputs: int, stop_fn: StopFn | None = None) -> Search:
+    """The search for `config.strategy` over `num_inputs` inputs; stop_fn is greedy/sample only."""
+    if config.strategy == "beam":
+        _require(stop_fn is None, "stop_fn is not supported by beam search (strategy='beam')")
+        return BeamSearch(config, num_inputs)
+    if config.strategy == "sample":
+        return SampleSearch(config, num_inputs, stop_fn)
+    return GreedySearch(config, num_inputs, stop_fn)
+
+
+def run_search(search: Search, first_logits: torch.Tensor, step: Callable[[torch.Tensor], torch.Tensor],
+               select_rows: Callable[[torch.Tensor], None]) -> list[list[Hypothesis]]:
+    """Drive `search` offline: step(tokens) -> next logits; select_rows(parents) reorders per-row state."""
+    logits = first_logits
+    steps = 0
+    while True:
+        rows = search.num_rows
+        tokens, parents = search.advance(logits)
+        steps += 1
+        if search.done:
+            logger.debug("search over %d inputs done after %d steps", search.num_inputs, steps)
+            return search.results()
+        if parents.numel() != rows or not torch.equal(parents, torch.arange(rows, device=parents.device)):
+            select_rows(parents)
+        logits = step(tokens)
