@@ -1,0 +1,147 @@
+"""Batched generation: the models' decode steps driven by a search from model.decoding.
+
+Inputs are token id lists of any lengths (right-padded into one batch); rows may use different
+LoRA adapters. A batch gives each input the same result as decoding it alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from model.causal_lm import CausalLM
+from model.decoding import GenerationConfig, Hypothesis, StopFn, make_search, run_search
+from model.lora import AdapterSelection, set_adapters, use_adapters
+from model.seq2seq import Seq2SeqTransformer
+from model.tokenizer import Tokenizer, pad_batch
+
+
+class InputTooLongError(ValueError):
+    """An input plus the requested new tokens does not fit the model's maximum length."""
+
+
+def generate_causal(
+    model: CausalLM,
+    prompts: Sequence[Sequence[int]],
+    config: GenerationConfig,
+    adapters: AdapterSelection = None,
+    stop_fn: StopFn | None = None,
+    use_cache: bool = True,
+) -> list[list[Hypothesis]]:
+    """Continue each prompt; returns per prompt the hypotheses of ``config`` (best first)."""
+    _check_lengths([len(p) for p in prompts], config.max_new_tokens, model.config.max_len, "prompt")
+    device = model.lm_head.weight.device
+    ids, lengths = (t.to(device) for t in pad_batch(prompts, model.config.pad_id))
+    search = make_search(config, len(prompts), stop_fn)
+    with torch.inference_mode(), _AdapterRows(model, adapters, len(prompts)) as rows:
+        if not use_cache:
+            state = _Recompute(model, [list(p) for p in prompts])
+            return run_search(search, state.logits(), state.step, rows.select_with(state.select))
+        cache = model.new_cache(len(prompts), capacity=ids.shape[1] + config.max_new_tokens)
+        first = model.prefill(ids, lengths, cache)
+        return run_search(search, first, lambda t: model.decode_step(t, cache), rows.select_with(cache.select))
+
+
+def generate_seq2seq(
+    model: Seq2SeqTransformer,
+    sources: Sequence[Sequence[int]],
+    config: GenerationConfig,
+    adapters: AdapterSelection = None,
+) -> list[list[Hypothesis]]:
+    """Translate each source; returns per source the hypotheses of ``config`` (best first)."""
+    _check_lengths([len(s) for s in sources], 0, model.config.max_src_len, "source")
+    _check_lengths([0], config.max_new_tokens + 1, model.config.max_len, "output")
+    device = model.lm_head.weight.device
+    src, _ = pad_batch(sources, model.config.pad_id)
+    search = make_search(config, len(sources))
+    with torch.inference_mode(), _AdapterRows(model, adapters, len(sources)) as rows:
+        first, cache = model.start(src.to(device), capacity=config.max_new_tokens + 1)
+        return run_search(search, first, lambda t: model.decode_step(t, cache), rows.select_with(cache.select))
+
+
+def stop_strings(tokenizer: Tokenizer, stops: Sequence[str]) -> StopFn | None:
+    """A stop_fn ending a sequence once its decoded text contains any of ``stops``."""
+    stops = [s for s in stops if s]
+    if not stops:
+        return None
+    window = max(len(s) for s in stops) + 8  # characters; a stop string spans at most this many tokens
+
+    def stop_fn(_input: int, tokens: list[int]) -> bool:
+        tail = tokenizer.decode(tokens[-window:])
+        return any(s in tail for s in stops)
+
+    return stop_fn
+
+
+def trim_stop(text: str, stops: Sequence[str]) -> str:
+    """Cut ``text`` at the first occurrence of any stop string."""
+    cut = min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=len(text))
+    return text[:cut]
+
+
+def _check_lengths(lengths: list[int], extra: int, limit: int, what: str) -> None:
+    if not lengths:
+        raise ValueError("no inputs")
+    longest = max(lengths)
+    if min(lengths) == 0 and what != "output":
+        raise ValueError(f"empty {what}: at least one token is needed")
+    if longest + extra > limit:
+        raise InputTooLongError(
+            f"{what} of {longest} tokens + {extra} new tokens exceeds the model's maximum length {limit}"
+        )
+
+
+class _AdapterRows:
+    """Keeps the per-row adapter selection in step with the rows the search keeps or reorders."""
+
+    def __init__(self, model: torch.nn.Module, adapters: AdapterSelection, num_inputs: int) -> None:
+        self.model = model
+        self.per_row = isinstance(adapters, (list, tuple))
+        if self.per_row and len(adapters) != num_inputs:
+            raise ValueError(f"got {len(adapters)} adapters for {num_inputs} inputs")
+        self.rows = list(adapters) if self.per_row else adapters
+        self._context = use_adapters(model, self.rows)
+
+    def __enter__(self) -> _AdapterRows:
+        self._context.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._context.__exit__(*exc)
+
+    def select_with(self, select: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+        if not self.per_row:
+            return select
+
+        def reorder(index: torch.Tensor) -> None:
+            select(index)
+            self.rows = [self.rows[i] for i in index.tolist()]
+            set_adapters(self.model, self.rows)
+
+        return reorder
+
+
+class _Recompute:
+    """Generation without a KV cache: every step re-runs the whole sequence (for benchmarks)."""
+
+    def __init__(self, model: CausalLM, sequences: list[list[int]]) -> None:
+        self.model = model
+        self.sequences = sequences
+
+    def logits(self) -> torch.Tensor:
+        device = self.model.lm_head.weight.device
+        ids, lengths = (t.to(device) for t in pad_batch(self.sequences, self.model.config.pad_id))
+        out = self.model(ids)
+        return out[torch.arange(len(self.sequences), device=device), lengths - 1]
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        for seq, token in zip(self.sequences, tokens.tolist(), strict=True):
+            seq.append(token)
+        return self.logits()
+
+    def select(self, index: torch.Tensor) -> None:
+        self.sequences = [list(self.sequences[i]) for i in index.tolist()]
+
+
+__all__ = ["InputTooLongError", "generate_causal", "generate_seq2seq", "stop_strings", "trim_stop"]
