@@ -1,0 +1,71 @@
+"""Model sizes from the command line and the architecture presets, turned into a family's config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from model.config import CONFIGS, ConfigError, TransformerConfig
+from training.errors import UserError
+
+# --arch: the config fields that make each published architecture ("default" = the config defaults).
+ARCH_PRESETS: dict[str, dict[str, Any]] = {
+    "paper": dict(norm="post", positions="sinusoidal", activation="relu", scale_embeddings=True, tie_embeddings=True),
+    "gpt2": dict(positions="learned", norm="pre", activation="gelu_tanh", scale_embeddings=False),
+    "bert": dict(
+        positions="learned",
+        norm="post",
+        activation="gelu",
+        embedding_norm=True,
+        layer_norm_eps=1e-12,
+        scale_embeddings=False,
+    ),
+    "default": {},
+}
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """The size flags of `train`."""
+
+    layers: int = 3
+    d_model: int = 256
+    heads: int = 4
+    ffn: int = 1024
+    max_len: int = 256
+    dropout: float = 0.1
+    arch: str = "default"
+    encoder_layers: int | None = None  # seq2seq only; default --layers
+    decoder_layers: int | None = None
+
+
+def build_config(family: str, sizes: ModelSizes, vocab_size: int, **family_fields: Any) -> TransformerConfig:
+    """The ``family`` config for ``sizes`` with the preset applied; invalid combinations are UserErrors."""
+    fields: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        d_model=sizes.d_model,
+        n_heads=sizes.heads,
+        d_ff=sizes.ffn,
+        dropout=sizes.dropout,
+        max_len=sizes.max_len,
+        **ARCH_PRESETS[sizes.arch],
+    )
+    if family == "seq2seq":
+        fields.update(
+            n_encoder_layers=sizes.encoder_layers or sizes.layers,
+            n_decoder_layers=sizes.decoder_layers or sizes.layers,
+            max_src_len=sizes.max_len,
+        )
+    else:
+        fields["n_layers"] = sizes.layers
+    try:
+        return CONFIGS[family](**fields, **family_fields)
+    except ConfigError as e:
+        raise UserError(f"invalid model size: {e}") from e
+
+
+def describe(config: TransformerConfig) -> dict[str, Any]:
+    """The size fields worth reporting in metrics.json."""
+    keys = ("d_model", "n_heads", "d_ff", "max_len", "vocab_size", "n_layers", "n_encoder_layers", "n_decoder_layers")
+    data = config.to_dict()
+    return {k: data[k] for k in keys if k in data}

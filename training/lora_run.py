@@ -1,0 +1,155 @@
+"""`lora`: train one LoRA adapter on a frozen base checkpoint and save it in PEFT's layout.
+
+The adapter directory ``--out`` holds the best adapter by validation metric (adapter_config.json +
+adapter_model.safetensors, base_model_name_or_path set to the base checkpoint) and a metrics.json
+comparing it with the base model on the valid split; ``<out>.state/`` holds the resume state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from model.checkpoint import Checkpoint, CheckpointError, load_checkpoint
+from model.lora import AdapterError, LoRAConfig, add_adapter, mark_only_lora_trainable, save_adapter, use_adapters
+from training import distributed
+from training.distributed import DistContext
+from training.errors import UserError
+from training.session import (
+    finish,
+    log_files,
+    open_state,
+    run_phase,
+    seed_everything,
+    task_options,
+    trainer_config,
+    write_param_digest,
+)
+from training.state import write_bytes_atomic, write_json
+from training.tasks import TASKS
+from training.trainer import Evaluation, Hooks, LossFn
+
+logger = logging.getLogger(__name__)
+
+ADAPTER = "default"  # the adapter's name inside the model while training (not saved)
+PEFT_TASK_TYPES = {"seq2seq": "SEQ_2_SEQ_LM", "classifier": "SEQ_CLS", "causal_lm": "CAUSAL_LM"}
+
+
+def with_adapter(loss_fn: LossFn, name: str) -> LossFn:
+    """``loss_fn`` with adapter ``name`` selected for the forward pass."""
+
+    def loss(model: nn.Module, batch: Any) -> torch.Tensor:
+        with use_adapters(model, name):
+            return loss_fn(model, batch)
+
+    return loss
+
+
+def load_base(path: str, device: torch.device) -> Checkpoint:
+    try:
+        return load_checkpoint(path, device=device, dtype=torch.float32)
+    except CheckpointError as e:
+        raise UserError(f"--base: {e}") from e
+
+
+def lora_config(args: argparse.Namespace, family: str, base_path: str) -> LoRAConfig:
+    try:
+        return LoRAConfig(
+            r=args.rank,
+            lora_alpha=args.alpha,
+            lora_dropout=args.dropout,
+            target_modules=tuple(args.targets),
+            task_type=PEFT_TASK_TYPES[family],
+            base_model_name_or_path=base_path,
+        )
+    except AdapterError as e:
+        raise UserError(str(e)) from e
+
+
+def save_best_adapter(
+    out: Path,
+    state_dir: Path,
+    model: nn.Module,
+    base_metrics: dict[str, float],
+    evaluation: Evaluation,
+    summary: dict[str, Any],
+    info: dict[str, Any],
+) -> None:
+    """Write the adapter (PEFT layout) with metrics.json (adapter vs base) and the log so far."""
+    save_adapter(model, ADAPTER, out, base_model_name_or_path=info["base_model"])
+    write_json(
+        out / "metrics.json",
+        {**info, **evaluation.metrics(), "best_step": summary["step"], **summary, "base": base_metrics},
+    )
+    for name, data in log_files(state_dir).items():
+        write_bytes_atomic(out / name, data)
+    logger.info("step %d: new best %s %.4f -> %s", summary["step"], evaluation.metric_name, evaluation.metric, out)
+
+
+def lora(args: argparse.Namespace) -> None:
+    """The `lora` command."""
+    ctx = distributed.init_distributed(args.device)
+    try:
+        _lora(args, ctx)
+    finally:
+        distributed.shutdown(ctx)
+
+
+def _lora(args: argparse.Namespace, ctx: DistContext) -> None:
+    out = Path(args.out)
+    store = open_state(out, args.resume)
+    state = store.load() if args.resume else None
+    seed_everything(args.seed)
+    base = load_base(args.base, ctx.device)
+    base_path = str(Path(args.base).resolve())
+    model, tokenizer = base.model, base.tokenizer
+    task = TASKS[base.family](task_options(args, base.family))
+    encoded = {}
+    for split in ("train", "valid"):
+        path = Path(getattr(args, split))
+        encoded[split] = task.encode(task.read(path).records, tokenizer, base.config, base.labels, path)
+    config = lora_config(args, base.family, base_path)
+    try:
+        add_adapter(model, ADAPTER, config, seed=args.seed)
+    except AdapterError as e:
+        raise UserError(str(e)) from e
+    trainable = mark_only_lora_trainable(model, ADAPTER)
+    torch.manual_seed(args.seed + ctx.rank)
+    base_metrics = task.validate(model, encoded["valid"], tokenizer).metrics() if ctx.is_main else {}
+    info = {
+        "family": base.family,
+        "base_model": base_path,
+        "rank": config.r,
+        "alpha": config.lora_alpha,
+        "targets": list(config.target_modules),
+        "trainable_parameters": sum(p.numel() for p in trainable),
+    }
+    hooks = Hooks(
+        evaluate=lambda: task.validate(model, encoded["valid"], tokenizer, adapters=ADAPTER),
+        on_best=lambda evaluation, summary: save_best_adapter(
+            out, store.directory, model, base_metrics, evaluation, summary, info
+        ),
+        state_files=lambda: {"adapter_config.json": json.dumps(config.to_peft_dict(), indent=2).encode()},
+    )
+    trainer = run_phase(
+        model,
+        with_adapter(task.loss, ADAPTER),
+        encoded["train"],
+        task.collate,
+        args=args,
+        config=trainer_config(args),
+        ctx=ctx,
+        store=store,
+        hooks=hooks,
+        state=state,
+    )
+    if ctx.is_main:
+        p = trainer.progress
+        finish(out, store.directory, {"steps_trained": p.step, "total_wall_time_s": round(p.elapsed, 3)})
+    write_param_digest(model, ctx)

@@ -1,0 +1,175 @@
+"""What `train` and `lora` share: the output layout, seeding, and running one phase of training.
+
+Output layout for ``--out DIR``::
+
+    DIR/          the best checkpoint by validation metric (what the service serves), with
+                  metrics.json, and copies of train_log.csv and loss.png
+    DIR.state/    the last training state for --resume (see training.state), and the live
+                  train_log.csv, loss.png (and tensorboard/ when installed)
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from training.batching import BatchStream, Collate
+from training.distributed import DistContext
+from training.errors import UserError
+from training.optim import InverseSqrtSchedule, build_optimizer
+from training.run_log import LOG_FILE, PLOT_FILE, RunLog
+from training.state import StateStore, TrainState, state_dir_for, write_json
+from training.tasks.base import TaskOptions
+from training.trainer import Hooks, LossFn, Trainer, TrainerConfig
+
+logger = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.json"
+DIGEST_ENV = "TRAINING_PARAM_DIGEST_DIR"  # tests: each rank writes rank<N>.sha256 of its parameters here
+
+
+def trainer_config(args: argparse.Namespace, max_steps: int | None = None) -> TrainerConfig:
+    return TrainerConfig(
+        max_steps=max_steps if max_steps is not None else args.max_steps,
+        max_minutes=args.max_minutes,
+        accum_steps=args.accum_steps,
+        clip_norm=args.clip_norm if args.clip_norm > 0 else None,
+        eval_every=args.eval_every,
+        save_every=args.save_every,
+        quiet=args.quiet,
+    )
+
+
+def task_options(args: argparse.Namespace, family: str) -> TaskOptions:
+    smoothing = args.label_smoothing
+    if smoothing is None:
+        smoothing = 0.1 if family == "seq2seq" else 0.0
+    return TaskOptions(
+        skip_malformed=args.skip_malformed,
+        label_smoothing=smoothing,
+        batch_tokens=args.batch_tokens,
+        valid_examples=args.valid_examples,
+    )
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch, Python's ``random`` and NumPy."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def open_state(out: Path, resume: bool) -> StateStore:
+    """The state store beside ``out``; an existing state needs --resume (never silently overwritten)."""
+    store = StateStore(state_dir_for(out))
+    if store.directory.exists() and any(store.directory.rglob("LATEST")) and not resume:
+        raise UserError(
+            f"{store.directory} holds a previous run's state: pass --resume to continue it, "
+            "or remove it (and the checkpoint) to start over"
+        )
+    return store
+
+
+def run_phase(
+    model: nn.Module,
+    loss_fn: LossFn,
+    examples: Sequence[Any],
+    collate: Collate,
+    *,
+    args: argparse.Namespace,
+    config: TrainerConfig,
+    ctx: DistContext,
+    store: StateStore,
+    hooks: Hooks,
+    state: TrainState | None,
+) -> Trainer:
+    """Train ``model``'s trainable parameters on ``examples`` from scratch or from ``state``."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    stream = BatchStream(
+        examples, [e.length for e in examples], collate, args.batch_tokens, args.seed, ctx.rank, ctx.world_size
+    )
+    logger.info(
+        "%d examples, %d batches per epoch per process, %d trainable parameters",
+        len(examples),
+        stream.batches_per_epoch(),
+        sum(p.numel() for p in params),
+    )
+    run_log = None
+    if ctx.is_main:
+        run_log = RunLog(store.directory, resume_step=state.meta["progress"]["step"] if state else None)
+    trainer = Trainer(
+        model,
+        loss_fn,
+        build_optimizer(params, args.lr),
+        InverseSqrtSchedule(args.lr, args.warmup),
+        stream,
+        config,
+        ctx,
+        store=store,
+        run_log=run_log,
+        hooks=hooks,
+    )
+    if state is not None:
+        trainer.restore(state)
+    try:
+        trainer.run()
+    finally:
+        if run_log is not None:
+            run_log.plot()
+            run_log.close()
+    return trainer
+
+
+def log_files(state_dir: Path) -> dict[str, bytes]:
+    """The current train_log.csv and loss.png, to copy next to a checkpoint."""
+    return {name: (state_dir / name).read_bytes() for name in (LOG_FILE, PLOT_FILE) if (state_dir / name).is_file()}
+
+
+def finish(out: Path, state_dir: Path, updates: dict[str, Any]) -> None:
+    """Copy the final log and plot into ``out`` and merge ``updates`` into its metrics.json."""
+    if not out.is_dir():
+        logger.warning("no checkpoint was written to %s", out)
+        return
+    for name in (LOG_FILE, PLOT_FILE):
+        if (state_dir / name).is_file():
+            shutil.copyfile(state_dir / name, out / name)
+    merge_metrics(out, updates)
+
+
+def merge_metrics(directory: Path, updates: dict[str, Any]) -> dict[str, Any]:
+    """Update ``directory/metrics.json`` with ``updates`` (keeping other keys) and return the result."""
+    path = directory / METRICS_FILE
+    metrics: dict[str, Any] = {}
+    if path.is_file():
+        try:
+            metrics = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError:
+            logger.warning("%s is not valid JSON; rewriting it", path)
+    metrics.update(updates)
+    write_json(path, metrics)
+    return metrics
+
+
+def write_param_digest(model: nn.Module, ctx: DistContext) -> None:
+    """When $TRAINING_PARAM_DIGEST_DIR is set, write this rank's parameter hash there (sync checks)."""
+    directory = os.environ.get(DIGEST_ENV)
+    if not directory:
+        return
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    (Path(directory) / f"rank{ctx.rank}.sha256").write_text(digest.hexdigest() + "\n")

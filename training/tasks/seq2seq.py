@@ -1,0 +1,128 @@
+"""Translation: source/target pairs, label-smoothed teacher forcing, BLEU and chrF of decoded output.
+
+Sources are encoded without special tokens; targets are fed as ``<s> target`` and predicted as
+``target </s>`` (the decoder starts from BOS, as model.generation does).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from model.config import Seq2SeqConfig
+from model.decoding import GenerationConfig
+from model.generation import generate_seq2seq
+from model.seq2seq import Seq2SeqTransformer
+from model.tokenizer import Tokenizer
+from training.data import Pair, ReadResult, read_pairs
+from training.metrics import bleu_chrf
+from training.objectives import IGNORE_INDEX, cross_entropy_sum
+from training.tasks.base import Adapters, Task, eval_mode, pad
+
+logger = logging.getLogger(__name__)
+DECODE_BATCH = 64  # sources per generation call
+
+
+@dataclass(frozen=True)
+class TranslationExample:
+    source: list[int]
+    target: list[int]
+    reference: str
+
+    @property
+    def length(self) -> int:
+        return max(len(self.source), len(self.target) + 1)
+
+
+@dataclass
+class TranslationBatch:
+    src: torch.Tensor  # (B, S) right-padded source ids
+    tgt_in: torch.Tensor  # (B, T) <s> + target
+    tgt_out: torch.Tensor  # (B, T) target + </s>, IGNORE_INDEX at padding
+    count: int  # target tokens predicted
+    num_tokens: int
+
+    def to(self, device: torch.device) -> TranslationBatch:
+        return replace(self, src=self.src.to(device), tgt_in=self.tgt_in.to(device), tgt_out=self.tgt_out.to(device))
+
+
+class Seq2SeqTask(Task):
+    family = "seq2seq"
+    metric_name = "bleu"
+    higher_is_better = True
+
+    @property
+    def valid_limit(self) -> int | None:
+        return self.options.valid_examples  # decoding is the slow part of validation
+
+    def read(self, path: Path) -> ReadResult:
+        return read_pairs(path, self.options.skip_malformed)
+
+    def texts(self, records: Sequence[Pair]) -> Iterator[str]:
+        for pair in records:
+            yield pair.source
+            yield pair.target
+
+    def encode(
+        self, records: Sequence[Pair], tokenizer: Tokenizer, config: Seq2SeqConfig, labels: list[str] | None, path: Path
+    ) -> list[TranslationExample]:
+        sources = tokenizer.encode_batch([p.source for p in records])
+        targets = tokenizer.encode_batch([p.target for p in records])
+        truncated = sum(
+            len(s) > config.max_src_len or len(t) >= config.max_len for s, t in zip(sources, targets, strict=True)
+        )
+        if truncated:
+            logger.warning("%s: %d pair(s) truncated to --max-len %d", path, truncated, config.max_len)
+        return [
+            TranslationExample(s[: config.max_src_len], t[: config.max_len - 1], p.target)
+            for s, t, p in zip(sources, targets, records, strict=True)
+        ]
+
+    def collate(self, examples: Sequence[TranslationExample], generator: torch.Generator) -> TranslationBatch:
+        src = pad([e.source for e in examples], Tokenizer.pad_id)
+        tgt_in = pad([[Tokenizer.bos_id, *e.target] for e in examples], Tokenizer.pad_id)
+        tgt_out = pad([[*e.target, Tokenizer.eos_id] for e in examples], IGNORE_INDEX)
+        count = int((tgt_out != IGNORE_INDEX).sum())
+        return TranslationBatch(src, tgt_in, tgt_out, count, count + int((src != Tokenizer.pad_id).sum()))
+
+    def loss(self, model: nn.Module, batch: TranslationBatch) -> torch.Tensor:
+        logits = model(batch.src, batch.tgt_in)  # (B, T, V)
+        return cross_entropy_sum(logits, batch.tgt_out, self.options.label_smoothing)
+
+    def metric(
+        self,
+        model: Seq2SeqTransformer,
+        examples: Sequence[TranslationExample],
+        tokenizer: Tokenizer,
+        adapters: Adapters,
+        limit: int | None,
+    ) -> dict[str, float]:
+        chosen = list(examples[:limit])
+        hypotheses = self.translate(model, [e.source for e in chosen], tokenizer, adapters)
+        return bleu_chrf(hypotheses, [e.reference for e in chosen])
+
+    def translate(
+        self, model: Seq2SeqTransformer, sources: Sequence[list[int]], tokenizer: Tokenizer, adapters: Adapters = None
+    ) -> list[str]:
+        """Decode ``sources`` (greedy, or beam search with ``options.beams``), in input order."""
+        max_new = min(self.options.max_new_tokens, model.config.max_len - 1)
+        if self.options.beams > 1:
+            config = GenerationConfig(
+                strategy="beam", num_beams=self.options.beams, max_new_tokens=max_new, eos_token_id=tokenizer.eos_id
+            )
+        else:
+            config = GenerationConfig(strategy="greedy", max_new_tokens=max_new, eos_token_id=tokenizer.eos_id)
+        order = sorted(range(len(sources)), key=lambda i: len(sources[i]))  # similar lengths share a batch
+        texts: dict[int, str] = {}
+        with eval_mode(model):
+            for start in range(0, len(order), DECODE_BATCH):
+                rows = order[start : start + DECODE_BATCH]
+                results = generate_seq2seq(model, [sources[i] for i in rows], config, adapters)
+                decoded = tokenizer.decode_batch([hyps[0].tokens for hyps in results])
+                texts.update(zip(rows, decoded, strict=True))
+        return [texts[i] for i in range(len(sources))]
