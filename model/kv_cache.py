@@ -25,6 +25,23 @@ class CrossAttentionMemory:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     mask: torch.Tensor
+    sources: torch.Tensor | None = None  # (B,) which encoded source each row holds; rows alike share K/V
+
+    def __post_init__(self) -> None:
+        if self.sources is None:
+            self.sources = torch.arange(self.mask.shape[0], device=self.mask.device)
+
+    def select(self, index: torch.Tensor) -> CrossAttentionMemory:
+        """The memory for rows ``index``; beams reordered within their source keep the K/V as they are."""
+        sources = self.sources.index_select(0, index)
+        if sources.shape == self.sources.shape and torch.equal(sources, self.sources):
+            return self
+        return CrossAttentionMemory(
+            keys=[k.index_select(0, index) for k in self.keys],
+            values=[v.index_select(0, index) for v in self.values],
+            mask=self.mask.index_select(0, index),
+            sources=sources,
+        )
 
 
 @dataclass
@@ -98,15 +115,11 @@ class KVCache:
 
     def select(self, index: torch.Tensor) -> None:
         """Keep, reorder or duplicate rows: row i becomes old row ``index[i]`` (beams, finished rows)."""
-        self.keys = [k.index_select(0, index) for k in self.keys]
-        self.values = [v.index_select(0, index) for v in self.values]
+        self.keys = [_select_prefix(k, index, self.max_length) for k in self.keys]
+        self.values = [_select_prefix(v, index, self.max_length) for v in self.values]
         self.lengths = self.lengths.index_select(0, index)
         if self.cross is not None:
-            self.cross = CrossAttentionMemory(
-                keys=[k.index_select(0, index) for k in self.cross.keys],
-                values=[v.index_select(0, index) for v in self.cross.values],
-                mask=self.cross.mask.index_select(0, index),
-            )
+            self.cross = self.cross.select(index)
 
     @classmethod
     def concat(cls, caches: list[KVCache]) -> KVCache:
@@ -125,6 +138,7 @@ class KVCache:
                 keys=[_cat_padded([c.cross.keys[i] for c in caches], 2, source_len) for i in range(n_layers)],
                 values=[_cat_padded([c.cross.values[i] for c in caches], 2, source_len) for i in range(n_layers)],
                 mask=_cat_padded([c.cross.mask for c in caches], 3, source_len),
+                sources=_offset_sources([c.cross.sources for c in caches]),
             )
         return joined
 
@@ -147,3 +161,21 @@ def _cat_padded(tensors: list[torch.Tensor], dim: int, size: int) -> torch.Tenso
             t = F.pad(t, pad)
         padded.append(t)
     return torch.cat(padded, dim=0)
+
+
+def _select_prefix(buffer: torch.Tensor, index: torch.Tensor, used: int) -> torch.Tensor:
+    """``buffer.index_select(0, index)`` copying only the first ``used`` positions (the rest stay zero)."""
+    if used * 2 >= buffer.shape[2]:
+        return buffer.index_select(0, index)
+    out = buffer.new_zeros((index.shape[0], *buffer.shape[1:]))
+    out[:, :, :used] = buffer[:, :, :used].index_select(0, index)
+    return out
+
+
+def _offset_sources(sources: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate per-cache source ids, keeping ids of different caches distinct."""
+    shifted, offset = [], 0
+    for s in sources:
+        shifted.append(s + offset)
+        offset += int(s.max()) + 1 if s.numel() else 0
+    return torch.cat(shifted)
