@@ -1,0 +1,79 @@
+"""``python -m service --models DIR [--adapters DIR] [--host H] [--port P] ...``: run the server.
+
+Every flag also reads from its ``TSERVE_*`` environment variable; a flag given wins. SIGTERM or
+Ctrl-C stops accepting connections, lets in-flight requests finish for up to drain_timeout_s, then
+stops the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Mapping, Sequence
+
+import uvicorn
+
+from service.settings import Settings, SettingsError, setting_fields
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m service",
+        description="Serve Transformer models over HTTP.",
+        epilog="Each flag defaults to its environment variable, then to the default shown.",
+    )
+    for f in setting_fields():
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default_factory() if callable(f.default_factory) else f.default
+        shown = ",".join(default) if isinstance(default, tuple) else default
+        help_text = f"{f.metadata['help']} [env {f.metadata['env']}; default: {shown}]"
+        if f.name in ("api_keys", "admin_keys"):
+            help_text += " (prefer the environment variable: flags show up in ps)"
+        parser.add_argument(
+            flag,
+            dest=f.name,
+            type=f.metadata["parse"],
+            default=argparse.SUPPRESS,
+            metavar=f.name.upper(),
+            help=help_text.replace("%", "%%"),
+        )
+    return parser
+
+
+def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
+    """Defaults < environment < flags."""
+    args = vars(build_parser().parse_args(argv))
+    return Settings.from_env(environ, **args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        settings = parse_settings(argv)
+    except SettingsError as exc:
+        sys.stderr.write(f"python -m service: {exc}\n")
+        return 2
+    if settings.models is None:
+        sys.stderr.write("python -m service: --models (or TSERVE_MODELS) is required\n")
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.threads is not None:
+        import torch
+
+        torch.set_num_threads(settings.threads)
+    from service.app import create_app
+
+    config = uvicorn.Config(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=max(1, round(settings.drain_timeout_s)),
+        lifespan="on",
+    )
+    uvicorn.Server(config).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

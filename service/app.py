@@ -1,0 +1,76 @@
+"""The FastAPI application: :func:`create_app` wires settings, engine, middleware, errors and routers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI
+from starlette.types import Scope
+
+from service.engine import Engine
+from service.http_errors import install_error_handlers
+from service.middleware import BodyLimitMiddleware, MetricsMiddleware, RequestIdMiddleware
+from service.routes import ROUTERS
+from service.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+_ADAPTER_UPLOAD = re.compile(r"/v1/models/[^/]+/adapters/[^/]+")
+
+DESCRIPTION = """Serves from-scratch Transformer models: translation (seq2seq), classification and
+embeddings (classifier), text generation (causal_lm, also through an OpenAI-compatible
+`/v1/completions`), with dynamic batching and LoRA adapters.
+
+Every error has one shape: `{"error": {"code", "message", "field", "request_id"}}`; every response
+carries `X-Request-ID`. When API keys are configured, every `/v1` route needs
+`Authorization: Bearer <key>` (adapter load/unload an admin key); `/health`, `/ready`, `/metrics`
+and `/` stay open for probes and scrapers."""
+
+
+def _body_limit(settings: Settings):
+    def limit_for(scope: Scope) -> int:
+        if scope["method"] == "PUT" and _ADAPTER_UPLOAD.fullmatch(scope["path"]):
+            return settings.max_adapter_upload_bytes
+        return settings.max_body_bytes
+
+    return limit_for
+
+
+def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
+    """The app for ``settings``; ``engine`` (tests) replaces the one built from the settings' directories."""
+    if engine is None:
+        if settings.models is None:
+            raise ValueError("settings.models (TSERVE_MODELS / --models) is required")
+        engine = Engine(settings.engine_settings(), Path(settings.models), settings.adapters)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        if engine.load_errors:
+            logger.warning("models that failed to load: %s", engine.load_errors)
+        logger.info("ready: %s", ", ".join(m.name for m in engine.models()) or "no models")
+        try:
+            yield
+        finally:
+            await engine.stop(settings.drain_timeout_s)
+
+    app = FastAPI(title="tserve", version="0.1.0", description=DESCRIPTION, lifespan=lifespan)
+    app.state.settings = settings
+    app.state.engine = engine
+    app.state.started_at = int(time.time())
+    app.state.adapter_lock = asyncio.Lock()
+    install_error_handlers(app)
+    for router in ROUTERS:
+        app.include_router(router)
+    # Added last = outermost: the request id is set before anything can answer; metrics see the
+    # final status of every /v1 request, 413s included; the body limit answers before routing.
+    app.add_middleware(BodyLimitMiddleware, limit_for=_body_limit(settings))
+    app.add_middleware(MetricsMiddleware)
+    app.add_middleware(RequestIdMiddleware)
+    return app

@@ -1,0 +1,142 @@
+"""Pure ASGI middleware: request ids, the body-size limit and per-request metrics.
+
+Pure ASGI (not BaseHTTPMiddleware) so that streaming responses pass through untouched and the
+body limit acts on the raw byte stream, before anything parses JSON.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import uuid
+from collections.abc import Callable
+
+from fastapi import HTTPException
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.http_errors import json_error
+
+logger = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "X-Request-ID"
+_SANE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+UNKNOWN = "_unknown"
+
+
+class RequestIdMiddleware:
+    """Gives every request an id (a sane client X-Request-ID, else a new one) and echoes it back."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = Headers(scope=scope).get(REQUEST_ID_HEADER)
+        rid = given if given is not None and _SANE_ID.fullmatch(given) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message)[REQUEST_ID_HEADER] = rid
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+class BodyTooLarge(HTTPException):
+    """Raised from receive() once the body passes the limit; rendered as 413 by the error handlers
+    (FastAPI re-raises HTTPExceptions met while reading a body instead of turning them into 400s)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body is over this server's limit of {limit} bytes")
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over ``limit_for(scope)`` bytes: from Content-Length before the app runs, and
+    counted while the app reads the body (chunked uploads or a lying Content-Length)."""
+
+    def __init__(self, app: ASGIApp, limit_for: Callable[[Scope], int]) -> None:
+        self.app = app
+        self.limit_for = limit_for
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = self.limit_for(scope)
+        declared = Headers(scope=scope).get("content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                return await json_error(400, "bad_request", "Content-Length is not a number", scope, send)
+            if int(declared) > limit:
+                return await json_error(413, "payload_too_large", BodyTooLarge(limit).detail, scope, send)
+        received = 0
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise BodyTooLarge(limit)
+            return message
+
+        async def watch_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, watch_send)
+        except BodyTooLarge as exc:  # read outside a route (the handlers render it inside one)
+            if started:
+                raise
+            await json_error(413, "payload_too_large", exc.detail, scope, send)
+
+
+class MetricsMiddleware:
+    """Records ``engine.metrics.record_request`` once per /v1 request, whatever its outcome.
+
+    Labels stay bounded: a model or adapter the server does not know is recorded as ``_unknown``;
+    routes put the adapter (and, for /v1/completions, the model) in ``request.state``.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def watch_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch_send)
+        finally:
+            try:
+                self._record(scope, status)
+            except Exception:  # metrics must never fail a request
+                logger.exception("recording request metrics failed")
+
+    def _record(self, scope: Scope, status: int) -> None:
+        engine = getattr(scope["app"].state, "engine", None)
+        if engine is None:
+            return
+        state = scope.get("state", {})
+        route = scope.get("route")
+        endpoint = getattr(route, "name", None) or UNKNOWN
+        model = state.get("model") or scope.get("path_params", {}).get("model")
+        adapter = state.get("adapter")
+        known = {m.name: m for m in engine.models()}
+        if model not in known:
+            model, adapter = UNKNOWN, (None if adapter is None else UNKNOWN)
+        elif adapter is not None and status >= 400 and adapter not in {a.name for a in known[model].adapters}:
+            adapter = UNKNOWN
+        engine.metrics.record_request(model, endpoint, adapter or "", status)

@@ -1,0 +1,125 @@
+"""/v1/models/{model}/adapters: list, load (from the adapter directory or an uploaded archive), unload."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import shutil
+from pathlib import Path
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi import Path as PathParam
+
+from service import archive
+from service.auth import require_admin, require_key
+from service.deps import get_settings, get_worker
+from service.engine import ModelWorker
+from service.errors import Conflict, NotFound
+from service.http_errors import errors
+from service.schemas import NAME_PATTERN, AdapterInfoSchema, AdapterList
+from service.settings import Settings
+from service.types import AdapterInfo
+
+router = APIRouter(prefix="/v1/models/{model}/adapters", tags=["adapters"], dependencies=[Depends(require_key)])
+
+Worker = Annotated[ModelWorker, Depends(get_worker)]
+AdapterName = Annotated[str, PathParam(pattern=NAME_PATTERN, description="The adapter's name.")]
+ARCHIVE_TYPES = (
+    "application/gzip",
+    "application/x-gzip",
+    "application/x-tar+gzip",
+    "application/zip",
+    "application/x-zip-compressed",
+    "application/octet-stream",
+)
+_UPLOAD_BODY = {
+    "required": False,
+    "description": "Optional PEFT-layout archive (.tar.gz or .zip) holding adapter_config.json and "
+    "adapter_model.safetensors at its top level. Without a body the adapter is loaded from "
+    "<adapters dir>/<model>/<name>/.",
+    "content": {t: {"schema": {"type": "string", "format": "binary"}} for t in ARCHIVE_TYPES},
+}
+
+
+@router.get("", name="list_adapters", response_model=AdapterList, responses=errors(401, 404, 422, 503))
+async def list_adapters(worker: Worker) -> AdapterList:
+    """Adapters of this model: resident ones and those on disk that load on first use."""
+    return AdapterList(adapters=[adapter_schema(a) for a in worker.list_adapters()])
+
+
+@router.put(
+    "/{name}",
+    name="load_adapter",
+    response_model=AdapterInfoSchema,
+    dependencies=[Depends(require_admin)],
+    responses=errors(400, 401, 403, 404, 409, 413, 415, 422, 429, 500, 503, 504),
+    openapi_extra={"requestBody": _UPLOAD_BODY},
+)
+async def load_adapter(
+    name: AdapterName, request: Request, worker: Worker, settings: Annotated[Settings, Depends(get_settings)]
+) -> AdapterInfoSchema:
+    """Load (or reload) adapter `name`, from the adapter directory or from the uploaded archive."""
+    request.state.adapter = name
+    data = await request.body()  # bounded by the body-limit middleware (max_adapter_upload_bytes)
+    model = worker.info.name
+    async with request.app.state.adapter_lock:  # one load/unload at a time: uploads swap directories
+        if not data:
+            directory = _adapter_dir(settings, model, name)
+            if directory is None or not directory.is_dir():
+                raise NotFound(f"adapter {name!r}: no directory {model}/{name}/ in the adapter directory")
+            return adapter_schema(await worker.load_adapter(name, directory))
+        _check_content_type(request)
+        target = _adapter_dir(settings, model, name)
+        if target is None:
+            raise Conflict("this server has no adapter directory (setting adapters) to store uploads in")
+        return adapter_schema(await _install(worker, name, data, target, settings.max_adapter_upload_bytes))
+
+
+@router.delete(
+    "/{name}",
+    name="unload_adapter",
+    status_code=204,
+    dependencies=[Depends(require_admin)],
+    responses=errors(401, 403, 404, 422, 500, 503),
+)
+async def unload_adapter(name: AdapterName, request: Request, worker: Worker) -> None:
+    """Unload adapter `name` from memory (its files stay; requests already using it finish first)."""
+    request.state.adapter = name
+    async with request.app.state.adapter_lock:
+        await worker.unload_adapter(name)
+
+
+def adapter_schema(info: AdapterInfo) -> AdapterInfoSchema:
+    return AdapterInfoSchema.model_validate(dataclasses.asdict(info))
+
+
+def _adapter_dir(settings: Settings, model: str, name: str) -> Path | None:
+    return None if settings.adapters is None else settings.adapters / model / name
+
+
+def _check_content_type(request: Request) -> None:
+    given = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if given not in ARCHIVE_TYPES:
+        raise HTTPException(
+            415, f"an adapter upload needs Content-Type one of {', '.join(ARCHIVE_TYPES)}; got {given or 'none'}"
+        )
+
+
+async def _install(worker: ModelWorker, name: str, data: bytes, target: Path, limit: int) -> AdapterInfo:
+    """Extract into a temp dir beside ``target``, swap it in, load; on failure put the old files back."""
+    files = await asyncio.to_thread(archive.read_adapter_archive, data, limit)
+    tmp = await asyncio.to_thread(archive.write_temp_dir, files, target.parent)
+    try:
+        old = await asyncio.to_thread(archive.swap_in, tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
+        info = await worker.load_adapter(name, target)
+    except BaseException:
+        await asyncio.to_thread(archive.restore, target, old)
+        raise
+    if old is not None:
+        await asyncio.to_thread(shutil.rmtree, old, True)
+    return info

@@ -1,0 +1,118 @@
+"""/v1/models: the list, and per model generate, classify, embed and attention."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import StreamingResponse
+
+from service.auth import require_key
+from service.deps import get_engine, get_worker, request_id
+from service.engine import Engine, ModelWorker
+from service.http_errors import errors, invalid
+from service.routes.sse import SSE_RESPONSE, sse_response
+from service.schemas import (
+    AttentionRequest,
+    AttentionResponse,
+    Candidate,
+    Classification,
+    ClassifyRequest,
+    ClassifyResponse,
+    EmbedRequest,
+    EmbedResponse,
+    GenerateOutput,
+    GenerateRequest,
+    GenerateResponse,
+    ModelInfoSchema,
+    ModelList,
+)
+from service.types import GenerateParams, ModelInfo
+
+router = APIRouter(prefix="/v1/models", tags=["models"], dependencies=[Depends(require_key)])
+
+Worker = Annotated[ModelWorker, Depends(get_worker)]
+RequestId = Annotated[str, Depends(request_id)]
+_COMMON = (400, 401, 404, 413, 422, 429, 500, 503, 504)
+
+
+def model_schema(info: ModelInfo, created: int) -> ModelInfoSchema:
+    return ModelInfoSchema.model_validate({**dataclasses.asdict(info), "id": info.name, "created": created})
+
+
+@router.get("", name="list_models", response_model=ModelList, responses=errors(401, 503))
+async def list_models(request: Request, engine: Annotated[Engine, Depends(get_engine)]) -> ModelList:
+    """Every loaded model with its family, device, dtype, size, limits and resident adapters."""
+    created = request.app.state.started_at
+    return ModelList(data=[model_schema(m, created) for m in engine.models()])
+
+
+def generate_params(req: GenerateRequest) -> GenerateParams:
+    fields = {f.name for f in dataclasses.fields(GenerateParams)}
+    return GenerateParams(**{k: v for k, v in req.model_dump().items() if k in fields})
+
+
+def _candidate(c: Any) -> Candidate:
+    return Candidate(text=c.text, tokens=list(c.tokens), score=c.score, finish_reason=c.finish_reason)
+
+
+def generate_output(out: Any, many: bool) -> GenerateOutput:
+    """Candidates only when several were asked for (unset otherwise, so the key is left out)."""
+    best = _candidate(out).model_dump()
+    if not many:
+        return GenerateOutput(**best)
+    return GenerateOutput(**best, candidates=[_candidate(c) for c in out.candidates])
+
+
+def stream_event(e: Any) -> dict[str, Any]:
+    return {"text": e.text, "token": e.token, "finish_reason": e.finish_reason}
+
+
+@router.post(
+    "/{model}/generate",
+    name="generate",
+    response_model=GenerateResponse,
+    response_model_exclude_unset=True,
+    responses={200: SSE_RESPONSE, **errors(*_COMMON)},
+)
+async def generate(
+    req: GenerateRequest, request: Request, worker: Worker, rid: RequestId
+) -> GenerateResponse | StreamingResponse:
+    """Translate (seq2seq) or continue (causal_lm) each input: greedy, beam or sampling.
+
+    With `"stream": true` (one input), tokens arrive as server-sent events `data: {"text", "token",
+    "finish_reason"}`, the last one with a finish_reason, then `data: [DONE]`.
+    """
+    request.state.adapter = req.adapter
+    params = generate_params(req)
+    if req.stream:
+        if len(req.inputs) != 1:
+            raise invalid("inputs", f"streaming takes exactly one input, got {len(req.inputs)}")
+        return await sse_response(worker.stream(req.inputs[0], params, rid), stream_event, rid)
+    outputs = await worker.generate(req.inputs, params, rid)
+    return GenerateResponse(outputs=[generate_output(o, req.num_return_sequences > 1) for o in outputs])
+
+
+@router.post("/{model}/classify", name="classify", response_model=ClassifyResponse, responses=errors(*_COMMON))
+async def classify(req: ClassifyRequest, request: Request, worker: Worker, rid: RequestId) -> ClassifyResponse:
+    """Label each text or [text, text] pair, with every label's probability (top_k: the k likeliest)."""
+    request.state.adapter = req.adapter
+    outputs = await worker.classify(list(req.inputs), req.adapter, req.top_k, rid)
+    return ClassifyResponse(
+        outputs=[Classification(label=o.label, score=o.score, probabilities=dict(o.probabilities)) for o in outputs]
+    )
+
+
+@router.post("/{model}/embed", name="embed", response_model=EmbedResponse, responses=errors(*_COMMON))
+async def embed(req: EmbedRequest, worker: Worker, rid: RequestId) -> EmbedResponse:
+    """One vector per input: the encoder's [CLS] state or the mean over tokens."""
+    vectors = await worker.embed(req.inputs, req.pooling, rid)
+    return EmbedResponse(embeddings=vectors, dimensions=len(vectors[0]) if vectors else 0)
+
+
+@router.post("/{model}/attention", name="attention", response_model=AttentionResponse, responses=errors(*_COMMON))
+async def attention(req: AttentionRequest, worker: Worker, rid: RequestId) -> AttentionResponse:
+    """Tokens and attention weights per layer and head, for introspection (not batched for speed)."""
+    out = await worker.attention(req.input, req.target, rid)
+    return AttentionResponse(source_tokens=out.source_tokens, target_tokens=out.target_tokens, maps=out.maps)

@@ -1,0 +1,216 @@
+"""POST /v1/completions, wire-compatible with OpenAI's completions API, for causal_lm models.
+
+``"model": "name:adapter"`` selects a LoRA adapter. ``temperature: 0`` decodes greedily (n copies
+of the one greedy completion when n > 1); otherwise top-p sampling, reproducible with ``seed``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import StreamingResponse
+
+from service.auth import require_key
+from service.deps import get_engine, get_settings, request_id, worker_for
+from service.engine import Engine, ModelWorker
+from service.errors import InvalidRequest
+from service.http_errors import error_field, errors, invalid
+from service.routes.sse import SSE_RESPONSE, sse_response
+from service.schemas import CompletionChoice, CompletionRequest, CompletionResponse, Usage
+from service.settings import Settings
+from service.types import GenerateParams, StreamEvent
+
+router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_key)])
+
+
+# Engine field names as OpenAI calls them (for the 422s the engine raises).
+_OPENAI_FIELDS = {"inputs": "prompt", "max_new_tokens": "max_tokens", "num_return_sequences": "n"}
+
+
+def check_completion(req: CompletionRequest, settings: Settings) -> None:
+    """Caps under OpenAI's field names, and fields accepted only at values that change nothing."""
+    prompts = 1 if isinstance(req.prompt, str) else len(req.prompt)
+    caps = (
+        ("prompt", prompts, settings.max_inputs, "max_inputs"),
+        ("max_tokens", req.max_tokens, settings.max_new_tokens, "max_new_tokens"),
+        ("n", req.n, settings.max_return_sequences, "max_return_sequences"),
+    )
+    for field, value, cap, setting in caps:
+        if value > cap:
+            raise invalid(field, f"{value} exceeds this server's limit of {cap} (setting {setting})")
+    unsupported = {
+        "echo": req.echo,
+        "logprobs": req.logprobs is not None,
+        "suffix": req.suffix is not None,
+        "best_of": req.best_of is not None and req.best_of != req.n,
+        "frequency_penalty": req.frequency_penalty != 0,
+        "presence_penalty": req.presence_penalty != 0,
+        "logit_bias": bool(req.logit_bias),
+    }
+    for field, used in unsupported.items():
+        if used:
+            raise invalid(field, "is not supported by this server; leave it unset (or at its default)")
+
+
+def openai_names(exc: InvalidRequest) -> InvalidRequest:
+    """The engine's InvalidRequest with its field renamed as in OpenAI's API (inputs[1] -> prompt[1])."""
+    field = error_field(exc)
+    base = field.split("[")[0] if field else None
+    if base not in _OPENAI_FIELDS:
+        return exc
+    renamed = _OPENAI_FIELDS[base] + field[len(base) :]
+    return invalid(renamed, str(exc).removeprefix(field).lstrip(": "))
+
+
+def prompt_tokens(worker: ModelWorker, prompts: list[str]) -> int:
+    """Input tokens as the engine counts them for a causal_lm: <s> + text."""
+    tokenizer = worker.checkpoint.tokenizer
+    return sum(len(tokenizer.encode(p, add_bos=True)) for p in prompts)
+
+
+def finish_reason(reason: str | None) -> str | None:
+    """Ours (eos, stop, length) to OpenAI's (stop, length)."""
+    if reason is None:
+        return None
+    return "length" if reason == "length" else "stop"
+
+
+def completion_params(req: CompletionRequest, adapter: str | None) -> GenerateParams:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    common = dict(max_new_tokens=req.max_tokens, stop=stop, adapter=adapter, seed=req.seed)
+    if req.temperature == 0:
+        return GenerateParams(strategy="greedy", **common)
+    return GenerateParams(
+        strategy="sample",
+        temperature=req.temperature,
+        top_p=req.top_p,
+        num_return_sequences=1 if req.stream else req.n,
+        **common,
+    )
+
+
+@router.post(
+    "/completions",
+    name="completions",
+    response_model=CompletionResponse,
+    responses={200: SSE_RESPONSE, **errors(400, 401, 404, 413, 422, 429, 500, 503, 504)},
+)
+async def completions(
+    req: CompletionRequest,
+    request: Request,
+    engine: Annotated[Engine, Depends(get_engine)],
+    settings: Annotated[Settings, Depends(get_settings)],
+    rid: Annotated[str, Depends(request_id)],
+) -> CompletionResponse | StreamingResponse:
+    """OpenAI-compatible text completion (also streamed as OpenAI's SSE chunks, ending `data: [DONE]`)."""
+    name, _, adapter = req.model.partition(":")
+    request.state.model, request.state.adapter = name, adapter or None
+    worker = worker_for(engine, name)
+    if worker.info.family != "causal_lm":
+        raise invalid("model", f"{name!r} is a {worker.info.family} model; /v1/completions serves causal_lm models")
+    check_completion(req, settings)
+    prompts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
+    params = completion_params(req, adapter or None)
+    head = {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": req.model,
+    }
+    try:
+        if req.stream:
+            return await _stream(worker, prompts, req, params, head, rid)
+        outputs = await worker.generate(prompts, params, rid)
+    except InvalidRequest as exc:
+        raise openai_names(exc) from None
+    choices, completion_tokens = [], 0
+    for i, out in enumerate(outputs):
+        sequences = out.candidates if params.num_return_sequences > 1 else [out] * req.n
+        for j, seq in enumerate(sequences):
+            reason = finish_reason(seq.finish_reason)
+            choices.append(CompletionChoice(text=seq.text, index=i * req.n + j, finish_reason=reason))
+            completion_tokens += len(seq.tokens)
+    prompt = prompt_tokens(worker, prompts)
+    usage = Usage(prompt_tokens=prompt, completion_tokens=completion_tokens, total_tokens=prompt + completion_tokens)
+    return CompletionResponse(**head, choices=choices, usage=usage)
+
+
+async def _stream(
+    worker: ModelWorker,
+    prompts: list[str],
+    req: CompletionRequest,
+    params: GenerateParams,
+    head: dict[str, Any],
+    rid: str,
+) -> StreamingResponse:
+    """One engine stream per (prompt, choice), merged; chunk index = prompt * n + choice."""
+    streams = []
+    for prompt in prompts:
+        for j in range(req.n):
+            seed = None if params.seed is None else params.seed + j
+            streams.append(worker.stream(prompt, GenerateParams(**{**vars(params), "seed": seed}), rid))
+    generated = [0] * len(streams)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def chunk(item: tuple[int, StreamEvent]) -> dict[str, Any]:
+        index, e = item
+        generated[index] += e.token is not None
+        choice = {"text": e.text, "index": index, "logprobs": None, "finish_reason": finish_reason(e.finish_reason)}
+        return {**head, "choices": [choice], **({"usage": None} if include_usage else {})}
+
+    def usage_chunk() -> list[dict[str, Any]]:
+        if not include_usage:
+            return []
+        prompt, completion = prompt_tokens(worker, prompts) * req.n, sum(generated)
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return [{**head, "choices": [], "usage": usage}]
+
+    return await sse_response(merge(streams), chunk, rid, after=usage_chunk)
+
+
+async def merge(streams: list[AsyncIterator[StreamEvent]]) -> AsyncIterator[tuple[int, StreamEvent]]:
+    """Interleave several streams as (index, event). Every stream's first event is awaited before the
+    first yield, so a refusal of any of them (queue full, too long) fails the whole request up front."""
+    firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+    failed = [f for f in firsts if isinstance(f, BaseException)]
+    if failed:
+        for s in streams:
+            with contextlib.suppress(Exception):
+                await s.aclose()
+        raise failed[0]
+    queue: asyncio.Queue[tuple[int, StreamEvent | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[StreamEvent]) -> None:
+        try:
+            async for e in stream:
+                await queue.put((index, e, None))
+            await queue.put((index, None, None))
+        except Exception as exc:
+            await queue.put((index, None, exc))
+
+    for index, first in enumerate(firsts):
+        yield index, first
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        open_streams = len(streams)
+        while open_streams:
+            index, e, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if e is None:
+                open_streams -= 1
+            else:
+                yield index, e
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for s in streams:
+            with contextlib.suppress(Exception):
+                await s.aclose()

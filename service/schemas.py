@@ -1,0 +1,252 @@
+"""Request and response bodies of the HTTP API (pydantic): static bounds only.
+
+Limits that come from settings (caps on beams, new tokens, inputs) are checked by
+:mod:`service.limits`; token lengths by the engine. Every request model forbids unknown fields and
+non-finite numbers, so a typo or a NaN is a 422 naming the field instead of a silent default.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+
+NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$"  # model and adapter names (no '/', no '..' prefix)
+MAX_SEED = 2**63 - 1
+
+Text = Annotated[str, Field(min_length=1, description="Non-empty text.")]
+Name = Annotated[str, Field(pattern=NAME_PATTERN, description="1-64 of [A-Za-z0-9_.-], not starting with '.' or '-'.")]
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+
+
+def _str_or_list(value: object) -> str:
+    return "list" if isinstance(value, list | tuple) else "str"
+
+
+def one_or_many(one: object, many: object) -> object:
+    """``one | many`` validated by the input's JSON type (a string or an array), so a bad value gets one
+    error from the branch it meant, not one per branch; the tags "str"/"list" are left out of field paths."""
+    return Annotated[Annotated[one, Tag("str")] | Annotated[many, Tag("list")], Discriminator(_str_or_list)]
+
+
+class RequestModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+# ---- errors --------------------------------------------------------------------------------------
+
+
+class ErrorDetail(BaseModel):
+    code: str = Field(description="Machine-readable code, e.g. invalid_request, not_found, queue_full.")
+    message: str = Field(description="What went wrong; names the field and the limit where one applies.")
+    field: str | None = Field(None, description="The offending request field (dotted path), when there is one.")
+    request_id: str | None = Field(None, description="Same as the X-Request-ID response header.")
+
+
+class ErrorResponse(BaseModel):
+    """The one error shape of every endpoint, including 404/405/413 and validation errors."""
+
+    error: ErrorDetail
+
+
+# ---- health and models ---------------------------------------------------------------------------
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class ReadyResponse(BaseModel):
+    status: Literal["ready"] = "ready"
+    models: list[str]
+
+
+class AdapterInfoSchema(BaseModel):
+    name: str
+    rank: int
+    alpha: float
+    target_modules: list[str]
+    path: str
+    loaded_at: float | None = Field(
+        None, description="Unix time the resident version was loaded (null: on disk only, loaded on first use)."
+    )
+    last_used: float | None = Field(None, description="Unix time of its last request.")
+    in_flight: int = Field(0, description="Requests using it right now.")
+    resident: bool = Field(True, description="In memory now (false: known on disk, loaded on first use).")
+
+
+class AdapterList(BaseModel):
+    adapters: list[AdapterInfoSchema]
+
+
+class ModelInfoSchema(BaseModel):
+    id: str = Field(description="Same as name (OpenAI's model list field).")
+    object: Literal["model"] = "model"
+    created: int = Field(description="Unix time the server started.")
+    owned_by: str = "tserve"
+    name: str
+    family: Literal["seq2seq", "classifier", "causal_lm"]
+    device: str
+    dtype: str
+    parameters: int
+    max_input_tokens: int
+    max_new_tokens: int = Field(description="Cap on new tokens (0 for classifiers).")
+    labels: list[str] | None = Field(None, description="Class labels (classifier).")
+    adapters: list[str] = Field(description="LoRA adapters this model can use.")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelInfoSchema]
+
+
+# ---- generate ------------------------------------------------------------------------------------
+
+
+class GenerateRequest(RequestModel):
+    inputs: list[Text] = Field(min_length=1, description="Source sentences (seq2seq) or prompts (causal_lm).")
+    strategy: Literal["greedy", "beam", "sample"] = "greedy"
+    max_new_tokens: int = Field(64, ge=1, description="Capped by the server's max_new_tokens setting.")
+    min_new_tokens: int = Field(0, ge=0, description="End-of-sequence is suppressed before this many tokens.")
+    num_beams: int = Field(4, ge=1, description="Beam width (strategy=beam); capped by max_beams.")
+    length_penalty: float = Field(1.0, ge=-10.0, le=10.0, description="Beam score = logprob / length**penalty.")
+    num_return_sequences: int = Field(1, ge=1, description="Candidates per input (beam: <= num_beams).")
+    temperature: float = Field(1.0, gt=0.0, le=100.0, description="Sampling temperature (strategy=sample).")
+    top_k: int = Field(0, ge=0, description="Sample among the k likeliest tokens (0: all).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    seed: Seed | None = Field(None, description="Makes sampling reproducible.")
+    stop: list[Text] = Field(default_factory=list, max_length=16, description="Stop strings (cut from the text).")
+    adapter: Name | None = Field(None, description="LoRA adapter to apply.")
+    stream: bool = Field(False, description="Server-sent events of tokens (one input, one sequence).")
+
+
+class Candidate(BaseModel):
+    text: str
+    tokens: list[int] = Field(description="Generated token ids.")
+    score: float | None = Field(description="Sequence log-probability (length-penalised for beam).")
+    finish_reason: str = Field(description="eos, length or stop.")
+
+
+class GenerateOutput(Candidate):
+    candidates: list[Candidate] | None = Field(
+        None, description="All returned sequences, best first (only when num_return_sequences > 1)."
+    )
+
+
+class GenerateResponse(BaseModel):
+    outputs: list[GenerateOutput]
+
+
+class StreamEventSchema(BaseModel):
+    """One `data:` line of a generate stream; the last has a finish_reason, then `data: [DONE]`."""
+
+    text: str
+    token: int | None
+    finish_reason: str | None = None
+
+
+# ---- classify / embed / attention ----------------------------------------------------------------
+
+Pair = Annotated[tuple[Text, Text], Field(description="A sentence pair [first, second].")]
+TextOrPair = one_or_many(Text, Pair)
+
+
+class ClassifyRequest(RequestModel):
+    inputs: list[TextOrPair] = Field(min_length=1, description="Texts or [text, text] pairs.")
+    adapter: Name | None = None
+    top_k: int | None = Field(None, ge=1, description="Return only the k likeliest labels' probabilities.")
+
+
+class Classification(BaseModel):
+    label: str
+    score: float
+    probabilities: dict[str, float]
+
+
+class ClassifyResponse(BaseModel):
+    outputs: list[Classification]
+
+
+class EmbedRequest(RequestModel):
+    inputs: list[Text] = Field(min_length=1)
+    pooling: Literal["cls", "mean"] = "mean"
+
+
+class EmbedResponse(BaseModel):
+    embeddings: list[list[float]]
+    dimensions: int
+
+
+class AttentionRequest(RequestModel):
+    input: Text = Field(description="The text (seq2seq: the source sentence).")
+    target: Text | None = Field(None, description="seq2seq only: the target sentence the decoder reads.")
+
+
+AttentionKind = Literal["encoder_self", "decoder_self", "cross", "self"]
+
+
+class AttentionResponse(BaseModel):
+    source_tokens: list[str]
+    target_tokens: list[str] | None = None
+    maps: dict[AttentionKind, list[list[list[list[float]]]]] = Field(
+        description="kind -> [layer][head][query][key] weights; kinds: encoder_self, decoder_self, cross "
+        "(seq2seq) or self (classifier, causal_lm)."
+    )
+
+
+# ---- OpenAI completions --------------------------------------------------------------------------
+
+
+class StreamOptions(RequestModel):
+    include_usage: bool = False
+
+
+class CompletionRequest(RequestModel):
+    """OpenAI's /v1/completions body. Fields that would change the meaning but are not supported
+    (echo, logprobs, suffix, best_of != n, penalties, logit_bias) are rejected rather than ignored."""
+
+    model: str = Field(min_length=1, max_length=129, description="A causal_lm model, or 'model:adapter'.")
+    prompt: one_or_many(Text, Annotated[list[Text], Field(min_length=1)]) = Field(
+        description="A prompt or a list of prompts."
+    )
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 decodes greedily.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, description="Completions per prompt.")
+    stop: one_or_many(Text, Annotated[list[Text], Field(max_length=4)]) | None = Field(
+        None, description="A stop string or up to 4 of them."
+    )
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: Seed | None = None
+    user: str | None = Field(None, description="Accepted and ignored.")
+    # Accepted only at their neutral values:
+    best_of: int | None = Field(None, ge=1, description="Only null or equal to n.")
+    echo: bool = Field(False, description="Only false.")
+    logprobs: int | None = Field(None, description="Only null.")
+    suffix: str | None = Field(None, description="Only null.")
+    frequency_penalty: float = Field(0.0, description="Only 0.")
+    presence_penalty: float = Field(0.0, description="Only 0.")
+    logit_bias: dict[str, float] | None = Field(None, description="Only null or empty.")
+
+
+class CompletionChoice(BaseModel):
+    text: str
+    index: int
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None

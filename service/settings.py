@@ -1,0 +1,206 @@
+"""Service settings: one dataclass, every field readable from a ``TSERVE_*`` environment variable.
+
+The command line (``python -m service --help``) offers the same settings as flags; a flag wins over
+its environment variable, which wins over the default. :func:`settings_table` renders the table
+below as markdown for the README.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from service.types import EngineSettings
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+class SettingsError(ValueError):
+    """A setting (flag or environment variable) has a value it cannot take; the message names it."""
+
+
+def _keys(value: str) -> tuple[str, ...]:
+    return tuple(k.strip() for k in value.split(",") if k.strip())
+
+
+def _bool(value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true/false, got {value!r}")
+
+
+def _optional_int(value: str) -> int | None:
+    return None if value.strip().lower() in ("", "none", "auto") else int(value)
+
+
+def _optional_path(value: str) -> Path | None:
+    return Path(value) if value.strip() else None
+
+
+def _setting(default: Any, env: str, help: str, parse: Callable[[str], Any], **kw: Any) -> Any:
+    meta = {"env": env, "help": help, "parse": parse}
+    if isinstance(default, tuple | list):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta, **kw)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the service can be told; see :func:`settings_table` for the env vars."""
+
+    models: Path | None = _setting(
+        None, "TSERVE_MODELS", "directory of model checkpoints, one subdirectory per model", _optional_path
+    )
+    adapters: Path | None = _setting(
+        None,
+        "TSERVE_ADAPTERS",
+        "directory of LoRA adapters, laid out as <adapters>/<model>/<name>/ (uploads are extracted there)",
+        _optional_path,
+    )
+    host: str = _setting("127.0.0.1", "TSERVE_HOST", "address to listen on", str)
+    port: int = _setting(8000, "TSERVE_PORT", "TCP port to listen on", int)
+    device: str = _setting("auto", "TSERVE_DEVICE", "torch device: auto (CUDA when available), cpu, cuda, cuda:N", str)
+    dtype: str = _setting("auto", "TSERVE_DTYPE", "weights dtype: auto, float32, float16, bfloat16", str)
+    max_batch_size: int = _setting(32, "TSERVE_MAX_BATCH_SIZE", "most requests one forward pass batches", int)
+    max_wait_ms: float = _setting(5.0, "TSERVE_MAX_WAIT_MS", "how long a batch waits for more requests (ms)", float)
+    max_queue: int = _setting(256, "TSERVE_MAX_QUEUE", "queued requests per model before 429", int)
+    max_new_tokens: int = _setting(256, "TSERVE_MAX_NEW_TOKENS", "cap on max_new_tokens / max_tokens", int)
+    max_beams: int = _setting(8, "TSERVE_MAX_BEAMS", "cap on num_beams", int)
+    max_return_sequences: int = _setting(8, "TSERVE_MAX_RETURN_SEQUENCES", "cap on num_return_sequences / n", int)
+    max_inputs: int = _setting(64, "TSERVE_MAX_INPUTS", "most inputs (prompts) in one request", int)
+    max_input_tokens: int | None = _setting(
+        None, "TSERVE_MAX_INPUT_TOKENS", "cap on input tokens (default: each model's maximum length)", _optional_int
+    )
+    request_timeout_s: float = _setting(60.0, "TSERVE_REQUEST_TIMEOUT_S", "per-request time-out (504 after it)", float)
+    max_resident_adapters: int = _setting(
+        8, "TSERVE_MAX_RESIDENT_ADAPTERS", "LoRA adapters kept in memory per model (least recently used evicted)", int
+    )
+    max_body_bytes: int = _setting(1 << 20, "TSERVE_MAX_BODY_BYTES", "largest request body (413 above)", int)
+    max_adapter_upload_bytes: int = _setting(
+        64 << 20,
+        "TSERVE_MAX_ADAPTER_UPLOAD_BYTES",
+        "largest adapter archive upload, and largest total size extracted from it",
+        int,
+    )
+    api_keys: tuple[str, ...] = _setting(
+        (),
+        "TSERVE_API_KEYS",
+        "comma-separated Bearer keys for /v1 (empty: no auth); /health, /ready, /metrics and / stay open",
+        _keys,
+    )
+    admin_keys: tuple[str, ...] = _setting(
+        (),
+        "TSERVE_ADMIN_KEYS",
+        "comma-separated Bearer keys that may also load and unload adapters (with auth on and none set, nobody may)",
+        _keys,
+    )
+    threads: int | None = _setting(
+        None, "TSERVE_THREADS", "torch intra-op threads (default: torch's choice)", _optional_int
+    )
+    drain_timeout_s: float = _setting(
+        30.0, "TSERVE_DRAIN_TIMEOUT_S", "on shutdown, how long in-flight requests may finish", float
+    )
+    log_level: str = _setting("info", "TSERVE_LOG_LEVEL", "logging level: " + ", ".join(LOG_LEVELS), str)
+    warmup: bool = _setting(True, "TSERVE_WARMUP", "run one tiny request per model before reporting ready", _bool)
+
+    def __post_init__(self) -> None:
+        positive = (
+            "port",
+            "max_batch_size",
+            "max_queue",
+            "max_new_tokens",
+            "max_beams",
+            "max_return_sequences",
+            "max_inputs",
+            "max_resident_adapters",
+            "max_body_bytes",
+            "max_adapter_upload_bytes",
+        )
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise SettingsError(f"{name} ({_env(name)}) must be >= 1, got {getattr(self, name)}")
+        for name in ("max_wait_ms", "request_timeout_s", "drain_timeout_s"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0 or (name == "request_timeout_s" and value == 0):
+                raise SettingsError(f"{name} ({_env(name)}) must be a finite number > 0, got {value}")
+        for name in ("max_input_tokens", "threads"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise SettingsError(f"{name} ({_env(name)}) must be >= 1, got {getattr(self, name)}")
+        if self.port > 65535:
+            raise SettingsError(f"port ({_env('port')}) must be <= 65535, got {self.port}")
+        if self.log_level not in LOG_LEVELS:
+            raise SettingsError(f"log_level ({_env('log_level')}) must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        if any(not k.isascii() or not k.isprintable() or " " in k for k in self.api_keys + self.admin_keys):
+            raise SettingsError("API keys must be printable ASCII without spaces")
+
+    @property
+    def auth_enabled(self) -> bool:
+        return bool(self.api_keys or self.admin_keys)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Defaults, then ``TSERVE_*`` variables from ``environ``, then ``overrides`` (e.g. CLI flags)."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = environ.get(f.metadata["env"])
+            if raw is None:
+                continue
+            try:
+                values[f.name] = f.metadata["parse"](raw)
+            except ValueError as exc:
+                raise SettingsError(f"{f.metadata['env']}={raw!r}: {exc}") from None
+        return cls(**{**values, **overrides})
+
+    def engine_settings(self) -> EngineSettings:
+        """The subset the engine takes."""
+        return EngineSettings(
+            device=self.device,
+            dtype=self.dtype,
+            max_batch_size=self.max_batch_size,
+            max_wait_ms=self.max_wait_ms,
+            max_queue=self.max_queue,
+            max_input_tokens=self.max_input_tokens,
+            max_new_tokens=self.max_new_tokens,
+            max_beams=self.max_beams,
+            max_return_sequences=self.max_return_sequences,
+            max_inputs_per_request=self.max_inputs,
+            request_timeout_s=self.request_timeout_s,
+            max_resident_adapters=self.max_resident_adapters,
+            warmup=self.warmup,
+        )
+
+    def with_overrides(self, **changes: Any) -> Settings:
+        return replace(self, **changes)
+
+
+def _env(name: str) -> str:
+    return next(f.metadata["env"] for f in fields(Settings) if f.name == name)
+
+
+def setting_fields() -> list[Any]:
+    """The dataclass fields with their ``env``, ``help`` and ``parse`` metadata (for the CLI)."""
+    return list(fields(Settings))
+
+
+def _shown_default(f: Any) -> str:
+    default = f.default_factory() if callable(f.default_factory) else f.default
+    if default is None or default == ():
+        return "(none)"
+    return str(default)
+
+
+def settings_table() -> str:
+    """The configuration table as markdown: flag, environment variable, default, meaning."""
+    rows = ["| Flag | Environment variable | Default | Meaning |", "|---|---|---|---|"]
+    for f in fields(Settings):
+        flag = "--" + f.name.replace("_", "-")
+        rows.append(f"| `{flag}` | `{f.metadata['env']}` | `{_shown_default(f)}` | {f.metadata['help']} |")
+    return "\n".join(rows) + "\n"

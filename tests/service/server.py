@@ -1,0 +1,121 @@
+"""A real server for the HTTP tests: ``python -m service`` in a subprocess on a free 127.0.0.1 port.
+
+Usage::
+
+    with running_server(models_dir, adapters_dir, TSERVE_MAX_QUEUE="2") as server:
+        httpx.get(server.url + "/ready")
+
+Settings go in as ``TSERVE_*`` environment variables (the way an operator sets them); the server's
+output goes to a log file whose tail is shown if it fails to become ready.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def client(self, **kwargs) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=kwargs.pop("timeout", 60.0), **kwargs)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, process: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with status {process.returncode}")
+        try:
+            if httpx.get(url + "/ready", timeout=2.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"server at {url} not ready after {timeout_s} s")
+
+
+def stop(process: subprocess.Popen, timeout_s: float = 15.0) -> int:
+    """SIGTERM (graceful: drains in-flight requests), SIGKILL if it does not exit in time."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return process.returncode
+
+
+@contextmanager
+def running_server(
+    models_dir: Path, adapters_dir: Path | None = None, ready_timeout_s: float = 60.0, **env: str
+) -> Iterator[Server]:
+    """Start ``python -m service`` with ``env`` (TSERVE_* settings) added; stop it on exit."""
+    port = free_port()
+    args = [sys.executable, "-m", "service", "--models", str(models_dir), "--host", "127.0.0.1", "--port", str(port)]
+    if adapters_dir is not None:
+        args += ["--adapters", str(adapters_dir)]
+    environ = {**os.environ, "TSERVE_THREADS": "1", "TSERVE_LOG_LEVEL": "warning", **env}
+    log = tempfile.NamedTemporaryFile(prefix="tserve-", suffix=".log", delete=False)  # noqa: SIM115
+    process = subprocess.Popen(args, cwd=ROOT, env=environ, stdout=log, stderr=subprocess.STDOUT)
+    server = Server(f"http://127.0.0.1:{port}", process, Path(log.name))
+    try:
+        try:
+            wait_ready(server.url, process, ready_timeout_s)
+        except (RuntimeError, TimeoutError) as exc:
+            raise RuntimeError(f"{exc}; server log:\n{server.log()[-4000:]}") from None
+        yield server
+    finally:
+        stop(process)
+        log.close()
+        os.unlink(log.name)
+
+
+def sse_data(lines: Iterator[str]) -> list:
+    """The ``data:`` payloads of an event stream, JSON-decoded, with the final ``"[DONE]"`` kept as is."""
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            payload = line[len("data: ") :]
+            out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+def metric_samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    """Samples of metric ``name`` in Prometheus text: {sorted label pairs: value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                out[tuple(sorted(sample.labels.items()))] = sample.value
+    return out
