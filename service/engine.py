@@ -1,0 +1,424 @@
+"""The serving engine: one ``ModelWorker`` per checkpoint, gathered by ``Engine``. Torch only, no HTTP.
+
+A ModelWorker validates and encodes requests on the event loop (raising InvalidRequest / NotFound /
+QueueFull at once), hands them to its scheduler's worker thread (service/scheduler.py) and awaits
+the result. Text encoding, the one place the service decides how text becomes model input:
+
+- causal_lm prompt: ``<s>`` + text (so an empty prompt is valid); stop strings end the text;
+- seq2seq source: text + ``</s>``; the decoder starts from ``<s>``;
+- classifier: ``[CLS] a [SEP] (b [SEP])`` with segment ids (``Tokenizer.encode_pair``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from model.checkpoint import Checkpoint, load_checkpoint, parameter_count
+from model.classifier import POOLINGS
+from model.decoding import GenerationConfig
+from model.generation import generate_seq2seq
+from service.adapters import AdapterRegistry, check_name
+from service.errors import InvalidRequest, NotFound, NotReady, RequestTimeout, ServiceError
+from service.jobs import DEADLINE_GRACE_S, CallJob, GenerationJob, Job, PoolingJob, StreamText
+from service.metrics import Metrics
+from service.scheduler import GenerationScheduler, PoolingScheduler, Scheduler
+from service.types import (
+    AdapterInfo,
+    AttentionOutput,
+    ClassifyOutput,
+    EngineSettings,
+    GenerateOutput,
+    GenerateParams,
+    ModelInfo,
+    StreamEvent,
+)
+
+logger = logging.getLogger(__name__)
+
+STRATEGIES = ("greedy", "beam", "sample")
+GENERATIVE = ("causal_lm", "seq2seq")
+
+
+class ModelWorker:
+    """One loaded model: its scheduler thread, its adapters, its metrics labels."""
+
+    def __init__(self, name: str, checkpoint: Checkpoint, settings: EngineSettings, metrics: Metrics,
+                 adapters_dir: Path | None) -> None:
+        self.name = name
+        self.checkpoint = checkpoint
+        self.model = checkpoint.model
+        self.config = checkpoint.config
+        self.family = checkpoint.family
+        self.settings = settings
+        self.metrics = metrics
+        self.registry = AdapterRegistry(self.model, name, adapters_dir, settings.max_resident_adapters, metrics)
+        c = self.config
+        model_limit = {"causal_lm": c.max_len - 1, "seq2seq": getattr(c, "max_src_len", 0), "classifier": c.max_len}
+        self.max_input_tokens = min(model_limit[self.family], settings.max_input_tokens or model_limit[self.family])
+        self.max_new_tokens = min(settings.max_new_tokens, c.max_len - 1) if self.family in GENERATIVE else 0
+        self.scheduler: Scheduler
+        if self.family in GENERATIVE:
+            self.scheduler = GenerationScheduler(name, self.model, self.family, checkpoint.tokenizer, settings,
+                                                 metrics, self.registry)
+        else:
+            self.scheduler = PoolingScheduler(name, self.model, list(checkpoint.labels or []), settings, metrics,
+                                              self.registry)
+
+    @property
+    def info(self) -> ModelInfo:
+        p = next(self.model.parameters())
+        return ModelInfo(
+            name=self.name,
+            family=self.family,
+            device=str(p.device),
+            dtype=str(p.dtype).removeprefix("torch."),
+            parameters=parameter_count(self.model),
+            max_input_tokens=self.max_input_tokens,
+            max_new_tokens=self.max_new_tokens,
+            labels=list(self.checkpoint.labels) if self.checkpoint.labels else None,
+            adapters=self.registry.names(),
+        )
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the worker thread and load the adapters found on disk, up to the resident limit."""
+        self.scheduler.start()
+        for name in self.registry.discover()[: self.settings.max_resident_adapters]:
+            try:
+                await self._on_worker(lambda n=name: self.registry.preload(n))
+            except ServiceError as exc:
+                logger.error("model %r: adapter %r not loaded: %s", self.name, name, exc)
+
+    async def warmup(self) -> None:
+        """One tiny request through the real path (fills caches, catches a broken model early)."""
+        request_id = f"warmup-{self.name}"
+        if self.family in GENERATIVE:
+            await self.generate(["warm up"], GenerateParams(max_new_tokens=2), request_id)
+        else:
+            await self.classify(["warm up"], None, None, request_id)
+            await self.embed(["warm up"], "mean", request_id)
+
+    # ---- requests ---------------------------------------------------------------------------------
+
+    async def generate(self, inputs: list[str], params: GenerateParams, request_id: str) -> list[GenerateOutput]:
+        job = self._generation_job(inputs, params, request_id, stream=False)
+        self._submit(job)
+        return await job.wait()
+
+    def stream(self, text: str, params: GenerateParams, request_id: str) -> AsyncIterator[StreamEvent]:
+        """Events as tokens come (validation errors raise here, before any event).
+
+        Greedy and sample (num_return_sequences 1) stream token by token; beam search streams its
+        best sequence as a single final event (beams only settle at the end).
+        """
+        if params.strategy != "beam" and params.num_return_sequences != 1:
+            raise InvalidRequest(f"num_return_sequences: streaming returns one sequence, got "
+                                 f"{params.num_return_sequences}")
+        job = self._generation_job([text], params, request_id, stream=True)
+        self._submit(job)
+        return self._events(job)
+
+    async def _events(self, job: GenerationJob) -> AsyncIterator[StreamEvent]:
+        finished = False
+        try:
+            while True:
+                remaining = job.deadline - time.monotonic() + DEADLINE_GRACE_S
+                try:
+                    event = await asyncio.wait_for(job.events.get(), max(remaining, 0.0))
+                except TimeoutError:
+                    raise job.timeout_error() from None
+                if isinstance(event, BaseException):
+                    finished = True
+                    raise event
+                finished = event.finish_reason is not None
+                yield event
+                if finished:
+                    return
+        finally:
+            if not finished:
+                job.cancel()  # client gone or timed out: the worker frees its rows at the next step
+
+    async def classify(self, inputs: list[str | tuple[str, str]], adapter: str | None, top_k: int | None,
+                       request_id: str) -> list[ClassifyOutput]:
+        self._require("classify", ("classifier",))
+        self._check_count(inputs)
+        if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
+            raise InvalidRequest(f"top_k: must be an integer >= 1, got {top_k!r}")
+        encoded = []
+        for i, item in enumerate(inputs):
+            if isinstance(item, str):
+                pair = (item, None)
+            elif isinstance(item, list | tuple) and len(item) == 2 and all(isinstance(t, str) for t in item):
+                pair = (item[0], item[1])
+            else:
+                raise InvalidRequest(f"inputs[{i}]: expected a string or a pair of strings")
+            encoded.append(self._check_length(i, self.checkpoint.tokenizer.encode_pair(*pair)))
+        job = PoolingJob(request_id, self.settings.request_timeout_s, "classify", encoded,
+                         adapter=self._acquire(adapter), top_k=top_k)
+        self._submit(job)
+        return await job.wait()
+
+    async def embed(self, inputs: list[str], pooling: str, request_id: str) -> list[list[float]]:
+        self._require("embed", ("classifier",))
+        self._check_count(inputs)
+        if pooling not in POOLINGS:
+            raise InvalidRequest(f"pooling: must be one of {list(POOLINGS)}, got {pooling!r}")
+        encoded = [self._check_length(i, self.checkpoint.tokenizer.encode_pair(self._text(i, t)))
+                   for i, t in enumerate(inputs)]
+        job = PoolingJob(request_id, self.settings.request_timeout_s, "embed", encoded, pooling=pooling)
+        self._submit(job)
+        return await job.wait()
+
+    async def attention(self, text: str, target: str | None, request_id: str) -> AttentionOutput:
+        """Attention maps of one input (seq2seq without ``target``: of its greedy translation).
+
+        Kinds: classifier "encoder_self" (target, when given, is the pair's second text); seq2seq
+        "encoder_self", "decoder_self", "cross" with decoder queries ``<s>`` + target; causal_lm
+        "self" over prompt + target (source_tokens = prompt tokens incl. ``<s>``, target_tokens = target's).
+        """
+        text = self._text(0, text)
+        if target is not None and not isinstance(target, str):
+            raise InvalidRequest("target: expected a string")
+        fn = {"classifier": self._classifier_attention, "seq2seq": self._seq2seq_attention,
+              "causal_lm": self._causal_attention}[self.family](text, target)
+        job = CallJob(request_id, self.settings.request_timeout_s, fn, "attention")
+        self._submit(job)
+        return await job.wait()
+
+    # ---- adapters -----------------------------------------------------------------------------------
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        return self.registry.infos()
+
+    async def load_adapter(self, name: str, directory: Path) -> AdapterInfo:
+        """Load (or atomically replace) ``name`` from ``directory`` inside the adapters directory."""
+        check_name(name)
+        self.registry.check_directory(directory)
+        return await self._on_worker(lambda: self.registry.load(name, Path(directory)))
+
+    async def unload_adapter(self, name: str) -> None:
+        self.registry.info(name)  # NotFound before queueing
+        await self._on_worker(lambda: self.registry.unload(name))
+
+    # ---- helpers --------------------------------------------------------------------------------------
+
+    async def _on_worker(self, fn: Any) -> Any:
+        return await asyncio.wrap_future(self.scheduler.call(fn))
+
+    def _submit(self, job: Job) -> None:
+        try:
+            self.scheduler.submit(job)
+        except ServiceError:
+            if job.adapter is not None:
+                self.registry.release(job.adapter)
+            raise
+
+    def _acquire(self, adapter: str | None):
+        if adapter is None:
+            return None
+        if not isinstance(adapter, str):
+            raise InvalidRequest(f"adapter: expected a name, got {adapter!r}")
+        return self.registry.acquire(adapter)
+
+    def _require(self, endpoint: str, families: tuple[str, ...]) -> None:
+        if self.family not in families:
+            needs = " or ".join(f"a {f}" for f in families)
+            raise InvalidRequest(f"model {self.name!r} is a {self.family}; {endpoint} needs {needs}")
+
+    def _check_count(self, inputs: Any) -> None:
+        if not isinstance(inputs, list | tuple) or not inputs:
+            raise InvalidRequest("inputs: expected a non-empty list")
+        if len(inputs) > self.settings.max_inputs_per_request:
+            raise InvalidRequest(f"inputs: {len(inputs)} inputs exceeds max_inputs_per_request="
+                                 f"{self.settings.max_inputs_per_request}")
+
+    @staticmethod
+    def _text(i: int, text: Any) -> str:
+        if not isinstance(text, str):
+            raise InvalidRequest(f"inputs[{i}]: expected a string, got {type(text).__name__}")
+        return text
+
+    def _check_length(self, i: int, encoded: Any) -> Any:
+        ids = encoded[0] if isinstance(encoded, tuple) else encoded
+        if len(ids) > self.max_input_tokens:
+            raise InvalidRequest(f"inputs[{i}]: {len(ids)} tokens exceeds max_input_tokens={self.max_input_tokens}")
+        return encoded
+
+    def _encode_prompt(self, text: str) -> list[int]:
+        if self.family == "causal_lm":
+            return self.checkpoint.tokenizer.encode(text, add_bos=True)
+        return self.checkpoint.src_tokenizer.encode(text, add_eos=True)
+
+    def _generation_config(self, params: GenerateParams) -> GenerationConfig:
+        s = self.settings
+        if params.strategy not in STRATEGIES:
+            raise InvalidRequest(f"strategy: must be one of {list(STRATEGIES)}, got {params.strategy!r}")
+        if isinstance(params.max_new_tokens, int) and params.max_new_tokens > self.max_new_tokens:
+            raise InvalidRequest(f"max_new_tokens: {params.max_new_tokens} exceeds the limit {self.max_new_tokens} "
+                                 f"(max_new_tokens={s.max_new_tokens}, model max_len={self.config.max_len})")
+        if params.strategy == "beam" and isinstance(params.num_beams, int) and params.num_beams > s.max_beams:
+            raise InvalidRequest(f"num_beams: {params.num_beams} exceeds max_beams={s.max_beams}")
+        if isinstance(params.num_return_sequences, int) and params.num_return_sequences > s.max_return_sequences:
+            raise InvalidRequest(f"num_return_sequences: {params.num_return_sequences} exceeds "
+                                 f"max_return_sequences={s.max_return_sequences}")
+        if not isinstance(params.stop, list | tuple) or not all(isinstance(x, str) for x in params.stop):
+            raise InvalidRequest("stop: expected a list of strings")
+        if params.strategy == "beam" and any(params.stop):
+            raise InvalidRequest("stop: stop strings are not supported with strategy 'beam'")
+        try:
+            return GenerationConfig(
+                strategy=params.strategy, max_new_tokens=params.max_new_tokens, min_new_tokens=params.min_new_tokens,
+                num_beams=params.num_beams if params.strategy == "beam" else 1,
+                length_penalty=params.length_penalty, num_return_sequences=params.num_return_sequences,
+                temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=params.seed,
+                eos_token_id=self.config.eos_id,
+            )
+        except (ValueError, TypeError) as exc:
+            raise InvalidRequest(str(exc)) from None
+
+    def _generation_job(self, inputs: list[str], params: GenerateParams, request_id: str,
+                        stream: bool) -> GenerationJob:
+        self._require("generate", GENERATIVE)
+        self._check_count(inputs)
+        config = self._generation_config(params)
+        prompts = []
+        for i, text in enumerate(inputs):
+            ids = self._check_length(i, self._encode_prompt(self._text(i, text)))
+            if self.family == "causal_lm" and len(ids) + config.max_new_tokens > self.config.max_len:
+                raise InvalidRequest(f"inputs[{i}]: {len(ids)} tokens + max_new_tokens={config.max_new_tokens} "
+                                     f"exceeds the model's max_len={self.config.max_len}")
+            prompts.append(ids)
+        stops = [s for s in params.stop if s]
+        text_stream = StreamText(self.checkpoint.tokenizer.decode, stops) if stream else None
+        return GenerationJob(request_id, self.settings.request_timeout_s, prompts, config, stops,
+                             adapter=self._acquire(params.adapter), stream=text_stream)
+
+    # ---- attention (run on the worker thread) ----------------------------------------------------------
+
+    def _classifier_attention(self, text: str, target: str | None):
+        tok = self.checkpoint.tokenizer
+        ids, segments = self._check_length(0, tok.encode_pair(text, target))
+
+        def run() -> AttentionOutput:
+            device = next(self.model.parameters()).device
+            _, maps = self.model.encode(torch.tensor([ids], device=device), torch.tensor([segments], device=device),
+                                        attention_weights=True)
+            return AttentionOutput(tok.token_strings(ids), None, {"encoder_self": _maps(maps, "self")})
+
+        return run
+
+    def _seq2seq_attention(self, text: str, target: str | None):
+        src = self._check_length(0, self._encode_prompt(text))
+        tgt = self.checkpoint.tokenizer.encode(target) if target is not None else None
+        if tgt is not None and len(tgt) + 1 > self.config.max_len:
+            raise InvalidRequest(f"target: {len(tgt)} tokens exceeds the model's max_len={self.config.max_len} - 1")
+
+        def run() -> AttentionOutput:
+            device = next(self.model.parameters()).device
+            out = tgt
+            if out is None:  # attend over the model's own greedy translation
+                config = GenerationConfig(max_new_tokens=self.max_new_tokens, eos_token_id=self.config.eos_id)
+                out = generate_seq2seq(self.model, [src], config)[0][0].tokens
+            tgt_in = [self.config.bos_id, *out]
+            _, maps = self.model.forward_with_attention(torch.tensor([src], device=device),
+                                                        torch.tensor([tgt_in], device=device))
+            return AttentionOutput(
+                self.checkpoint.src_tokenizer.token_strings(src), self.checkpoint.tokenizer.token_strings(tgt_in),
+                {"encoder_self": _maps(maps["encoder"], "self"), "decoder_self": _maps(maps["decoder"], "self"),
+                 "cross": _maps(maps["decoder"], "cross")},
+            )
+
+        return run
+
+    def _causal_attention(self, text: str, target: str | None):
+        tok = self.checkpoint.tokenizer
+        prompt = self._check_length(0, self._encode_prompt(text))
+        tgt = tok.encode(target) if target is not None else []
+        if len(prompt) + len(tgt) > self.config.max_len:
+            raise InvalidRequest(f"target: prompt + target ({len(prompt) + len(tgt)} tokens) exceeds the model's "
+                                 f"max_len={self.config.max_len}")
+
+        def run() -> AttentionOutput:
+            device = next(self.model.parameters()).device
+            _, maps = self.model.forward_with_attention(torch.tensor([prompt + tgt], device=device))
+            return AttentionOutput(tok.token_strings(prompt), tok.token_strings(tgt) if target is not None else None,
+                                   {"self": _maps(maps, "self")})
+
+        return run
+
+
+def _maps(layers: list[dict[str, torch.Tensor]], kind: str) -> list:
+    """[layer][head][query][key] floats from per-layer (1, H, Tq, Tk) weights."""
+    return [layer[kind][0].float().tolist() for layer in layers]
+
+
+class Engine:
+    """Every model under ``models_dir``, served under its directory name."""
+
+    def __init__(self, settings: EngineSettings, models_dir: Path, adapters_dir: Path | None) -> None:
+        self.settings = settings
+        self.models_dir = Path(models_dir)
+        self.adapters_dir = Path(adapters_dir) if adapters_dir is not None else None
+        self.metrics = Metrics()
+        self.ready = False
+        self.load_errors: dict[str, str] = {}
+        self._workers: dict[str, ModelWorker] = {}
+
+    async def start(self) -> None:
+        """Load every checkpoint (a failing one is logged, skipped and reported in load_errors), warm up."""
+        if not self.models_dir.is_dir():
+            self.load_errors[str(self.models_dir)] = "models directory not found"
+            logger.error("models directory %s not found", self.models_dir)
+        dirs = sorted(p for p in self.models_dir.iterdir() if p.is_dir() and not p.name.startswith(".")) \
+            if self.models_dir.is_dir() else []
+        for directory in dirs:
+            name = directory.name
+            start = time.perf_counter()
+            try:
+                checkpoint = await asyncio.to_thread(load_checkpoint, directory, self.settings.device,
+                                                     self.settings.dtype)
+                worker = ModelWorker(name, checkpoint, self.settings, self.metrics, self.adapters_dir)
+                await worker.start()
+                self.metrics.model_load_seconds.labels(name).set(time.perf_counter() - start)
+                if self.settings.warmup:
+                    await worker.warmup()
+            except Exception as exc:
+                logger.exception("model %r (%s) failed to load; skipped", name, directory)
+                self.load_errors[name] = f"{type(exc).__name__}: {exc}"
+                continue
+            self._workers[name] = worker
+            logger.info("model %r (%s) ready in %.2fs: %s", name, checkpoint.family, time.perf_counter() - start,
+                        worker.info)
+        self.ready = True
+
+    def get(self, model: str) -> ModelWorker:
+        worker = self._workers.get(model)
+        if worker is None:
+            raise NotFound(f"model {model!r} not found; available: {sorted(self._workers)}")
+        return worker
+
+    def models(self) -> list[ModelInfo]:
+        return [w.info for _, w in sorted(self._workers.items())]
+
+    async def stop(self, drain_timeout_s: float) -> None:
+        """Refuse new requests (NotReady), let in-flight ones finish until the deadline, then stop threads."""
+        self.ready = False
+        workers = list(self._workers.values())
+        for worker in workers:
+            worker.scheduler.close()
+        deadline = time.monotonic() + drain_timeout_s
+        while any(w.scheduler.busy for w in workers) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        reason = NotReady("the engine stopped before this request finished (drain timeout)")
+        await asyncio.gather(*(asyncio.to_thread(w.scheduler.stop, reason, 10.0) for w in workers))
+
+
+__all__ = ["Engine", "ModelWorker", "RequestTimeout"]

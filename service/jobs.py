@@ -1,0 +1,226 @@
+"""Jobs: what the event loop hands a model's worker thread, and how results travel back.
+
+A job is created on the event loop (it owns an ``asyncio.Future`` there); the worker thread resolves
+it with ``loop.call_soon_threadsafe``. Cancellation goes the other way through a plain flag that the
+worker reads before every step. Streaming jobs also own an ``asyncio.Queue`` of StreamEvents.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from model.decoding import GenerationConfig, Hypothesis
+from model.generation import trim_stop
+from service.adapters import AdapterVersion
+from service.errors import RequestTimeout
+from service.types import Candidate, GenerateOutput, StreamEvent
+
+# The worker enforces deadlines; the awaiting coroutine gives up this much later if the worker is stuck.
+DEADLINE_GRACE_S = 5.0
+
+
+class Job:
+    """One request's unit of work for a worker thread."""
+
+    endpoint = "job"
+
+    def __init__(self, request_id: str, timeout_s: float, adapter: AdapterVersion | None = None) -> None:
+        self.id = request_id
+        self.loop = asyncio.get_running_loop()
+        self.future: asyncio.Future = self.loop.create_future()
+        self.arrival = time.monotonic()
+        self.deadline = self.arrival + timeout_s
+        self.timeout_s = timeout_s
+        self.adapter = adapter  # pinned version (released by the worker when the job leaves)
+        self.admitted_at: float | None = None
+        self.cancelled = False  # written by the event loop, read by the worker
+        self.done = False  # written by the worker once the job is resolved or failed
+
+    @property
+    def rows(self) -> int:
+        """Batch rows (generation) or inputs (classify/embed) this job needs at most."""
+        return 1
+
+    @property
+    def adapter_name(self) -> str | None:
+        return self.adapter.public if self.adapter is not None else None
+
+    def expired(self, now: float) -> bool:
+        return now > self.deadline
+
+    def timeout_error(self) -> RequestTimeout:
+        return RequestTimeout(f"request {self.id!r} exceeded its deadline of {self.timeout_s:g} s "
+                              f"(request_timeout_s); its rows were freed")
+
+    # ---- worker thread -> event loop ----------------------------------------------------------
+
+    def resolve(self, value: Any) -> None:
+        self.done = True
+        self._post(self._set_result, value)
+
+    def fail(self, exc: BaseException) -> None:
+        self.done = True
+        self._post(self._set_exception, exc)
+
+    def _post(self, fn: Callable[[Any], None], arg: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is waiting any more
+            self.loop.call_soon_threadsafe(fn, arg)
+
+    def _set_result(self, value: Any) -> None:
+        if not self.future.done():
+            self.future.set_result(value)
+
+    def _set_exception(self, exc: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(exc)
+
+    # ---- event loop ---------------------------------------------------------------------------
+
+    async def wait(self) -> Any:
+        """The result; cancelling the awaiting coroutine cancels the job (its rows go at the next step)."""
+        remaining = self.deadline - time.monotonic() + DEADLINE_GRACE_S
+        try:
+            return await asyncio.wait_for(asyncio.shield(self.future), max(remaining, 0.0))
+        except TimeoutError:
+            self.cancel()
+            raise self.timeout_error() from None
+        except asyncio.CancelledError:
+            self.cancel()
+            raise
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.future.cancel()
+
+
+class CallJob(Job):
+    """A one-off function run alone on the worker thread (attention maps)."""
+
+    def __init__(self, request_id: str, timeout_s: float, fn: Callable[[], Any], endpoint: str) -> None:
+        super().__init__(request_id, timeout_s)
+        self.fn = fn
+        self.endpoint = endpoint
+
+    @property
+    def rows(self) -> int:
+        return 0
+
+
+class PoolingJob(Job):
+    """Classification or embedding of several inputs, batched with other jobs' inputs."""
+
+    def __init__(self, request_id: str, timeout_s: float, endpoint: str, inputs: list[tuple[list[int], list[int]]],
+                 adapter: AdapterVersion | None = None, pooling: str = "mean", top_k: int | None = None) -> None:
+        super().__init__(request_id, timeout_s, adapter)
+        self.endpoint = endpoint  # "classify" | "embed"
+        self.inputs = inputs  # (ids, segment ids) per input
+        self.pooling = pooling
+        self.top_k = top_k
+
+    @property
+    def rows(self) -> int:
+        return len(self.inputs)
+
+
+class GenerationJob(Job):
+    """A generation request: one Search over its inputs, owning some rows of the running batch."""
+
+    def __init__(self, request_id: str, timeout_s: float, prompts: list[list[int]], config: GenerationConfig,
+                 stops: list[str], adapter: AdapterVersion | None = None, stream: StreamText | None = None) -> None:
+        super().__init__(request_id, timeout_s, adapter)
+        self.endpoint = "stream" if stream is not None else "generate"
+        self.prompts = prompts
+        self.config = config
+        self.stops = stops
+        self.search = None  # model.decoding.Search, made at admission
+        self.stream = stream
+        self.events: asyncio.Queue | None = asyncio.Queue() if stream is not None else None
+        self.last_token_at: float | None = None
+
+    @property
+    def rows(self) -> int:
+        """Most rows the search will ever hold (beams expand after the first step)."""
+        c = self.config
+        per_input = {"beam": c.num_beams, "sample": c.num_return_sequences}.get(c.strategy, 1)
+        return len(self.prompts) * per_input
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    def emit(self, event: StreamEvent | BaseException) -> None:
+        """Queue a stream event (or the exception that ends the stream)."""
+        if self.events is not None:
+            self._post(self.events.put_nowait, event)
+
+    def fail(self, exc: BaseException) -> None:
+        if self.events is None:
+            super().fail(exc)
+        else:  # a stream reports through its queue only (nobody awaits the future)
+            self.done = True
+            self.emit(exc)
+
+
+class StreamText:
+    """Incremental text of one streamed sequence: never emits what a later token could still change.
+
+    Held back: a trailing partial UTF-8 character ("\\ufffd") and any suffix that could be the start
+    of a stop string. Everything emitted is a prefix of the final, stop-trimmed text.
+    """
+
+    def __init__(self, decode: Callable[[Sequence[int]], str], stops: list[str]) -> None:
+        self.decode = decode
+        self.stops = [s for s in stops if s]
+        self.tokens: list[int] = []
+        self.emitted = ""
+
+    def feed(self, token: int) -> StreamEvent:
+        self.tokens.append(token)
+        text = trim_stop(self.decode(self.tokens), self.stops)
+        safe = text[: _safe_length(text, self.stops)]
+        delta = safe[len(self.emitted):] if safe.startswith(self.emitted) else ""
+        self.emitted += delta
+        return StreamEvent(text=delta, token=token)
+
+    def finish(self, hyp: Hypothesis) -> StreamEvent:
+        text = trim_stop(self.decode(hyp.tokens), self.stops)
+        delta = text[len(self.emitted):] if text.startswith(self.emitted) else ""
+        self.emitted += delta
+        # A sequence ended by length or stop_fn keeps its last token, which no event carried yet.
+        token = hyp.tokens[-1] if len(hyp.tokens) > len(self.tokens) else None
+        return StreamEvent(text=delta, token=token, finish_reason=hyp.finish_reason)
+
+
+def _safe_length(text: str, stops: list[str]) -> int:
+    hold = len(text) - len(text.rstrip("\ufffd"))
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:k]):
+                hold = max(hold, k)
+                break
+    return len(text) - hold
+
+
+def generate_outputs(results: list[list[Hypothesis]], decode: Callable[[Sequence[int]], str],
+                     stops: list[str]) -> list[GenerateOutput]:
+    """One GenerateOutput per input from a finished search's hypotheses (best first)."""
+    outputs = []
+    for hyps in results:
+        candidates = [Candidate(trim_stop(decode(h.tokens), stops), list(h.tokens), float(h.score), h.finish_reason)
+                      for h in hyps]
+        best = candidates[0]
+        outputs.append(GenerateOutput(best.text, best.tokens, best.score, best.finish_reason, candidates))
+    return outputs
+
+
+def final_stream_event(results: list[list[Hypothesis]], stream: StreamText, beam: bool) -> StreamEvent:
+    """The last event: beam search streams its best sequence whole, as one event at the end."""
+    best = results[0][0]
+    if beam:
+        text = trim_stop(stream.decode(best.tokens), stream.stops)
+        return StreamEvent(text=text, token=None, finish_reason=best.finish_reason)
+    return stream.finish(best)

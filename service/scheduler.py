@@ -1,0 +1,622 @@
+"""Batching on one worker thread per model: continuous batching of generation, dynamic batching of the rest.
+
+Every model call happens on the worker thread (adapter loads and unloads too, between steps), under
+``torch.inference_mode``; the event loop only enqueues jobs and awaits their futures.
+
+Generation (``GenerationScheduler``) is iteration-level batching in vLLM's ``schedule()`` /
+``update_from_output()`` shape over a TGI-style ``RunningBatch`` (``filter`` / ``concatenate``):
+
+1. drop running jobs that were cancelled or passed their deadline (``filter``: their rows leave);
+2. admit waiting jobs FIFO while their *maximum* rows (beams expand after the first step) fit in
+   ``max_batch_size`` (a job larger than that runs when the batch is empty, alone);
+3. one ``decode_step`` for all running rows, with per-row LoRA adapters;
+4. prefill the admitted jobs together (causal: ``prefill`` of their padded prompts; seq2seq:
+   ``start``) and ``KVCache.concat`` their rows after the running ones;
+5. each job's Search advances on its slice of the logits; parent rows become one global index and
+   ``cache.select`` applies it, so finished jobs' rows leave at once and their futures resolve.
+
+Failures stay with their job: logits are checked for non-finite values per job (a poisoned adapter
+fails only its jobs); a model call that raises is retried job by job on copies of the pre-step cache
+(``_decode_alone``), so only the culprit fails with EngineFailure and the others carry on.
+Classification and embedding (``PoolingScheduler``) collect up to ``max_batch_size`` inputs or
+``max_wait_ms``, run one padded forward and split the rows back (LitServe's collate).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from model.decoding import make_search
+from model.generation import stop_strings
+from model.kv_cache import GROWTH, CrossAttentionMemory, KVCache
+from model.lora import set_adapters
+from model.tokenizer import Tokenizer, pad_batch
+from service.adapters import AdapterRegistry
+from service.errors import EngineFailure, NotReady, QueueFull, ServiceError
+from service.jobs import CallJob, GenerationJob, Job, PoolingJob, final_stream_event, generate_outputs
+from service.metrics import Metrics, adapter_label
+from service.types import ClassifyOutput, EngineSettings
+
+logger = logging.getLogger(__name__)
+
+FaultHook = Callable[[list[str]], None]  # called with the job ids of every model call (tests inject faults)
+
+
+class Scheduler:
+    """A model's worker thread: a bounded FIFO of jobs, control calls between steps, and the step loop."""
+
+    def __init__(self, name: str, model: nn.Module, settings: EngineSettings, metrics: Metrics,
+                 registry: AdapterRegistry) -> None:
+        self.name = name
+        self.model = model
+        self.settings = settings
+        self.metrics = metrics
+        self.registry = registry
+        self.fault_hook: FaultHook | None = None
+        self._cond = threading.Condition()
+        self._waiting: deque[Job] = deque()
+        self._controls: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
+        self._accepting = True
+        self._stopping: ServiceError | None = None
+        self._latency = 1.0  # moving average of job latency (s), for retry_after
+        self._outbox: list[tuple[Job, Any, BaseException | None]] = []  # delivered after the step's bookkeeping
+        self._thread = threading.Thread(target=self._loop, name=f"tserve-{name}", daemon=True)
+
+    # ---- event loop side ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        """Enqueue ``job``; raises NotReady when closed, QueueFull (at once) when max_queue jobs wait."""
+        with self._cond:
+            if not self._accepting:
+                raise NotReady(f"model {self.name!r} is not accepting requests (shutting down)")
+            if len(self._waiting) >= self.settings.max_queue:
+                retry = min(30.0, max(0.1, self._latency * len(self._waiting) / self.settings.max_batch_size))
+                raise QueueFull(f"model {self.name!r}: {len(self._waiting)} requests are waiting "
+                                f"(max_queue={self.settings.max_queue}); retry later", retry_after=round(retry, 2))
+            self._waiting.append(job)
+            self.metrics.waiting.labels(self.name).set(len(self._waiting))
+            self._cond.notify()
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run ``fn`` on the worker thread before its next step (adapter loads, test hooks)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self._stopping is not None:
+                raise NotReady(f"model {self.name!r} is shutting down")
+            self._controls.append((fn, future))
+            self._cond.notify()
+        return future
+
+    @property
+    def busy(self) -> bool:
+        """Jobs waiting or running."""
+        with self._cond:
+            return bool(self._waiting) or self.num_running > 0
+
+    @property
+    def num_running(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        """Refuse new jobs (NotReady); queued and running ones carry on."""
+        with self._cond:
+            self._accepting = False
+            self._cond.notify()
+
+    def stop(self, reason: ServiceError, timeout: float | None = None) -> None:
+        """Fail whatever is left with ``reason`` and end the thread (blocking: call off the event loop)."""
+        with self._cond:
+            self._accepting = False
+            self._stopping = reason
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ---- worker thread ----------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._controls and self._stopping is None:
+                    ready, timeout = self._ready(time.monotonic())
+                    if ready:
+                        break
+                    self._cond.wait(timeout)
+                controls = list(self._controls)
+                self._controls.clear()
+                stopping = self._stopping
+            for fn, future in controls:
+                self._run_control(fn, future)
+            if stopping is not None:
+                self._abort(stopping)
+                self._deliver()
+                return
+            try:
+                self.registry.collect()
+                with torch.inference_mode():
+                    self._iteration()
+            except Exception as exc:  # never let the thread die: fail what was running, keep serving
+                logger.exception("model %r: step failed outside any single request", self.name)
+                self._abort_running(exc)
+            self._deliver()
+
+    def _run_control(self, fn: Callable[[], Any], future: concurrent.futures.Future) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            with torch.no_grad():
+                future.set_result(fn())
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    def _ready(self, now: float) -> tuple[bool, float | None]:
+        """Whether to step now; else how long to wait for more jobs (deadline-based collate)."""
+        if self.num_running:
+            return True, None
+        if not self._waiting:
+            return False, None
+        waited = now - self._waiting[0].arrival
+        max_wait = self.settings.max_wait_ms / 1000
+        if waited >= max_wait or not self._accepting or sum(j.rows for j in self._waiting) >= \
+                self.settings.max_batch_size:
+            return True, None
+        return False, max_wait - waited
+
+    def _take(self, budget: int, alone_ok: bool) -> list[Job]:
+        """Pop waiting jobs FIFO while their rows fit ``budget``; dead ones are failed or dropped."""
+        now = time.monotonic()
+        taken: list[Job] = []
+        with self._cond:
+            alive = deque()
+            for job in self._waiting:  # purge the whole queue: a waiting job's deadline also counts
+                if job.cancelled or job.expired(now):
+                    self._finish(job, exc=job.timeout_error())
+                else:
+                    alive.append(job)
+            self._waiting = alive
+            while self._waiting:
+                rows = self._waiting[0].rows
+                if rows > budget and not (alone_ok and not taken):
+                    break
+                taken.append(self._waiting.popleft())
+                budget -= rows
+                alone_ok = False
+            self.metrics.waiting.labels(self.name).set(len(self._waiting))
+        return taken
+
+    def _admit(self, job: Job) -> bool:
+        """Make the job's adapter resident; False (job failed) when that is impossible."""
+        job.admitted_at = time.monotonic()
+        self.metrics.queue_time.labels(self.name, job.endpoint).observe(job.admitted_at - job.arrival)
+        if job.adapter is not None:
+            try:
+                self.registry.ensure_resident(job.adapter)
+            except ServiceError as exc:
+                self._finish(job, exc=exc)
+                return False
+        return True
+
+    def _run_call(self, job: CallJob) -> None:
+        if not self._admit(job):
+            return
+        try:
+            set_adapters(self.model, None)
+            if self.fault_hook is not None:
+                self.fault_hook([job.id])
+            value = job.fn()
+        except ServiceError as exc:
+            self._finish(job, exc=exc)
+        except Exception as exc:
+            logger.exception("model %r: request %r failed", self.name, job.id)
+            self._finish(job, exc=self._failure(job, exc))
+        else:
+            self._finish(job, value)
+
+    def _call_model(self, jobs: list[Job], adapter_rows: list[str | None], fn: Callable, *args: Any) -> Any:
+        """One model call for ``jobs``; rows select their adapters (None = base)."""
+        if self.fault_hook is not None:
+            self.fault_hook([j.id for j in jobs])
+        set_adapters(self.model, adapter_rows if any(a is not None for a in adapter_rows) else None)
+        return fn(*args)
+
+    def _finish(self, job: Job, value: Any = None, exc: BaseException | None = None) -> None:
+        """Unpin ``job``'s adapter and queue its result for delivery at the end of the step (exactly once)."""
+        if job.done:
+            return
+        job.done = True
+        if job.adapter is not None:
+            self.registry.release(job.adapter)
+        self._outbox.append((job, value, exc))
+        if exc is None:
+            latency = time.monotonic() - job.arrival
+            self._latency = 0.9 * self._latency + 0.1 * latency
+            self.metrics.e2e_latency.labels(self.name, job.endpoint).observe(latency)
+
+    def _deliver(self) -> None:
+        """Hand results to the event loop once the step's rows are freed (so they are when a caller wakes)."""
+        outbox, self._outbox = self._outbox, []
+        for job, value, exc in outbox:
+            if exc is not None:
+                job.fail(exc)
+            else:
+                job.resolve(value)
+
+    @staticmethod
+    def _failure(job: Job, exc: BaseException | str) -> EngineFailure:
+        return EngineFailure(f"request {job.id!r} failed in the engine: {exc}", request_id=job.id)
+
+    def _abort(self, reason: ServiceError) -> None:
+        with self._cond:
+            waiting, self._waiting = list(self._waiting), deque()
+            controls, self._controls = list(self._controls), deque()
+        for job in waiting:
+            self._finish(job, exc=reason)
+        for _, future in controls:
+            future.set_exception(reason)
+        self._abort_running(reason)
+        self.metrics.waiting.labels(self.name).set(0)
+
+    def _abort_running(self, exc: BaseException) -> None:
+        """Fail every running job (each with its own error when ``exc`` is not a ServiceError)."""
+
+    def _iteration(self) -> None:
+        raise NotImplementedError
+
+
+@dataclasses.dataclass
+class RunningBatch:
+    """Rows of several generation jobs in one KV cache, in job order (TGI's batch: filter / concatenate)."""
+
+    jobs: list[GenerationJob]
+    cache: KVCache
+    tokens: torch.Tensor | None = None  # (rows,) the token each row feeds next
+
+    @property
+    def rows(self) -> int:
+        return self.cache.batch_size
+
+    @property
+    def reserved(self) -> int:
+        return sum(job.rows for job in self.jobs)
+
+    def adapter_rows(self) -> list[str | None]:
+        return [a for job in self.jobs for a in [_internal(job)] * job.search.num_rows]
+
+    def row_index(self, keep: list[GenerationJob]) -> torch.Tensor:
+        wanted, index, offset = {id(j) for j in keep}, [], 0
+        for job in self.jobs:
+            if id(job) in wanted:
+                index.extend(range(offset, offset + job.search.num_rows))
+            offset += job.search.num_rows
+        return torch.tensor(index, dtype=torch.long, device=self.cache.lengths.device)
+
+    def filter(self, keep: list[GenerationJob]) -> RunningBatch | None:
+        """This batch with only the rows of ``keep`` (None when empty)."""
+        if not keep:
+            return None
+        index = self.row_index(keep)
+        self.cache.select(index)
+        compact(self.cache)
+        if self.tokens is not None:
+            self.tokens = self.tokens.index_select(0, index)
+        self.jobs = keep
+        return self
+
+    def sub(self, job: GenerationJob) -> RunningBatch:
+        """A copy of one job's rows (the batch itself is untouched)."""
+        index = self.row_index([job])
+        cache = dataclasses.replace(self.cache)
+        cache.select(index)
+        tokens = self.tokens.index_select(0, index) if self.tokens is not None else None
+        return RunningBatch([job], cache, tokens)
+
+    @staticmethod
+    def concatenate(batches: list[RunningBatch]) -> RunningBatch | None:
+        batches = [b for b in batches if b is not None]
+        if len(batches) <= 1:
+            return batches[0] if batches else None
+        cache = KVCache.concat([b.cache for b in batches])
+        return RunningBatch([j for b in batches for j in b.jobs], cache)
+
+
+def _internal(job: Job) -> str | None:
+    return job.adapter.internal if job.adapter is not None else None
+
+
+def compact(cache: KVCache) -> None:
+    """Shrink the visible span and buffers after long rows left (``select`` keeps the old maximum).
+
+    Positions at or beyond every row's length are masked for every query, so forgetting them is exact.
+    """
+    if cache.batch_size == 0:
+        return
+    longest = int(cache.lengths.max())
+    cache.max_length = min(cache.max_length, longest)
+    if cache.capacity > longest + 2 * GROWTH:
+        keep = longest + GROWTH
+        cache.keys = [k[:, :, :keep].clone() for k in cache.keys]
+        cache.values = [v[:, :, :keep].clone() for v in cache.values]
+    if cache.cross is not None:
+        used = cache.cross.mask.reshape(cache.batch_size, -1).any(dim=0).nonzero()
+        source_len = int(used.max()) + 1 if used.numel() else 1
+        if source_len < cache.cross.mask.shape[-1]:
+            cache.cross = CrossAttentionMemory(
+                keys=[k[:, :, :source_len] for k in cache.cross.keys],
+                values=[v[:, :, :source_len] for v in cache.cross.values],
+                mask=cache.cross.mask[..., :source_len],
+            )
+
+
+class GenerationScheduler(Scheduler):
+    """Continuous batching of causal_lm / seq2seq generation; see the module docstring."""
+
+    def __init__(self, name: str, model: nn.Module, family: str, tokenizer: Tokenizer, settings: EngineSettings,
+                 metrics: Metrics, registry: AdapterRegistry) -> None:
+        super().__init__(name, model, settings, metrics, registry)
+        self.family = family
+        self.tokenizer = tokenizer  # target side: decodes generated ids
+        self.batch: RunningBatch | None = None
+        self.device = next(model.parameters()).device
+
+    @property
+    def num_running(self) -> int:
+        batch = self.batch
+        return len(batch.jobs) if batch is not None else 0
+
+    @property
+    def num_rows(self) -> int:
+        batch = self.batch
+        return batch.rows if batch is not None else 0
+
+    def _iteration(self) -> None:
+        self._drop_dead(time.monotonic())
+        reserved = self.batch.reserved if self.batch is not None else 0
+        admitted = []
+        for job in self._take(self.settings.max_batch_size - reserved, alone_ok=self.batch is None):
+            if isinstance(job, CallJob):
+                self._run_call(job)
+            elif self._admit(job) and self._start_search(job):
+                admitted.append(job)
+        self._step(admitted)
+        self.metrics.running.labels(self.name).set(self.num_running)
+        if self.device.type == "cuda":
+            self.metrics.gpu_memory(str(self.device), torch.cuda.memory_allocated(self.device))
+
+    def _drop_dead(self, now: float) -> None:
+        if self.batch is None:
+            return
+        keep = []
+        for job in self.batch.jobs:
+            if job.cancelled or job.expired(now):
+                self._finish(job, exc=job.timeout_error())
+            else:
+                keep.append(job)
+        if len(keep) < len(self.batch.jobs):
+            self.batch = self.batch.filter(keep)
+
+    def _start_search(self, job: GenerationJob) -> bool:
+        try:
+            stop_fn = stop_strings(self.tokenizer, job.stops)
+            job.search = make_search(job.config, len(job.prompts), stop_fn)
+        except Exception as exc:
+            self._finish(job, exc=self._failure(job, exc))
+            return False
+        self.metrics.prompt_tokens.labels(self.name, adapter_label(job.adapter_name)).inc(job.prompt_tokens)
+        return True
+
+    def _step(self, admitted: list[GenerationJob]) -> None:
+        outputs = self._decode(self.batch) if self.batch is not None else []
+        if admitted:
+            new_batch, new_outputs = self._prefill(admitted)
+            self.batch = RunningBatch.concatenate([self.batch, new_batch])
+            outputs += new_outputs
+        if self.batch is not None:
+            self._update_from_output(outputs)
+
+    # -- model calls, each isolating failures per job ------------------------------------------------
+
+    def _decode(self, batch: RunningBatch) -> list[tuple[GenerationJob, torch.Tensor, bool]]:
+        cache = batch.cache
+        saved = (cache.lengths, cache.max_length)
+        try:
+            logits = self._call_model(batch.jobs, batch.adapter_rows(), self.model.decode_step, batch.tokens, cache)
+        except Exception as exc:
+            # Nothing was committed (lengths advance last), so the rows can be replayed job by job.
+            cache.lengths, cache.max_length, cache._write_positions = saved[0], saved[1], None
+            logger.warning("model %r: decode step of %d jobs failed (%s); retrying one by one",
+                           self.name, len(batch.jobs), exc)
+            return self._decode_alone(batch)
+        self.metrics.batch_size.labels(self.name).observe(batch.rows)
+        return self._split(batch.jobs, logits)
+
+    def _decode_alone(self, batch: RunningBatch) -> list[tuple[GenerationJob, torch.Tensor, bool]]:
+        survivors, outputs = [], []
+        for job in batch.jobs:
+            sub = batch.sub(job)
+            try:
+                logits = self._call_model([job], sub.adapter_rows(), self.model.decode_step, sub.tokens, sub.cache)
+            except Exception as exc:
+                logger.exception("model %r: request %r failed in a decode step", self.name, job.id)
+                self._finish(job, exc=self._failure(job, exc))
+                continue
+            self.metrics.batch_size.labels(self.name).observe(sub.rows)
+            survivors.append(sub)
+            outputs += self._split([job], logits)
+        self.batch = RunningBatch.concatenate(survivors)
+        return outputs
+
+    def _prefill(self, jobs: list[GenerationJob]) -> tuple[RunningBatch | None, list]:
+        prompts = [p for job in jobs for p in job.prompts]
+        rows = [a for job in jobs for a in [_internal(job)] * len(job.prompts)]
+        try:
+            logits, cache = self._call_model(jobs, rows, self._prefill_rows, prompts)
+        except Exception as exc:
+            if len(jobs) == 1:
+                logger.exception("model %r: request %r failed in prefill", self.name, jobs[0].id)
+                self._finish(jobs[0], exc=self._failure(jobs[0], exc))
+                return None, []
+            logger.warning("model %r: prefill of %d jobs failed (%s); retrying one by one", self.name, len(jobs), exc)
+            parts = [self._prefill([job]) for job in jobs]
+            return RunningBatch.concatenate([b for b, _ in parts]), [o for _, out in parts for o in out]
+        self.metrics.batch_size.labels(self.name).observe(len(prompts))
+        return RunningBatch(jobs, cache), self._split(jobs, logits)
+
+    def _prefill_rows(self, prompts: list[list[int]]) -> tuple[torch.Tensor, KVCache]:
+        ids, lengths = pad_batch(prompts, self.model.config.pad_id)
+        ids = ids.to(self.device)
+        if self.family == "seq2seq":
+            return self.model.start(ids, capacity=16)
+        cache = self.model.new_cache(len(prompts), capacity=ids.shape[1] + 16)
+        return self.model.prefill(ids, lengths.to(self.device), cache), cache
+
+    def _split(self, jobs: list[GenerationJob], logits: torch.Tensor) -> list[tuple[GenerationJob, torch.Tensor, bool]]:
+        """Per-job logits slices and whether they are all finite (one device sync per model call)."""
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        out, offset = [], 0
+        for job in jobs:
+            rows = job.search.num_rows
+            out.append((job, logits[offset: offset + rows], all(finite[offset: offset + rows])))
+            offset += rows
+        return out
+
+    # -- advancing the searches ----------------------------------------------------------------------
+
+    def _update_from_output(self, outputs: list[tuple[GenerationJob, torch.Tensor, bool]]) -> None:
+        batch, now = self.batch, time.monotonic()
+        index, tokens, keep, offset = [], [], [], 0
+        for job, logits, finite in outputs:
+            rows = logits.shape[0]
+            try:
+                if not finite:
+                    adapter = f" (adapter {job.adapter_name!r})" if job.adapter is not None else ""
+                    raise FloatingPointError(f"the model produced non-finite logits{adapter}")
+                next_tokens, parents = job.search.advance(logits)
+            except Exception as exc:
+                logger.error("model %r: request %r failed: %s", self.name, job.id, exc)
+                self._finish(job, exc=self._failure(job, exc))
+                offset += rows
+                continue
+            self._token_metrics(job, rows, now)
+            if job.search.done:
+                self._complete(job)
+            else:
+                if job.stream is not None and job.config.strategy != "beam":
+                    job.emit(job.stream.feed(int(next_tokens[0])))
+                index.append(parents + offset)
+                tokens.append(next_tokens)
+                keep.append(job)
+            offset += rows
+        if not keep:
+            self.batch = None
+            return
+        index = torch.cat(index)
+        if index.numel() != batch.rows or not torch.equal(index, torch.arange(batch.rows, device=index.device)):
+            batch.cache.select(index)
+            if index.numel() < batch.rows:
+                compact(batch.cache)
+        batch.jobs, batch.tokens = keep, torch.cat(tokens)
+
+    def _token_metrics(self, job: GenerationJob, rows: int, now: float) -> None:
+        self.metrics.generation_tokens.labels(self.name, adapter_label(job.adapter_name)).inc(rows)
+        if job.last_token_at is None:
+            self.metrics.ttft.labels(self.name).observe(now - job.arrival)
+        else:
+            self.metrics.itl.labels(self.name).observe(now - job.last_token_at)
+        job.last_token_at = now
+
+    def _complete(self, job: GenerationJob) -> None:
+        results = job.search.results()
+        if job.stream is not None:
+            job.emit(final_stream_event(results, job.stream, job.config.strategy == "beam"))
+        self._finish(job, generate_outputs(results, self.tokenizer.decode, job.stops))
+
+    def _abort_running(self, exc: BaseException) -> None:
+        batch, self.batch = self.batch, None
+        for job in batch.jobs if batch is not None else []:
+            self._finish(job, exc=exc if isinstance(exc, ServiceError) else self._failure(job, exc))
+        self.metrics.running.labels(self.name).set(0)
+
+
+class PoolingScheduler(Scheduler):
+    """Dynamic batching of classify / embed jobs (and one-off calls) on a classifier."""
+
+    def __init__(self, name: str, model: nn.Module, labels: list[str], settings: EngineSettings, metrics: Metrics,
+                 registry: AdapterRegistry) -> None:
+        super().__init__(name, model, settings, metrics, registry)
+        self.labels = labels
+        self.device = next(model.parameters()).device
+
+    def _iteration(self) -> None:
+        jobs = []
+        for job in self._take(self.settings.max_batch_size, alone_ok=True):
+            if isinstance(job, CallJob):
+                self._run_call(job)
+            elif self._admit(job):
+                self.metrics.prompt_tokens.labels(self.name, adapter_label(job.adapter_name)).inc(
+                    sum(len(ids) for ids, _ in job.inputs))
+                jobs.append(job)
+        classify = [j for j in jobs if j.endpoint == "classify"]
+        if classify:
+            self._run_group(classify, self._classify, self._classify_output)
+        for pooling in sorted({j.pooling for j in jobs if j.endpoint == "embed"}):
+            group = [j for j in jobs if j.endpoint == "embed" and j.pooling == pooling]
+            self._run_group(group, lambda ids, seg, p=pooling: self.model.embed_texts(ids, seg, p),
+                      lambda job, out: out.float().tolist())
+
+    def _run_group(self, jobs: list[PoolingJob], forward: Callable,
+                   build: Callable[[PoolingJob, torch.Tensor], Any]) -> None:
+        """Forward ``jobs``' inputs in chunks of max_batch_size rows; on failure retry job by job."""
+        try:
+            outputs = self._forward(jobs, forward)
+        except Exception as exc:
+            if len(jobs) > 1:
+                logger.warning("model %r: batch of %d jobs failed (%s); retrying one by one", self.name, len(jobs), exc)
+                for job in jobs:
+                    self._run_group([job], forward, build)
+                return
+            logger.exception("model %r: request %r failed", self.name, jobs[0].id)
+            self._finish(jobs[0], exc=self._failure(jobs[0], exc))
+            return
+        for job, out in zip(jobs, outputs, strict=True):
+            if not bool(torch.isfinite(out).all()):
+                self._finish(job, exc=self._failure(job, "the model produced non-finite outputs"))
+            else:
+                self._finish(job, build(job, out))
+
+    def _forward(self, jobs: list[PoolingJob], forward: Callable) -> list[torch.Tensor]:
+        rows = [(job, ids, seg) for job in jobs for ids, seg in job.inputs]
+        size, chunks = self.settings.max_batch_size, []
+        for start in range(0, len(rows), size):
+            chunk = rows[start: start + size]
+            ids, _ = pad_batch([r[1] for r in chunk], self.model.config.pad_id)
+            seg, _ = pad_batch([r[2] for r in chunk], 0)
+            owners = list({id(r[0]): r[0] for r in chunk}.values())
+            out = self._call_model(owners, [_internal(r[0]) for r in chunk], forward, ids.to(self.device),
+                                   seg.to(self.device))
+            self.metrics.batch_size.labels(self.name).observe(len(chunk))
+            chunks.append(out)
+        return list(torch.cat(chunks).split([len(job.inputs) for job in jobs]))
+
+    def _classify(self, ids: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
+        return self.model(ids, segments)
+
+    def _classify_output(self, job: PoolingJob, logits: torch.Tensor) -> list[ClassifyOutput]:
+        outputs = []
+        for probs in torch.softmax(logits.float(), dim=-1).tolist():
+            ranked = sorted(zip(self.labels, probs, strict=True), key=lambda lp: -lp[1])
+            top = ranked[: job.top_k] if job.top_k else ranked
+            outputs.append(ClassifyOutput(ranked[0][0], ranked[0][1], dict(top)))
+        return outputs

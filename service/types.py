@@ -1,0 +1,112 @@
+"""Request and response dataclasses shared by the engine and the HTTP layer (no torch, no FastAPI)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GenerateParams:
+    """How to decode one generation request; validated by the engine against EngineSettings."""
+
+    strategy: str = "greedy"  # "greedy" | "beam" | "sample"
+    max_new_tokens: int = 64
+    min_new_tokens: int = 0
+    num_beams: int = 4  # beam only
+    length_penalty: float = 1.0  # beam only (GNMT)
+    num_return_sequences: int = 1  # beam: n-best; sample: samples per input
+    temperature: float = 1.0  # sample only
+    top_k: int = 0  # sample only; 0 = off
+    top_p: float = 1.0  # sample only; 1.0 = off
+    seed: int | None = None  # sample: input i draws from a generator seeded seed + i
+    stop: list[str] = field(default_factory=list)  # greedy/sample: end when the text contains one (trimmed)
+    adapter: str | None = None  # LoRA adapter name, None = base model
+
+
+@dataclass
+class Candidate:
+    """One decoded sequence."""
+
+    text: str  # stop strings trimmed
+    tokens: list[int]  # generated ids (no prompt, no EOS)
+    score: float  # greedy/sample: sum of log-probs; beam: length-penalised
+    finish_reason: str  # "eos" | "stop" | "length"
+
+
+@dataclass
+class GenerateOutput:
+    """Result for one input: the best candidate's fields, plus all candidates best first."""
+
+    text: str
+    tokens: list[int]
+    score: float
+    finish_reason: str
+    candidates: list[Candidate]
+
+
+@dataclass
+class StreamEvent:
+    """One step of a streamed generation."""
+
+    text: str  # new text since the previous event (held back while it could start a stop string)
+    token: int | None  # the token this event adds, if exactly one
+    finish_reason: str | None = None  # set on the last event only
+
+
+@dataclass
+class ClassifyOutput:
+    label: str
+    score: float
+    probabilities: dict[str, float]  # sorted by probability, descending; top_k entries when given
+
+
+@dataclass
+class AttentionOutput:
+    source_tokens: list[str]
+    target_tokens: list[str] | None
+    maps: dict[str, list]  # kind -> [layer][head][query][key]
+
+
+@dataclass
+class AdapterInfo:
+    name: str
+    rank: int
+    alpha: float
+    target_modules: list[str]
+    path: str
+    loaded_at: float | None  # unix time the resident version was loaded; None when only known on disk
+    last_used: float | None  # unix time of the last request that used it
+    in_flight: int  # requests currently using it (any version)
+    resident: bool = True  # False: known on disk, loaded on first use
+
+
+@dataclass
+class ModelInfo:
+    name: str
+    family: str  # "causal_lm" | "seq2seq" | "classifier"
+    device: str
+    dtype: str
+    parameters: int
+    max_input_tokens: int
+    max_new_tokens: int  # cap on GenerateParams.max_new_tokens (0 for classifiers)
+    labels: list[str] | None
+    adapters: list[str]
+
+
+@dataclass
+class EngineSettings:
+    """What the engine needs to know; the HTTP layer's Settings builds one."""
+
+    device: str = "auto"
+    dtype: str = "auto"
+    max_batch_size: int = 32  # rows per model step (generation) / inputs per forward (classify, embed)
+    max_wait_ms: float = 5.0  # how long an idle worker waits to fill a batch
+    max_queue: int = 256  # waiting requests per model before QueueFull
+    max_input_tokens: int | None = None  # None -> the model's limit
+    max_new_tokens: int = 256
+    max_beams: int = 8
+    max_return_sequences: int = 8
+    max_inputs_per_request: int = 64
+    request_timeout_s: float = 60.0
+    max_resident_adapters: int = 8
+    warmup: bool = True

@@ -1,0 +1,279 @@
+"""Continuous batching: batched results equal each request alone; failures, deadlines and cancellation stay local."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from model.lora import adapter_names
+from service.errors import EngineFailure, NotReady, QueueFull, RequestTimeout
+from service.types import GenerateParams
+from tests.service.conftest import ADAPTERS, LM, MT, assert_same, histogram_count, offline, running_engine
+
+PROMPTS = ["hello world", "the cat", "a", "numbers 1 2 3", "def main", "le chat", "to be or", "gold"]
+
+
+async def wait_until(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.002)
+
+
+def block_worker(worker) -> threading.Event:
+    """Park the worker thread until the returned event is set."""
+    release = threading.Event()
+    worker.scheduler.call(lambda: release.wait(10))
+    return release
+
+
+@pytest.mark.parametrize("model", [LM, MT])
+def test_concurrent_requests_batch_and_match_alone(models_dir, model):
+    params = [GenerateParams(max_new_tokens=6 + 3 * i) for i in range(len(PROMPTS))]
+
+    async def main():
+        async with running_engine(models_dir, None, max_wait_ms=50) as engine:
+            worker = engine.get(model)
+            together = await asyncio.gather(*(worker.generate([p], q, f"r{i}")
+                                              for i, (p, q) in enumerate(zip(PROMPTS, params, strict=True))))
+            assert histogram_count(engine, "tserve_batch_size", {"model": model}, le="1.0") < \
+                histogram_count(engine, "tserve_batch_size", {"model": model})  # some steps held > 1 row
+            sequential = [await worker.generate([p], q, f"s{i}") for i, (p, q) in enumerate(zip(PROMPTS, params,
+                                                                                              strict=True))]
+            return together, sequential
+
+    together, sequential = asyncio.run(main())
+    for got, alone, prompt, p in zip(together, sequential, PROMPTS, params, strict=True):
+        assert_same(got, alone)
+        assert_same(got, offline(models_dir / model, [prompt], p))
+
+
+def test_multi_input_request_matches_offline(models_dir):
+    params = GenerateParams(max_new_tokens=12, stop=["e"])
+
+    async def main():
+        async with running_engine(models_dir, None) as engine:
+            return await engine.get(LM).generate(PROMPTS[:4], params, "multi")
+
+    assert_same(asyncio.run(main()), offline(models_dir / LM, PROMPTS[:4], params))
+
+
+def test_request_joining_mid_run_equals_alone(models_dir):
+    long = GenerateParams(max_new_tokens=60, min_new_tokens=60)
+    short = GenerateParams(strategy="beam", num_beams=3, max_new_tokens=8)
+
+    async def main():
+        async with running_engine(models_dir, None) as engine:
+            worker = engine.get(MT)
+            first = asyncio.create_task(worker.generate(["hello world"], long, "first"))
+            await wait_until(lambda: (batch := worker.scheduler.batch) is not None and batch.jobs[0].search.step > 5)
+            second = await worker.generate(["the cat"], short, "second")
+            assert not first.done()  # it really joined a running batch
+            return await first, second
+
+    first, second = asyncio.run(main())
+    assert_same(first, offline(models_dir / MT, ["hello world"], long))
+    assert_same(second, offline(models_dir / MT, ["the cat"], short))
+
+
+def test_mixed_strategies_in_one_batch_equal_alone(models_dir):
+    cases = [
+        ("hello world", GenerateParams(max_new_tokens=20)),
+        ("the cat", GenerateParams(strategy="beam", num_beams=4, num_return_sequences=2, max_new_tokens=12)),
+        ("a", GenerateParams(strategy="sample", seed=7, num_return_sequences=3, max_new_tokens=15, top_k=20,
+                             temperature=0.8)),
+        ("gold", GenerateParams(strategy="sample", seed=3, top_p=0.9, max_new_tokens=25)),
+        ("def main", GenerateParams(max_new_tokens=10, stop=["a"])),
+    ]
+
+    async def main():
+        async with running_engine(models_dir, None, max_wait_ms=50) as engine:
+            worker = engine.get(LM)
+            return await asyncio.gather(*(worker.generate([t], p, f"m{i}") for i, (t, p) in enumerate(cases)))
+
+    for got, (text, params) in zip(asyncio.run(main()), cases, strict=True):
+        assert_same(got, offline(models_dir / LM, [text], params))
+
+
+def test_mixed_adapters_in_one_batch_equal_alone(models_dir, adapters_dir):
+    adapter = adapters_dir / LM / ADAPTERS[LM]
+    cases = [(p, ADAPTERS[LM] if i % 2 else None) for i, p in enumerate(PROMPTS[:6])]
+    params = GenerateParams(max_new_tokens=16)
+
+    async def main():
+        async with running_engine(models_dir, adapters_dir, max_wait_ms=50) as engine:
+            worker = engine.get(LM)
+            return await asyncio.gather(*(worker.generate([p], GenerateParams(max_new_tokens=16, adapter=a), f"a{i}")
+                                          for i, (p, a) in enumerate(cases)))
+
+    results = asyncio.run(main())
+    for got, (prompt, name) in zip(results, cases, strict=True):
+        assert_same(got, offline(models_dir / LM, [prompt], params, adapter if name else None))
+    base = offline(models_dir / LM, [PROMPTS[1]], params)[0]
+    assert results[1][0].tokens != base.tokens  # the adapter changes the output
+
+
+def test_stream_events_add_up_to_generate(models_dir):
+    params = GenerateParams(max_new_tokens=20, stop=["e "])
+
+    async def main():
+        async with running_engine(models_dir, None) as engine:
+            worker = engine.get(LM)
+            events = [e async for e in worker.stream("hello world", params, "st")]
+            beam = [e async for e in worker.stream("gold", GenerateParams(strategy="beam", max_new_tokens=6), "sb")]
+            full = await worker.generate(["hello world"], params, "gen")
+            return events, beam, full[0]
+
+    events, beam, full = asyncio.run(main())
+    assert "".join(e.text for e in events) == full.text
+    assert [e.finish_reason for e in events] == [None] * (len(events) - 1) + [full.finish_reason]
+    assert [e.token for e in events if e.token is not None] == full.tokens
+    assert len(beam) == 1 and beam[0].finish_reason == "length" and beam[0].text
+
+
+def test_queue_full_is_immediate(models_dir):
+    async def main():
+        async with running_engine(models_dir, None, max_queue=2) as engine:
+            worker = engine.get(LM)
+            release = block_worker(worker)
+            await asyncio.sleep(0.05)
+            queued = [asyncio.create_task(worker.generate(["a"], GenerateParams(max_new_tokens=2), f"q{i}"))
+                      for i in range(2)]
+            await asyncio.sleep(0)
+            start = time.monotonic()
+            with pytest.raises(QueueFull) as info:
+                await worker.generate(["a"], GenerateParams(max_new_tokens=2), "overflow")
+            assert time.monotonic() - start < 0.1 and info.value.retry_after > 0
+            assert "max_queue=2" in str(info.value)
+            release.set()
+            assert len(await asyncio.gather(*queued)) == 2
+
+    asyncio.run(main())
+
+
+def test_deadline_fails_the_request_and_frees_its_rows(models_dir):
+    async def main():
+        async with running_engine(models_dir, None, request_timeout_s=0.3) as engine:
+            worker = engine.get(LM)
+            worker.scheduler.fault_hook = lambda ids: time.sleep(0.01)  # ~100 steps/s at most
+            with pytest.raises(RequestTimeout, match="slow"):
+                await worker.generate(["hello"], GenerateParams(max_new_tokens=120, min_new_tokens=120), "slow")
+            assert worker.scheduler.num_rows == 0 and worker.scheduler.num_running == 0
+            release = block_worker(worker)  # a queued request times out while waiting too
+            task = asyncio.create_task(worker.generate(["a"], GenerateParams(max_new_tokens=2), "queued"))
+            await asyncio.sleep(0.4)
+            release.set()
+            with pytest.raises(RequestTimeout, match="queued"):
+                await task
+
+    asyncio.run(main())
+
+
+def test_cancelled_requests_free_their_rows(models_dir):
+    async def main():
+        async with running_engine(models_dir, None) as engine:
+            worker = engine.get(LM)
+            worker.scheduler.fault_hook = lambda ids: time.sleep(0.002)
+            long = GenerateParams(max_new_tokens=120, min_new_tokens=120)
+            task = asyncio.create_task(worker.generate(["hello"], long, "gone"))
+            await wait_until(lambda: worker.scheduler.num_rows == 1)
+            task.cancel()
+            await wait_until(lambda: worker.scheduler.num_rows == 0)
+            stream = worker.stream("hello", long, "gone-stream")
+            await anext(stream)
+            await stream.aclose()  # the client disconnected
+            await wait_until(lambda: worker.scheduler.num_rows == 0)
+            out = await worker.generate(["a"], GenerateParams(max_new_tokens=3), "after")
+            assert len(out) == 1
+
+    asyncio.run(main())
+
+
+def test_poisoned_adapter_fails_only_its_request(models_dir, adapters_dir):
+    params = GenerateParams(max_new_tokens=12)
+
+    def poison(worker):
+        version = worker.registry.acquire("poisoned")
+        worker.registry.ensure_resident(version)
+        for module in worker.model.modules():
+            if hasattr(module, "lora_B") and version.internal in module.lora_B:
+                module.lora_B[version.internal].weight.fill_(float("nan"))
+        worker.registry.release(version)
+
+    async def main():
+        async with running_engine(models_dir, adapters_dir, max_wait_ms=50) as engine:
+            worker = engine.get(LM)
+            await worker.load_adapter("poisoned", adapters_dir / LM / ADAPTERS[LM])
+            await asyncio.wrap_future(worker.scheduler.call(lambda: poison(worker)))
+            return await asyncio.gather(
+                worker.generate(["hello world"], params, "good-1"),
+                worker.generate(["the cat"], GenerateParams(max_new_tokens=12, adapter="poisoned"), "bad"),
+                worker.generate(["gold"], GenerateParams(max_new_tokens=12, adapter=ADAPTERS[LM]), "good-2"),
+                return_exceptions=True)
+
+    good1, bad, good2 = asyncio.run(main())
+    assert isinstance(bad, EngineFailure) and bad.request_id == "bad" and "'bad'" in str(bad)
+    assert "non-finite" in str(bad)
+    assert_same(good1, offline(models_dir / LM, ["hello world"], params))
+    assert_same(good2, offline(models_dir / LM, ["gold"], params, adapters_dir / LM / ADAPTERS[LM]))
+
+
+def test_exception_in_a_batched_step_fails_only_the_culprit(models_dir):
+    params = GenerateParams(max_new_tokens=15)
+    calls = {"boom": 0}
+
+    def hook(ids):
+        if "boom" in ids:
+            calls["boom"] += 1
+            if calls["boom"] >= 4:  # a decode step, once the batch has formed
+                raise RuntimeError("injected fault")
+
+    async def main():
+        async with running_engine(models_dir, None, max_wait_ms=50) as engine:
+            worker = engine.get(MT)
+            worker.scheduler.fault_hook = hook
+            results = await asyncio.gather(*(worker.generate([p], params, rid) for p, rid in
+                                             (("hello", "ok-1"), ("the cat", "boom"), ("gold", "ok-2"))),
+                                           return_exceptions=True)
+            after = await worker.generate(["a"], params, "after")  # the engine keeps running
+            return results, after
+
+    (ok1, boom, ok2), after = asyncio.run(main())
+    assert isinstance(boom, EngineFailure) and boom.request_id == "boom" and "injected fault" in str(boom)
+    assert_same(ok1, offline(models_dir / MT, ["hello"], params))
+    assert_same(ok2, offline(models_dir / MT, ["gold"], params))
+    assert_same(after, offline(models_dir / MT, ["a"], params))
+
+
+def test_stop_drains_in_flight_requests(models_dir):
+    async def main():
+        async with running_engine(models_dir, None) as engine:
+            worker = engine.get(LM)
+            tasks = [asyncio.create_task(worker.generate([p], GenerateParams(max_new_tokens=30), f"d{i}"))
+                     for i, p in enumerate(PROMPTS[:4])]
+            await wait_until(lambda: worker.scheduler.num_running > 0)
+            await engine.stop(drain_timeout_s=10.0)
+            results = await asyncio.gather(*tasks)
+            with pytest.raises(NotReady):
+                await worker.generate(["a"], GenerateParams(max_new_tokens=2), "late")
+            return results
+
+    assert all(len(r) == 1 for r in asyncio.run(main()))
+
+
+def test_old_adapter_version_leaves_the_model_once_idle(models_dir, adapters_dir):
+    async def main():
+        async with running_engine(models_dir, adapters_dir) as engine:
+            worker = engine.get(LM)
+            before = set(adapter_names(worker.model))
+            await worker.load_adapter(ADAPTERS[LM], adapters_dir / LM / ADAPTERS[LM])
+            await worker.generate(["a"], GenerateParams(max_new_tokens=2, adapter=ADAPTERS[LM]), "x")
+            after = set(adapter_names(worker.model))
+            assert len(after) == 1 and after != before
+
+    torch.manual_seed(0)
+    asyncio.run(main())
