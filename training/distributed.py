@@ -59,12 +59,12 @@ def shutdown(ctx: DistContext) -> None:
         dist.destroy_process_group()
 
 
-def wrap(module: nn.Module, ctx: DistContext) -> nn.Module:
-    """DDP around ``module`` when distributed; unused parameters (e.g. idle heads) are allowed."""
+def wrap(module: nn.Module, ctx: DistContext, find_unused_parameters: bool = False) -> nn.Module:
+    """DDP around ``module`` when distributed; ``find_unused_parameters`` when some go without gradients."""
     if not ctx.distributed:
         return module
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    return DistributedDataParallel(module, device_ids=device_ids, find_unused_parameters=True)
+    return DistributedDataParallel(module, device_ids=device_ids, find_unused_parameters=find_unused_parameters)
 
 
 def all_sum(values: list[float], ctx: DistContext) -> list[float]:

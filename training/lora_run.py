@@ -22,6 +22,7 @@ from training import distributed
 from training.distributed import DistContext
 from training.errors import UserError
 from training.session import (
+    deadline_of,
     finish,
     log_files,
     open_state,
@@ -102,6 +103,7 @@ def lora(args: argparse.Namespace) -> None:
 
 
 def _lora(args: argparse.Namespace, ctx: DistContext) -> None:
+    deadline = deadline_of(args)
     out = Path(args.out)
     store = open_state(out, args.resume)
     state = store.load() if args.resume else None
@@ -148,6 +150,7 @@ def _lora(args: argparse.Namespace, ctx: DistContext) -> None:
         store=store,
         hooks=hooks,
         state=state,
+        deadline=deadline,
     )
     if ctx.is_main:
         p = trainer.progress

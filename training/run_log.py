@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import logging
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ logger = logging.getLogger(__name__)
 COLUMNS = ("step", "epoch", "loss", "lr", "tokens", "tokens_per_s", "elapsed", "valid_loss", "valid_metric")
 LOG_FILE = "train_log.csv"
 PLOT_FILE = "loss.png"
+PLOT_INTERVAL_S = 60.0  # redraw during training at most this often (drawing costs ~0.2 s)
 
 
 def _summary_writer(directory: Path) -> Any | None:
@@ -41,6 +43,7 @@ class RunLog:
         self._csv.writerows(self.rows)
         self._file.flush()
         self._tensorboard = _summary_writer(directory)
+        self._last_plot = time.monotonic()
 
     def log(self, row: dict[str, Any]) -> None:
         """Append one step's values (missing columns stay empty)."""
@@ -53,10 +56,14 @@ class RunLog:
                 if row.get(key) is not None:
                     self._tensorboard.add_scalar(key, row[key], row["step"])
 
-    def plot(self, metric_name: str = "valid_metric") -> Path | None:
-        """Draw training and validation loss (and the metric on a second axis) into ``loss.png``."""
-        if not self.rows:
+    def plot(self, metric_name: str = "valid_metric", force: bool = True) -> Path | None:
+        """Draw training and validation loss (and the metric on a second axis) into ``loss.png``.
+
+        Without ``force`` nothing is drawn within PLOT_INTERVAL_S of the previous drawing.
+        """
+        if not self.rows or (not force and time.monotonic() - self._last_plot < PLOT_INTERVAL_S):
             return None
+        self._last_plot = time.monotonic()
         import matplotlib
 
         matplotlib.use("Agg")
@@ -72,12 +79,13 @@ class RunLog:
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
         ax.grid(alpha=0.3)
-        ax.legend(loc="upper right")
         metric = [(int(r["step"]), float(r["valid_metric"])) for r in self.rows if r["valid_metric"]]
         if metric:
             twin = ax.twinx()
             twin.plot(*zip(*metric, strict=True), "s--", color="tab:green", label=metric_name)
             twin.set_ylabel(metric_name)
+        handles = [h for a in fig.axes for h in a.get_legend_handles_labels()[0]]
+        ax.legend(handles=handles, loc="upper right")
         fig.tight_layout()
         tmp = self.plot_path.with_name(f".{PLOT_FILE}.tmp.png")
         fig.savefig(tmp, dpi=100)

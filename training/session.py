@@ -17,6 +17,7 @@ import logging
 import os
 import random
 import shutil
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -40,15 +41,17 @@ METRICS_FILE = "metrics.json"
 DIGEST_ENV = "TRAINING_PARAM_DIGEST_DIR"  # tests: each rank writes rank<N>.sha256 of its parameters here
 
 
-def trainer_config(args: argparse.Namespace, max_steps: int | None = None) -> TrainerConfig:
+def trainer_config(
+    args: argparse.Namespace, max_steps: int | None = None, find_unused_parameters: bool = False
+) -> TrainerConfig:
     return TrainerConfig(
         max_steps=max_steps if max_steps is not None else args.max_steps,
-        max_minutes=args.max_minutes,
         accum_steps=args.accum_steps,
         clip_norm=args.clip_norm if args.clip_norm > 0 else None,
         eval_every=args.eval_every,
         save_every=args.save_every,
         quiet=args.quiet,
+        find_unused_parameters=find_unused_parameters,
     )
 
 
@@ -62,6 +65,11 @@ def task_options(args: argparse.Namespace, family: str) -> TaskOptions:
         batch_tokens=args.batch_tokens,
         valid_examples=args.valid_examples,
     )
+
+
+def deadline_of(args: argparse.Namespace) -> float | None:
+    """When --max-minutes of this invocation run out, as a ``time.perf_counter()`` value."""
+    return None if args.max_minutes is None else time.perf_counter() + args.max_minutes * 60
 
 
 def seed_everything(seed: int) -> None:
@@ -94,8 +102,12 @@ def run_phase(
     store: StateStore,
     hooks: Hooks,
     state: TrainState | None,
+    deadline: float | None = None,
 ) -> Trainer:
-    """Train ``model``'s trainable parameters on ``examples`` from scratch or from ``state``."""
+    """Train ``model``'s trainable parameters on ``examples`` from scratch or from ``state``.
+
+    ``deadline`` is a ``time.perf_counter()`` value (see :func:`deadline_of`).
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     stream = BatchStream(
         examples, [e.length for e in examples], collate, args.batch_tokens, args.seed, ctx.rank, ctx.world_size
@@ -124,10 +136,9 @@ def run_phase(
     if state is not None:
         trainer.restore(state)
     try:
-        trainer.run()
+        trainer.run(deadline)
     finally:
         if run_log is not None:
-            run_log.plot()
             run_log.close()
     return trainer
 

@@ -22,6 +22,7 @@ from training.arch import ModelSizes, describe
 from training.distributed import DistContext
 from training.errors import UserError
 from training.session import (
+    deadline_of,
     finish,
     log_files,
     open_state,
@@ -130,25 +131,28 @@ def pretrain(
     lines: list[str],
     store: StateStore,
     state: TrainState | None,
-) -> None:
-    """MLM + sentence-order pre-training of a classifier for --pretrain-steps steps."""
+    deadline: float | None,
+) -> bool:
+    """MLM + sentence-order pre-training of a classifier for --pretrain-steps; False if time ran out."""
     pairs = segment_pairs(lines, setup.tokenizer, setup.config.max_len)
     if not pairs:
         raise UserError(f"{args.pretrain_mlm}: no pairs of consecutive non-blank lines")
     objective = Pretraining(setup.config.vocab_size)
     logger.info("pre-training (MLM + sentence order) for %d steps on %d pairs", args.pretrain_steps, len(pairs))
-    run_phase(
+    trainer = run_phase(
         model,
         objective.loss,
         pairs,
         objective.collate,
         args=args,
-        config=trainer_config(args, max_steps=args.pretrain_steps),
+        config=trainer_config(args, max_steps=args.pretrain_steps, find_unused_parameters=True),
         ctx=ctx,
         store=store,
         hooks=Hooks(state_files=setup.files),
         state=state,
+        deadline=deadline,
     )
+    return not trainer.timed_out
 
 
 def train(args: argparse.Namespace) -> None:
@@ -161,6 +165,7 @@ def train(args: argparse.Namespace) -> None:
 
 
 def _train(args: argparse.Namespace, ctx: DistContext) -> None:
+    deadline = deadline_of(args)
     out = Path(args.out)
     store = open_state(out, args.resume)
     pre_store = StateStore(store.directory / "pretrain")
@@ -178,8 +183,9 @@ def _train(args: argparse.Namespace, ctx: DistContext) -> None:
     train_examples = task.encode(train_records, setup.tokenizer, setup.config, setup.labels, Path(args.train))
     valid_examples = task.encode(valid_records, setup.tokenizer, setup.config, setup.labels, Path(args.valid))
     torch.manual_seed(args.seed + ctx.rank)  # dropout differs across processes
-    if pretraining and state is None:
-        pretrain(args, ctx, model, setup, lines, pre_store, pre_state)
+    if pretraining and state is None and not pretrain(args, ctx, model, setup, lines, pre_store, pre_state, deadline):
+        logger.info("out of time during pre-training; --resume continues it")
+        return
     hooks = Hooks(
         evaluate=lambda: task.validate(model, valid_examples, setup.tokenizer),
         on_best=lambda evaluation, summary: save_best(out, store.directory, model, setup, evaluation, summary),
@@ -191,11 +197,13 @@ def _train(args: argparse.Namespace, ctx: DistContext) -> None:
         train_examples,
         task.collate,
         args=args,
-        config=trainer_config(args),
+        # A fine-tuned classifier leaves its pre-training heads idle.
+        config=trainer_config(args, find_unused_parameters=setup.config.family == "classifier"),
         ctx=ctx,
         store=store,
         hooks=hooks,
         state=state,
+        deadline=deadline,
     )
     if ctx.is_main:
         p = trainer.progress

@@ -50,11 +50,11 @@ class TrainerConfig:
     """How long to train and how often to evaluate and save."""
 
     max_steps: int
-    max_minutes: float | None = None  # wall-clock budget of this invocation
     accum_steps: int = 1  # micro-batches per optimiser step
     clip_norm: float | None = 1.0  # max global gradient norm; None = no clipping
     eval_every: int = 500
     save_every: int = 500
+    find_unused_parameters: bool = False  # DDP: some trainable parameters get no gradient (idle heads)
     quiet: bool = False  # no progress bar
 
 
@@ -128,7 +128,7 @@ class Trainer:
         hooks: Hooks | None = None,
     ) -> None:
         self.model = model
-        self.objective = distributed.wrap(_Objective(model, loss_fn), ctx)
+        self.objective = distributed.wrap(_Objective(model, loss_fn), ctx, config.find_unused_parameters)
         self.optimizer = optimizer
         self.schedule = schedule
         self.stream = stream
@@ -138,6 +138,8 @@ class Trainer:
         self.run_log = run_log if ctx.is_main else None
         self.hooks = hooks or Hooks()
         self.progress = Progress()
+        self.timed_out = False  # the last run() stopped at its deadline
+        self._metric_name = "valid_metric"  # plot label, from the latest evaluation
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
 
     # ---- resume -----------------------------------------------------------------------------------
@@ -251,8 +253,8 @@ class Trainer:
             dynamic_ncols=True,
         )
 
-    def run(self) -> Progress:
-        """Train until ``max_steps`` (counted over resumes) or ``max_minutes`` of this invocation."""
+    def run(self, deadline: float | None = None) -> Progress:
+        """Train until ``max_steps`` (counted over resumes) or the ``time.perf_counter()`` ``deadline``."""
         p, cfg = self.progress, self.config
         start, elapsed0, tokens0 = time.perf_counter(), p.elapsed, p.tokens
         with self._bar() as bar:
@@ -260,8 +262,8 @@ class Trainer:
                 loss, tokens, lr = self._step()
                 now = time.perf_counter() - start
                 p.step, p.tokens, p.elapsed = p.step + 1, p.tokens + tokens, elapsed0 + now
-                time_up = cfg.max_minutes is not None and now >= cfg.max_minutes * 60
-                stop = distributed.broadcast_flag(time_up, self.ctx)
+                time_up = deadline is not None and time.perf_counter() >= deadline
+                stop = self.timed_out = distributed.broadcast_flag(time_up, self.ctx)
                 last = stop or p.step >= cfg.max_steps
                 evaluation = self._evaluate() if p.step % cfg.eval_every == 0 or last else None
                 tokens_per_s = (p.tokens - tokens0) / now if now > 0 else 0.0
@@ -271,8 +273,10 @@ class Trainer:
                 bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:.0f}", refresh=False)
                 bar.update(1)
                 if stop:
-                    logger.info("stopping at step %d: --max-minutes %s reached", p.step, cfg.max_minutes)
+                    logger.info("stopping at step %d: out of time", p.step)
                     break
+        if self.run_log is not None:
+            self.run_log.plot(self._metric_name)
         return p
 
     def _log(self, loss: float, lr: float, tokens_per_s: float, evaluation: Evaluation | None) -> None:
@@ -303,4 +307,5 @@ class Trainer:
             }
         )
         if evaluation is not None:
-            self.run_log.plot(evaluation.metric_name)
+            self._metric_name = evaluation.metric_name
+            self.run_log.plot(self._metric_name, force=False)
