@@ -8,7 +8,7 @@ FORMATS = ("hf",)
 
 
 def run(args: argparse.Namespace) -> None:
-    from training.export_hf import export_hf  # torch is imported only when the command runs
+    from training.export import export_hf  # torch is imported only when the command runs
 
     export_hf(args.model, args.out, overwrite=args.overwrite)
 

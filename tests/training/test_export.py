@@ -24,7 +24,8 @@ from model.generation import generate_causal, generate_seq2seq
 from model.layers import sinusoidal_table
 from model.seq2seq import Seq2SeqTransformer
 from model.tokenizer import Tokenizer, pad_batch
-from training.export_hf import ExportError, export_hf, marian_permutation
+from training.export import ExportError, export_hf
+from training.export.marian import permutation
 
 transformers = pytest.importorskip("transformers")
 
@@ -93,8 +94,9 @@ def _save(root: Path, name: str, model: torch.nn.Module, tokenizer: Tokenizer, *
 def seq2seq(tokenizer, tmp_path_factory):
     """(our model, checkpoint dir, export dir) for the paper's configuration."""
     root = tmp_path_factory.mktemp("seq2seq")
-    config = Seq2SeqConfig(vocab_size=tokenizer.vocab_size, n_encoder_layers=2, n_decoder_layers=2, max_src_len=64,
-                           **SIZES, **MARIAN)
+    config = Seq2SeqConfig(
+        vocab_size=tokenizer.vocab_size, n_encoder_layers=2, n_decoder_layers=2, max_src_len=64, **SIZES, **MARIAN
+    )
     torch.manual_seed(0)
     model = fit_reversal(randomize(Seq2SeqTransformer(config), seed=1), tokenizer)
     ckpt = _save(root, "ckpt", model, tokenizer)
@@ -113,8 +115,9 @@ def causal(tokenizer, tmp_path_factory):
 @pytest.fixture(scope="module")
 def classifier(tokenizer, tmp_path_factory):
     root = tmp_path_factory.mktemp("classifier")
-    config = ClassifierConfig(vocab_size=tokenizer.vocab_size, n_layers=2, num_labels=3, layer_norm_eps=1e-12,
-                              **SIZES, **BERT)
+    config = ClassifierConfig(
+        vocab_size=tokenizer.vocab_size, n_layers=2, num_labels=3, layer_norm_eps=1e-12, **SIZES, **BERT
+    )
     model = randomize(TransformerClassifier(config), seed=3)
     ckpt = _save(root, "ckpt", model, tokenizer, labels=LABELS)
     return model, ckpt, export_hf(ckpt, root / "hf")
@@ -137,8 +140,9 @@ def _ours(hyps) -> list[list[int]]:
 
 
 def _decoding(strategy: str) -> tuple[GenerationConfig, dict]:
-    ours = GenerationConfig(strategy=strategy, max_new_tokens=MAX_NEW, num_beams=4, length_penalty=0.0,
-                            early_stopping=True)
+    ours = GenerationConfig(
+        strategy=strategy, max_new_tokens=MAX_NEW, num_beams=4, length_penalty=0.0, early_stopping=True
+    )
     hf = dict(max_new_tokens=MAX_NEW, do_sample=False, num_beams=1)
     if strategy == "beam":  # HF divides by len ** length_penalty, ours by GNMT's: 0 makes both the plain sum
         hf |= dict(num_beams=4, length_penalty=0.0, early_stopping=True)
@@ -153,13 +157,14 @@ def _assert_varied(outputs: list[list[int]]) -> None:
 
 # ---- Marian -------------------------------------------------------------------------------------
 
+
 def test_permutation_maps_our_positions_onto_marians_table():
     from transformers.models.marian.modeling_marian import MarianSinusoidalPositionalEmbedding
 
     d = SIZES["d_model"]
     theirs = MarianSinusoidalPositionalEmbedding(SIZES["max_len"], d).create_weight()
     ours = sinusoidal_table(SIZES["max_len"], d)
-    torch.testing.assert_close(ours[:, marian_permutation(d)], theirs, atol=1e-6, rtol=0)
+    torch.testing.assert_close(ours[:, permutation(d)], theirs, atol=1e-6, rtol=0)
     assert not torch.allclose(ours, theirs, atol=1e-3)  # the layouts really differ
 
 
@@ -209,6 +214,7 @@ def test_ctranslate2_greedy_matches(seq2seq, tokenizer, tmp_path):
 
 # ---- GPT-2 --------------------------------------------------------------------------------------
 
+
 def test_gpt2_logits_match(causal, tokenizer):
     model, _, out = causal
     hf = _hf("GPT2LMHeadModel", out)
@@ -237,6 +243,7 @@ def test_gpt2_generate_matches(causal, tokenizer, strategy):
 
 # ---- BERT ---------------------------------------------------------------------------------------
 
+
 def test_bert_logits_match(classifier, tokenizer):
     model, _, out = classifier
     hf = _hf("BertForSequenceClassification", out)
@@ -254,18 +261,48 @@ def test_bert_logits_match(classifier, tokenizer):
     assert hf.config.id2label == dict(enumerate(LABELS)) and hf.config.label2id["neutral"] == 1
 
 
-def test_bert_without_segments_exports_a_zero_type_embedding(tokenizer, tmp_path):
-    config = ClassifierConfig(vocab_size=tokenizer.vocab_size, n_layers=1, num_labels=3, type_vocab_size=0,
-                              **SIZES, **BERT)
-    model = randomize(TransformerClassifier(config), seed=4)
-    out = export_hf(_save(tmp_path, "ckpt", model, tokenizer, labels=LABELS), tmp_path / "hf")
-    hf = _hf("BertForSequenceClassification", out)
-    ids, _ = pad_batch([tokenizer.encode_pair(t)[0] for t in TEXTS], tokenizer.pad_id)
+VARIANTS = [
+    ("seq2seq", {**MARIAN, "tie_embeddings": False, "scale_embeddings": False, "bias": False, "activation": "gelu"}),
+    ("causal_lm", {**GPT2, "tie_embeddings": False, "bias": False, "activation": "relu"}),
+    ("classifier", {**BERT, "bias": False, "activation": "gelu_tanh", "type_vocab_size": 0}),  # zero type row
+]
+
+
+def _both_logits(family: str, model: torch.nn.Module, hf: torch.nn.Module, tokenizer: Tokenizer):
+    """Our logits and HF's on a right-padded batch of TEXTS (padding positions zeroed)."""
+    seqs = tokenizer.encode_batch(TEXTS)
+    if family == "classifier":
+        ids, _ = pad_batch([tokenizer.encode_pair(t)[0] for t in TEXTS], tokenizer.pad_id)
+        return model(ids), hf(input_ids=ids, attention_mask=(ids != tokenizer.pad_id).long()).logits
+    ids, lengths = pad_batch(seqs, tokenizer.pad_id)
+    real = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()
+    if family == "causal_lm":
+        return model(ids) * real[..., None], hf(input_ids=ids, attention_mask=real).logits * real[..., None]
+    tgt, _ = pad_batch([[tokenizer.bos_id, *s] for s in seqs[::-1]], tokenizer.pad_id)
+    return model(ids, tgt), hf(input_ids=ids, attention_mask=real, decoder_input_ids=tgt).logits[..., :-1]
+
+
+@pytest.mark.parametrize(("family", "fields"), VARIANTS, ids=[f for f, _ in VARIANTS])
+def test_other_exact_configs_export(family, fields, tokenizer, tmp_path):
+    """Fields the architecture can express another way: untied heads, no biases (zeros), other activations."""
+    fields = {**SIZES, **fields, "vocab_size": tokenizer.vocab_size}
+    if family == "seq2seq":
+        model = Seq2SeqTransformer(Seq2SeqConfig(n_encoder_layers=1, n_decoder_layers=2, max_src_len=64, **fields))
+    elif family == "causal_lm":
+        model = CausalLM(CausalLMConfig(n_layers=2, **fields))
+    else:
+        model = TransformerClassifier(ClassifierConfig(n_layers=2, num_labels=3, **fields))
+    randomize(model, seed=5)
+    labels = LABELS if family == "classifier" else None
+    out = export_hf(_save(tmp_path, "ckpt", model, tokenizer, labels=labels), tmp_path / "hf")
+    architecture = json.loads((out / "config.json").read_text())["architectures"][0]
     with torch.no_grad():
-        assert (model(ids) - hf(input_ids=ids, attention_mask=(ids != 0).long()).logits).abs().max() < ATOL
+        ours, theirs = _both_logits(family, model, _hf(architecture, out), tokenizer)
+    assert (ours - theirs).abs().max() < ATOL
 
 
 # ---- tokenizer, refusals, CLI -------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("family", ["seq2seq", "causal", "classifier"])
 def test_hf_tokenizer_encodes_and_decodes_like_ours(family, tokenizer, request):
@@ -281,8 +318,11 @@ def test_hf_tokenizer_encodes_and_decodes_like_ours(family, tokenizer, request):
 
 
 def test_export_writes_hf_files(seq2seq, causal, classifier):
-    for (_, _, out), architecture in ((seq2seq, "MarianMTModel"), (causal, "GPT2LMHeadModel"),
-                                      (classifier, "BertForSequenceClassification")):
+    for (_, _, out), architecture in (
+        (seq2seq, "MarianMTModel"),
+        (causal, "GPT2LMHeadModel"),
+        (classifier, "BertForSequenceClassification"),
+    ):
         assert json.loads((out / "config.json").read_text())["architectures"] == [architecture]
         for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             assert (out / name).is_file(), name
@@ -295,7 +335,7 @@ def test_export_writes_hf_files(seq2seq, causal, classifier):
     [
         ("seq2seq", {"norm": "pre"}, "norm='pre' but MarianMTModel needs post-LN"),
         ("seq2seq", {"positions": "learned"}, "positions='learned' but MarianMTModel needs sinusoidal positions"),
-        ("seq2seq", {"tie_embeddings": False}, "tie_embeddings=False but MarianMTModel needs the output projection"),
+        ("seq2seq", {"embedding_norm": True}, "embedding_norm=True but MarianMTModel needs no embedding LayerNorm"),
         ("seq2seq", {"layer_norm_eps": 1e-6}, "layer_norm_eps=1e-06 but MarianMTModel needs LayerNorm eps 1e-5"),
         ("causal_lm", {"norm": "post"}, "norm='post' but GPT2LMHeadModel needs pre-LN"),
         ("causal_lm", {"positions": "sinusoidal"}, "positions='sinusoidal' but GPT2LMHeadModel needs learned"),
@@ -332,8 +372,9 @@ def test_existing_output_is_not_overwritten_by_default(seq2seq, tmp_path):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "training", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "training", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_cli_exports_and_reports_refusals(causal, tokenizer, tmp_path):
@@ -345,8 +386,9 @@ def test_cli_exports_and_reports_refusals(causal, tokenizer, tmp_path):
     with torch.no_grad():
         assert (model(ids) - hf(input_ids=ids).logits).abs().max() < ATOL
 
-    bad = _save(tmp_path, "bad", CausalLM(CausalLMConfig(vocab_size=tokenizer.vocab_size, n_layers=1, **SIZES)),
-                tokenizer)
+    bad = _save(
+        tmp_path, "bad", CausalLM(CausalLMConfig(vocab_size=tokenizer.vocab_size, n_layers=1, **SIZES)), tokenizer
+    )
     refused = _cli("export", "--model", str(bad), "--to", "hf", "--out", str(tmp_path / "bad_hf"))
     assert refused.returncode == 1
     assert "error: positions='sinusoidal' but GPT2LMHeadModel needs learned positions" in refused.stderr
