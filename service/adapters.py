@@ -282,6 +282,8 @@ class AdapterRegistry:
             self._retired.append(version)
 
     def _remove(self, versions: list[AdapterVersion], evicted: bool) -> None:
+        if versions:
+            lora.clear_adapters(self.model)  # between steps: the next model call selects its rows' adapters again
         for version in versions:
             version.retired = True
             if version.loaded_at is not None:

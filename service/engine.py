@@ -28,7 +28,8 @@ from service.adapters import AdapterRegistry, check_name
 from service.errors import InvalidRequest, NotFound, NotReady, RequestTimeout, ServiceError
 from service.jobs import DEADLINE_GRACE_S, CallJob, GenerationJob, Job, PoolingJob, StreamText
 from service.metrics import Metrics
-from service.scheduler import GenerationScheduler, PoolingScheduler, Scheduler
+from service.pooling import PoolingScheduler
+from service.scheduler import GenerationScheduler, Scheduler
 from service.types import (
     AdapterInfo,
     AttentionOutput,

@@ -1,4 +1,4 @@
-"""Batching on one worker thread per model: continuous batching of generation, dynamic batching of the rest.
+"""Batching on one worker thread per model; continuous batching of generation.
 
 Every model call happens on the worker thread (adapter loads and unloads too, between steps), under
 ``torch.inference_mode``; the event loop only enqueues jobs and awaits their futures.
@@ -18,14 +18,12 @@ Generation (``GenerationScheduler``) is iteration-level batching in vLLM's ``sch
 Failures stay with their job: logits are checked for non-finite values per job (a poisoned adapter
 fails only its jobs); a model call that raises is retried job by job on copies of the pre-step cache
 (``_decode_alone``), so only the culprit fails with EngineFailure and the others carry on.
-Classification and embedding (``PoolingScheduler``) collect up to ``max_batch_size`` inputs or
-``max_wait_ms``, run one padded forward and split the rows back (LitServe's collate).
+Classification and embedding use dynamic batching instead (``PoolingScheduler``, service/pooling.py).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
 import threading
 import time
@@ -38,14 +36,15 @@ from torch import nn
 
 from model.decoding import make_search
 from model.generation import stop_strings
-from model.kv_cache import GROWTH, CrossAttentionMemory, KVCache
+from model.kv_cache import KVCache
 from model.lora import set_adapters
 from model.tokenizer import Tokenizer, pad_batch
 from service.adapters import AdapterRegistry
+from service.batch import RunningBatch, compact, internal_name
 from service.errors import EngineFailure, NotReady, QueueFull, ServiceError
-from service.jobs import CallJob, GenerationJob, Job, PoolingJob, final_stream_event, generate_outputs
+from service.jobs import CallJob, GenerationJob, Job, final_stream_event, generate_outputs
 from service.metrics import Metrics, adapter_label
-from service.types import ClassifyOutput, EngineSettings
+from service.types import EngineSettings
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +69,7 @@ class Scheduler:
         self._stopping: ServiceError | None = None
         self._latency = 1.0  # moving average of job latency (s), for retry_after
         self._outbox: list[tuple[Job, Any, BaseException | None]] = []  # delivered after the step's bookkeeping
+        self._taken: list[Job] = []  # jobs taken off the queue by the current iteration
         self._thread = threading.Thread(target=self._loop, name=f"tserve-{name}", daemon=True)
 
     # ---- event loop side ------------------------------------------------------------------------
@@ -108,7 +108,7 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        return 0
+        return sum(not job.done for job in self._taken)
 
     def close(self) -> None:
         """Refuse new jobs (NotReady); queued and running ones carry on."""
@@ -145,12 +145,15 @@ class Scheduler:
                 self._deliver()
                 return
             try:
-                self.registry.collect()
                 with torch.inference_mode():
                     self._iteration()
             except Exception as exc:  # never let the thread die: fail what was running, keep serving
                 logger.exception("model %r: step failed outside any single request", self.name)
                 self._abort_running(exc)
+            try:
+                self.registry.collect()  # versions replaced or unloaded whose last job just left
+            except Exception:
+                logger.exception("model %r: removing retired adapters failed", self.name)
             self._deliver()
 
     def _run_control(self, fn: Callable[[], Any], future: concurrent.futures.Future) -> None:
@@ -195,6 +198,7 @@ class Scheduler:
                 budget -= rows
                 alone_ok = False
             self.metrics.waiting.labels(self.name).set(len(self._waiting))
+        self._taken = taken
         return taken
 
     def _admit(self, job: Job) -> bool:
@@ -270,94 +274,17 @@ class Scheduler:
         self.metrics.waiting.labels(self.name).set(0)
 
     def _abort_running(self, exc: BaseException) -> None:
-        """Fail every running job (each with its own error when ``exc`` is not a ServiceError)."""
+        """Fail every running job (each with its own EngineFailure when ``exc`` is not a ServiceError)."""
+        for job in self._running_jobs():
+            self._finish(job, exc=exc if isinstance(exc, ServiceError) else self._failure(job, exc))
+        self._taken = []
+        self.metrics.running.labels(self.name).set(0)
+
+    def _running_jobs(self) -> list[Job]:
+        return [job for job in self._taken if not job.done]
 
     def _iteration(self) -> None:
         raise NotImplementedError
-
-
-@dataclasses.dataclass
-class RunningBatch:
-    """Rows of several generation jobs in one KV cache, in job order (TGI's batch: filter / concatenate)."""
-
-    jobs: list[GenerationJob]
-    cache: KVCache
-    tokens: torch.Tensor | None = None  # (rows,) the token each row feeds next
-
-    @property
-    def rows(self) -> int:
-        return self.cache.batch_size
-
-    @property
-    def reserved(self) -> int:
-        return sum(job.rows for job in self.jobs)
-
-    def adapter_rows(self) -> list[str | None]:
-        return [a for job in self.jobs for a in [_internal(job)] * job.search.num_rows]
-
-    def row_index(self, keep: list[GenerationJob]) -> torch.Tensor:
-        wanted, index, offset = {id(j) for j in keep}, [], 0
-        for job in self.jobs:
-            if id(job) in wanted:
-                index.extend(range(offset, offset + job.search.num_rows))
-            offset += job.search.num_rows
-        return torch.tensor(index, dtype=torch.long, device=self.cache.lengths.device)
-
-    def filter(self, keep: list[GenerationJob]) -> RunningBatch | None:
-        """This batch with only the rows of ``keep`` (None when empty)."""
-        if not keep:
-            return None
-        index = self.row_index(keep)
-        self.cache.select(index)
-        compact(self.cache)
-        if self.tokens is not None:
-            self.tokens = self.tokens.index_select(0, index)
-        self.jobs = keep
-        return self
-
-    def sub(self, job: GenerationJob) -> RunningBatch:
-        """A copy of one job's rows (the batch itself is untouched)."""
-        index = self.row_index([job])
-        cache = dataclasses.replace(self.cache)
-        cache.select(index)
-        tokens = self.tokens.index_select(0, index) if self.tokens is not None else None
-        return RunningBatch([job], cache, tokens)
-
-    @staticmethod
-    def concatenate(batches: list[RunningBatch]) -> RunningBatch | None:
-        batches = [b for b in batches if b is not None]
-        if len(batches) <= 1:
-            return batches[0] if batches else None
-        cache = KVCache.concat([b.cache for b in batches])
-        return RunningBatch([j for b in batches for j in b.jobs], cache)
-
-
-def _internal(job: Job) -> str | None:
-    return job.adapter.internal if job.adapter is not None else None
-
-
-def compact(cache: KVCache) -> None:
-    """Shrink the visible span and buffers after long rows left (``select`` keeps the old maximum).
-
-    Positions at or beyond every row's length are masked for every query, so forgetting them is exact.
-    """
-    if cache.batch_size == 0:
-        return
-    longest = int(cache.lengths.max())
-    cache.max_length = min(cache.max_length, longest)
-    if cache.capacity > longest + 2 * GROWTH:
-        keep = longest + GROWTH
-        cache.keys = [k[:, :, :keep].clone() for k in cache.keys]
-        cache.values = [v[:, :, :keep].clone() for v in cache.values]
-    if cache.cross is not None:
-        used = cache.cross.mask.reshape(cache.batch_size, -1).any(dim=0).nonzero()
-        source_len = int(used.max()) + 1 if used.numel() else 1
-        if source_len < cache.cross.mask.shape[-1]:
-            cache.cross = CrossAttentionMemory(
-                keys=[k[:, :, :source_len] for k in cache.cross.keys],
-                values=[v[:, :, :source_len] for v in cache.cross.values],
-                mask=cache.cross.mask[..., :source_len],
-            )
 
 
 class GenerationScheduler(Scheduler):
@@ -376,6 +303,11 @@ class GenerationScheduler(Scheduler):
         batch = self.batch
         return len(batch.jobs) if batch is not None else 0
 
+    def _running_jobs(self) -> list[Job]:
+        batch, self.batch = self.batch, None
+        running = batch.jobs if batch is not None else []
+        return running + [job for job in self._taken if not job.done and job not in running]
+
     @property
     def num_rows(self) -> int:
         batch = self.batch
@@ -391,6 +323,7 @@ class GenerationScheduler(Scheduler):
             elif self._admit(job) and self._start_search(job):
                 admitted.append(job)
         self._step(admitted)
+        self._taken = []
         self.metrics.running.labels(self.name).set(self.num_running)
         if self.device.type == "cuda":
             self.metrics.gpu_memory(str(self.device), torch.cuda.memory_allocated(self.device))
@@ -460,7 +393,7 @@ class GenerationScheduler(Scheduler):
 
     def _prefill(self, jobs: list[GenerationJob]) -> tuple[RunningBatch | None, list]:
         prompts = [p for job in jobs for p in job.prompts]
-        rows = [a for job in jobs for a in [_internal(job)] * len(job.prompts)]
+        rows = [a for job in jobs for a in [internal_name(job)] * len(job.prompts)]
         try:
             logits, cache = self._call_model(jobs, rows, self._prefill_rows, prompts)
         except Exception as exc:
@@ -542,81 +475,3 @@ class GenerationScheduler(Scheduler):
         if job.stream is not None:
             job.emit(final_stream_event(results, job.stream, job.config.strategy == "beam"))
         self._finish(job, generate_outputs(results, self.tokenizer.decode, job.stops))
-
-    def _abort_running(self, exc: BaseException) -> None:
-        batch, self.batch = self.batch, None
-        for job in batch.jobs if batch is not None else []:
-            self._finish(job, exc=exc if isinstance(exc, ServiceError) else self._failure(job, exc))
-        self.metrics.running.labels(self.name).set(0)
-
-
-class PoolingScheduler(Scheduler):
-    """Dynamic batching of classify / embed jobs (and one-off calls) on a classifier."""
-
-    def __init__(self, name: str, model: nn.Module, labels: list[str], settings: EngineSettings, metrics: Metrics,
-                 registry: AdapterRegistry) -> None:
-        super().__init__(name, model, settings, metrics, registry)
-        self.labels = labels
-        self.device = next(model.parameters()).device
-
-    def _iteration(self) -> None:
-        jobs = []
-        for job in self._take(self.settings.max_batch_size, alone_ok=True):
-            if isinstance(job, CallJob):
-                self._run_call(job)
-            elif self._admit(job):
-                self.metrics.prompt_tokens.labels(self.name, adapter_label(job.adapter_name)).inc(
-                    sum(len(ids) for ids, _ in job.inputs))
-                jobs.append(job)
-        classify = [j for j in jobs if j.endpoint == "classify"]
-        if classify:
-            self._run_group(classify, self._classify, self._classify_output)
-        for pooling in sorted({j.pooling for j in jobs if j.endpoint == "embed"}):
-            group = [j for j in jobs if j.endpoint == "embed" and j.pooling == pooling]
-            self._run_group(group, lambda ids, seg, p=pooling: self.model.embed_texts(ids, seg, p),
-                      lambda job, out: out.float().tolist())
-
-    def _run_group(self, jobs: list[PoolingJob], forward: Callable,
-                   build: Callable[[PoolingJob, torch.Tensor], Any]) -> None:
-        """Forward ``jobs``' inputs in chunks of max_batch_size rows; on failure retry job by job."""
-        try:
-            outputs = self._forward(jobs, forward)
-        except Exception as exc:
-            if len(jobs) > 1:
-                logger.warning("model %r: batch of %d jobs failed (%s); retrying one by one", self.name, len(jobs), exc)
-                for job in jobs:
-                    self._run_group([job], forward, build)
-                return
-            logger.exception("model %r: request %r failed", self.name, jobs[0].id)
-            self._finish(jobs[0], exc=self._failure(jobs[0], exc))
-            return
-        for job, out in zip(jobs, outputs, strict=True):
-            if not bool(torch.isfinite(out).all()):
-                self._finish(job, exc=self._failure(job, "the model produced non-finite outputs"))
-            else:
-                self._finish(job, build(job, out))
-
-    def _forward(self, jobs: list[PoolingJob], forward: Callable) -> list[torch.Tensor]:
-        rows = [(job, ids, seg) for job in jobs for ids, seg in job.inputs]
-        size, chunks = self.settings.max_batch_size, []
-        for start in range(0, len(rows), size):
-            chunk = rows[start: start + size]
-            ids, _ = pad_batch([r[1] for r in chunk], self.model.config.pad_id)
-            seg, _ = pad_batch([r[2] for r in chunk], 0)
-            owners = list({id(r[0]): r[0] for r in chunk}.values())
-            out = self._call_model(owners, [_internal(r[0]) for r in chunk], forward, ids.to(self.device),
-                                   seg.to(self.device))
-            self.metrics.batch_size.labels(self.name).observe(len(chunk))
-            chunks.append(out)
-        return list(torch.cat(chunks).split([len(job.inputs) for job in jobs]))
-
-    def _classify(self, ids: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
-        return self.model(ids, segments)
-
-    def _classify_output(self, job: PoolingJob, logits: torch.Tensor) -> list[ClassifyOutput]:
-        outputs = []
-        for probs in torch.softmax(logits.float(), dim=-1).tolist():
-            ranked = sorted(zip(self.labels, probs, strict=True), key=lambda lp: -lp[1])
-            top = ranked[: job.top_k] if job.top_k else ranked
-            outputs.append(ClassifyOutput(ranked[0][0], ranked[0][1], dict(top)))
-        return outputs

@@ -1,0 +1,211 @@
+"""Engine start-up, validation, classify/embed dynamic batching, attention maps and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from prometheus_client import generate_latest
+
+from model.checkpoint import load_checkpoint
+from model.lora import load_adapter, set_adapters
+from service.errors import EngineFailure, InvalidRequest, NotFound
+from service.types import EngineSettings, GenerateParams
+from tests.service.conftest import ADAPTERS, CLS, LABELS, LM, MT, histogram_count, running_engine
+
+METRICS = [
+    "tserve_requests_total", "tserve_e2e_request_latency_seconds", "tserve_request_queue_time_seconds",
+    "tserve_time_to_first_token_seconds", "tserve_inter_token_latency_seconds", "tserve_batch_size",
+    "tserve_num_requests_running", "tserve_num_requests_waiting", "tserve_prompt_tokens_total",
+    "tserve_generation_tokens_total", "tserve_adapter_loads_total", "tserve_adapter_unloads_total",
+    "tserve_adapter_evictions_total", "tserve_resident_adapters", "tserve_model_load_seconds",
+]
+
+
+def test_start_serves_good_checkpoints_and_reports_broken_ones(models_dir, adapters_dir, tmp_path):
+    root = tmp_path / "models"
+    root.mkdir()
+    for name in (LM, MT, CLS):
+        (root / name).symlink_to(models_dir / name, target_is_directory=True)
+    (root / "broken").mkdir()
+    (root / "broken" / "config.json").write_text("{not json")
+
+    async def main():
+        async with running_engine(root, adapters_dir, warmup=True) as engine:
+            assert engine.ready
+            assert set(engine.load_errors) == {"broken"} and "config.json" in engine.load_errors["broken"]
+            infos = {m.name: m for m in engine.models()}
+            assert sorted(infos) == [CLS, LM, MT]
+            assert infos[CLS].labels == LABELS and infos[CLS].family == "classifier"
+            assert infos[LM].max_new_tokens == 127 and infos[LM].max_input_tokens == 127
+            assert infos[MT].max_input_tokens == 64 and infos[LM].adapters == [ADAPTERS[LM]]
+            assert infos[LM].device == "cpu" and infos[LM].dtype == "float32" and infos[LM].parameters > 0
+            with pytest.raises(NotFound, match="'broken' not found"):
+                engine.get("broken")
+            # warm-up went through the real path
+            assert histogram_count(engine, "tserve_e2e_request_latency_seconds", {"model": LM, "endpoint": "generate"})
+
+    asyncio.run(main())
+
+
+def test_validation_names_field_and_limit(models_dir, adapters_dir):
+    async def main():
+        async with running_engine(models_dir, adapters_dir, max_input_tokens=8, max_inputs_per_request=3,
+                                  max_new_tokens=20, max_beams=2) as engine:
+            lm, cls = engine.get(LM), engine.get(CLS)
+            def p(**kw) -> GenerateParams:
+                return GenerateParams(**{"max_new_tokens": 5, **kw})
+
+            cases = [
+                (lambda: cls.generate(["a"], p(), "r"), "model 'tiny-cls' is a classifier; generate needs"),
+                (lambda: lm.classify(["a"], None, None, "r"),
+                 "model 'tiny-lm' is a causal_lm; classify needs a classifier"),
+                (lambda: lm.embed(["a"], "mean", "r"), "embed needs a classifier"),
+                (lambda: lm.generate(["a", "the quick brown fox jumps"], p(), "r"),
+                 r"inputs\[1\]: \d+ tokens exceeds max_input_tokens=8"),
+                (lambda: lm.generate(["a"] * 4, p(), "r"), "4 inputs exceeds max_inputs_per_request=3"),
+                (lambda: lm.generate([], p(), "r"), "inputs: expected a non-empty list"),
+                (lambda: lm.generate(["a"], p(max_new_tokens=21), "r"), "max_new_tokens: 21 exceeds the limit 20"),
+                (lambda: lm.generate(["a"], p(strategy="beam", num_beams=3), "r"), "num_beams: 3 exceeds max_beams=2"),
+                (lambda: lm.generate(["a"], p(strategy="beam", num_beams=2, stop=["x"]), "r"), "stop:"),
+                (lambda: lm.generate(["a"], p(strategy="nucleus"), "r"), "strategy: must be one of"),
+                (lambda: lm.generate(["a"], p(temperature=0.0, strategy="sample"), "r"), "temperature"),
+                (lambda: lm.generate(["a"], p(max_new_tokens=0), "r"), "max_new_tokens must be >= 1"),
+                (lambda: cls.classify(["a"], None, 0, "r"), "top_k: must be an integer >= 1"),
+                (lambda: cls.classify([("a", "b", "c")], None, None, "r"), r"inputs\[0\]: expected a string or a pair"),
+                (lambda: cls.embed(["a"], "max", "r"), "pooling: must be one of"),
+            ]
+            for call, message in cases:
+                with pytest.raises(InvalidRequest, match=message):
+                    await call()
+            with pytest.raises(InvalidRequest, match="num_return_sequences: streaming"):
+                lm.stream("a", p(strategy="sample", num_return_sequences=2), "r")
+            with pytest.raises(NotFound, match="adapter 'nope' not found for model 'tiny-cls'"):
+                await cls.classify(["a"], "nope", None, "r")
+            with pytest.raises(NotFound, match="model 'nope' not found"):
+                engine.get("nope")
+        async with running_engine(models_dir, None) as engine:  # input + max_new_tokens over the model's max_len
+            with pytest.raises(InvalidRequest, match=r"inputs\[0\]: \d+ tokens \+ max_new_tokens=127 exceeds"):
+                await engine.get(LM).generate(["hello world"], GenerateParams(max_new_tokens=127), "r")
+
+    asyncio.run(main())
+
+
+def test_classify_and_embed_batch_and_match_alone(models_dir, adapters_dir):
+    inputs = ["hello world", ("the cat", "sat on the mat"), "gold", "a journey of a thousand miles", "x"]
+    adapters = [None, ADAPTERS[CLS], None, ADAPTERS[CLS], None]
+
+    async def main():
+        async with running_engine(models_dir, adapters_dir, max_wait_ms=50) as engine:
+            cls = engine.get(CLS)
+            classified = asyncio.gather(*(cls.classify([x], a, 2, f"c{i}")
+                                          for i, (x, a) in enumerate(zip(inputs, adapters, strict=True))))
+            embedded = asyncio.gather(*(cls.embed([x], p, f"e{i}") for i, x in enumerate(["hello", "gold cat"])
+                                        for p in ("cls", "mean")))
+            together = await asyncio.gather(classified, embedded)
+            many = await cls.classify(inputs[:3] * 20, None, None, "many")  # more inputs than max_batch_size
+            assert histogram_count(engine, "tserve_batch_size", {"model": CLS}, le="1.0") < \
+                histogram_count(engine, "tserve_batch_size", {"model": CLS})
+            return together, many
+
+    (classified, embedded), many = asyncio.run(main())
+    ckpt = load_checkpoint(models_dir / CLS, device="cpu")
+    load_adapter(ckpt.model, adapters_dir / CLS / ADAPTERS[CLS], "ref")
+    with torch.inference_mode():
+        for (out,), x, a in zip(classified, inputs, adapters, strict=True):
+            ids, seg = ckpt.tokenizer.encode_pair(*((x, None) if isinstance(x, str) else x))
+            set_adapters(ckpt.model, "ref" if a else None)
+            probs = torch.softmax(ckpt.model(torch.tensor([ids]), torch.tensor([seg]))[0], -1).tolist()
+            best = max(range(len(LABELS)), key=probs.__getitem__)
+            assert out.label == LABELS[best] and out.score == pytest.approx(probs[best], abs=1e-5)
+            assert len(out.probabilities) == 2 and list(out.probabilities.values()) == sorted(
+                out.probabilities.values(), reverse=True)
+        set_adapters(ckpt.model, None)
+        cases = [(t, p) for t in ["hello", "gold cat"] for p in ("cls", "mean")]
+        for (vector,), (text, pooling) in zip(embedded, cases, strict=True):
+            ids, _ = ckpt.tokenizer.encode_pair(text)
+            want = ckpt.model.embed_texts(torch.tensor([ids]), None, pooling)[0]
+            assert vector == pytest.approx(want.tolist(), abs=1e-5)
+    assert len(many) == 60 and len(many[0].probabilities) == len(LABELS)
+    assert all(out.probabilities == pytest.approx(many[i % 3].probabilities) for i, out in enumerate(many))
+    for i in (0, 2):  # no adapter in either call
+        assert many[i].score == pytest.approx(classified[i][0].score, abs=1e-5)
+
+
+def test_attention_maps_have_layer_head_query_key_shape(models_dir):
+    async def main():
+        async with running_engine(models_dir, None, max_new_tokens=10) as engine:
+            return (await engine.get(CLS).attention("hello world", None, "a1"),
+                    await engine.get(MT).attention("hello", "le chat", "a2"),
+                    await engine.get(MT).attention("hello", None, "a3"),
+                    await engine.get(LM).attention("hello", " world", "a4"))
+
+    cls, mt, mt_greedy, lm = asyncio.run(main())
+
+    def shape(maps):
+        return (len(maps), len(maps[0]), len(maps[0][0]), len(maps[0][0][0]))
+
+    s, t = len(cls.source_tokens), None
+    assert set(cls.maps) == {"encoder_self"} and shape(cls.maps["encoder_self"]) == (2, 4, s, s)
+    assert cls.target_tokens is None and cls.source_tokens[0] == "[CLS]"
+    s, t = len(mt.source_tokens), len(mt.target_tokens)
+    assert mt.target_tokens[0] == "<s>" and "".join(mt.target_tokens[1:]) == "le chat"
+    assert shape(mt.maps["encoder_self"]) == (2, 4, s, s) and shape(mt.maps["decoder_self"]) == (2, 4, t, t)
+    assert shape(mt.maps["cross"]) == (2, 4, t, s)
+    assert sum(mt.maps["cross"][0][0][0]) == pytest.approx(1.0, abs=1e-4)
+    assert 1 < len(mt_greedy.target_tokens) <= 11
+    n = len(lm.source_tokens) + len(lm.target_tokens)
+    assert set(lm.maps) == {"self"} and shape(lm.maps["self"]) == (2, 4, n, n) and lm.source_tokens[0] == "<s>"
+
+
+def test_metrics_after_traffic(models_dir, adapters_dir):
+    async def main():
+        async with running_engine(models_dir, adapters_dir) as engine, running_engine(models_dir, None) as other:
+            await asyncio.gather(engine.get(LM).generate(["hello", "the cat"], GenerateParams(max_new_tokens=5), "g"),
+                                 engine.get(MT).generate(["hello"], GenerateParams(max_new_tokens=5,
+                                                                                  adapter=ADAPTERS[MT]), "m"),
+                                 engine.get(CLS).classify(["hello"], None, None, "c"))
+            await engine.get(LM).unload_adapter(ADAPTERS[LM])
+            engine.metrics.record_request(LM, "generate", None, 200)
+            text = generate_latest(engine.metrics.registry).decode()
+            other_text = generate_latest(other.metrics.registry).decode()
+            return engine, text, other_text
+
+    engine, text, other_text = asyncio.run(main())
+    for name in METRICS:
+        assert name in text, name
+    assert 'tserve_requests_total{adapter="",endpoint="generate",model="tiny-lm",status="200"} 1.0' in text
+    assert 'tserve_requests_total{' not in other_text  # one registry per engine
+    value = engine.metrics.registry.get_sample_value
+    assert value("tserve_generation_tokens_total", {"model": LM, "adapter": ""}) == 10
+    assert value("tserve_generation_tokens_total", {"model": MT, "adapter": ADAPTERS[MT]}) > 0
+    assert value("tserve_prompt_tokens_total", {"model": CLS, "adapter": ""}) > 0
+    assert value("tserve_adapter_unloads_total", {"model": LM}) == 1
+    assert value("tserve_time_to_first_token_seconds_count", {"model": LM}) == 1  # per request
+    assert value("tserve_num_requests_running", {"model": LM}) == 0
+    assert histogram_count(engine, "tserve_request_queue_time_seconds", {"model": CLS, "endpoint": "classify"}) == 1
+
+
+def test_engine_settings_defaults_match_the_contract():
+    s = EngineSettings()
+    assert (s.max_batch_size, s.max_wait_ms, s.max_queue, s.max_new_tokens, s.request_timeout_s) == (32, 5.0, 256, 256,
+                                                                                                     60.0)
+
+
+def test_a_failing_classify_job_fails_alone(models_dir):
+    def hook(ids):
+        if "boom" in ids:
+            raise RuntimeError("injected fault")
+
+    async def main():
+        async with running_engine(models_dir, None, max_wait_ms=50) as engine:
+            cls = engine.get(CLS)
+            cls.scheduler.fault_hook = hook
+            return await asyncio.gather(cls.classify(["hello"], None, None, "ok"),
+                                        cls.classify(["x"], None, None, "boom"),
+                                        cls.embed(["gold"], "mean", "ok-2"), return_exceptions=True)
+
+    ok, boom, ok2 = asyncio.run(main())
+    assert isinstance(boom, EngineFailure) and boom.request_id == "boom" and "injected fault" in str(boom)
+    assert ok[0].label in LABELS and len(ok2[0]) == 32
