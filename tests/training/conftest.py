@@ -22,7 +22,7 @@ TINY = [
 ]  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(scope="session", autouse=True)
 def one_thread():
     """Tiny models: extra threads only add contention on a shared 2-core machine."""
     before = torch.get_num_threads()

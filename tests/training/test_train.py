@@ -41,7 +41,7 @@ def test_train_learns_and_checkpoint_loads(family, data, tmp_path):
     ckpt = load_checkpoint(out, device="cpu")
     tok = ckpt.tokenizer
     if family == "seq2seq":
-        [[hyp]] = generate_seq2seq(ckpt.model, [tok.encode("the cat")], GenerationConfig(max_new_tokens=8))
+        [[hyp]] = generate_seq2seq(ckpt.model, [tok.encode("the cat", add_eos=True)], GenerationConfig(max_new_tokens=8))
         assert isinstance(tok.decode(hyp.tokens), str)
     elif family == "classifier":
         assert ckpt.labels == ["animal", "thing"]
@@ -49,7 +49,7 @@ def test_train_learns_and_checkpoint_loads(family, data, tmp_path):
         logits = ckpt.model(torch.tensor([ids]), torch.tensor([segments]))
         assert logits.shape == (1, 2)
     else:
-        [[hyp]] = generate_causal(ckpt.model, [tok.encode("the")], GenerationConfig(max_new_tokens=8))
+        [[hyp]] = generate_causal(ckpt.model, [tok.encode("the", add_bos=True)], GenerationConfig(max_new_tokens=8))
         assert len(hyp.tokens) <= 8
 
 

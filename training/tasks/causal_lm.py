@@ -1,4 +1,5 @@
-"""Language modelling: documents joined into one token stream (each followed by </s>), cut into blocks.
+"""Language modelling: documents joined into one token stream (each as ``<s> text </s>``, the service
+prompts with a leading ``<s>``), cut into blocks.
 
 A block holds ``max_len + 1`` tokens and the next block starts at its last token, so every token
 but the stream's first is predicted exactly once, from at most ``max_len`` tokens of context.
@@ -69,7 +70,7 @@ class CausalLMTask(Task):
         path: Path,
     ) -> list[Block]:
         stream: list[int] = []
-        for ids in tokenizer.encode_batch([d.text for d in records], add_eos=True):
+        for ids in tokenizer.encode_batch([d.text for d in records], add_bos=True, add_eos=True):
             stream.extend(ids)
         return blocks(stream, config.max_len)
 

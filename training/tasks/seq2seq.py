@@ -1,7 +1,7 @@
 """Translation: source/target pairs, label-smoothed teacher forcing, BLEU and chrF of decoded output.
 
-Sources are encoded without special tokens; targets are fed as ``<s> target`` and predicted as
-``target </s>`` (the decoder starts from BOS, as model.generation does).
+Sources are encoded as ``source </s>`` (as the service encodes them); targets are fed as
+``<s> target`` and predicted as ``target </s>`` (the decoder starts from BOS, as model.generation does).
 """
 
 from __future__ import annotations
@@ -74,12 +74,12 @@ class Seq2SeqTask(Task):
         sources = tokenizer.encode_batch([p.source for p in records])
         targets = tokenizer.encode_batch([p.target for p in records])
         truncated = sum(
-            len(s) > config.max_src_len or len(t) >= config.max_len for s, t in zip(sources, targets, strict=True)
+            len(s) >= config.max_src_len or len(t) >= config.max_len for s, t in zip(sources, targets, strict=True)
         )
         if truncated:
             logger.warning("%s: %d pair(s) truncated to --max-len %d", path, truncated, config.max_len)
         return [
-            TranslationExample(s[: config.max_src_len], t[: config.max_len - 1], p.target)
+            TranslationExample([*s[: config.max_src_len - 1], tokenizer.eos_id], t[: config.max_len - 1], p.target)
             for s, t, p in zip(sources, targets, records, strict=True)
         ]
 
