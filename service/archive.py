@@ -66,10 +66,10 @@ def _zip_members(data: bytes, limit: int) -> Iterator[tuple[str, bytes]]:
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
         for info in archive.infolist():
             name = _member_name(info.filename)
-            mode = info.external_attr >> 16
             if name is None:
                 continue
-            if info.is_dir() or (mode and not stat.S_ISREG(mode)):
+            file_type = stat.S_IFMT(info.external_attr >> 16)  # 0: the creating tool recorded no Unix type
+            if info.is_dir() or file_type not in (0, stat.S_IFREG):
                 raise _reject(f"{info.filename!r} is not a regular file (links and devices are not allowed)")
             if info.flag_bits & 0x1:
                 raise _reject(f"{info.filename!r} is encrypted")

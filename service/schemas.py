@@ -12,11 +12,13 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$"  # model and adapter names (no '/', no '..' prefix)
-MAX_SEED = 2**63 - 1
+DEFAULT_NEW_TOKENS = 64  # generate's max_new_tokens when not given
+DEFAULT_MAX_TOKENS = 16  # /v1/completions' max_tokens when not given (OpenAI's default)
+MAX_SEED = 2**62  # input i samples with seed + i: room left below torch's 2**63
 
 Text = Annotated[str, Field(min_length=1, description="Non-empty text.")]
 Name = Annotated[str, Field(pattern=NAME_PATTERN, description="1-64 of [A-Za-z0-9_.-], not starting with '.' or '-'.")]
-Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED, description="0 <= seed <= 2**62.")]
 
 
 def _str_or_list(value: object) -> str:
@@ -106,7 +108,12 @@ class ModelList(BaseModel):
 class GenerateRequest(RequestModel):
     inputs: list[Text] = Field(min_length=1, description="Source sentences (seq2seq) or prompts (causal_lm).")
     strategy: Literal["greedy", "beam", "sample"] = "greedy"
-    max_new_tokens: int = Field(64, ge=1, description="Capped by the server's max_new_tokens setting.")
+    max_new_tokens: int | None = Field(
+        None,
+        ge=1,
+        description=f"Default {DEFAULT_NEW_TOKENS} (or the model's cap if lower); at most the model's "
+        "max_new_tokens from GET /v1/models.",
+    )
     min_new_tokens: int = Field(0, ge=0, description="End-of-sequence is suppressed before this many tokens.")
     num_beams: int = Field(4, ge=1, description="Beam width (strategy=beam); capped by max_beams.")
     length_penalty: float = Field(1.0, ge=-10.0, le=10.0, description="Beam score = logprob / length**penalty.")
@@ -209,7 +216,7 @@ class CompletionRequest(RequestModel):
     prompt: one_or_many(Text, Annotated[list[Text], Field(min_length=1)]) = Field(
         description="A prompt or a list of prompts."
     )
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int | None = Field(None, ge=1, description=f"Default {DEFAULT_MAX_TOKENS} (or the model's cap).")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 decodes greedily.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, description="Completions per prompt.")

@@ -14,6 +14,7 @@ from service.engine import Engine, ModelWorker
 from service.http_errors import errors, invalid
 from service.routes.sse import SSE_RESPONSE, sse_response
 from service.schemas import (
+    DEFAULT_NEW_TOKENS,
     AttentionRequest,
     AttentionResponse,
     Candidate,
@@ -48,9 +49,12 @@ async def list_models(request: Request, engine: Annotated[Engine, Depends(get_en
     return ModelList(data=[model_schema(m, created) for m in engine.models()])
 
 
-def generate_params(req: GenerateRequest) -> GenerateParams:
+def generate_params(req: GenerateRequest, worker: ModelWorker) -> GenerateParams:
     fields = {f.name for f in dataclasses.fields(GenerateParams)}
-    return GenerateParams(**{k: v for k, v in req.model_dump().items() if k in fields})
+    params = {k: v for k, v in req.model_dump().items() if k in fields}
+    if req.max_new_tokens is None:
+        params["max_new_tokens"] = max(1, min(DEFAULT_NEW_TOKENS, worker.max_new_tokens))
+    return GenerateParams(**params)
 
 
 def _candidate(c: Any) -> Candidate:
@@ -85,7 +89,7 @@ async def generate(
     "finish_reason"}`, the last one with a finish_reason, then `data: [DONE]`.
     """
     request.state.adapter = req.adapter
-    params = generate_params(req)
+    params = generate_params(req, worker)
     if req.stream:
         if len(req.inputs) != 1:
             raise invalid("inputs", f"streaming takes exactly one input, got {len(req.inputs)}")

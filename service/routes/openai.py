@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -22,7 +23,7 @@ from service.engine import Engine, ModelWorker
 from service.errors import InvalidRequest
 from service.http_errors import error_field, errors, invalid
 from service.routes.sse import SSE_RESPONSE, sse_response
-from service.schemas import CompletionChoice, CompletionRequest, CompletionResponse, Usage
+from service.schemas import DEFAULT_MAX_TOKENS, CompletionChoice, CompletionRequest, CompletionResponse, Usage
 from service.settings import Settings
 from service.types import GenerateParams, StreamEvent
 
@@ -36,9 +37,10 @@ _OPENAI_FIELDS = {"inputs": "prompt", "max_new_tokens": "max_tokens", "num_retur
 def check_completion(req: CompletionRequest, settings: Settings) -> None:
     """Caps under OpenAI's field names, and fields accepted only at values that change nothing."""
     prompts = 1 if isinstance(req.prompt, str) else len(req.prompt)
+    # max_tokens is the engine's to check (it knows the model's length); streams and greedy copies
+    # are one engine input each, so the engine does not see how many prompts and choices there are.
     caps = (
         ("prompt", prompts, settings.max_inputs, "max_inputs"),
-        ("max_tokens", req.max_tokens, settings.max_new_tokens, "max_new_tokens"),
         ("n", req.n, settings.max_return_sequences, "max_return_sequences"),
     )
     for field, value, cap, setting in caps:
@@ -81,9 +83,10 @@ def finish_reason(reason: str | None) -> str | None:
     return "length" if reason == "length" else "stop"
 
 
-def completion_params(req: CompletionRequest, adapter: str | None) -> GenerateParams:
+def completion_params(req: CompletionRequest, adapter: str | None, worker: ModelWorker) -> GenerateParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    common = dict(max_new_tokens=req.max_tokens, stop=stop, adapter=adapter, seed=req.seed)
+    max_tokens = req.max_tokens or max(1, min(DEFAULT_MAX_TOKENS, worker.max_new_tokens))
+    common = dict(max_new_tokens=max_tokens, stop=stop, adapter=adapter, seed=req.seed)
     if req.temperature == 0:
         return GenerateParams(strategy="greedy", **common)
     return GenerateParams(
@@ -116,7 +119,7 @@ async def completions(
         raise invalid("model", f"{name!r} is a {worker.info.family} model; /v1/completions serves causal_lm models")
     check_completion(req, settings)
     prompts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
-    params = completion_params(req, adapter or None)
+    params = completion_params(req, adapter or None, worker)
     head = {
         "id": f"cmpl-{uuid.uuid4().hex}",
         "object": "text_completion",
@@ -149,12 +152,19 @@ async def _stream(
     head: dict[str, Any],
     rid: str,
 ) -> StreamingResponse:
-    """One engine stream per (prompt, choice), merged; chunk index = prompt * n + choice."""
-    streams = []
-    for prompt in prompts:
-        for j in range(req.n):
-            seed = None if params.seed is None else params.seed + j
-            streams.append(worker.stream(prompt, GenerateParams(**{**vars(params), "seed": seed}), rid))
+    """One engine stream per (prompt, choice), merged; chunk index = prompt * n + choice.
+
+    Stream k samples with seed + k, so with n = 1 each prompt draws what it draws unstreamed (seed + i);
+    with n > 1 the samples differ from the unstreamed ones (equally valid draws).
+    """
+    streams: list[AsyncIterator[StreamEvent]] = []
+    try:
+        for k, prompt in enumerate(p for p in prompts for _ in range(req.n)):
+            seed = None if params.seed is None else params.seed + k
+            streams.append(worker.stream(prompt, dataclasses.replace(params, seed=seed), rid))
+    except BaseException:
+        _discard(streams)
+        raise
     generated = [0] * len(streams)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -167,11 +177,29 @@ async def _stream(
     def usage_chunk() -> list[dict[str, Any]]:
         if not include_usage:
             return []
-        prompt, completion = prompt_tokens(worker, prompts) * req.n, sum(generated)
+        prompt, completion = prompt_tokens(worker, prompts), sum(generated)  # prompts count once, as unstreamed
         usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
         return [{**head, "choices": [], "usage": usage}]
 
     return await sse_response(merge(streams), chunk, rid, after=usage_chunk)
+
+
+_discarding: set[asyncio.Task] = set()
+
+
+def _discard(streams: list[AsyncIterator[StreamEvent]]) -> None:
+    """Cancel streams whose jobs are queued but which were never iterated (a later prompt was refused):
+    an engine stream cancels its job when closed after its first event, so take one and close."""
+
+    async def close(stream: AsyncIterator[StreamEvent]) -> None:
+        with contextlib.suppress(Exception):
+            await anext(stream)
+        await stream.aclose()
+
+    for stream in streams:
+        task = asyncio.create_task(close(stream))
+        _discarding.add(task)
+        task.add_done_callback(_discarding.discard)
 
 
 async def merge(streams: list[AsyncIterator[StreamEvent]]) -> AsyncIterator[tuple[int, StreamEvent]]:

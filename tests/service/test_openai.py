@@ -1,0 +1,164 @@
+"""POST /v1/completions on a real server, sent exactly as the official ``openai`` Python client sends it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.service.conftest import ADAPTERS, LM, MT
+from tests.service.server import running_server, sse_data
+
+PROMPTS = ["the quick brown", "hello world", "to be or"]
+# What openai-python 1.x puts on the wire besides the JSON body.
+CLIENT_HEADERS = {
+    "Authorization": "Bearer sk-anything",  # no keys configured: any key is accepted
+    "Accept": "application/json",
+    "Content-Type": "application/json",
+    "User-Agent": "OpenAI/Python 1.82.0",
+    "X-Stainless-Lang": "python",
+    "X-Stainless-Package-Version": "1.82.0",
+    "X-Stainless-Runtime": "CPython",
+    "X-Stainless-Retry-Count": "0",
+}
+
+
+@pytest.fixture(scope="module")
+def server(models_dir: Path, adapters_dir: Path):
+    with running_server(models_dir, adapters_dir) as s:  # read-only use of the adapters
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with server.client(headers=CLIENT_HEADERS) as c:
+        yield c
+
+
+def complete(client: httpx.Client, **body) -> dict:
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stream(client: httpx.Client, **body) -> list:
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        return sse_data(r.iter_lines())
+
+
+def native(client: httpx.Client, model: str, **body) -> list[dict]:
+    r = client.post(f"/v1/models/{model}/generate", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()["outputs"]
+
+
+def test_response_shape_and_usage_match_openai(client):
+    body = complete(client, model=LM, prompt=PROMPTS[0], max_tokens=8, temperature=0, user="u-1")
+    assert set(body) == {"id", "object", "created", "model", "choices", "usage"}
+    assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
+    assert isinstance(body["created"], int) and body["model"] == LM
+    (choice,) = body["choices"]
+    assert set(choice) == {"text", "index", "logprobs", "finish_reason"}
+    assert choice["index"] == 0 and choice["logprobs"] is None
+    (expected,) = native(client, LM, inputs=[PROMPTS[0]], max_new_tokens=8)
+    assert choice["text"] == expected["text"]
+    assert choice["finish_reason"] == {"eos": "stop", "stop": "stop", "length": "length"}[expected["finish_reason"]]
+    usage = body["usage"]
+    assert usage["completion_tokens"] == len(expected["tokens"])
+    assert usage["prompt_tokens"] >= len(PROMPTS[0].split()) + 1  # <s> + the prompt's tokens
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+def test_prompt_list_and_n(client):
+    body = dict(model=LM, prompt=PROMPTS[:2], max_tokens=6, n=2, temperature=0.9, top_p=0.95, seed=11)
+    first = complete(client, **body)
+    assert [c["index"] for c in first["choices"]] == [0, 1, 2, 3]
+    assert first["choices"] == complete(client, **body)["choices"]  # seeded
+    greedy = complete(client, model=LM, prompt=PROMPTS[:2], max_tokens=6, n=2, temperature=0)["choices"]
+    expected = native(client, LM, inputs=PROMPTS[:2], max_new_tokens=6)
+    assert [c["text"] for c in greedy] == [o["text"] for o in expected for _ in range(2)]
+    assert complete(client, model=LM, prompt="x", max_tokens=2, n=2, best_of=2)["choices"]  # best_of == n is fine
+
+
+def test_stop(client):
+    text = complete(client, model=LM, prompt=PROMPTS[1], max_tokens=12, temperature=0)["choices"][0]["text"]
+    stop = text[1:3]
+    assert stop.strip(), text
+    for value in (stop, [stop, "never-seen"]):
+        choice = complete(client, model=LM, prompt=PROMPTS[1], max_tokens=12, temperature=0, stop=value)["choices"][0]
+        assert choice["text"] == text[: text.index(stop)] and choice["finish_reason"] == "stop"
+
+
+def test_stream_chunks_equal_non_stream(client):
+    body = dict(model=LM, prompt=PROMPTS[:2], max_tokens=10, n=2, temperature=0)
+    whole = complete(client, **body)
+    events = stream(client, **body, stream_options={"include_usage": True})
+    assert events[-1] == "[DONE]"
+    *chunks, usage_chunk = events[:-1]
+    assert {c["id"] for c in chunks} == {usage_chunk["id"]} and len({c["created"] for c in chunks}) == 1
+    texts, reasons = {}, {}
+    for c in chunks:
+        assert c["object"] == "text_completion" and c["model"] == LM and c["usage"] is None
+        (choice,) = c["choices"]
+        assert set(choice) == {"text", "index", "logprobs", "finish_reason"}
+        assert choice["index"] not in reasons, "a chunk after the choice's finish_reason"
+        texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+        if choice["finish_reason"] is not None:
+            reasons[choice["index"]] = choice["finish_reason"]
+    assert texts == {c["index"]: c["text"] for c in whole["choices"]}
+    assert reasons == {c["index"]: c["finish_reason"] for c in whole["choices"]}
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == whole["usage"]
+
+
+def test_stream_sampling_matches_with_seed_and_no_usage_by_default(client):
+    body = dict(model=LM, prompt=PROMPTS[:2], max_tokens=8, temperature=0.8, seed=5)
+    whole = complete(client, **body)["choices"]
+    events = stream(client, **body)
+    chunks = [e for e in events[:-1]]
+    assert all("usage" not in c for c in chunks)
+    texts = {}
+    for c in chunks:
+        texts[c["choices"][0]["index"]] = texts.get(c["choices"][0]["index"], "") + c["choices"][0]["text"]
+    assert texts == {c["index"]: c["text"] for c in whole}
+
+
+def test_model_colon_adapter(client):
+    adapter = ADAPTERS[LM]
+    body = complete(client, model=f"{LM}:{adapter}", prompt=PROMPTS, max_tokens=8, temperature=0)
+    assert body["model"] == f"{LM}:{adapter}"
+    expected = native(client, LM, inputs=PROMPTS, max_new_tokens=8, adapter=adapter)
+    assert [c["text"] for c in body["choices"]] == [o["text"] for o in expected]
+    r = client.post("/v1/completions", json={"model": f"{LM}:nope", "prompt": "x"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+@pytest.mark.parametrize(
+    ("extra", "status", "field"),
+    [
+        ({"logprobs": 1}, 422, "logprobs"),
+        ({"echo": True}, 422, "echo"),
+        ({"best_of": 3}, 422, "best_of"),
+        ({"suffix": "!"}, 422, "suffix"),
+        ({"presence_penalty": 0.5}, 422, "presence_penalty"),
+        ({"logit_bias": {"50256": -100}}, 422, "logit_bias"),
+        ({"functions": []}, 422, "functions"),
+        ({"max_tokens": 100000}, 422, "max_tokens"),
+        ({"n": 100}, 422, "n"),
+        ({"temperature": 3}, 422, "temperature"),
+        ({"prompt": []}, 422, "prompt"),
+        ({"prompt": [1, 2, 3]}, 422, "prompt[0]"),
+        ({"prompt": "word " * 400}, 422, "prompt[0]"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, 422, "stop"),
+        ({"model": MT}, 422, "model"),
+        ({"model": "no-such-model"}, 404, None),
+    ],
+)
+def test_rejected_fields(client, extra, status, field):
+    r = client.post("/v1/completions", json={"model": LM, "prompt": "hello", "max_tokens": 4, **extra})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["field"] == field and error["request_id"] == r.headers["x-request-id"]
+    if field:
+        assert field in error["message"]
