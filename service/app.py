@@ -6,7 +6,7 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -33,7 +33,7 @@ carries `X-Request-ID`. When API keys are configured, every `/v1` route needs
 and `/` stay open for probes and scrapers."""
 
 
-def _body_limit(settings: Settings):
+def _body_limit(settings: Settings) -> Callable[[Scope], int]:
     def limit_for(scope: Scope) -> int:
         if scope["method"] == "PUT" and _ADAPTER_UPLOAD.fullmatch(scope["path"]):
             return settings.max_adapter_upload_bytes

@@ -125,7 +125,7 @@ def swap_in(tmp: Path, target: Path) -> Path | None:
     """Rename ``tmp`` to ``target``; an existing target is moved aside and its new name returned."""
     old = None
     if target.exists():
-        old = target.with_name(f".{target.name}.old-{os.getpid()}-{id(tmp)}")
+        old = target.with_name(f".{target.name}.old{tmp.name}")  # tmp's name is unique
         os.replace(target, old)
     os.replace(tmp, target)
     return old

@@ -15,6 +15,7 @@ from fastapi import HTTPException
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service.errors import ServiceError
 from service.http_errors import json_error
 
 logger = logging.getLogger(__name__)
@@ -134,9 +135,12 @@ class MetricsMiddleware:
         endpoint = getattr(route, "name", None) or UNKNOWN
         model = state.get("model") or scope.get("path_params", {}).get("model")
         adapter = state.get("adapter")
-        known = {m.name: m for m in engine.models()}
-        if model not in known:
+        try:
+            worker = engine.get(model) if model else None
+        except ServiceError:
+            worker = None
+        if worker is None:
             model, adapter = UNKNOWN, (None if adapter is None else UNKNOWN)
-        elif adapter is not None and status >= 400 and adapter not in {a.name for a in known[model].adapters}:
+        elif adapter is not None and status >= 400 and adapter not in worker.registry.names():
             adapter = UNKNOWN
         engine.metrics.record_request(model, endpoint, adapter or "", status)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -176,9 +176,6 @@ class Settings:
             max_resident_adapters=self.max_resident_adapters,
             warmup=self.warmup,
         )
-
-    def with_overrides(self, **changes: Any) -> Settings:
-        return replace(self, **changes)
 
 
 def _env(name: str) -> str:

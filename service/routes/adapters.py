@@ -28,7 +28,6 @@ AdapterName = Annotated[str, PathParam(pattern=NAME_PATTERN, description="The ad
 ARCHIVE_TYPES = (
     "application/gzip",
     "application/x-gzip",
-    "application/x-tar+gzip",
     "application/zip",
     "application/x-zip-compressed",
     "application/octet-stream",

@@ -298,3 +298,30 @@ def test_queue_full_429_and_timeout_504(models_dir):
         assert httpx.get(s.url + "/health").status_code == 200  # still serving
         metrics = httpx.get(s.url + "/metrics").text
         assert 'status="429"' in metrics and 'status="504"' in metrics
+
+
+def test_engine_failure_is_500_with_the_request_id(models_dir):
+    """A fault inside one request's model call: that request gets a 500 naming it, its neighbours do not."""
+
+    def fault(job_ids: list[str]) -> None:
+        if any(i.startswith("boom") for i in job_ids):
+            raise RuntimeError("injected fault")
+
+    async def scenario() -> tuple[httpx.Response, httpx.Response]:
+        app = create_app(Settings(models=models_dir, warmup=False))
+        engine = app.state.engine
+        await engine.start()
+        engine.get(LM).scheduler.fault_hook = fault
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+                path, body = f"/v1/models/{LM}/generate", {"inputs": ["hello"], "max_new_tokens": 4}
+                failed = await c.post(path, json=body, headers={"X-Request-ID": "boom-1"})
+                fine = await c.post(path, json=body)
+        finally:
+            await engine.stop(1.0)
+        return failed, fine
+
+    failed, fine = asyncio.run(scenario())
+    error = error_of(failed, 500, "engine_failure")
+    assert error["request_id"] == "boom-1"
+    assert fine.status_code == 200
