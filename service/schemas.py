@@ -14,6 +14,9 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$"  # model and adapter names (no '/', no '..' prefix)
 DEFAULT_NEW_TOKENS = 64  # generate's max_new_tokens when not given
 DEFAULT_MAX_TOKENS = 16  # /v1/completions' max_tokens when not given (OpenAI's default)
+# Sampling limits: below them the logits overflow float32 or the nucleus underflows (greedy is the limit).
+MIN_TEMPERATURE = 1e-4
+MIN_TOP_P = 1e-6
 MAX_SEED = 2**62  # input i samples with seed + i: room left below torch's 2**63
 
 Text = Annotated[str, Field(min_length=1, description="Non-empty text.")]
@@ -118,9 +121,11 @@ class GenerateRequest(RequestModel):
     num_beams: int = Field(4, ge=1, description="Beam width (strategy=beam); capped by max_beams.")
     length_penalty: float = Field(1.0, ge=-10.0, le=10.0, description="Beam score = logprob / length**penalty.")
     num_return_sequences: int = Field(1, ge=1, description="Candidates per input (beam: <= num_beams).")
-    temperature: float = Field(1.0, gt=0.0, le=100.0, description="Sampling temperature (strategy=sample).")
+    temperature: float = Field(
+        1.0, ge=MIN_TEMPERATURE, le=100.0, description="Sampling temperature (strategy=sample); for 0 use greedy."
+    )
     top_k: int = Field(0, ge=0, description="Sample among the k likeliest tokens (0: all).")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_p: float = Field(1.0, ge=MIN_TOP_P, le=1.0, description="Nucleus sampling mass.")
     seed: Seed | None = Field(None, description="Makes sampling reproducible.")
     stop: list[Text] = Field(default_factory=list, max_length=16, description="Stop strings (cut from the text).")
     adapter: Name | None = Field(None, description="LoRA adapter to apply.")
@@ -217,8 +222,8 @@ class CompletionRequest(RequestModel):
         description="A prompt or a list of prompts."
     )
     max_tokens: int | None = Field(None, ge=1, description=f"Default {DEFAULT_MAX_TOKENS} (or the model's cap).")
-    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 decodes greedily.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description=f"Below {MIN_TEMPERATURE:g}: greedy decoding.")
+    top_p: float = Field(1.0, ge=0.0, le=1.0, description=f"Below {MIN_TOP_P:g}: greedy decoding.")
     n: int = Field(1, ge=1, description="Completions per prompt.")
     stop: one_or_many(Text, Annotated[list[Text], Field(max_length=4)]) | None = Field(
         None, description="A stop string or up to 4 of them."

@@ -1,6 +1,6 @@
 """POST /v1/completions, wire-compatible with OpenAI's completions API, for causal_lm models.
 
-``"model": "name:adapter"`` selects a LoRA adapter. ``temperature: 0`` decodes greedily (n copies
+``"model": "name:adapter"`` selects a LoRA adapter. ``temperature: 0`` (or top_p 0) decodes greedily (n copies
 of the one greedy completion when n > 1); otherwise top-p sampling, reproducible with ``seed``.
 """
 
@@ -23,7 +23,15 @@ from service.engine import Engine, ModelWorker
 from service.errors import InvalidRequest
 from service.http_errors import error_field, errors, invalid
 from service.routes.sse import SSE_RESPONSE, sse_response
-from service.schemas import DEFAULT_MAX_TOKENS, CompletionChoice, CompletionRequest, CompletionResponse, Usage
+from service.schemas import (
+    DEFAULT_MAX_TOKENS,
+    MIN_TEMPERATURE,
+    MIN_TOP_P,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    Usage,
+)
 from service.settings import Settings
 from service.types import GenerateParams, StreamEvent
 
@@ -87,7 +95,7 @@ def completion_params(req: CompletionRequest, adapter: str | None, worker: Model
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     max_tokens = req.max_tokens or max(1, min(DEFAULT_MAX_TOKENS, worker.max_new_tokens))
     common = dict(max_new_tokens=max_tokens, stop=stop, adapter=adapter, seed=req.seed)
-    if req.temperature == 0:
+    if req.temperature < MIN_TEMPERATURE or req.top_p < MIN_TOP_P:  # both tend to greedy in the limit
         return GenerateParams(strategy="greedy", **common)
     return GenerateParams(
         strategy="sample",

@@ -136,6 +136,7 @@ LONG = "word " * 400
         (f"{LM}/generate", {"inputs": ["x", "y"], "stream": True}, "inputs", "one input"),
         (f"{LM}/generate", {"inputs": ["x"], "adapter": "../etc"}, "adapter", "pattern"),
         (f"{LM}/generate", {"inputs": ["x"], "seed": -1}, "seed", "greater than or equal"),
+        (f"{LM}/generate", {"inputs": ["x"], "strategy": "sample", "temperature": 1e-300}, "temperature", "0.0001"),
         (f"{CLS}/generate", {"inputs": ["x"]}, None, "classifier"),
         (f"{CLS}/classify", {"inputs": [["a", ""]]}, "inputs[0][1]", "at least 1 character"),
         (f"{CLS}/classify", {"inputs": [["a", "b", "c"]]}, "inputs[0]", "at most 2"),

@@ -82,6 +82,12 @@ def test_prompt_list_and_n(client):
     assert complete(client, model=LM, prompt="x", max_tokens=2, n=2, best_of=2)["choices"]  # best_of == n is fine
 
 
+def test_temperature_or_top_p_near_zero_is_greedy(client):
+    greedy = complete(client, model=LM, prompt=PROMPTS, max_tokens=8, temperature=0)["choices"]
+    for extra in ({"temperature": 1e-300}, {"top_p": 0}, {"top_p": 1e-300, "temperature": 2}):
+        assert complete(client, model=LM, prompt=PROMPTS, max_tokens=8, **extra)["choices"] == greedy, extra
+
+
 def test_stop(client):
     text = complete(client, model=LM, prompt=PROMPTS[1], max_tokens=12, temperature=0)["choices"][0]["text"]
     stop = text[1:3]
