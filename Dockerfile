@@ -79,6 +79,8 @@ COPY --from=build /opt/venv /opt/venv
 WORKDIR /app
 COPY model/ model/
 COPY service/ service/
+# training/ too (a few hundred kB): GPU nodes run `torchrun -m training train ...` from this image.
+COPY training/ training/
 # Checkpoints are read-only; adapters are writable (PUT /v1/models/{model}/adapters/{name} uploads).
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \

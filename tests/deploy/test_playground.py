@@ -1,0 +1,205 @@
+"""The playground at `/`, end to end: headless Chromium (driven by selenium) against a real server.
+
+Set TSERVE_PLAYGROUND_SCREENSHOT=path.png to keep a copy of the final screenshot (docs/playground.png
+is made that way).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.service.conftest import LM, MT
+from tests.service.server import Server, running_server
+
+CLS = "tiny-cls"
+SOURCE = "the cat sat on the mat"
+CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--disable-dev-shm-usage", "--window-size=1500,1100")
+
+try:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+except ImportError:  # a dev dependency: fail loudly rather than skip
+    webdriver = None
+
+
+@pytest.fixture(scope="module")
+def server(models_dir: Path, adapters_dir: Path) -> Iterator[Server]:
+    with running_server(models_dir, adapters_dir) as s:
+        for name in ("playground.js", "playground.css"):  # the page's own files, beside index.html
+            r = httpx.get(f"{s.url}/static/{name}", timeout=10)
+            assert r.status_code == 200, f"GET /static/{name}: {r.status_code}: the service must serve service/static/"
+        yield s
+
+
+@pytest.fixture
+def browser(chromium: tuple[str, str], tmp_path: Path) -> Iterator:
+    if webdriver is None:
+        pytest.fail("selenium is not installed: it is a dev dependency (pip install -r requirements-dev.txt)")
+    binary, driver_path = chromium
+    options = webdriver.ChromeOptions()
+    options.binary_location = binary
+    for flag in CHROMIUM_FLAGS:
+        options.add_argument(flag)
+    options.add_argument(f"--user-data-dir={tmp_path / 'chromium-profile'}")
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(options=options, service=Service(executable_path=driver_path))
+    driver.set_page_load_timeout(30)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def wait(driver, condition, timeout_s: float = 30.0):
+    return WebDriverWait(driver, timeout_s, poll_frequency=0.1).until(lambda d: condition(d))
+
+
+def open_model(driver, server: Server, model: str) -> None:
+    driver.get(f"{server.url}/?model={model}")
+    wait(driver, lambda d: Select(d.find_element(By.ID, "model")).first_selected_option.get_attribute("value") == model)
+    wait(driver, lambda d: d.find_element(By.ID, "adapter").find_elements(By.TAG_NAME, "option"))
+
+
+def status(driver) -> str:
+    return driver.find_element(By.ID, "status").text
+
+
+def fill(driver, element_id: str, text: str) -> None:
+    element = driver.find_element(By.ID, element_id)
+    element.clear()
+    element.send_keys(text)
+
+
+def set_checkbox(driver, element_id: str, on: bool) -> None:
+    box = driver.find_element(By.ID, element_id)
+    if box.is_selected() != on:
+        box.click()
+
+
+def output_text(driver) -> str:
+    return driver.execute_script("return document.getElementById('gen-output').textContent;")
+
+
+def cells(driver) -> list:
+    return driver.find_elements(By.CSS_SELECTOR, "#heatmap svg rect.cell")
+
+
+def severe_console_errors(driver) -> list[str]:
+    return [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+
+
+def test_translate_then_attention_heatmap(browser, server: Server):
+    open_model(browser, server, MT)
+    assert browser.find_element(By.ID, "task-title").text == "Translate"
+    fill(browser, "gen-input", SOURCE)
+    Select(browser.find_element(By.ID, "gen-strategy")).select_by_value("greedy")
+    set_checkbox(browser, "gen-stream", False)
+    browser.find_element(By.ID, "gen-run").click()
+    wait(browser, lambda d: d.find_element(By.ID, "gen-output").get_attribute("data-done") == "true" or status(d))
+    assert not status(browser), status(browser)
+    expected = httpx.post(f"{server.url}/v1/models/{MT}/generate", json={
+        "inputs": [SOURCE], "strategy": "greedy", "max_new_tokens": 32}, timeout=30).json()["outputs"][0]["text"]
+    assert output_text(browser) == expected
+
+    # The translation's attention: source from the input, target from the output.
+    browser.find_element(By.ID, "gen-to-attention").click()
+    wait(browser, lambda d: cells(d) or status(d))
+    assert not status(browser), status(browser)
+    reference = httpx.post(f"{server.url}/v1/models/{MT}/attention",
+                           json={"input": SOURCE, "target": expected}, timeout=30).json()
+    src, tgt = len(reference["source_tokens"]), len(reference["target_tokens"])
+    kinds = [o.get_attribute("value") for o in browser.find_elements(By.CSS_SELECTOR, "#attn-kind option")]
+    assert set(kinds) == set(reference["maps"]) == {"encoder_self", "decoder_self", "cross"}
+
+    shapes = {"encoder_self": (src, src), "decoder_self": (tgt, tgt), "cross": (tgt, src)}
+    for kind, (rows, cols) in shapes.items():
+        Select(browser.find_element(By.ID, "attn-kind")).select_by_value(kind)
+        drawn = wait(browser, lambda d, n=rows * cols: len(cells(d)) == n and cells(d))
+        assert len(browser.find_elements(By.CSS_SELECTOR, "#heatmap text.label.query")) == rows
+        assert len(browser.find_elements(By.CSS_SELECTOR, "#heatmap text.label.key")) == cols
+        # The drawn weights are the server's, cell by cell (layer 1, head 1 selected).
+        layer, head = 0, 0
+        weights = {(int(c.get_attribute("data-q")), int(c.get_attribute("data-k"))): float(c.get_attribute("data-w"))
+                   for c in drawn}
+        matrix = reference["maps"][kind][layer][head]
+        assert all(abs(weights[q, k] - matrix[q][k]) < 1e-3 for q in range(rows) for k in range(cols))
+
+    # Another layer and head redraw the grid with other weights.
+    Select(browser.find_element(By.ID, "attn-kind")).select_by_value("encoder_self")
+    before = [c.get_attribute("data-w") for c in cells(browser)]
+    layers = Select(browser.find_element(By.ID, "attn-layer"))
+    heads = Select(browser.find_element(By.ID, "attn-head"))
+    assert len(layers.options) == len(reference["maps"]["encoder_self"])
+    assert len(heads.options) == len(reference["maps"]["encoder_self"][0]) + 1  # + mean of heads
+    layers.select_by_index(len(layers.options) - 1)
+    heads.select_by_index(1)
+    wait(browser, lambda d: [c.get_attribute("data-w") for c in cells(d)] != before)
+    assert len(cells(browser)) == src * src
+    assert f"layer {len(layers.options)} · head 2" in browser.find_element(By.ID, "attn-caption").text
+    assert not severe_console_errors(browser)
+
+
+def test_streamed_generation_arrives_in_pieces(browser, server: Server):
+    open_model(browser, server, LM)
+    assert browser.find_element(By.ID, "task-title").text == "Generate"
+    fill(browser, "gen-input", "the quick brown fox")
+    fill(browser, "gen-max", "12")
+    set_checkbox(browser, "gen-stream", True)
+    # Record every change of the output while the events arrive.
+    browser.execute_script("""
+        window.pieces = [];
+        const out = document.getElementById('gen-output');
+        new MutationObserver(() => window.pieces.push(out.textContent))
+            .observe(out, {childList: true, characterData: true, subtree: true});
+    """)
+    browser.find_element(By.ID, "gen-run").click()
+    wait(browser, lambda d: d.find_element(By.ID, "gen-output").get_attribute("data-done") == "true" or status(d))
+    assert not status(browser), status(browser)
+    meta = browser.find_element(By.ID, "gen-meta").text
+    assert "streamed" in meta
+    pieces = browser.execute_script("return window.pieces;")
+    expected = httpx.post(f"{server.url}/v1/models/{LM}/generate", json={
+        "inputs": ["the quick brown fox"], "max_new_tokens": 12}, timeout=30).json()["outputs"][0]
+    assert output_text(browser) == expected["text"]
+    assert f"{len(expected['tokens'])} tokens" in meta
+    if len(expected["tokens"]) > 1:
+        assert len(pieces) > 1, f"the output changed only {len(pieces)} time(s): not streamed"
+    assert not severe_console_errors(browser)
+
+
+def test_classify_with_adapter_and_screenshot(browser, server: Server, tmp_path: Path):
+    open_model(browser, server, CLS)
+    assert browser.find_element(By.ID, "task-title").text == "Classify"
+    Select(browser.find_element(By.ID, "adapter")).select_by_value("cls-a")
+    fill(browser, "cls-input", "all that glitters is not gold")
+    browser.find_element(By.ID, "cls-run").click()
+    rows = wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#cls-output .prob") or status(d))
+    assert not status(browser), status(browser)
+    expected = httpx.post(f"{server.url}/v1/models/{CLS}/classify", json={
+        "inputs": ["all that glitters is not gold"], "adapter": "cls-a"}, timeout=30).json()["outputs"][0]
+    assert len(rows) == len(expected["probabilities"])
+    assert browser.find_element(By.CSS_SELECTOR, "#cls-output .prob.best span").text == expected["label"]
+
+    # Attention of the encoder, "like the matrices in the literature".
+    browser.find_element(By.ID, "attn-run").click()
+    wait(browser, lambda d: cells(d) or status(d))
+    assert not status(browser), status(browser)
+    n = len(browser.find_elements(By.CSS_SELECTOR, "#heatmap text.label.query"))
+    assert n > 3 and len(cells(browser)) == n * n
+
+    shot = tmp_path / "playground.png"
+    assert browser.save_screenshot(str(shot))
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
+    if keep := os.environ.get("TSERVE_PLAYGROUND_SCREENSHOT"):
+        shutil.copyfile(shot, keep)
+    assert not severe_console_errors(browser)
