@@ -102,7 +102,7 @@ class ModelWorker:
         """One tiny request through the real path (fills caches, catches a broken model early)."""
         request_id = f"warmup-{self.name}"
         if self.family in GENERATIVE:
-            await self.generate(["warm up"], GenerateParams(max_new_tokens=2), request_id)
+            await self.generate(["warm up"], GenerateParams(max_new_tokens=min(2, self.max_new_tokens)), request_id)
         else:
             await self.classify(["warm up"], None, None, request_id)
             await self.embed(["warm up"], "mean", request_id)

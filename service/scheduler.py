@@ -70,6 +70,7 @@ class Scheduler:
         self._latency = 1.0  # moving average of job latency (s), for retry_after
         self._outbox: list[tuple[Job, Any, BaseException | None]] = []  # delivered after the step's bookkeeping
         self._taken: list[Job] = []  # jobs taken off the queue by the current iteration
+        self._stepping = False  # an iteration is under way (its jobs may be neither waiting nor running)
         self._thread = threading.Thread(target=self._loop, name=f"tserve-{name}", daemon=True)
 
     # ---- event loop side ------------------------------------------------------------------------
@@ -104,7 +105,7 @@ class Scheduler:
     def busy(self) -> bool:
         """Jobs waiting or running."""
         with self._cond:
-            return bool(self._waiting) or self.num_running > 0
+            return bool(self._waiting) or self._stepping or self.num_running > 0
 
     @property
     def num_running(self) -> int:
@@ -138,6 +139,7 @@ class Scheduler:
                 controls = list(self._controls)
                 self._controls.clear()
                 stopping = self._stopping
+                self._stepping = stopping is None
             for fn, future in controls:
                 self._run_control(fn, future)
             if stopping is not None:
@@ -155,6 +157,8 @@ class Scheduler:
             except Exception:
                 logger.exception("model %r: removing retired adapters failed", self.name)
             self._deliver()
+            with self._cond:
+                self._stepping = False
 
     def _run_control(self, fn: Callable[[], Any], future: concurrent.futures.Future) -> None:
         if not future.set_running_or_notify_cancel():
@@ -297,6 +301,8 @@ class GenerationScheduler(Scheduler):
         self.tokenizer = tokenizer  # target side: decodes generated ids
         self.batch: RunningBatch | None = None
         self.device = next(model.parameters()).device
+        self._ttft, self._itl = metrics.ttft.labels(name), metrics.itl.labels(name)  # children resolved once
+        self._generated: dict[str | None, Any] = {}  # adapter -> tserve_generation_tokens_total child
 
     @property
     def num_running(self) -> int:
@@ -463,11 +469,15 @@ class GenerationScheduler(Scheduler):
         batch.jobs, batch.tokens = keep, torch.cat(tokens)
 
     def _token_metrics(self, job: GenerationJob, rows: int, now: float) -> None:
-        self.metrics.generation_tokens.labels(self.name, adapter_label(job.adapter_name)).inc(rows)
+        counter = self._generated.get(job.adapter_name)
+        if counter is None:
+            counter = self._generated[job.adapter_name] = self.metrics.generation_tokens.labels(
+                self.name, adapter_label(job.adapter_name))
+        counter.inc(rows)
         if job.last_token_at is None:
-            self.metrics.ttft.labels(self.name).observe(now - job.arrival)
+            self._ttft.observe(now - job.arrival)
         else:
-            self.metrics.itl.labels(self.name).observe(now - job.last_token_at)
+            self._itl.observe(now - job.last_token_at)
         job.last_token_at = now
 
     def _complete(self, job: GenerationJob) -> None:

@@ -8,10 +8,14 @@ use the fixtures):
 - ``adapters_dir``: ``<tmp>/adapters/<model>/<adapter>/`` with ``lm-a``, ``mt-a``, ``cls-a``
   (PEFT layout written by ``model.lora.save_adapter``, rank 4, alpha 8).
 
-TODO(training CLI): the models are seeded random weights (scaled so that next-token distributions
-are peaked and greedy decoding is robust to float rounding) and the adapters have random nonzero B.
-Switch to ``python -m training train ...`` / ``python -m training lora ...`` once those commands
-exist (training/cli.py had only ``prepare`` when this was written).
+Why not the training CLI (``python -m training train`` / ``lora``, which exist now): timed on this
+2-core machine, training the three tiny models plus one adapter each took ~80 s in-process (the
+seq2seq runs alone ~65 s: validation decodes for BLEU), far over the ~60 s budget of the service
+tests, and an adapter trained for seconds from B = 0 barely moves the outputs, while the hot-swap
+and mixed-adapter tests need versions whose outputs differ. So the models are seeded random
+weights (the generators' output projection favours printable ASCII tokens, with logits spread over
+several nats so greedy decoding is far from float-rounding ties) and the adapters have random
+nonzero B. TODO(training CLI): switch once a sub-second tiny-training path exists.
 """
 
 from __future__ import annotations
