@@ -96,4 +96,5 @@ def compact(cache: KVCache) -> None:
                 keys=[k[:, :, :source_len] for k in cache.cross.keys],
                 values=[v[:, :, :source_len] for v in cache.cross.values],
                 mask=cache.cross.mask[..., :source_len],
+                sources=cache.cross.sources,
             )

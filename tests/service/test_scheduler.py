@@ -277,3 +277,40 @@ def test_old_adapter_version_leaves_the_model_once_idle(models_dir, adapters_dir
 
     torch.manual_seed(0)
     asyncio.run(main())
+
+
+def test_stop_fails_what_the_drain_deadline_leaves(models_dir):
+    async def main():
+        async with running_engine(models_dir, None) as engine:
+            worker = engine.get(LM)
+            worker.scheduler.fault_hook = lambda ids: time.sleep(0.005)
+            task = asyncio.create_task(worker.generate(["a"], GenerateParams(max_new_tokens=120, min_new_tokens=120),
+                                                       "cut"))
+            await wait_until(lambda: worker.scheduler.num_running > 0)
+            await engine.stop(drain_timeout_s=0.05)
+            with pytest.raises(NotReady, match="drain"):
+                await task
+
+    asyncio.run(main())
+
+
+def test_compact_forgets_positions_no_row_can_see(models_dir):
+    from model.checkpoint import load_checkpoint
+    from model.kv_cache import KVCache
+    from service.batch import compact
+
+    model = load_checkpoint(models_dir / LM, device="cpu").model
+    with torch.inference_mode():
+        caches, tokens = [], []
+        for length, capacity in ((3, 3), (120, 300)):
+            cache = model.new_cache(1, capacity)
+            ids = torch.arange(7, 7 + length)[None] % 250 + 7
+            tokens.append(model.prefill(ids, torch.tensor([length]), cache).argmax(-1))
+            caches.append(cache)
+        joined = KVCache.concat(caches)
+        joined.select(torch.tensor([0]))  # the long row leaves
+        assert joined.max_length == 120 and joined.capacity == 300
+        compact(joined)
+        assert joined.max_length == 3 and joined.capacity == 3 + 64
+        alone = caches[0]
+        assert torch.allclose(model.decode_step(tokens[0], joined), model.decode_step(tokens[0], alone), atol=1e-5)
