@@ -314,3 +314,20 @@ def test_compact_forgets_positions_no_row_can_see(models_dir):
         assert joined.max_length == 3 and joined.capacity == 3 + 64
         alone = caches[0]
         assert torch.allclose(model.decode_step(tokens[0], joined), model.decode_step(tokens[0], alone), atol=1e-5)
+
+
+def test_rows_per_step_are_capped_and_a_bigger_request_runs_alone(models_dir):
+    cases = [("hello", GenerateParams(strategy="beam", num_beams=4, max_new_tokens=8)),  # 4 rows > cap 2
+             ("the cat", GenerateParams(max_new_tokens=8)), ("gold", GenerateParams(max_new_tokens=8)),
+             ("a", GenerateParams(max_new_tokens=8))]
+
+    async def main():
+        async with running_engine(models_dir, None, max_batch_size=2, max_wait_ms=50) as engine:
+            worker = engine.get(LM)
+            results = await asyncio.gather(*(worker.generate([t], p, f"c{i}") for i, (t, p) in enumerate(cases)))
+            steps = histogram_count(engine, "tserve_batch_size", {"model": LM})
+            assert histogram_count(engine, "tserve_batch_size", {"model": LM}, le="4.0") == steps  # never > 4
+            return results
+
+    for got, (text, params) in zip(asyncio.run(main()), cases, strict=True):
+        assert_same(got, offline(models_dir / LM, [text], params))
