@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from model.checkpoint import resolve_device
+from training.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -38,13 +39,24 @@ class DistContext:
         return self.world_size > 1
 
 
+def user_device(name: str) -> torch.device:
+    """``--device`` as a torch device; unknown names and missing CUDA are UserErrors."""
+    try:
+        device = resolve_device(name)
+    except RuntimeError as e:
+        raise UserError(f"--device {name}: {e}") from e
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {name}: CUDA is not available on this machine")
+    return device
+
+
 def init_distributed(device: str = "auto") -> DistContext:
     """Join torchrun's process group when launched by it; pick this process's device."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size <= 1:
-        return DistContext(device=resolve_device(device))
+        return DistContext(device=user_device(device))
     rank = int(os.environ["RANK"])
-    torch_device = resolve_device(device)
+    torch_device = user_device(device)
     if torch_device.type == "cuda":
         torch_device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(torch_device)
@@ -64,7 +76,10 @@ def wrap(module: nn.Module, ctx: DistContext, find_unused_parameters: bool = Fal
     if not ctx.distributed:
         return module
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    return DistributedDataParallel(module, device_ids=device_ids, find_unused_parameters=find_unused_parameters)
+    # The models' only buffers are constant sinusoid tables: nothing to re-broadcast every forward.
+    return DistributedDataParallel(
+        module, device_ids=device_ids, find_unused_parameters=find_unused_parameters, broadcast_buffers=False
+    )
 
 
 def all_sum(values: list[float], ctx: DistContext) -> list[float]:

@@ -22,16 +22,28 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "(or of the adapter with --adapter): BLEU and chrF (seq2seq), accuracy and macro-F1 (classifier), "
         "perplexity over max-len windows (causal_lm).",
     )
-    p.add_argument("--model", required=True, help="checkpoint directory")
-    p.add_argument("--adapter", default=None, help="LoRA adapter directory (PEFT layout) to apply")
-    p.add_argument("--test", required=True, help="test data file (or directory for causal_lm)")
-    p.add_argument("--beams", type=positive_int, default=4, help="seq2seq beam size; 1 = greedy (default %(default)s)")
-    p.add_argument("--max-examples", type=positive_int, default=None, help="score only the first N examples")
+    p.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory")
+    p.add_argument("--adapter", default=None, metavar="DIR", help="LoRA adapter directory (PEFT layout) to apply")
+    p.add_argument("--test", required=True, metavar="FILE", help="test data file (or directory for causal_lm)")
     p.add_argument(
-        "--max-new-tokens", type=positive_int, default=128, help="seq2seq output cap in tokens (default %(default)s)"
+        "--beams", type=positive_int, metavar="N", default=4, help="seq2seq beam size; 1 = greedy (default %(default)s)"
     )
     p.add_argument(
-        "--batch-tokens", type=positive_int, default=4096, help="padded tokens per batch (default %(default)s)"
+        "--max-examples", type=positive_int, metavar="N", default=None, help="score only the first N examples"
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        metavar="N",
+        default=128,
+        help="seq2seq output cap in tokens (default %(default)s)",
+    )
+    p.add_argument(
+        "--batch-tokens",
+        type=positive_int,
+        metavar="N",
+        default=4096,
+        help="padded tokens per batch (default %(default)s)",
     )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default %(default)s)")
     p.add_argument("--skip-malformed", action="store_true", help="skip malformed test lines (and report the count)")

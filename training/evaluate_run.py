@@ -13,6 +13,7 @@ import torch
 
 from model.checkpoint import CheckpointError, load_checkpoint
 from model.lora import AdapterError, load_adapter
+from training.distributed import user_device
 from training.errors import UserError
 from training.session import merge_metrics
 from training.tasks import TASKS, TaskOptions
@@ -25,7 +26,7 @@ ADAPTER = "evaluated"
 def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     """The `evaluate` command; returns what it printed and merged into metrics.json."""
     try:
-        ckpt = load_checkpoint(args.model, device=args.device, dtype=torch.float32)
+        ckpt = load_checkpoint(args.model, device=user_device(args.device), dtype=torch.float32)
     except CheckpointError as e:
         raise UserError(f"--model: {e}") from e
     adapters = None

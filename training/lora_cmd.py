@@ -32,15 +32,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Train only a LoRA adapter on a frozen base checkpoint (its tokenizer is reused) and "
         "save it in the PEFT layout, with metrics.json comparing adapter and base on the valid split.",
     )
-    p.add_argument("--base", required=True, help="base checkpoint directory")
+    p.add_argument("--base", required=True, metavar="DIR", help="base checkpoint directory")
     add_io_options(p, "adapter directory (PEFT layout); the resume state goes to <out>.state/")
     g = p.add_argument_group("adapter")
-    g.add_argument("--rank", type=positive_int, default=8, help="LoRA rank r (default %(default)s)")
+    g.add_argument("--rank", type=positive_int, metavar="N", default=8, help="LoRA rank r (default %(default)s)")
     g.add_argument(
-        "--alpha", type=positive_float, default=16.0, help="LoRA alpha; scaling = alpha / r (default %(default)s)"
+        "--alpha",
+        type=positive_float,
+        metavar="X",
+        default=16.0,
+        help="LoRA alpha; scaling = alpha / r (default %(default)s)",
     )
     g.add_argument(
-        "--dropout", type=probability, default=0.0, help="dropout on the adapter input (default %(default)s)"
+        "--dropout",
+        type=probability,
+        metavar="X",
+        default=0.0,
+        help="dropout on the adapter input (default %(default)s)",
     )
     g.add_argument(
         "--targets",

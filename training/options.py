@@ -36,6 +36,16 @@ def positive_float(value: str) -> float:
     return x
 
 
+def non_negative_float(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value!r}") from None
+    if not (x >= 0 and math.isfinite(x)):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return x
+
+
 def probability(value: str) -> float:
     try:
         x = float(value)
@@ -47,9 +57,11 @@ def probability(value: str) -> float:
 
 
 def add_io_options(parser: argparse.ArgumentParser, out_help: str) -> None:
-    parser.add_argument("--train", required=True, help="training data file (or directory for causal_lm)")
-    parser.add_argument("--valid", required=True, help="validation data file (same format as --train)")
-    parser.add_argument("--out", required=True, help=out_help)
+    parser.add_argument(
+        "--train", required=True, metavar="FILE", help="training data file (or directory for causal_lm)"
+    )
+    parser.add_argument("--valid", required=True, metavar="FILE", help="validation data file (same format as --train)")
+    parser.add_argument("--out", required=True, metavar="DIR", help=out_help)
     parser.add_argument(
         "--skip-malformed", action="store_true", help="skip malformed data lines (and report the count)"
     )
@@ -58,34 +70,59 @@ def add_io_options(parser: argparse.ArgumentParser, out_help: str) -> None:
 def add_loop_options(parser: argparse.ArgumentParser, lr: float, warmup: int) -> None:
     """Optimisation, schedule, checkpointing and device flags."""
     g = parser.add_argument_group("training loop")
-    g.add_argument("--max-steps", type=positive_int, default=2000, help="optimizer steps in all (default %(default)s)")
-    g.add_argument("--max-minutes", type=positive_float, default=None, help="stop this run after N minutes")
+    g.add_argument(
+        "--max-steps", type=positive_int, metavar="N", default=2000, help="optimizer steps in all (default %(default)s)"
+    )
+    g.add_argument(
+        "--max-minutes", type=positive_float, metavar="X", default=None, help="stop this run after N minutes"
+    )
     g.add_argument(
         "--batch-tokens",
         type=positive_int,
+        metavar="N",
         default=4096,
         help="padded tokens per batch and process (default %(default)s)",
     )
-    g.add_argument("--accum-steps", type=positive_int, default=1, help="batches per step (default %(default)s)")
-    g.add_argument("--lr", type=positive_float, default=lr, help="peak learning rate (default %(default)s)")
-    g.add_argument("--warmup", type=positive_int, default=warmup, help="linear warm-up steps (default %(default)s)")
+    g.add_argument(
+        "--accum-steps", type=positive_int, metavar="N", default=1, help="batches per step (default %(default)s)"
+    )
+    g.add_argument(
+        "--lr", type=positive_float, metavar="X", default=lr, help="peak learning rate (default %(default)s)"
+    )
+    g.add_argument(
+        "--warmup", type=positive_int, metavar="N", default=warmup, help="linear warm-up steps (default %(default)s)"
+    )
     g.add_argument(
         "--label-smoothing",
         type=probability,
+        metavar="X",
         default=None,
         help="label smoothing (default 0.1 for seq2seq, 0 otherwise)",
     )
-    g.add_argument("--clip-norm", type=float, default=1.0, help="max gradient norm; 0 disables (default %(default)s)")
-    g.add_argument("--seed", type=non_negative_int, default=1, help="random seed (default %(default)s)")
+    g.add_argument(
+        "--clip-norm",
+        type=non_negative_float,
+        metavar="X",
+        default=1.0,
+        help="max gradient norm; 0 disables (default %(default)s)",
+    )
+    g.add_argument("--seed", type=non_negative_int, metavar="N", default=1, help="random seed (default %(default)s)")
     g.add_argument("--resume", action="store_true", help="continue from the last saved state in <out>.state/")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default %(default)s)")
-    g.add_argument("--eval-every", type=positive_int, default=200, help="validate every N steps (default %(default)s)")
     g.add_argument(
-        "--save-every", type=positive_int, default=200, help="save the state every N steps (default %(default)s)"
+        "--eval-every", type=positive_int, metavar="N", default=200, help="validate every N steps (default %(default)s)"
+    )
+    g.add_argument(
+        "--save-every",
+        type=positive_int,
+        metavar="N",
+        default=200,
+        help="save the state every N steps (default %(default)s)",
     )
     g.add_argument(
         "--valid-examples",
         type=positive_int,
+        metavar="N",
         default=200,
         help="validation examples decoded for BLEU during seq2seq training (default %(default)s)",
     )

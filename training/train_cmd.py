@@ -37,19 +37,41 @@ def _model_options(parser: argparse.ArgumentParser, family: str) -> None:
         default="default",
         help="paper: post-LN, sinusoidal, ReLU, scaled+tied embeddings; gpt2: learned positions, pre-LN, "
         "gelu_tanh; bert: learned positions, post-LN, GELU, embedding LayerNorm, eps 1e-12; "
-        "default: pre-LN, sinusoidal, ReLU (default %(default)s)",
+        "default (the default): pre-LN, sinusoidal, ReLU, scaled+tied embeddings",
     )
-    g.add_argument("--layers", type=positive_int, default=3, help="layers (per stack for seq2seq; default %(default)s)")
+    g.add_argument(
+        "--layers",
+        type=positive_int,
+        metavar="N",
+        default=3,
+        help="layers (per stack for seq2seq; default %(default)s)",
+    )
     if family == "seq2seq":
-        g.add_argument("--encoder-layers", type=positive_int, default=None, help="encoder layers (default --layers)")
-        g.add_argument("--decoder-layers", type=positive_int, default=None, help="decoder layers (default --layers)")
-    g.add_argument("--d-model", type=positive_int, default=256, help="model width (default %(default)s)")
-    g.add_argument("--heads", type=positive_int, default=4, help="attention heads (default %(default)s)")
-    g.add_argument("--ffn", type=positive_int, default=1024, help="feed-forward width (default %(default)s)")
-    g.add_argument("--vocab-size", type=positive_int, default=8000, help="BPE vocabulary (default %(default)s)")
-    g.add_argument("--max-len", type=positive_int, default=256, help="longest sequence in tokens (default %(default)s)")
-    g.add_argument("--dropout", type=probability, default=0.1, help="dropout (default %(default)s)")
-    g.add_argument("--tokenizer", default=None, help="reuse this tokenizer.json instead of training one")
+        g.add_argument(
+            "--encoder-layers", type=positive_int, metavar="N", default=None, help="encoder layers (default --layers)"
+        )
+        g.add_argument(
+            "--decoder-layers", type=positive_int, metavar="N", default=None, help="decoder layers (default --layers)"
+        )
+    g.add_argument("--d-model", type=positive_int, metavar="N", default=256, help="model width (default %(default)s)")
+    g.add_argument("--heads", type=positive_int, metavar="N", default=4, help="attention heads (default %(default)s)")
+    g.add_argument(
+        "--ffn", type=positive_int, metavar="N", default=1024, help="feed-forward width (default %(default)s)"
+    )
+    g.add_argument(
+        "--vocab-size", type=positive_int, metavar="N", default=8000, help="BPE vocabulary (default %(default)s)"
+    )
+    g.add_argument(
+        "--max-len",
+        type=positive_int,
+        metavar="N",
+        default=256,
+        help="longest sequence in tokens (default %(default)s)",
+    )
+    g.add_argument("--dropout", type=probability, metavar="X", default=0.1, help="dropout (default %(default)s)")
+    g.add_argument(
+        "--tokenizer", default=None, metavar="FILE", help="reuse this tokenizer.json instead of training one"
+    )
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -57,7 +79,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("train", help="train a model", description="Train a model of one family.")
     families = parser.add_subparsers(dest="family", required=True, metavar="{seq2seq,classifier,causal_lm}")
     for family, help_text in FAMILY_HELP.items():
-        p = families.add_parser(family, help=help_text, description=f"Train a {help_text}.")
+        p = families.add_parser(family, help=help_text, description=f"Train a {family} model: {help_text}.")
         add_io_options(p, OUT_HELP)
         _model_options(p, family)
         add_loop_options(p, lr=7e-4, warmup=400)
@@ -70,6 +92,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                 help="first pre-train with masked LM + sentence order on consecutive lines of this file",
             )
             g.add_argument(
-                "--pretrain-steps", type=positive_int, default=1000, help="pre-training steps (default %(default)s)"
+                "--pretrain-steps",
+                type=positive_int,
+                metavar="N",
+                default=1000,
+                help="pre-training steps (default %(default)s)",
             )
         p.set_defaults(func=_run)

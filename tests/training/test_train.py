@@ -12,6 +12,7 @@ from model.checkpoint import load_checkpoint
 from model.decoding import GenerationConfig
 from model.generation import generate_causal, generate_seq2seq
 from tests.training.conftest import call_command, log_rows, run_cli, train_args, write_text
+from training.arch import ModelSizes, build_config
 from training.errors import UserError
 from training.state import StateStore, state_dir_for
 
@@ -41,7 +42,9 @@ def test_train_learns_and_checkpoint_loads(family, data, tmp_path):
     ckpt = load_checkpoint(out, device="cpu")
     tok = ckpt.tokenizer
     if family == "seq2seq":
-        [[hyp]] = generate_seq2seq(ckpt.model, [tok.encode("the cat", add_eos=True)], GenerationConfig(max_new_tokens=8))
+        [[hyp]] = generate_seq2seq(
+            ckpt.model, [tok.encode("the cat", add_eos=True)], GenerationConfig(max_new_tokens=8)
+        )
         assert isinstance(tok.decode(hyp.tokens), str)
     elif family == "classifier":
         assert ckpt.labels == ["animal", "thing"]
@@ -114,3 +117,28 @@ def test_evaluate_writes_metrics(family, data, tmp_path):
     assert "valid_loss" in metrics  # training's keys are kept
     if family == "causal_lm":
         assert metrics["perplexity"] > 1.0
+
+
+@pytest.mark.parametrize(
+    ("arch", "expected"),
+    [
+        ("paper", dict(norm="post", positions="sinusoidal", activation="relu", scale_embeddings=True)),
+        ("gpt2", dict(norm="pre", positions="learned", activation="gelu_tanh", scale_embeddings=False)),
+        ("bert", dict(norm="post", positions="learned", activation="gelu", embedding_norm=True, layer_norm_eps=1e-12)),
+    ],
+)
+def test_arch_presets(arch, expected):
+    config = build_config("classifier", ModelSizes(arch=arch, layers=2, d_model=32, heads=4, ffn=64), 300, num_labels=2)
+    assert {k: getattr(config, k) for k in expected} == expected
+    seq2seq = build_config("seq2seq", ModelSizes(arch=arch, layers=2, decoder_layers=1), 300)
+    assert (seq2seq.n_encoder_layers, seq2seq.n_decoder_layers, seq2seq.tie_embeddings) == (2, 1, True)
+
+
+def test_reuse_tokenizer_and_bert_arch(data, tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    run_cli(*train_args("classifier", data, first, "--max-steps", "2"))
+    run_cli(*train_args("classifier", data, second, "--max-steps", "2", "--arch", "bert",
+                        "--tokenizer", str(first / "tokenizer.json")))  # fmt: skip
+    assert (second / "tokenizer.json").read_text() == (first / "tokenizer.json").read_text()
+    config = json.loads((second / "config.json").read_text())
+    assert (config["norm"], config["embedding_norm"], config["layer_norm_eps"]) == ("post", True, 1e-12)
