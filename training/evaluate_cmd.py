@@ -36,7 +36,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=positive_int,
         metavar="N",
         default=128,
-        help="seq2seq output cap in tokens (default %(default)s)",
+        help="seq2seq output cap in tokens, also <= 2 x source + 10 (default %(default)s)",
     )
     p.add_argument(
         "--batch-tokens",

@@ -26,6 +26,7 @@ from training.tasks.base import Adapters, Task, eval_mode, pad
 
 logger = logging.getLogger(__name__)
 DECODE_BATCH = 64  # sources per generation call
+MAX_LEN_A, MAX_LEN_B = 2, 10  # output cap: a * source length + b tokens (as fairseq's max_len_a/b)
 
 
 @dataclass(frozen=True)
@@ -109,20 +110,27 @@ class Seq2SeqTask(Task):
     def translate(
         self, model: Seq2SeqTransformer, sources: Sequence[list[int]], tokenizer: Tokenizer, adapters: Adapters = None
     ) -> list[str]:
-        """Decode ``sources`` (greedy, or beam search with ``options.beams``), in input order."""
-        max_new = min(self.options.max_new_tokens, model.config.max_len - 1)
-        if self.options.beams > 1:
-            config = GenerationConfig(
-                strategy="beam", num_beams=self.options.beams, max_new_tokens=max_new, eos_token_id=tokenizer.eos_id
-            )
-        else:
-            config = GenerationConfig(strategy="greedy", max_new_tokens=max_new, eos_token_id=tokenizer.eos_id)
+        """Decode ``sources`` (greedy, or beam search with ``options.beams``), in input order.
+
+        Outputs are capped at ``MAX_LEN_A * longest source + MAX_LEN_B`` tokens per batch (and by
+        --max-new-tokens and the model's max_len), so an untrained model's endless outputs stay cheap.
+        """
+        cap = min(self.options.max_new_tokens, model.config.max_len - 1)
         order = sorted(range(len(sources)), key=lambda i: len(sources[i]))  # similar lengths share a batch
         texts: dict[int, str] = {}
         with eval_mode(model):
             for start in range(0, len(order), DECODE_BATCH):
                 rows = order[start : start + DECODE_BATCH]
+                longest = max(len(sources[i]) for i in rows)
+                config = self._generation_config(min(cap, MAX_LEN_A * longest + MAX_LEN_B), tokenizer.eos_id)
                 results = generate_seq2seq(model, [sources[i] for i in rows], config, adapters)
                 decoded = tokenizer.decode_batch([hyps[0].tokens for hyps in results])
                 texts.update(zip(rows, decoded, strict=True))
         return [texts[i] for i in range(len(sources))]
+
+    def _generation_config(self, max_new_tokens: int, eos_id: int) -> GenerationConfig:
+        if self.options.beams > 1:
+            return GenerationConfig(
+                strategy="beam", num_beams=self.options.beams, max_new_tokens=max_new_tokens, eos_token_id=eos_id
+            )
+        return GenerationConfig(strategy="greedy", max_new_tokens=max_new_tokens, eos_token_id=eos_id)
