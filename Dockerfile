@@ -23,7 +23,8 @@ ARG TRAIN_IMAGE=python:3.11.7-bookworm
 # ---- build: the virtual environment ----------------------------------------------------------------
 FROM ${BASE_IMAGE} AS build
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
-ENV DEBIAN_FRONTEND=noninteractive PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
+ARG DEBIAN_FRONTEND=noninteractive
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 # CUDA base images have no Python; Debian/Ubuntu's own python3 then backs the venv (versions follow
 # the base image's release, hence unpinned).
 # hadolint ignore=DL3008
@@ -49,8 +50,9 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 RUN groupadd --system --gid 10001 tserve \
     && useradd --system --uid 10001 --gid tserve --home-dir /app --no-create-home --shell /usr/sbin/nologin tserve \
-    && mkdir -p /checkpoints /adapters && chown tserve:tserve /checkpoints /adapters
+    && mkdir -p /app /checkpoints /adapters && chown tserve:tserve /app /checkpoints /adapters
 COPY --from=build /opt/venv /opt/venv
+# /app itself is writable (corpora and run logs go under it); the sources in it are not.
 WORKDIR /app
 COPY model/ model/
 COPY training/ training/
@@ -66,7 +68,7 @@ CMD ["python", "-m", "training", "--help"]
 # ---- runtime: the API server -------------------------------------------------------------------
 FROM ${BASE_IMAGE} AS runtime
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
-ENV DEBIAN_FRONTEND=noninteractive
+ARG DEBIAN_FRONTEND=noninteractive
 # hadolint ignore=DL3008
 RUN if ! command -v python3 >/dev/null; then \
         apt-get update && apt-get install -y --no-install-recommends python3 \

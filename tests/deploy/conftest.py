@@ -40,6 +40,26 @@ def prometheus_bin() -> Path:
 
 
 @pytest.fixture(scope="session")
+def nginx_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Debian's nginx binary, unpacked (not installed) under .cache/nginx: `nginx -t` checks the lb config."""
+    root = ROOT / ".cache" / "nginx"
+    binary = root / "root" / "usr" / "sbin" / "nginx"
+    if not binary.exists():
+        download = tmp_path_factory.mktemp("nginx-deb")
+        proc = subprocess.run(["apt-get", "download", "-q", "nginx"], cwd=download, capture_output=True, text=True,
+                              timeout=300)
+        if proc.returncode != 0:
+            pytest.skip(f"apt-get download nginx: Debian registry unreachable: {proc.stderr.strip()[-500:]}")
+        deb = next(download.glob("nginx_*.deb"))
+        unpacked = download / "root"
+        subprocess.run(["dpkg", "-x", str(deb), str(unpacked)], check=True, timeout=120)
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(root / "root", ignore_errors=True)
+        shutil.move(unpacked, root / "root")
+    return binary
+
+
+@pytest.fixture(scope="session")
 def chromium() -> tuple[str, str]:
     """(chromium binary, chromedriver binary), installed from Debian by scripts/install_browser.sh."""
     run_setup_script("install_browser.sh", timeout_s=900)

@@ -130,8 +130,15 @@ def test_compose_services_profiles_and_mounts():
             source = volume.split(":")[0]
             if source.startswith("./"):
                 assert (ROOT / source).exists(), f"{source} is mounted but missing"
-    nginx = (ROOT / "deploy" / "nginx" / "nginx.conf").read_text()
-    assert "http://api:8000" in nginx and "resolver 127.0.0.11" in nginx and "proxy_buffering off" in nginx
+
+
+def test_nginx_accepts_the_load_balancer_config(nginx_bin: Path, tmp_path: Path):
+    config = ROOT / "deploy" / "nginx" / "nginx.conf"
+    text = config.read_text()
+    assert "http://api:8000" in text and "resolver 127.0.0.11" in text and "proxy_buffering off" in text
+    proc = subprocess.run([str(nginx_bin), "-t", "-p", str(tmp_path), "-c", str(config), "-e", "stderr"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "test is successful" in proc.stderr, proc.stderr
 
 
 def test_grafana_provisioning_points_at_the_dashboard_and_datasource():
