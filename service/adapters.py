@@ -92,6 +92,7 @@ class AdapterRegistry:
         self._retired: list[AdapterVersion] = []  # replaced/unloaded versions still in the model
         self._lock = threading.Lock()
         self._serial = 0
+        self.changes = 0  # bumped whenever the model's adapters change (the scheduler re-selects rows then)
 
     # ---- any thread -----------------------------------------------------------------------------
 
@@ -217,6 +218,7 @@ class AdapterRegistry:
             entry.path, entry.config, entry.current = path, config, version
             info = self._info(entry)
         self.metrics.adapter_loads.labels(self.model_name).inc()
+        self._update_gauge()
         self.collect()
         logger.info("model %r: loaded adapter %r from %s (as %s)", self.model_name, name, path, version.internal)
         return info
@@ -296,6 +298,7 @@ class AdapterRegistry:
             self._update_gauge()
 
     def _update_gauge(self) -> None:
+        self.changes += 1
         self.metrics.resident_adapters.labels(self.model_name).set(len(lora.adapter_names(self.model)))
 
     def _info(self, entry: _Entry) -> AdapterInfo:  # lock held

@@ -71,6 +71,7 @@ class Scheduler:
         self._outbox: list[tuple[Job, Any, BaseException | None]] = []  # delivered after the step's bookkeeping
         self._taken: list[Job] = []  # jobs taken off the queue by the current iteration
         self._stepping = False  # an iteration is under way (its jobs may be neither waiting nor running)
+        self._routing: tuple | None = None  # (registry.changes, per-row adapters) of the last set_adapters
         self._thread = threading.Thread(target=self._loop, name=f"tserve-{name}", daemon=True)
 
     # ---- event loop side ------------------------------------------------------------------------
@@ -222,6 +223,7 @@ class Scheduler:
             return
         try:
             set_adapters(self.model, None)
+            self._routing = None
             if self.fault_hook is not None:
                 self.fault_hook([job.id])
             value = job.fn()
@@ -237,7 +239,11 @@ class Scheduler:
         """One model call for ``jobs``; rows select their adapters (None = base)."""
         if self.fault_hook is not None:
             self.fault_hook([j.id for j in jobs])
-        set_adapters(self.model, adapter_rows if any(a is not None for a in adapter_rows) else None)
+        # set_adapters walks every module (~50-200 us): skip it when neither the rows nor the model changed.
+        key = (self.registry.changes, tuple(adapter_rows) if any(a is not None for a in adapter_rows) else None)
+        if key != self._routing:
+            set_adapters(self.model, list(key[1]) if key[1] is not None else None)
+            self._routing = key
         return fn(*args)
 
     def _finish(self, job: Job, value: Any = None, exc: BaseException | None = None) -> None:
