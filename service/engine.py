@@ -25,7 +25,7 @@ from model.classifier import POOLINGS
 from model.decoding import GenerationConfig
 from model.generation import generate_seq2seq
 from service.adapters import AdapterRegistry, check_name
-from service.errors import InvalidRequest, NotFound, NotReady, RequestTimeout, ServiceError
+from service.errors import InvalidRequest, NotFound, NotReady, ServiceError
 from service.jobs import DEADLINE_GRACE_S, CallJob, GenerationJob, Job, PoolingJob, StreamText
 from service.metrics import Metrics
 from service.pooling import PoolingScheduler
@@ -422,4 +422,4 @@ class Engine:
         await asyncio.gather(*(asyncio.to_thread(w.scheduler.stop, reason, 10.0) for w in workers))
 
 
-__all__ = ["Engine", "ModelWorker", "RequestTimeout"]
+__all__ = ["Engine", "ModelWorker"]
