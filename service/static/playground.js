@@ -89,6 +89,7 @@ async function selectModel(name) {
     $("gen-input-label").textContent = task.input;
     $("gen-input").value = task.example;
     $("gen-strategy").value = task.strategy;
+    showStrategyOptions();
     $("gen-stream").checked = Boolean(task.stream);
     $("gen-max").max = m.max_new_tokens || 256;
     $("gen-output").textContent = "";
@@ -123,6 +124,12 @@ function adapter() {
 }
 
 // ---- generate (translate / continue), with streaming ------------------------------------------
+
+// Show only the options of the chosen strategy (beam width; temperature and top-p for sampling).
+function showStrategyOptions() {
+  const strategy = $("gen-strategy").value;
+  for (const el of document.querySelectorAll("#generate-form [data-for]")) el.hidden = el.dataset.for !== strategy;
+}
 
 function generateBody(stream) {
   const strategy = $("gen-strategy").value;
@@ -340,6 +347,7 @@ function init() {
     $("attn-target").value = $("gen-output").textContent;
     guarded($("attn-run"), runAttention);
   });
+  $("gen-strategy").addEventListener("change", showStrategyOptions);
   $("attn-kind").addEventListener("change", () => { fillLayerHead(); drawHeatmap(); });
   $("attn-layer").addEventListener("change", drawHeatmap);
   $("attn-head").addEventListener("change", drawHeatmap);
