@@ -150,14 +150,32 @@ def finite_samples(data: dict) -> list[float]:
     return [v for v in values if math.isfinite(v)]
 
 
+def requests_counted(exposition: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in exposition.splitlines()
+               if line.startswith("tserve_requests_total{"))
+
+
+def wait_scraped(prometheus: str, server: Server, timeout_s: float = 30.0) -> None:
+    """Until Prometheus holds a scrape taken after the traffic so far (its request count caught up)."""
+    want = requests_counted(httpx.get(server.url + "/metrics", timeout=10).text)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        result = query(prometheus, "sum(tserve_requests_total)")["result"]
+        if result and float(result[0]["value"][1]) >= want:
+            return
+        time.sleep(SCRAPE_INTERVAL_S / 4)
+    raise TimeoutError(f"Prometheus did not catch up with {want} requests in {timeout_s} s")
+
+
 def test_every_dashboard_query_returns_data(server: Server, prometheus: str):
     with server.client() as client:
-        # Two rounds a few scrapes apart: a series first seen at its first increment has no earlier
-        # sample, so rate() over it needs a later increase to be non-zero (and quantiles not NaN).
+        # Two rounds, each followed by a scrape: a series first seen at its first increment has no
+        # earlier sample, so rate() over it needs the second round's increase to be non-zero (and
+        # the quantiles not NaN).
         send_traffic(client)
-        time.sleep(3 * SCRAPE_INTERVAL_S)
+        wait_scraped(prometheus, server)
         send_traffic(client)
-    time.sleep(3 * SCRAPE_INTERVAL_S)
+    wait_scraped(prometheus, server)
 
     queries = dashboard.queries()
     assert len(queries) >= 20
