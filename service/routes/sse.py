@@ -15,9 +15,28 @@ from service.http_errors import error_field, error_payload
 logger = logging.getLogger(__name__)
 
 DONE = b"data: [DONE]\n\n"
-# The 200 response of a streaming route in OpenAPI.
+# The 200 response of a streaming route in OpenAPI: ``itemSchema`` describes one event (OpenAPI 3.2's
+# keyword for sequential media types; before 3.2, tools such as schemathesis read a plain ``schema``
+# of text/event-stream as the schema of each event, not of the whole body as a string).
 SSE_RESPONSE = {
-    "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    "content": {
+        "text/event-stream": {
+            "itemSchema": {
+                "type": "object",
+                "required": ["data"],
+                "properties": {
+                    "data": {
+                        "type": "string",
+                        "description": "A JSON object (a token event, or an error object once the stream has "
+                        "started), or `[DONE]` last.",
+                    },
+                    "event": {"type": "string"},
+                    "id": {"type": "string"},
+                    "retry": {"type": "integer"},
+                },
+            }
+        }
+    },
     "description": "With stream=true: `data: <json>` events, then `data: [DONE]`.",
 }
 
