@@ -2,7 +2,8 @@
 
 Limits that come from settings (caps on beams, new tokens, inputs) are checked by
 :mod:`service.limits`; token lengths by the engine. Every request model forbids unknown fields and
-non-finite numbers, so a typo or a NaN is a 422 naming the field instead of a silent default.
+non-finite numbers and validates strictly, so a typo, a NaN or a wrong JSON type (``true`` or ``"5"`` for a
+number) is a 422 naming the field instead of a silent default or coercion.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ def one_or_many(one: object, many: object) -> object:
 
 
 class RequestModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # strict: JSON types must match (true is not max_new_tokens=1, "5" is not 5); JSON integers still
+    # count as floats.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 # ---- errors --------------------------------------------------------------------------------------
@@ -159,7 +162,8 @@ class StreamEventSchema(BaseModel):
 
 # ---- classify / embed / attention ----------------------------------------------------------------
 
-Pair = Annotated[tuple[Text, Text], Field(description="A sentence pair [first, second].")]
+# A list, not a tuple: strict validation of the parsed JSON body (Python objects) takes no list as a tuple.
+Pair = Annotated[list[Text], Field(min_length=2, max_length=2, description="A sentence pair [first, second].")]
 TextOrPair = one_or_many(Text, Pair)
 
 
