@@ -1,4 +1,4 @@
-"""Pure ASGI middleware: request ids, the body-size limit and per-request metrics.
+"""Pure ASGI middleware: request ids, the body-size limit, per-request metrics, client disconnects.
 
 Pure ASGI (not BaseHTTPMiddleware) so that streaming responses pass through untouched and the
 body limit acts on the raw byte stream, before anything parses JSON.
@@ -6,6 +6,7 @@ body limit acts on the raw byte stream, before anything parses JSON.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import uuid
@@ -21,6 +22,7 @@ from service.http_errors import json_error
 logger = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "X-Request-ID"
+CLIENT_CLOSED = 499  # status recorded for a request whose client hung up before its response (nginx's)
 _SANE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 UNKNOWN = "_unknown"
 
@@ -121,6 +123,8 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, watch_send)
         finally:
+            if status == 500 and scope.get("state", {}).get("client_disconnected"):
+                status = CLIENT_CLOSED  # no response was sent: the client left first
             try:
                 self._record(scope, status)
             except Exception:  # metrics must never fail a request
@@ -144,3 +148,63 @@ class MetricsMiddleware:
         elif adapter is not None and status >= 400 and adapter not in worker.registry.names():
             adapter = UNKNOWN
         engine.metrics.record_request(model, endpoint, adapter or "", status)
+
+
+class DisconnectMiddleware:
+    """Cancels a POST request's handler when its client hangs up before the response is complete.
+
+    Starlette notices a disconnect only while it streams; a plain JSON endpoint would run to its end,
+    a generation holding its batch rows and KV cache for nobody. Once the body is read, a watcher task
+    is the only caller of the server's ``receive()``: on ``http.disconnect`` it cancels the handler
+    (the engine job it awaits is cancelled with it and leaves the batch at the next step) and passes
+    the disconnect on to the app's own ``receive()`` callers (StreamingResponse listens there).
+    POST only (the inference routes): adapter uploads run to the end rather than stop mid-swap.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        body_read, disconnected = asyncio.Event(), asyncio.Event()
+        response_done = False
+
+        async def app_receive() -> Message:
+            if body_read.is_set():
+                await disconnected.wait()
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                disconnected.set()
+            elif not message.get("more_body", False):
+                body_read.set()
+            return message
+
+        async def app_send(message: Message) -> None:
+            nonlocal response_done
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                response_done = True  # before sending: the server reports a disconnect once it is out
+            await send(message)
+
+        async def watch(handler: asyncio.Task) -> None:
+            await body_read.wait()
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            disconnected.set()
+            if not response_done and not handler.done():
+                scope.setdefault("state", {})["client_disconnected"] = True
+                logger.info("request %s: client disconnected; cancelled", scope["state"].get("request_id"))
+                handler.cancel()
+
+        handler = asyncio.ensure_future(self.app(scope, app_receive, app_send))
+        watcher = asyncio.ensure_future(watch(handler))
+        try:
+            await handler
+        except asyncio.CancelledError:
+            # Ours (the client left): nothing to answer. The server's (shutdown): pass it on.
+            current = asyncio.current_task()
+            if not scope.get("state", {}).get("client_disconnected") or (current and current.cancelling()):
+                raise
+        finally:
+            watcher.cancel()
