@@ -2,13 +2,14 @@
 
 Every flag also reads from its ``TSERVE_*`` environment variable; a flag given wins. SIGTERM or
 Ctrl-C stops accepting connections, lets in-flight requests finish for up to drain_timeout_s, then
-stops the engine.
+stops the engine and exits with status 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from collections.abc import Mapping, Sequence
 
@@ -71,8 +72,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         timeout_graceful_shutdown=max(1, round(settings.drain_timeout_s)),
         lifespan="on",
     )
-    uvicorn.Server(config).run()
-    return 0
+    # uvicorn re-raises a caught SIGTERM/SIGINT once it has shut down, under the handlers it found: with
+    # Python's defaults that kills the process (status -15 after a clean drain). Handlers that do nothing
+    # let run() return, so a graceful shutdown exits 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: None)
+    server = uvicorn.Server(config)
+    server.run()
+    return 0 if server.started else 3  # 3: start-up failed (uvicorn's own status for it)
 
 
 if __name__ == "__main__":
