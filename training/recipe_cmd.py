@@ -1,0 +1,57 @@
+"""`python -m training recipe {quick,quality}`: the command line (work in training.recipe_run)."""
+
+from __future__ import annotations
+
+import argparse
+import sysconfig
+
+from training import corpora
+from training.options import positive_int
+
+TIER_HELP = {
+    "quick": "small models, about 15 minutes on 2 CPU cores (what `make run` trains)",
+    "quality": "bigger models trained for longer, about 75 minutes on 2 CPU cores (docs/training.md)",
+}
+
+
+def _run(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    import torch
+
+    from training.recipe_run import Paths, run_recipe
+    from training.recipes import TIERS
+
+    torch.set_num_threads(args.threads)
+    paths = Paths(Path(args.out), Path(args.data), Path(args.locale_dir), Path(args.stdlib_dir))
+    run_recipe(TIERS[args.tier], paths, force=args.force)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `recipe`."""
+    p = subparsers.add_parser(
+        "recipe",
+        help="build the corpora, train the default models and adapters, measure them",
+        description="Prepare the three corpora and their domain subsets, train one model and one LoRA adapter "
+        "per family, evaluate them and the trivial baselines on the test splits, and write OUT/summary.json. "
+        "Serve the result with `python -m service --models OUT/models --adapters OUT/adapters`. A stage "
+        "whose output exists is skipped, so running the command again finishes an interrupted run.",
+        epilog=" ".join(f"{name}: {text}." for name, text in TIER_HELP.items()),
+    )
+    p.add_argument("tier", choices=tuple(TIER_HELP), help="which recipe")
+    p.add_argument(
+        "--out", default="checkpoints", metavar="DIR", help="models, adapters, summary (default %(default)s)"
+    )
+    p.add_argument("--data", default="data", metavar="DIR", help="corpora (default %(default)s)")
+    p.add_argument("--force", action="store_true", help="redo every stage, even those whose output exists")
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="torch intra-op threads (default %(default)s: models this small gain little from more, and on a "
+        "busy machine extra threads wait on each other; try the core count on an idle machine)",
+    )
+    p.add_argument("--locale-dir", default=str(corpora.DEFAULT_LOCALE_DIR), help="gettext root (default %(default)s)")
+    p.add_argument("--stdlib-dir", default=sysconfig.get_paths()["stdlib"], help="stdlib root (default %(default)s)")
+    p.set_defaults(func=_run)
