@@ -1,14 +1,16 @@
 """``python -m service --models DIR [--adapters DIR] [--host H] [--port P] ...``: run the server.
 
 Every flag also reads from its ``TSERVE_*`` environment variable; a flag given wins. SIGTERM or
-Ctrl-C stops accepting connections, lets in-flight requests finish for up to drain_timeout_s, then
-stops the engine and exits with status 0.
+Ctrl-C stops accepting connections, lets in-flight requests finish for up to drain_timeout_s, answers
+what is left with 503 (not_ready), stops the engine and exits with status 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import math
 import signal
 import sys
 from collections.abc import Mapping, Sequence
@@ -16,6 +18,32 @@ from collections.abc import Mapping, Sequence
 import uvicorn
 
 from service.settings import Settings, SettingsError, setting_fields
+
+# uvicorn's own deadline, a backstop after the engine's drain: at it, uvicorn cancels what is left (bare 500s).
+BACKSTOP_S = 5.0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, with the engine's drain started as soon as it stops accepting connections.
+
+    uvicorn's shutdown waits for in-flight responses up to timeout_graceful_shutdown, cancels what is
+    left (its clients get a bare text 500), and only then runs the lifespan shutdown, the engine's
+    drain. Started here, the drain runs alongside: /ready turns 503, at drain_timeout_s the engine fails
+    the requests still running with 503 not_ready (the one error shape), and those answers go out
+    before uvicorn's deadline (drain_timeout_s + BACKSTOP_S).
+    """
+
+    def __init__(self, config: uvicorn.Config, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.drain_timeout_s = drain_timeout_s
+
+    async def shutdown(self, sockets: list | None = None) -> None:
+        engine = self.config.app.state.engine
+        drain = asyncio.create_task(engine.stop(self.drain_timeout_s))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            await drain
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
-        timeout_graceful_shutdown=max(1, round(settings.drain_timeout_s)),
+        timeout_graceful_shutdown=math.ceil(settings.drain_timeout_s + BACKSTOP_S),
         lifespan="on",
     )
     # uvicorn re-raises a caught SIGTERM/SIGINT once it has shut down, under the handlers it found: with
@@ -77,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # let run() return, so a graceful shutdown exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: None)
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, settings.drain_timeout_s)
     server.run()
     return 0 if server.started else 3  # 3: start-up failed (uvicorn's own status for it)
 
