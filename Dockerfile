@@ -44,15 +44,14 @@ RUN pip install --no-cache-dir --no-deps --index-url "${TORCH_INDEX}" "$(grep -E
     && pip install --no-cache-dir -r /tmp/deps/requirements.txt -c /tmp/deps/constraints.txt \
     && python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
-# ---- train: builds checkpoints into /checkpoints (compose profile `train`) ---------------------------
+# ---- train: `python -m training recipe` into /checkpoints (compose profile `train`) ------------------
 FROM ${TRAIN_IMAGE} AS train
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 RUN groupadd --system --gid 10001 tserve \
     && useradd --system --uid 10001 --gid tserve --home-dir /app --no-create-home --shell /usr/sbin/nologin tserve \
-    && mkdir -p /app /checkpoints /adapters && chown tserve:tserve /app /checkpoints /adapters
+    && mkdir -p /app /checkpoints && chown tserve:tserve /app /checkpoints
 COPY --from=build /opt/venv /opt/venv
-# /app itself is writable (corpora and run logs go under it); the sources in it are not.
 WORKDIR /app
 COPY model/ model/
 COPY training/ training/
@@ -62,8 +61,10 @@ COPY Makefile pyproject.toml ./
 RUN python -c "import torch, tokenizers, sacrebleu" \
     && find /usr/share/locale -path '*/LC_MESSAGES/*.mo' -print -quit | grep -q .
 USER 10001:10001
-VOLUME ["/checkpoints", "/adapters"]
-CMD ["python", "-m", "training", "--help"]
+# The recipe's whole output (models/, adapters/, runs/ with resume states, summary.json) stays on one
+# volume: finished runs are renamed from runs/ into models/ and adapters/, which needs one filesystem.
+VOLUME ["/checkpoints"]
+CMD ["python", "-m", "training", "recipe", "quick", "--out", "/checkpoints", "--data", "/checkpoints/data"]
 
 # ---- runtime: the API server -------------------------------------------------------------------
 FROM ${BASE_IMAGE} AS runtime

@@ -1,8 +1,8 @@
 """Load (or reload) or unload one LoRA adapter on EVERY replica of the API, not just the one a load
 balancer picks. Standard library only, so it runs in the API image itself:
 
-    docker compose run --rm adapter-sync load tiny-mt mt-a       # every replica behind the name `api`
-    python deploy/sync_adapter.py --targets 10.0.0.5:8000,10.0.0.6:8000 unload tiny-mt mt-a
+    docker compose --profile tools run --rm adapter-sync load translation git   # every replica of `api`
+    python deploy/sync_adapter.py --targets 10.0.0.5:8000,10.0.0.6:8000 unload translation git
 
 Replicas share the adapter directory (a volume), so `load` sends a body-less
 PUT /v1/models/{model}/adapters/{name}: each replica (re)reads <adapters>/<model>/<name>/ from the

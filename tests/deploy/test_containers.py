@@ -118,18 +118,38 @@ def test_compose_services_profiles_and_mounts():
     assert {"api", "api-gpu", "lb", "prometheus", "grafana", "train"} <= set(services)
     api, gpu, train = services["api"], services["api-gpu"], services["train"]
     assert "ports" not in api, "api publishes no host port, so that --scale api=N works (lb publishes)"
-    assert {"checkpoints:/models:ro", "adapters:/adapters"} <= set(api["volumes"])
+    mounts = {v["target"]: v for v in api["volumes"]}  # one volume: the recipe's models/ and adapters/
+    assert mounts["/models"]["source"] == mounts["/adapters"]["source"] == "checkpoints"
+    assert mounts["/models"]["volume"]["subpath"] == "models" and mounts["/models"]["read_only"] is True
+    assert mounts["/adapters"]["volume"]["subpath"] == "adapters" and not mounts["/adapters"].get("read_only")
     assert gpu["profiles"] == ["gpu"] and "api" in gpu["networks"]["default"]["aliases"]
     devices = gpu["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
     assert "TORCH_INDEX" in gpu["build"]["args"] and "BASE_IMAGE" in gpu["build"]["args"]
     assert train["profiles"] == ["train"] and train["build"]["target"] == "train"
-    assert "checkpoints:/checkpoints" in train["volumes"]
+    assert train["volumes"] == ["checkpoints:/checkpoints"]
     for service in services.values():  # every bind-mounted file or folder exists in the repository
         for volume in service.get("volumes", []):
-            source = volume.split(":")[0]
+            source = volume.split(":")[0] if isinstance(volume, str) else volume["source"]
             if source.startswith("./"):
                 assert (ROOT / source).exists(), f"{source} is mounted but missing"
+
+
+def interpolated(words: list[str]) -> list[str]:
+    """Compose's ${VAR:-default} with every variable unset."""
+    return [re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", w) for w in words]
+
+
+def test_compose_train_command_is_the_recipe_and_parses():
+    from training.cli import build_parser
+
+    command = interpolated(yaml.safe_load(COMPOSE.read_text())["services"]["train"]["command"])
+    assert command[:4] == ["python", "-m", "training", "recipe"]
+    args = build_parser().parse_args(command[3:])  # the CLI accepts it (argparse exits on an error)
+    assert str(args.out) == "/checkpoints" and str(args.data).startswith("/checkpoints/")
+    # The image's default command is the same recipe, for `docker run tserve:train`.
+    cmd = re.search(r"^CMD (\[.*\])$", stages(DOCKERFILE.read_text())["train"], re.MULTILINE).group(1)
+    assert json.loads(cmd)[:6] == command[:6]
 
 
 def test_nginx_accepts_the_load_balancer_config(nginx_bin: Path, tmp_path: Path):
