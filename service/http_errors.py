@@ -146,6 +146,10 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
         message = f"method {request.method} is not allowed on {request.url.path}"
     elif status == 400 and isinstance(exc.__cause__, UnicodeError):
         message = "body is not valid UTF-8"
+    elif status == 400 and isinstance(exc.__cause__, RecursionError):
+        message = "body is not valid JSON: nested too deeply"
+    elif status == 400 and isinstance(exc.__cause__, ValueError):  # e.g. an integer of over 4300 digits
+        message = f"body is not valid JSON: {str(exc.__cause__).split(';')[0]}"  # not Python's advice after ';'
     else:
         message = str(exc.detail)
     return error_response(request, status, message, headers=exc.headers)
