@@ -319,8 +319,10 @@ function drawHeatmap() {
   });
   $("heatmap").replaceChildren(root);
   const head = $("attn-head").value === "mean" ? "mean of heads" : `head ${Number($("attn-head").value) + 1}`;
+  // Decoder rows are the decoder's inputs (<s> + target): each row's weights serve predicting the next token.
+  const rowsAre = kind === "cross" || kind === "decoder_self" ? "decoder inputs (each predicts the next token)" : "queries";
   $("attn-caption").textContent = `${KIND_NAMES[kind] || kind} · layer ${Number($("attn-layer").value) + 1} · ` +
-    `${head} · rows: queries, columns: keys · white 0 → dark 1 (largest here ${max.toFixed(3)})`;
+    `${head} · rows: ${rowsAre}, columns: keys · white 0 → dark 1 (largest here ${max.toFixed(3)})`;
 }
 
 function clearHeatmap() {
