@@ -94,6 +94,14 @@ def cells(driver) -> list:
     return driver.find_elements(By.CSS_SELECTOR, "#heatmap svg rect.cell")
 
 
+def cell_weights(driver) -> dict[tuple[int, int], float]:
+    """(query, key) -> the weight drawn, read in one script call (one WebDriver call per cell is slow)."""
+    rows = driver.execute_script(
+        "return [...document.querySelectorAll('#heatmap svg rect.cell')]"
+        ".map(c => [+c.dataset.q, +c.dataset.k, +c.dataset.w]);")
+    return {(q, k): w for q, k, w in rows}
+
+
 def severe_console_errors(driver) -> list[str]:
     return [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
 
@@ -124,27 +132,25 @@ def test_translate_then_attention_heatmap(browser, server: Server):
     shapes = {"encoder_self": (src, src), "decoder_self": (tgt, tgt), "cross": (tgt, src)}
     for kind, (rows, cols) in shapes.items():
         Select(browser.find_element(By.ID, "attn-kind")).select_by_value(kind)
-        drawn = wait(browser, lambda d, n=rows * cols: len(cells(d)) == n and cells(d))
+        weights = wait(browser, lambda d, n=rows * cols: (w := cell_weights(d)) and len(w) == n and w)
         assert len(browser.find_elements(By.CSS_SELECTOR, "#heatmap text.label.query")) == rows
         assert len(browser.find_elements(By.CSS_SELECTOR, "#heatmap text.label.key")) == cols
         # The drawn weights are the server's, cell by cell (layer 1, head 1 selected).
         layer, head = 0, 0
-        weights = {(int(c.get_attribute("data-q")), int(c.get_attribute("data-k"))): float(c.get_attribute("data-w"))
-                   for c in drawn}
         matrix = reference["maps"][kind][layer][head]
         assert all(abs(weights[q, k] - matrix[q][k]) < 1e-3 for q in range(rows) for k in range(cols))
 
     # Another layer and head redraw the grid with other weights.
     Select(browser.find_element(By.ID, "attn-kind")).select_by_value("encoder_self")
-    before = [c.get_attribute("data-w") for c in cells(browser)]
+    before = cell_weights(browser)
     layers = Select(browser.find_element(By.ID, "attn-layer"))
     heads = Select(browser.find_element(By.ID, "attn-head"))
     assert len(layers.options) == len(reference["maps"]["encoder_self"])
     assert len(heads.options) == len(reference["maps"]["encoder_self"][0]) + 1  # + mean of heads
     layers.select_by_index(len(layers.options) - 1)
     heads.select_by_index(1)
-    wait(browser, lambda d: [c.get_attribute("data-w") for c in cells(d)] != before)
-    assert len(cells(browser)) == src * src
+    wait(browser, lambda d: cell_weights(d) != before)
+    assert len(cell_weights(browser)) == src * src
     assert f"layer {len(layers.options)} · head 2" in browser.find_element(By.ID, "attn-caption").text
     assert not severe_console_errors(browser)
 
