@@ -46,6 +46,17 @@ class DrainingServer(uvicorn.Server):
             await drain
 
 
+class NoQueryStrings(logging.Filter):
+    """uvicorn's access log without query strings: no route takes one, and a key pasted into a URL
+    (``?api_key=...``) must not end up in the log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple) and len(record.args) == 5:  # client, method, path, version, status
+            client, method, path, version, status = record.args
+            record.args = (client, method, str(path).split("?", 1)[0], version, status)
+        return True
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m service",
@@ -100,6 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         timeout_graceful_shutdown=math.ceil(settings.drain_timeout_s + BACKSTOP_S),
         lifespan="on",
     )
+    logging.getLogger("uvicorn.access").addFilter(NoQueryStrings())  # after Config, which configures logging
     # uvicorn re-raises a caught SIGTERM/SIGINT once it has shut down, under the handlers it found: with
     # Python's defaults that kills the process (status -15 after a clean drain). Handlers that do nothing
     # let run() return, so a graceful shutdown exits 0.
