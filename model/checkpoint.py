@@ -1,8 +1,9 @@
 """Checkpoints: a directory of config.json + model.safetensors + tokenizer.json (+ labels.json, metrics.json).
 
 No pickle anywhere: tensors go through safetensors, everything else is JSON. Writes are atomic
-(a temporary sibling directory renamed into place); loads validate every file and tensor and name
-the culprit when something is missing, truncated or mismatched.
+(a temporary sibling directory renamed into place; replacing an existing checkpoint moves it aside
+to ``.<name>.old`` first, and a load finds it there if a crash fell between the two renames); loads
+validate every file and tensor and name the culprit when something is missing, truncated or mismatched.
 """
 
 from __future__ import annotations
@@ -173,7 +174,11 @@ def load_checkpoint(
     """Load a checkpoint directory onto ``device`` ("auto": CUDA when available) in ``dtype``."""
     directory = Path(directory)
     if not directory.is_dir():
-        raise CheckpointError(f"{directory}: checkpoint directory not found")
+        old = old_sibling(directory)
+        if not old.is_dir():
+            raise CheckpointError(f"{directory}: checkpoint directory not found")
+        logger.warning("%s is missing: loading %s, which a save interrupted between its renames left", directory, old)
+        directory = old
     config = load_config(directory)
     model = build_model(config)
     load_weights(model, directory / WEIGHTS_FILE)
@@ -259,16 +264,24 @@ def _fsync_dir(directory: Path) -> None:
             os.fsync(f.fileno())
 
 
+def old_sibling(directory: Path) -> Path:
+    """Where a save moves the checkpoint it replaces, until the new one is in place."""
+    return directory.with_name(f".{directory.name}.old")
+
+
 def _replace_dir(tmp: Path, target: Path) -> None:
-    """Swap ``tmp`` into ``target``: the old directory is moved aside first, then removed."""
+    """Swap ``tmp`` into ``target``: the old directory is moved aside first, then removed.
+
+    A directory cannot be renamed over a non-empty one, so there is a moment with no ``target``; a
+    process killed then leaves the complete previous checkpoint at ``old_sibling(target)``, where
+    :func:`load_checkpoint` looks, and the next save clears it.
+    """
+    old = old_sibling(target)
     if target.exists():
-        old = target.with_name(f".{target.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)  # a leftover of a save killed after its second rename
         os.replace(target, old)
-        os.replace(tmp, target)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, target)
+    os.replace(tmp, target)
+    shutil.rmtree(old, ignore_errors=True)
     logger.debug("checkpoint written to %s", target)
 
 
@@ -281,5 +294,6 @@ __all__ = [
     "resolve_device",
     "resolve_dtype",
     "load_config",
+    "old_sibling",
     "parameter_count",
 ]
