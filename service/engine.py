@@ -380,6 +380,10 @@ class Engine:
             logger.error("models directory %s not found", self.models_dir)
         dirs = sorted(p for p in self.models_dir.iterdir() if p.is_dir() and not p.name.startswith(".")) \
             if self.models_dir.is_dir() else []
+        # A checkpoint whose save was killed between its two renames is only at .<name>.old: load_checkpoint
+        # reads it from there, so list it under its name.
+        interrupted = [self.models_dir / p.name[1:-4] for p in self.models_dir.glob(".?*.old") if p.is_dir()]
+        dirs = sorted({*dirs, *(d for d in interrupted if not d.exists())})
         for directory in dirs:
             name = directory.name
             start = time.perf_counter()
