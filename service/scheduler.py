@@ -467,10 +467,10 @@ class GenerationScheduler(Scheduler):
         if not keep:
             self.batch = None
             return
-        index = torch.cat(index)
-        if index.numel() != batch.rows or not torch.equal(index, torch.arange(batch.rows, device=index.device)):
+        index, rows = torch.cat(index), batch.rows  # rows before select: select shrinks the cache
+        if index.numel() != rows or not torch.equal(index, torch.arange(rows, device=index.device)):
             batch.cache.select(index)
-            if index.numel() < batch.rows:
+            if index.numel() < rows:
                 compact(batch.cache)
         batch.jobs, batch.tokens = keep, torch.cat(tokens)
 

@@ -331,3 +331,28 @@ def test_rows_per_step_are_capped_and_a_bigger_request_runs_alone(models_dir):
 
     for got, (text, params) in zip(asyncio.run(main()), cases, strict=True):
         assert_same(got, offline(models_dir / LM, [text], params))
+
+
+def test_rows_leaving_shrink_the_visible_span(models_dir):
+    """When the longest request leaves, the others stop attending over its positions (no growth under load)."""
+    async def main():
+        async with running_engine(models_dir, None) as engine:
+            worker = engine.get(LM)
+            worker.scheduler.fault_hook = lambda ids: time.sleep(0.002)
+            first = asyncio.create_task(worker.generate(["hello world"], GenerateParams(max_new_tokens=40,
+                                                                                       min_new_tokens=40), "long"))
+            await wait_until(lambda: (batch := worker.scheduler.batch) is not None and batch.jobs[0].search.step > 30)
+            second = asyncio.create_task(worker.generate(["a"], GenerateParams(max_new_tokens=60, min_new_tokens=60),
+                                                         "joins"))
+            await first
+            assert not second.done()
+
+            def span():
+                cache = worker.scheduler.batch.cache
+                return cache.max_length, int(cache.lengths.max())
+
+            visible, longest = await asyncio.wrap_future(worker.scheduler.call(span))
+            assert visible == longest
+            await second
+
+    asyncio.run(main())
