@@ -3,8 +3,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check --quiet
 STAMP := $(VENV)/.installed
+CHECKPOINTS ?= checkpoints
+HOST ?= 127.0.0.1
+PORT ?= 8000
 
-.PHONY: test lint bench-decode
+.PHONY: run serve train-quick train-quality test lint bench-decode bench-serve soak
 
 $(STAMP): requirements.txt requirements-dev.txt constraints.txt
 	python3 -m venv $(VENV)
@@ -12,6 +15,20 @@ $(STAMP): requirements.txt requirements-dev.txt constraints.txt
 	$(PIP) install -r requirements-dev.txt -c constraints.txt
 	touch $(STAMP)
 
+## The main job: build the corpora and train the default models if $(CHECKPOINTS)/ has none, then serve them.
+run: train-quick serve
+
+train-quick: $(STAMP)
+	$(PY) -m training recipe quick --out $(CHECKPOINTS)
+
+train-quality: $(STAMP)
+	$(PY) -m training recipe quality --out $(CHECKPOINTS)-quality
+
+serve: $(STAMP)
+	@echo "Playground: http://$(HOST):$(PORT)/   API docs: http://$(HOST):$(PORT)/docs   Metrics: http://$(HOST):$(PORT)/metrics"
+	$(PY) -m service --models $(CHECKPOINTS)/models --adapters $(CHECKPOINTS)/adapters --host $(HOST) --port $(PORT)
+
+## The tests (what CI runs).
 test: $(STAMP)
 	$(PY) -m ruff check model training service benchmarks tests
 	$(PY) -m pytest -q
@@ -21,3 +38,9 @@ lint: $(STAMP)
 
 bench-decode: $(STAMP)
 	$(PY) -m benchmarks.decode
+
+bench-serve: $(STAMP)
+	$(PY) -m benchmarks.serve
+
+soak: $(STAMP)
+	$(PY) -m benchmarks.soak
