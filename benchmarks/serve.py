@@ -1,0 +1,506 @@
+"""Serving throughput and latency over HTTP: `python -m benchmarks.serve [--quick] [--models DIR | --url URL]`.
+
+A bounded async load generator (httpx): each cell sends a fixed number of requests from N concurrent
+clients (1, 8, 32), each client sending its next request as soon as the previous one answers, under a
+per-cell and an overall time cap. Cells: generate greedy and beam 4 (min_new_tokens = max_new_tokens,
+so every request produces the same number of tokens) and classify, with batching on (the default
+max_batch_size 32) and off (a second server with max_batch_size 1), and with 1 vs 8 distinct LoRA
+adapters in the mix (request i uses adapter i mod k).
+
+By default the benchmark builds its own checkpoints of a realistic small size with random weights
+(a random model decodes exactly as fast as a trained one): a causal_lm and a classifier of
+d_model 256, 4 layers, 4 heads, ffn 1024, with a byte-level BPE of 8000 tokens trained on Python's
+standard library source, saved by model.checkpoint.save_checkpoint; and 8 random LoRA adapters per
+model (model.lora.add_adapter + save_adapter with random nonzero B; not trained: throughput only).
+It starts ``python -m service`` on 127.0.0.1 the way tests/service/server.py does. ``--models DIR``
+benchmarks existing checkpoints instead (the first causal_lm, else seq2seq, and the first
+classifier), with the adapters of ``--adapters DIR`` if it holds 8 per model, else random ones.
+``--url URL`` measures a running server (``--url-unbatched URL`` a second one started with
+max_batch_size 1); cells that need what the server lacks are skipped.
+
+Prints the machine line, the configuration, one markdown table with every cell, and the ratios
+against the serving targets (reported, never asserted): batching on / off at 32 clients for greedy
+generation (target >= 4x) and 8 adapters / 1 adapter throughput (target >= 70%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import random
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import torch
+
+from benchmarks.common import machine_line, markdown_table
+from model.causal_lm import CausalLM
+from model.checkpoint import load_checkpoint, load_config, save_checkpoint
+from model.classifier import TransformerClassifier
+from model.config import CausalLMConfig, ClassifierConfig
+from model.lora import LoRAConfig, add_adapter, save_adapter
+from model.tokenizer import Tokenizer
+from tests.service.server import metric_samples, running_server
+
+logger = logging.getLogger("benchmarks.serve")
+
+SIZES = dict(vocab_size=8000, d_model=256, n_heads=4, d_ff=1024, dropout=0.0)
+LABELS = ["negative", "neutral", "positive"]
+NUM_ADAPTERS = 8
+ADAPTER_RANK, ADAPTER_ALPHA, ADAPTER_STD = 8, 16.0, 0.02
+ADAPTER_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
+ENDPOINTS = ("greedy", "beam 4", "classify")
+
+
+# ---- checkpoints and adapters ---------------------------------------------------------------------
+
+
+def stdlib_texts(limit_chars: int = 2_000_000) -> list[str]:
+    """Python standard library source files, sorted by name, up to ``limit_chars`` characters."""
+    texts, total = [], 0
+    for path in sorted(Path(os.__file__).parent.glob("*.py")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        texts.append(text)
+        total += len(text)
+        if total >= limit_chars:
+            break
+    return texts
+
+
+def build_models(directory: Path) -> tuple[str, str]:
+    """Random-weight causal_lm ("bench-lm") and classifier ("bench-cls") with a real BPE; returns their names."""
+    tokenizer = Tokenizer.train(stdlib_texts(), vocab_size=SIZES["vocab_size"])
+    sizes = dict(SIZES, vocab_size=tokenizer.vocab_size)
+    torch.manual_seed(0)
+    lm = CausalLM(CausalLMConfig(**sizes, n_layers=4, max_len=256)).eval()
+    save_checkpoint(directory / "bench-lm", lm, tokenizer)
+    cls = TransformerClassifier(ClassifierConfig(**sizes, n_layers=4, max_len=128, num_labels=len(LABELS),
+                                                 cls_id=tokenizer.cls_id)).eval()
+    save_checkpoint(directory / "bench-cls", cls, tokenizer, labels=LABELS)
+    return "bench-lm", "bench-cls"
+
+
+def random_adapters(model_dir: Path, out_root: Path, count: int) -> list[str]:
+    """``count`` LoRA adapters with random nonzero B for the checkpoint in ``model_dir`` (not trained)."""
+    ckpt = load_checkpoint(model_dir, device="cpu")
+    config = LoRAConfig(r=ADAPTER_RANK, lora_alpha=ADAPTER_ALPHA, target_modules=ADAPTER_TARGETS)
+    names = []
+    for i in range(count):
+        name = f"rand-{i}"
+        add_adapter(ckpt.model, name, config, seed=i)
+        generator = torch.Generator().manual_seed(1000 + i)
+        with torch.no_grad():
+            for module in ckpt.model.modules():
+                if hasattr(module, "lora_B") and name in module.lora_B:
+                    weight = module.lora_B[name].weight
+                    weight.copy_(torch.randn(weight.shape, generator=generator) * ADAPTER_STD)
+        save_adapter(ckpt.model, name, out_root / model_dir.name / name, base_model_name_or_path=model_dir.name)
+        names.append(name)
+    return names
+
+
+def find_models(directory: Path) -> tuple[str | None, str | None]:
+    """(generator, classifier) checkpoint names in ``directory``: first causal_lm (else seq2seq), first classifier."""
+    families: dict[str, list[str]] = {}
+    for path in sorted(p for p in directory.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        try:
+            families.setdefault(load_config(path).family, []).append(path.name)
+        except Exception as exc:  # not a checkpoint: say so and go on
+            logger.warning("skipping %s: %s", path, exc)
+    generator = (families.get("causal_lm") or families.get("seq2seq") or [None])[0]
+    return generator, (families.get("classifier") or [None])[0]
+
+
+# ---- the load generator ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Cell:
+    endpoint: str  # one of ENDPOINTS
+    clients: int
+    batching: bool
+    adapters: int  # distinct adapters in the mix (0 = base model)
+
+    @property
+    def label(self) -> str:
+        return (f"{self.endpoint}, {self.clients} clients, batching {'on' if self.batching else 'off'}, "
+                f"{self.adapters or 'no'} adapter(s)")
+
+
+@dataclass
+class Result:
+    cell: Cell
+    latencies: list[float] = field(default_factory=list)  # seconds, successful requests
+    errors: int = 0
+    seconds: float = 0.0
+    rows_per_step: float | None = None  # mean tserve_batch_size over the cell
+    server_cpu_s: float | None = None  # CPU time of the server process (all threads) over the cell
+    skipped: str | None = None
+
+    @property
+    def throughput(self) -> float:
+        return len(self.latencies) / self.seconds if self.seconds > 0 else 0.0
+
+    def percentile(self, q: float) -> float:
+        values = sorted(self.latencies)
+        if not values:
+            return float("nan")
+        if len(values) == 1:
+            return values[0]
+        return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1]
+
+
+@dataclass
+class Workload:
+    """What every request of a run looks like."""
+
+    generator: str | None
+    classifier: str | None
+    adapters: dict[str, list[str]]  # model -> adapter names available
+    prompts: list[str]
+    new_tokens: int
+
+    def request(self, cell: Cell, i: int) -> tuple[str, dict]:
+        model = self.classifier if cell.endpoint == "classify" else self.generator
+        body: dict = {"inputs": [self.prompts[i % len(self.prompts)]]}
+        if cell.adapters:
+            body["adapter"] = self.adapters[model][i % cell.adapters]
+        if cell.endpoint == "classify":
+            return f"/v1/models/{model}/classify", body
+        body.update(max_new_tokens=self.new_tokens, min_new_tokens=self.new_tokens)
+        if cell.endpoint == "beam 4":
+            body.update(strategy="beam", num_beams=4)
+        return f"/v1/models/{model}/generate", body
+
+    def model_of(self, cell: Cell) -> str | None:
+        return self.classifier if cell.endpoint == "classify" else self.generator
+
+
+async def batch_sizes(client: httpx.AsyncClient, model: str) -> tuple[float, float]:
+    """(sum, count) of the server's tserve_batch_size histogram for ``model``."""
+    text = (await client.get("/metrics")).text
+    key = (("model", model),)
+    return (metric_samples(text, "tserve_batch_size_sum").get(key, 0.0),
+            metric_samples(text, "tserve_batch_size_count").get(key, 0.0))
+
+
+def process_cpu_s(pid: int | None) -> float | None:
+    """User + system CPU seconds of process ``pid`` (all its threads) from /proc; None when unknown."""
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def run_cell(url: str, cell: Cell, workload: Workload, requests: int, cap_s: float,
+                   pid: int | None = None) -> Result:
+    """Send ``requests`` requests from ``cell.clients`` clients (stopping early after ``cap_s`` seconds)."""
+    result = Result(cell)
+    limits = httpx.Limits(max_connections=cell.clients + 2, max_keepalive_connections=cell.clients + 2)
+    async with httpx.AsyncClient(base_url=url, timeout=max(cap_s * 2, 60.0), limits=limits) as client:
+        model = workload.model_of(cell)
+        warm = [workload.request(cell, i) for i in range(min(cell.clients, 4))]
+        await asyncio.gather(*(client.post(path, json=body) for path, body in warm))  # connections, adapters
+        before, cpu_before = await batch_sizes(client, model), process_cpu_s(pid)
+        next_index, start = 0, time.perf_counter()
+        deadline = start + cap_s
+
+        async def one_client() -> None:
+            nonlocal next_index
+            while next_index < requests and time.perf_counter() < deadline:
+                path, body = workload.request(cell, next_index)
+                next_index += 1
+                sent = time.perf_counter()
+                try:
+                    response = await client.post(path, json=body)
+                    ok = response.status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                if ok:
+                    result.latencies.append(time.perf_counter() - sent)
+                else:
+                    result.errors += 1
+
+        await asyncio.gather(*(one_client() for _ in range(cell.clients)))
+        result.seconds = time.perf_counter() - start
+        cpu_after = process_cpu_s(pid)
+        if cpu_before is not None and cpu_after is not None:
+            result.server_cpu_s = cpu_after - cpu_before
+        after = await batch_sizes(client, model)
+        if after[1] > before[1]:
+            result.rows_per_step = (after[0] - before[0]) / (after[1] - before[1])
+    return result
+
+
+# ---- the run ----------------------------------------------------------------------------------------
+
+
+def plan(args: argparse.Namespace, workload: Workload) -> list[Cell]:
+    """Batching on then off for each endpoint and client count; then 1 then 8 adapters (batching on).
+
+    Compared cells run back to back, so a change in the machine's load between them is less likely.
+    """
+    cells = [Cell(e, c, b, 0) for e in args.endpoints for c in args.clients for b in (True, False)]
+    cells += [Cell(e, c, True, k) for e in args.adapter_endpoints for c in args.adapter_clients
+              for k in (1, NUM_ADAPTERS)]
+    return [cell for cell in cells if workload.model_of(cell) is not None]
+
+
+def requests_for(cell: Cell, args: argparse.Namespace) -> int:
+    return max(args.min_requests, args.requests_per_client * cell.clients)
+
+
+def measure(urls: dict[bool, tuple[str, int | None] | None], cells: list[Cell], workload: Workload,
+            args: argparse.Namespace) -> dict[Cell, Result]:
+    deadline = time.monotonic() + args.time_cap
+    results = {}
+    for cell in cells:
+        server, model = urls[cell.batching], workload.model_of(cell)
+        left = deadline - time.monotonic()
+        if server is None:
+            results[cell] = Result(cell, skipped="no unbatched server")
+        elif len(workload.adapters.get(model, [])) < cell.adapters:
+            results[cell] = Result(cell, skipped=f"{model} has fewer than {cell.adapters} adapters")
+        elif left < 5:
+            results[cell] = Result(cell, skipped="overall time cap")
+        else:
+            cap = min(args.cell_cap, left)
+            url, pid = server
+            result = results[cell] = asyncio.run(run_cell(url, cell, workload, requests_for(cell, args), cap, pid))
+            logger.info("%s: %d ok, %d errors, %.2f req/s, p50 %.3f s", cell.label, len(result.latencies),
+                        result.errors, result.throughput, result.percentile(50))
+    return results
+
+
+def _rate(r: Result | None, new_tokens: int) -> list[str]:
+    """req/s (new tokens/s), p50/p95/p99 ms, rows/step, server CPU ms per request, requests of one cell."""
+    if r is None or r.skipped or not r.latencies:
+        return ["-"] * 5
+    tokens = f" ({r.throughput * new_tokens:,.0f} tok/s)" if r.cell.endpoint != "classify" else ""
+    pcts = " / ".join(f"{r.percentile(q) * 1000:,.0f}" for q in (50, 95, 99))
+    rows = f"{r.rows_per_step:.1f}" if r.rows_per_step is not None else "-"
+    cpu = f"{r.server_cpu_s * 1000 / len(r.latencies):,.0f}" if r.server_cpu_s is not None else "-"
+    return [f"{r.throughput:,.2f}{tokens}", pcts, rows, cpu, f"{len(r.latencies)} in {r.seconds:.1f} s"]
+
+
+def _ratio(a: Result | None, b: Result | None) -> float | None:
+    if a is None or b is None or not a.latencies or not b.latencies or a.skipped or b.skipped:
+        return None
+    return a.throughput / b.throughput
+
+
+def batching_table(results: dict[Cell, Result], args: argparse.Namespace) -> str:
+    rows = []
+    for endpoint in args.endpoints:
+        for c in args.clients:
+            on, off = results.get(Cell(endpoint, c, True, 0)), results.get(Cell(endpoint, c, False, 0))
+            if on is None and off is None:
+                continue
+            ratio = _ratio(on, off)
+            rows.append([endpoint, c, *_rate(on, args.new_tokens), *_rate(off, args.new_tokens),
+                         f"{ratio:.1f}x" if ratio is not None else "-"])
+    headers = ["endpoint", "clients", "on: req/s", "on: p50/p95/p99 ms", "on: rows/step", "on: CPU ms/req",
+               "on: requests", "off: req/s", "off: p50/p95/p99 ms", "off: rows/step", "off: CPU ms/req",
+               "off: requests", "on/off"]
+    return markdown_table(headers, rows)
+
+
+def adapters_table(results: dict[Cell, Result], args: argparse.Namespace) -> str:
+    rows = []
+    for endpoint in args.adapter_endpoints:
+        for c in args.adapter_clients:
+            base = results.get(Cell(endpoint, c, True, 0))
+            one, many = results.get(Cell(endpoint, c, True, 1)), results.get(Cell(endpoint, c, True, NUM_ADAPTERS))
+            if one is None and many is None:
+                continue
+            ratio = _ratio(many, one)
+            base_rate = _rate(base, args.new_tokens)[0]
+            rows.append([endpoint, c, base_rate, *_rate(one, args.new_tokens)[:4], *_rate(many, args.new_tokens)[:4],
+                         f"{ratio:.0%}" if ratio is not None else "-"])
+    headers = ["endpoint", "clients", "no adapter: req/s", "1 adapter: req/s", "1: p50/p95/p99 ms", "1: rows/step",
+               "1: CPU ms/req", f"{NUM_ADAPTERS} adapters: req/s", f"{NUM_ADAPTERS}: p50/p95/p99 ms",
+               f"{NUM_ADAPTERS}: rows/step", f"{NUM_ADAPTERS}: CPU ms/req", f"{NUM_ADAPTERS} / 1"]
+    return markdown_table(headers, rows)
+
+
+def verdicts(results: dict[Cell, Result], args: argparse.Namespace) -> list[str]:
+    """The targets, with the measured ratios (reported, not asserted)."""
+    clients = max(args.clients)
+    lines = []
+    ratio = _ratio(results.get(Cell("greedy", clients, True, 0)), results.get(Cell("greedy", clients, False, 0)))
+    if ratio is not None:
+        lines.append(f"- Batching on / off, greedy generation, {clients} clients: {ratio:.1f}x "
+                     f"(target >= 4x: {'met' if ratio >= 4 else 'MISSED'})")
+    for endpoint in args.adapter_endpoints:
+        c = max(args.adapter_clients)
+        ratio = _ratio(results.get(Cell(endpoint, c, True, NUM_ADAPTERS)), results.get(Cell(endpoint, c, True, 1)))
+        if ratio is not None:
+            lines.append(f"- {NUM_ADAPTERS} adapters / 1 adapter, {endpoint}, {c} clients: {ratio:.0%} of the "
+                         f"throughput (target >= 70%: {'met' if ratio >= 0.7 else 'MISSED'})")
+    problems = [f"{r.cell.label}: {r.skipped or f'{r.errors} errors'}" for r in results.values()
+                if r.skipped or r.errors]
+    return lines + [f"- Not measured or failed: {p}" for p in problems]
+
+
+def prompts_from(texts: list[str], count: int = 256, seed: int = 0) -> list[str]:
+    """Realistic prompts: runs of 2-3 consecutive non-blank source lines (~20-40 tokens)."""
+    lines = [line.strip() for text in texts for line in text.splitlines() if 20 <= len(line.strip()) <= 80]
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        i = rng.randrange(len(lines) - 3)
+        out.append(" ".join(lines[i: i + rng.choice((2, 3))]))
+    return out
+
+
+@contextmanager
+def servers(args: argparse.Namespace, models_dir: Path | None, adapters_dir: Path | None
+            ) -> Iterator[dict[bool, tuple[str, int | None] | None]]:
+    """{batching on: (url, pid), off: (url, pid)}: the given URLs (pid unknown), or two servers started here."""
+    if args.url:
+        yield {True: (args.url, None), False: (args.url_unbatched, None) if args.url_unbatched else None}
+        return
+    env = dict(TSERVE_THREADS=str(args.threads), TSERVE_WARMUP="true", TSERVE_MAX_QUEUE="1024",
+               TSERVE_REQUEST_TIMEOUT_S="600", TSERVE_MAX_RESIDENT_ADAPTERS=str(NUM_ADAPTERS))
+    with ExitStack() as stack:
+        urls: dict[bool, tuple[str, int | None] | None] = {}
+        for batching in (True, False):  # started one after the other, so loading does not overlap
+            settings = dict(env, TSERVE_MAX_BATCH_SIZE=str(args.max_batch_size if batching else 1))
+            server = stack.enter_context(running_server(models_dir, adapters_dir, ready_timeout_s=300, **settings))
+            urls[batching] = (server.url, server.process.pid)
+        yield urls
+
+
+def discover(url: str) -> tuple[str | None, str | None, dict[str, list[str]]]:
+    """(generator, classifier, adapters per model) of a running server."""
+    models = httpx.get(url + "/v1/models", timeout=30).json()["data"]
+    by_family: dict[str, list[str]] = {}
+    for m in models:
+        by_family.setdefault(m["family"], []).append(m["name"])
+    generator = (by_family.get("causal_lm") or by_family.get("seq2seq") or [None])[0]
+    classifier = (by_family.get("classifier") or [None])[0]
+    return generator, classifier, {m["name"]: sorted(m["adapters"]) for m in models}
+
+
+def run(args: argparse.Namespace) -> str:
+    load_before = os.getloadavg()
+    work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
+    try:
+        adapters_note = "adapters: none created"
+        models_dir = adapters_dir = None
+        if not args.url:
+            models_dir = Path(args.models) if args.models else work / "models"
+            if args.models:
+                generator, classifier = find_models(models_dir)
+                source = f"checkpoints in {models_dir}"
+            else:
+                generator, classifier = build_models(models_dir)
+                source = ("random-weight checkpoints built here: causal_lm and classifier, d_model 256, 4 layers, "
+                          "4 heads, ffn 1024, BPE vocab 8000 trained on Python stdlib source, fp32")
+            adapters_dir, adapters_note = prepare_adapters(args, models_dir, [generator, classifier], work)
+        with servers(args, models_dir, adapters_dir) as urls:
+            generator, classifier, adapters = discover(urls[True][0])
+            if args.url:
+                source = f"the server at {args.url}"
+            workload = Workload(generator, classifier, adapters, prompts_from(stdlib_texts(300_000)), args.new_tokens)
+            results = measure(urls, plan(args, workload), workload, args)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    load_after = os.getloadavg()
+    lines = [
+        f"Machine: {machine_line()}",
+        f"Load average (1/5/15 min): {'/'.join(f'{x:.2f}' for x in load_before)} before, "
+        f"{'/'.join(f'{x:.2f}' for x in load_after)} after",
+        f"Models: {source}; generator {workload.generator!r}, classifier {workload.classifier!r}",
+        f"Adapters: {adapters_note}",
+        f"Server: python -m service on 127.0.0.1, TSERVE_THREADS={args.threads}, max_wait_ms 5 (default), "
+        f"batching on = max_batch_size {args.max_batch_size}, off = max_batch_size 1; load generator "
+        f"(httpx, asyncio) in this process on the same machine",
+        f"Requests: generate {args.new_tokens} new tokens each (min_new_tokens = max_new_tokens), prompts of "
+        f"2-3 stdlib source lines; classify one such text per request; per cell max({args.min_requests}, "
+        f"{args.requests_per_client} x clients) requests, capped at {args.cell_cap:.0f} s per cell and "
+        f"{args.time_cap:.0f} s overall; rows/step = mean tserve_batch_size over the cell; CPU ms/req = CPU time "
+        f"of the server process (all threads: HTTP and model) per request, which other load on the machine "
+        f"does not inflate the way it inflates wall-clock numbers",
+        "",
+        "Batching on (max_batch_size " + str(args.max_batch_size) + ") vs off (max_batch_size 1), base model:",
+        "",
+        batching_table(results, args),
+        "",
+        f"1 vs {NUM_ADAPTERS} distinct adapters in the mix (request i uses adapter i mod k), batching on:",
+        "",
+        adapters_table(results, args),
+        "",
+        "Targets:",
+        *verdicts(results, args),
+    ]
+    return "\n".join(lines)
+
+
+def prepare_adapters(args: argparse.Namespace, models_dir: Path, models: list[str | None],
+                     work: Path) -> tuple[Path, str]:
+    """The adapters directory for the servers: --adapters if it has 8 per model, else random ones."""
+    if args.adapters:
+        given = Path(args.adapters)
+        if all(m is None or len([p for p in (given / m).glob("*") if p.is_dir()]) >= NUM_ADAPTERS
+               for m in models):
+            return given, f"trained adapters from {given}"
+        logger.warning("%s does not hold %d adapters per model: using random ones", given, NUM_ADAPTERS)
+    root = work / "adapters"
+    for model in models:
+        if model is not None:
+            random_adapters(models_dir / model, root, NUM_ADAPTERS)
+    note = (f"RANDOM LoRA adapters made for this benchmark (not trained): {NUM_ADAPTERS} per model, rank "
+            f"{ADAPTER_RANK}, alpha {ADAPTER_ALPHA:g}, on {'/'.join(ADAPTER_TARGETS)}, A PEFT's init, "
+            f"B ~ N(0, {ADAPTER_STD}^2) (model.lora.add_adapter + save_adapter)")
+    return root, note
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", help="benchmark the checkpoints in this directory (default: build random ones)")
+    parser.add_argument("--adapters", help="adapters directory (<model>/<name>/) with 8 adapters per model")
+    parser.add_argument("--url", help="measure a running server instead of starting one (batching on)")
+    parser.add_argument("--url-unbatched", help="with --url: a second server started with max_batch_size 1")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: fewer requests and tokens (~2 min)")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--endpoints", nargs="+", default=list(ENDPOINTS), choices=ENDPOINTS)
+    parser.add_argument("--adapter-clients", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--adapter-endpoints", nargs="+", default=list(ENDPOINTS), choices=ENDPOINTS)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--requests-per-client", type=int, default=4)
+    parser.add_argument("--min-requests", type=int, default=32)
+    parser.add_argument("--cell-cap", type=float, default=60.0, help="seconds per cell at most")
+    parser.add_argument("--time-cap", type=float, default=540.0, help="seconds of measurement in all at most")
+    parser.add_argument("--threads", type=int, default=1, help="server torch intra-op threads (TSERVE_THREADS)")
+    parser.add_argument("--max-batch-size", type=int, default=32, help="max_batch_size with batching on")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.new_tokens, args.requests_per_client, args.min_requests = min(args.new_tokens, 16), 1, 8
+        args.cell_cap, args.time_cap = min(args.cell_cap, 15.0), min(args.time_cap, 150.0)
+    if args.url_unbatched and not args.url:
+        parser.error("--url-unbatched needs --url")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+    print(run(args))
+
+
+if __name__ == "__main__":
+    main()
