@@ -24,7 +24,7 @@ def _run(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     paths = Paths(Path(args.out), Path(args.data), Path(args.locale_dir), Path(args.stdlib_dir))
-    run_recipe(TIERS[args.tier], paths, force=args.force)
+    run_recipe(TIERS[args.tier], paths, force=args.force, jobs=args.jobs)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -45,12 +45,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--data", default="data", metavar="DIR", help="corpora (default %(default)s)")
     p.add_argument("--force", action="store_true", help="redo every stage, even those whose output exists")
     p.add_argument(
+        "--jobs",
+        type=positive_int,
+        default=2,
+        metavar="N",
+        help="families trained at the same time, one process each (default %(default)s; the tiers' times assume 2)",
+    )
+    p.add_argument(
         "--threads",
         type=positive_int,
         default=1,
         metavar="N",
-        help="torch intra-op threads (default %(default)s: models this small gain little from more, and on a "
-        "busy machine extra threads wait on each other; try the core count on an idle machine)",
+        help="torch intra-op threads per process (default %(default)s: models this small gain little from more, and "
+        "on a busy machine extra threads wait on each other)",
     )
     p.add_argument("--locale-dir", default=str(corpora.DEFAULT_LOCALE_DIR), help="gettext root (default %(default)s)")
     p.add_argument("--stdlib-dir", default=sysconfig.get_paths()["stdlib"], help="stdlib root (default %(default)s)")

@@ -19,12 +19,14 @@ import contextlib
 import io
 import json
 import logging
+import multiprocessing
 import os
 import platform
 import shutil
 import sysconfig
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -261,12 +263,17 @@ def evaluation_stages(f: FamilyRecipe, tier: Tier, paths: Paths) -> list[Stage]:
     return [Stage(name, paths.record(name), budget, run) for name, run in runs]
 
 
-def plan(tier: Tier, paths: Paths) -> list[Stage]:
-    """Every stage of ``tier`` in order: corpora, then per family train, adapter, evaluations."""
-    stages = prepare_stages(tier, paths)
+def pipelines(tier: Tier, paths: Paths) -> dict[str, list[Stage]]:
+    """The corpora, then per family: train, adapter, evaluations and baselines (in running order)."""
+    result = {"corpora": prepare_stages(tier, paths)}
     for f in tier.families:
-        stages += training_stages(f, paths) + evaluation_stages(f, tier, paths)
-    return stages
+        result[f.model] = training_stages(f, paths) + evaluation_stages(f, tier, paths)
+    return result
+
+
+def plan(tier: Tier, paths: Paths) -> list[Stage]:
+    """Every stage of ``tier``."""
+    return [stage for stages in pipelines(tier, paths).values() for stage in stages]
 
 
 def _clock(seconds: float) -> str:
@@ -308,34 +315,72 @@ def run_stage(stage: Stage, paths: Paths, force: bool) -> bool:
     return True
 
 
-def run_recipe(tier: Tier, paths: Paths, force: bool = False) -> dict[str, Any]:
-    """Run (or finish) ``tier`` into ``paths``; writes and returns summary.json."""
-    stages = plan(tier, paths)
-    total_budget = sum(s.budget_s for s in stages)
-    logger.info(
-        "recipe %s: %d stages, budget about %s (min:s) -> %s", tier.name, len(stages), _clock(total_budget), paths.out
-    )
+def run_pipeline(name: str, stages: list[Stage], paths: Paths, force: bool) -> None:
+    """Run ``stages`` in order, logging each with the time this pipeline has left by its budgets."""
     start = time.perf_counter()
     for i, stage in enumerate(stages, 1):
+        where = f"[{name} {i}/{len(stages)}] {stage.name}"
         left = sum(s.budget_s for s in stages[i - 1 :])
-        elapsed = time.perf_counter() - start
         logger.info(
-            "[%d/%d] %s: budget %s; %s elapsed, about %s to go",
-            i,
-            len(stages),
-            stage.name,
+            "%s: budget %s; %s elapsed, about %s to go",
+            where,
             _clock(stage.budget_s),
-            _clock(elapsed),
+            _clock(time.perf_counter() - start),
             _clock(left),
         )
         stage_start = time.perf_counter()
         if run_stage(stage, paths, force):
-            logger.info("[%d/%d] %s done in %s", i, len(stages), stage.name, _clock(time.perf_counter() - stage_start))
+            logger.info("%s done in %s", where, _clock(time.perf_counter() - stage_start))
         else:
-            logger.info("[%d/%d] %s: %s exists, skipped", i, len(stages), stage.name, stage.output)
+            logger.info("%s: %s exists, skipped", where, stage.output)
+
+
+def _worker_init(level: int, threads: int) -> None:
+    logging.basicConfig(level=level, format="%(levelname)s %(processName)s %(name)s: %(message)s")
+    torch.set_num_threads(threads)
+
+
+def _run_family(tier: Tier, paths: Paths, name: str, force: bool) -> None:
+    """One family's pipeline in a worker process (stages hold closures, so each process plans anew)."""
+    run_pipeline(name, pipelines(tier, paths)[name], paths, force)
+
+
+def run_families(tier: Tier, paths: Paths, force: bool, jobs: int) -> None:
+    """The three families' pipelines, ``jobs`` at a time in worker processes, longest budget first."""
+    order = sorted(tier.families, key=lambda f: -(f.train_minutes + f.lora_minutes + f.eval_minutes))
+    if jobs == 1:
+        for f in order:
+            run_pipeline(f.model, pipelines(tier, paths)[f.model], paths, force)
+        return
+    # One thread per process: small matrices gain little from intra-op threads, processes scale.
+    context = multiprocessing.get_context("spawn")
+    init = (logging.getLogger().getEffectiveLevel(), torch.get_num_threads())
+    with ProcessPoolExecutor(jobs, mp_context=context, initializer=_worker_init, initargs=init) as pool:
+        futures = [pool.submit(_run_family, tier, paths, f.model, force) for f in order]
+        for future in futures:
+            future.result()
+
+
+def run_recipe(tier: Tier, paths: Paths, force: bool = False, jobs: int = 1) -> dict[str, Any]:
+    """Run (or finish) ``tier`` into ``paths``, the families ``jobs`` at a time; writes and returns summary.json."""
+    stages = pipelines(tier, paths)
+    budgets = {name: sum(s.budget_s for s in group) for name, group in stages.items()}
+    logger.info(
+        "recipe %s: %d stages, %d at a time; budgets (min:s): %s -> %s",
+        tier.name,
+        sum(len(group) for group in stages.values()),
+        jobs,
+        ", ".join(f"{name} {_clock(seconds)}" for name, seconds in budgets.items()),
+        paths.out,
+    )
+    start = time.perf_counter()
+    run_pipeline("corpora", stages["corpora"], paths, force)
+    run_families(tier, paths, force, jobs)
     wall = time.perf_counter() - start
-    records = {s.name: json.loads(paths.record(s.name).read_text(encoding="utf-8")) for s in stages}
-    summary = build_summary(tier, records, machine(), wall)
+    records = {
+        s.name: json.loads(paths.record(s.name).read_text(encoding="utf-8")) for group in stages.values() for s in group
+    }
+    summary = build_summary(tier, records, {**machine(), "jobs": jobs}, wall)
     write_json(paths.out / "summary.json", summary)
     for check in summary["checks"]:
         log = logger.info if check["passed"] else logger.warning

@@ -4,7 +4,7 @@ A tier names, for each family, the base model's sizes and time budget and one Lo
 specialises it on a domain the base never saw:
 
 - translation (seq2seq, en->es): the base is trained on every package's messages but one
-  (``translation_package``, git by default); the adapter on that package's messages only;
+  (``translation_package``: PostgreSQL's server messages); the adapter on that package's only;
 - langid (classifier): the base on software messages; the adapter on the ISO code lists'
   names of languages, countries, currencies and scripts (``langid_domain_prefix``), another domain;
 - code (causal_lm): the base on the stdlib's non-test files, the adapter on its test files.
@@ -50,9 +50,11 @@ class Tier:
     langid: FamilyRecipe
     code: FamilyRecipe
     lang: str = "es"  # translation target language
-    translation_package: str = "git"  # held out of the translation base, the adapter's domain
+    translation_package: str = "postgres-15"  # held out of the translation base, the adapter's domain
     langid_domain_prefix: str = "iso_"  # packages held out of the langid base, the adapter's domain
-    code_max_files: int | None = None  # cap on the files of each code corpus (stable sample)
+    # Cap on the files of each code corpus (a stable sample): keeps tokenizing and evaluating them to
+    # seconds. Tiers share --data, so they must agree on every corpus flag.
+    code_max_files: int | None = 400
     langdetect: bool = True  # score the langdetect baseline (needs the langdetect package)
     prepare_flags: dict[str, tuple[str, ...]] = field(default_factory=dict)  # extra `prepare` flags per kind
 
@@ -67,100 +69,119 @@ class Tier:
 
 def _loop(steps: int, eval_every: int, lr: float, warmup: int, batch_tokens: int) -> tuple[str, ...]:
     return (
-        "--max-steps", str(steps), "--eval-every", str(eval_every), "--save-every", str(eval_every),
-        "--lr", str(lr), "--warmup", str(warmup), "--batch-tokens", str(batch_tokens),
-    )  # fmt: skip
+        "--max-steps",
+        str(steps),
+        "--eval-every",
+        str(eval_every),
+        "--save-every",
+        str(eval_every),
+        "--lr",
+        str(lr),
+        "--warmup",
+        str(warmup),
+        "--batch-tokens",
+        str(batch_tokens),
+    )
 
 
 def _sizes(
     layers: int, d_model: int, heads: int, ffn: int, vocab: int, max_len: int, dropout: float
 ) -> tuple[str, ...]:
     return (
-        "--layers", str(layers), "--d-model", str(d_model), "--heads", str(heads), "--ffn", str(ffn),
-        "--vocab-size", str(vocab), "--max-len", str(max_len), "--dropout", str(dropout),
-    )  # fmt: skip
+        "--layers",
+        str(layers),
+        "--d-model",
+        str(d_model),
+        "--heads",
+        str(heads),
+        "--ffn",
+        str(ffn),
+        "--vocab-size",
+        str(vocab),
+        "--max-len",
+        str(max_len),
+        "--dropout",
+        str(dropout),
+    )
 
 
 LORA_ALL = ("--targets", "q_proj,k_proj,v_proj,out_proj,fc1,fc2")
 
-# Under 15 minutes of wall time on 2 CPU cores, all stages included: the budgets bind, not the steps.
+# Under 15 minutes of wall time on 2 CPU cores, all stages included, with --jobs 2: translation
+# trains in one process while langid, then code, train in the other. The budgets bind, not the steps.
 QUICK = Tier(
     name="quick",
     translation=FamilyRecipe(
         model="translation",
         family="seq2seq",
-        adapter="git",
+        adapter="postgres",
         train_flags=(
             "--arch",
             "paper",
             *_sizes(2, 128, 4, 512, 3000, 128, 0.0),
-            *_loop(100_000, 150, 3e-3, 100, 2048),
+            *_loop(100_000, 300, 2e-3, 200, 2048),
             "--valid-examples",
-            "150",
-        ),  # fmt: skip
-        train_minutes=6.0,
+            "100",
+        ),
+        train_minutes=11.0,
         lora_flags=("--rank", "16", "--alpha", "32", *LORA_ALL, *_loop(100_000, 100, 3e-3, 30, 2048)),
         lora_minutes=1.0,
         eval_flags=("--beams", "1"),
-        eval_minutes=1.0,
+        eval_minutes=0.5,
     ),
     langid=FamilyRecipe(
         model="langid",
         family="classifier",
         adapter="iso",
         train_flags=("--arch", "bert", *_sizes(2, 128, 4, 512, 3000, 64, 0.0), *_loop(100_000, 150, 2e-3, 50, 4096)),
-        train_minutes=1.25,
-        lora_flags=("--rank", "8", "--alpha", "16", *LORA_ALL, *_loop(100_000, 100, 3e-3, 20, 4096)),
-        lora_minutes=0.5,
+        train_minutes=2.0,
+        lora_flags=("--rank", "16", "--alpha", "32", *LORA_ALL, *_loop(100_000, 100, 3e-3, 20, 4096)),
+        lora_minutes=1.0,
         eval_minutes=0.5,
     ),
     code=FamilyRecipe(
         model="code",
         family="causal_lm",
         adapter="tests",
-        train_flags=(
-            "--arch",
-            "gpt2",
-            *_sizes(2, 128, 4, 512, 3000, 128, 0.0),
-            *_loop(100_000, 10_000, 3e-3, 50, 4096),
-        ),
-        train_minutes=1.75,
-        lora_flags=("--rank", "16", "--alpha", "32", *LORA_ALL, *_loop(100_000, 10_000, 3e-3, 20, 4096)),
-        lora_minutes=0.75,
-        eval_minutes=1.0,
+        train_flags=("--arch", "gpt2", *_sizes(2, 128, 4, 512, 3000, 128, 0.0), *_loop(100_000, 400, 3e-3, 50, 4096)),
+        train_minutes=5.0,
+        lora_flags=("--rank", "16", "--alpha", "32", *LORA_ALL, *_loop(100_000, 200, 3e-3, 20, 4096)),
+        lora_minutes=1.5,
+        eval_minutes=1.5,
     ),
+    translation_package="postgres-15",
 )
 
-# About an hour and a quarter on 2 CPU cores: wider, deeper models trained for longer.
+# About 55 minutes of wall time on 2 CPU cores with --jobs 2: wider, deeper models trained longer.
 QUALITY = Tier(
     name="quality",
     translation=FamilyRecipe(
         model="translation",
         family="seq2seq",
-        adapter="git",
+        adapter="postgres",
         train_flags=(
             "--arch",
             "paper",
-            *_sizes(3, 256, 4, 1024, 8000, 128, 0.1),
-            *_loop(100_000, 500, 1e-3, 400, 4096),
+            *_sizes(3, 256, 4, 1024, 6000, 128, 0.1),
+            *_loop(100_000, 500, 1e-3, 300, 2048),
             "--valid-examples",
             "200",
-        ),  # fmt: skip
-        train_minutes=30.0,
-        lora_flags=("--rank", "16", "--alpha", "32", *LORA_ALL, *_loop(100_000, 200, 2e-3, 50, 4096)),
-        lora_minutes=5.0,
+        ),
+        train_minutes=40.0,
+        lora_flags=("--rank", "16", "--alpha", "32", *LORA_ALL, *_loop(100_000, 200, 2e-3, 50, 2048)),
+        lora_minutes=6.0,
         eval_flags=("--beams", "4"),
-        eval_minutes=4.0,
+        eval_minutes=5.0,
     ),
     langid=FamilyRecipe(
         model="langid",
         family="classifier",
         adapter="iso",
-        train_flags=("--arch", "bert", *_sizes(4, 256, 4, 1024, 8000, 64, 0.1), *_loop(100_000, 300, 7e-4, 200, 4096)),
-        train_minutes=8.0,
-        lora_flags=("--rank", "8", "--alpha", "16", *LORA_ALL, *_loop(100_000, 200, 2e-3, 50, 4096)),
-        lora_minutes=2.0,
-        eval_minutes=1.0,
+        train_flags=("--arch", "bert", *_sizes(4, 256, 4, 1024, 6000, 64, 0.1), *_loop(100_000, 300, 7e-4, 200, 4096)),
+        train_minutes=10.0,
+        lora_flags=("--rank", "16", "--alpha", "32", *LORA_ALL, *_loop(100_000, 200, 2e-3, 50, 4096)),
+        lora_minutes=3.0,
+        eval_minutes=1.5,
     ),
     code=FamilyRecipe(
         model="code",
@@ -169,14 +190,15 @@ QUALITY = Tier(
         train_flags=(
             "--arch",
             "gpt2",
-            *_sizes(4, 256, 4, 1024, 8000, 256, 0.1),
-            *_loop(100_000, 1000, 1e-3, 200, 8192),
+            *_sizes(4, 256, 4, 1024, 8000, 256, 0.0),
+            *_loop(100_000, 250, 1e-3, 200, 8192),
         ),
-        train_minutes=15.0,
-        lora_flags=("--rank", "16", "--alpha", "32", *LORA_ALL, *_loop(100_000, 500, 2e-3, 50, 8192)),
-        lora_minutes=4.0,
+        train_minutes=25.0,
+        lora_flags=("--rank", "16", "--alpha", "32", *LORA_ALL, *_loop(100_000, 200, 2e-3, 50, 8192)),
+        lora_minutes=5.0,
         eval_minutes=3.0,
     ),
+    translation_package="postgres-15",
 )
 
 TIERS = {tier.name: tier for tier in (QUICK, QUALITY)}

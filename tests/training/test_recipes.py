@@ -71,6 +71,7 @@ def tiny_tier() -> Tier:
         translation=family("translation", "seq2seq", "git", "paper"),
         langid=family("langid", "classifier", "iso", "bert"),
         code=family("code", "causal_lm", "tests", "gpt2"),
+        translation_package="git",
         langdetect=HAS_LANGDETECT,
         prepare_flags={kind: split for kind in ("translation", "langid", "code")},
     )
@@ -80,7 +81,7 @@ def tiny_tier() -> Tier:
 def finished(sources: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Paths, dict]:
     root = tmp_path_factory.mktemp("recipe")
     paths = Paths(root / "checkpoints", root / "data", *sources)
-    return paths, run_recipe(tiny_tier(), paths)
+    return paths, run_recipe(tiny_tier(), paths, jobs=2)  # the families in two worker processes
 
 
 def test_recipe_writes_models_adapters_and_summary_in_the_service_layout(finished: tuple[Paths, dict]) -> None:
