@@ -39,6 +39,16 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(d_model, d_model, bias=bias)
         self.v_proj = nn.Linear(d_model, d_model, bias=bias)
         self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+        # Optional (D -> 3D) projection computing q, k, v of self-attention in one GEMM (model.quantize
+        # builds an int8 one); used only while q/k/v are still the modules it was built from, so a
+        # LoRA wrapper around any of them switches back to the separate projections.
+        self.qkv_proj: nn.Module | None = None
+        self._qkv_of: tuple[nn.Module, ...] = ()
+
+    @property
+    def fused(self) -> bool:
+        """Whether self-attention takes the fused q/k/v projection."""
+        return self.qkv_proj is not None and (self.q_proj, self.k_proj, self.v_proj) == self._qkv_of
 
     def split_heads(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, D) -> (B, H, T, Dh)."""
@@ -65,18 +75,20 @@ class MultiHeadAttention(nn.Module):
         With ``cache`` (self-attention while decoding) this step's K/V are written into the cache
         at each row's position and the query attends to everything the cache holds for its row.
         """
-        q = self.split_heads(self.q_proj(x))  # (B, H, T, Dh)
-        if kv is not None:
-            k, v = kv
+        if source is None and kv is None and self.fused:
+            q, k, v = (self.split_heads(p) for p in self.qkv_proj(x).chunk(3, dim=-1))
         else:
-            k, v = self.project_kv(x if source is None else source)
-            if cache is not None:
-                k, v = cache.write(layer, k, v)
+            q = self.split_heads(self.q_proj(x))  # (B, H, T, Dh)
+            k, v = kv if kv is not None else self.project_kv(x if source is None else source)
+        if cache is not None and kv is None:
+            k, v = cache.write(layer, k, v)
         dropout = self.dropout if self.training else 0.0
+        if k.dtype != q.dtype:  # a cache kept in another dtype
+            k, v = k.to(q.dtype), v.to(q.dtype)
         if attention_weights:
-            out, weights = attention(q, k.to(q.dtype), v.to(q.dtype), mask, dropout)
+            out, weights = attention(q, k, v, mask, dropout)
         else:
-            out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, dropout_p=dropout)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
             weights = None
         b, _, t, _ = out.shape
         return self.out_proj(out.transpose(1, 2).reshape(b, t, -1)), weights

@@ -38,7 +38,7 @@ class CausalLM(nn.Module):
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         """An empty cache for ``batch`` rows, preallocated for ``capacity`` positions."""
-        p = self.lm_head.weight
+        p = self.embed.tokens.weight  # always float (lm_head may be int8)
         c = self.config
         return KVCache.empty(c.n_layers, batch, c.n_heads, c.head_dim, capacity, p.device, p.dtype)
 

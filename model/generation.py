@@ -31,7 +31,7 @@ def generate_causal(
 ) -> list[list[Hypothesis]]:
     """Continue each prompt; returns per prompt the hypotheses of ``config`` (best first)."""
     _check_lengths([len(p) for p in prompts], config.max_new_tokens, model.config.max_len, "prompt")
-    device = model.lm_head.weight.device
+    device = next(model.parameters()).device
     ids, lengths = (t.to(device) for t in pad_batch(prompts, model.config.pad_id))
     search = make_search(config, len(prompts), stop_fn)
     with torch.inference_mode(), _AdapterRows(model, adapters, len(prompts)) as rows:
@@ -52,7 +52,7 @@ def generate_seq2seq(
     """Translate each source; returns per source the hypotheses of ``config`` (best first)."""
     _check_lengths([len(s) for s in sources], 0, model.config.max_src_len, "source")
     _check_lengths([0], config.max_new_tokens + 1, model.config.max_len, "output")
-    device = model.lm_head.weight.device
+    device = next(model.parameters()).device
     src, _ = pad_batch(sources, model.config.pad_id)
     search = make_search(config, len(sources))
     with torch.inference_mode(), _AdapterRows(model, adapters, len(sources)) as rows:
@@ -130,7 +130,7 @@ class _Recompute:
         self.sequences = sequences
 
     def logits(self) -> torch.Tensor:
-        device = self.model.lm_head.weight.device
+        device = next(self.model.parameters()).device
         ids, lengths = (t.to(device) for t in pad_batch(self.sequences, self.model.config.pad_id))
         out = self.model(ids)
         return out[torch.arange(len(self.sequences), device=device), lengths - 1]

@@ -5,6 +5,8 @@ prompt batch, beams, and the serving engine's continuously batched requests all 
 Self-attention K/V live in preallocated buffers (B, H, capacity, Dh) that grow in chunks; a new
 token of row b is written in place at position ``lengths[b]``. Keys at positions a query may not
 see (padding, or beyond the query's own position) are masked by ``attention_mask``.
+While every row holds the same number of tokens (``uniform``: offline greedy and beam search,
+seq2seq decoding) a step writes one slice for all rows and a single new token needs no mask.
 Cross-attention K/V (encoder-decoder) are computed once per source and only reordered.
 """
 
@@ -53,6 +55,7 @@ class KVCache:
     lengths: torch.Tensor  # (B,) tokens already cached per row
     max_length: int = 0  # host-side upper bound of lengths, to slice buffers without a device sync
     cross: CrossAttentionMemory | None = None
+    uniform: bool = True  # every row holds exactly max_length tokens (host-side, no device sync)
     _write_positions: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
@@ -81,17 +84,24 @@ class KVCache:
     def capacity(self) -> int:
         return self.keys[0].shape[2]
 
-    def begin_step(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prepare to append ``num_tokens`` per row; return (positions (B, t), attention mask (B, 1, t, K)).
+    def begin_step(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Prepare to append ``num_tokens`` per row; return (positions (B, t), attention mask (B|1, 1, t, K)).
 
         A query at position p sees every cached key at a position <= p. Right padding is therefore
         safe: a real token never sees the pad slots after it, and the next token overwrites them.
+        The mask is None when every visible key is allowed (uniform rows, one new token).
         """
         self._reserve(self.max_length + num_tokens)
-        offsets = torch.arange(num_tokens, device=self.lengths.device)
-        positions = self.lengths[:, None] + offsets  # (B, t)
+        device = self.lengths.device
+        key_positions = torch.arange(self.max_length + num_tokens, device=device)
+        if self.uniform:
+            positions = key_positions[self.max_length:].expand(self.batch_size, num_tokens)
+            self._write_positions = positions
+            if num_tokens == 1:
+                return positions, None
+            return positions, (key_positions[None, :] <= positions[0][:, None])[None, None]  # (1, 1, t, K)
+        positions = self.lengths[:, None] + torch.arange(num_tokens, device=device)  # (B, t)
         self._write_positions = positions
-        key_positions = torch.arange(self.max_length + num_tokens, device=self.lengths.device)
         mask = key_positions[None, None, :] <= positions[:, :, None]  # (B, t, K)
         return positions, mask[:, None]
 
@@ -100,23 +110,33 @@ class KVCache:
         positions = self._write_positions
         if positions is None:
             raise RuntimeError("KVCache.write called before begin_step")
+        visible = self.max_length + positions.shape[1]
+        if self.uniform:  # one slice for every row
+            self.keys[layer][:, :, self.max_length: visible] = k
+            self.values[layer][:, :, self.max_length: visible] = v
+            return self.keys[layer][:, :, :visible], self.values[layer][:, :, :visible]
         rows = torch.arange(self.batch_size, device=positions.device)[:, None]
         # Advanced indices on dims 0 and 2 put the (B, t) index dims first: (B, t, H, Dh).
         self.keys[layer][rows, :, positions] = k.transpose(1, 2).to(self.keys[layer].dtype)
         self.values[layer][rows, :, positions] = v.transpose(1, 2).to(self.values[layer].dtype)
-        visible = self.max_length + positions.shape[1]
         return self.keys[layer][:, :, :visible], self.values[layer][:, :, :visible]
 
     def end_step(self, advance: torch.Tensor | int, max_advance: int | None = None) -> None:
         """Advance lengths by ``advance`` per row (an int, or (B,) for a right-padded prefill)."""
         self.lengths = self.lengths + advance
-        self.max_length += advance if isinstance(advance, int) else int(max_advance or advance.max())
+        if isinstance(advance, int):
+            self.max_length += advance
+        else:
+            longest = int(max_advance or advance.max())
+            self.uniform = self.uniform and bool((advance == longest).all())
+            self.max_length += longest
         self._write_positions = None
 
     def select(self, index: torch.Tensor) -> None:
         """Keep, reorder or duplicate rows: row i becomes old row ``index[i]`` (beams, finished rows)."""
-        self.keys = [_select_prefix(k, index, self.max_length) for k in self.keys]
-        self.values = [_select_prefix(v, index, self.max_length) for v in self.values]
+        zero_tail = not self.uniform
+        self.keys = [_select_prefix(k, index, self.max_length, zero_tail) for k in self.keys]
+        self.values = [_select_prefix(v, index, self.max_length, zero_tail) for v in self.values]
         self.lengths = self.lengths.index_select(0, index)
         if self.cross is not None:
             self.cross = self.cross.select(index)
@@ -130,7 +150,15 @@ class KVCache:
             values=[_cat_padded([c.values[i] for c in caches], 2, capacity) for i in range(len(caches[0].keys))],
             lengths=torch.cat([c.lengths for c in caches]),
             max_length=max(c.max_length for c in caches),
+            uniform=all(c.uniform for c in caches) and len({c.max_length for c in caches}) == 1,
         )
+        if not joined.uniform:  # shorter rows now read (masked) past their own cache's end: make it finite
+            start = 0
+            for c in caches:
+                if c.uniform:
+                    for buffer in joined.keys + joined.values:
+                        buffer[start: start + c.batch_size, :, c.max_length:] = 0
+                start += c.batch_size
         if caches[0].cross is not None:
             source_len = max(c.cross.mask.shape[-1] for c in caches)
             n_layers = len(caches[0].cross.keys)
@@ -163,12 +191,16 @@ def _cat_padded(tensors: list[torch.Tensor], dim: int, size: int) -> torch.Tenso
     return torch.cat(padded, dim=0)
 
 
-def _select_prefix(buffer: torch.Tensor, index: torch.Tensor, used: int) -> torch.Tensor:
-    """``buffer.index_select(0, index)`` copying only the first ``used`` positions (the rest stay zero)."""
-    if used * 2 >= buffer.shape[2]:
-        return buffer.index_select(0, index)
-    out = buffer.new_zeros((index.shape[0], *buffer.shape[1:]))
+def _select_prefix(buffer: torch.Tensor, index: torch.Tensor, used: int, zero_tail: bool) -> torch.Tensor:
+    """``buffer.index_select(0, index)`` for the first ``used`` positions; the rest is zeroed or left unset.
+
+    Uniform rows never read a position before writing it, so their tail may hold garbage; rows of
+    different lengths read (masked) positions past their own length, which must hold finite values.
+    """
+    out = buffer.new_empty((index.shape[0], *buffer.shape[1:]))
     out[:, :, :used] = buffer[:, :, :used].index_select(0, index)
+    if zero_tail:
+        out[:, :, used:] = 0
     return out
 
 

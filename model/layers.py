@@ -47,7 +47,9 @@ class Embeddings(nn.Module):
         """ids (B, T) and optional positions (B, T) -> (B, T, D)."""
         if positions is None:
             positions = torch.arange(ids.shape[1], device=ids.device)[None, :]
-        x = self.tokens(ids) * self.scale
+        x = self.tokens(ids)
+        if self.scale != 1.0:
+            x = x * self.scale
         if self.positions is not None:
             x = x + self.positions(positions)
         else:
@@ -56,7 +58,7 @@ class Embeddings(nn.Module):
             x = x + self.segments(torch.zeros_like(ids) if segments is None else segments)
         if self.norm is not None:
             x = self.norm(x)
-        return self.dropout(x)
+        return self.dropout(x) if self.training else x
 
 
 class FeedForward(nn.Module):
@@ -75,7 +77,7 @@ class FeedForward(nn.Module):
             h = F.relu(h)
         else:
             h = F.gelu(h, approximate="tanh" if self.activation == "gelu_tanh" else "none")
-        return self.fc2(self.dropout(h))
+        return self.fc2(self.dropout(h) if self.training else h)
 
 
 class TransformerLayer(nn.Module):
@@ -98,10 +100,14 @@ class TransformerLayer(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
         self.pre_norm = config.norm == "pre"
 
-    def _residual(self, x: torch.Tensor, norm: nn.LayerNorm, sublayer) -> tuple[torch.Tensor, torch.Tensor | None]:
-        out, weights = sublayer(norm(x) if self.pre_norm else x)
-        x = x + self.dropout(out)
-        return (x if self.pre_norm else norm(x)), weights
+    def _input(self, x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
+        """What a sub-layer reads: LN(x) (pre-LN) or x (post-LN)."""
+        return norm(x) if self.pre_norm else x
+
+    def _residual(self, x: torch.Tensor, out: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
+        """x + Dropout(out) (pre-LN) or LN(x + Dropout(out)) (post-LN)."""
+        x = x + (self.dropout(out) if self.training else out)
+        return x if self.pre_norm else norm(x)
 
     def forward(
         self,
@@ -116,27 +122,21 @@ class TransformerLayer(nn.Module):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """x (B, T, D) -> (B, T, D) and, when asked, the attention weights by kind ("self", "cross")."""
         weights: dict[str, torch.Tensor] = {}
-        x, w = self._residual(
-            x,
-            self.self_attn_norm,
-            lambda h: self.self_attn(h, mask, cache=cache, layer=layer, attention_weights=attention_weights),
-        )
+        h = self._input(x, self.self_attn_norm)
+        out, w = self.self_attn(h, mask, cache=cache, layer=layer, attention_weights=attention_weights)
+        x = self._residual(x, out, self.self_attn_norm)
         if w is not None:
             weights["self"] = w
         if self.cross_attn is not None:
             cross_kv = None
             if cache is not None and cache.cross is not None:
                 cross_kv = (cache.cross.keys[layer], cache.cross.values[layer])
-            x, w = self._residual(
-                x,
-                self.cross_attn_norm,
-                lambda h: self.cross_attn(
-                    h, memory_mask, source=memory, kv=cross_kv, attention_weights=attention_weights
-                ),
-            )
+            h = self._input(x, self.cross_attn_norm)
+            out, w = self.cross_attn(h, memory_mask, source=memory, kv=cross_kv, attention_weights=attention_weights)
+            x = self._residual(x, out, self.cross_attn_norm)
             if w is not None:
                 weights["cross"] = w
-        x, _ = self._residual(x, self.ffn_norm, lambda h: (self.ffn(h), None))
+        x = self._residual(x, self.ffn(self._input(x, self.ffn_norm)), self.ffn_norm)
         return x, weights
 
 

@@ -262,14 +262,16 @@ def _check_new_name(model: nn.Module, name: str) -> None:
 
 
 def _targets(model: nn.Module, targets: Sequence[str]) -> dict[str, nn.Module]:
-    """Plain nn.Linear or LoRALinear modules whose last name component is in `targets`."""
+    """Plain nn.Linear (float or model.quantize.Int8Linear) or LoRALinear modules named in `targets`."""
+    from model.quantize import Int8Linear  # model.quantize imports this module
+
     found: dict[str, nn.Module] = {}
     for path, module in model.named_modules():
         parent, _, leaf = path.rpartition(".")
         if leaf not in targets:
             continue
         # A LoRALinear's own base is not a target; nn.MultiheadAttention reads out_proj.weight directly.
-        plain = isinstance(module, nn.Linear) and not isinstance(
+        plain = isinstance(module, nn.Linear | Int8Linear) and not isinstance(
             model.get_submodule(parent), LoRALinear | nn.MultiheadAttention
         )
         if plain or isinstance(module, LoRALinear):
@@ -395,6 +397,8 @@ def merge_adapter(model: nn.Module, name: str, safe: bool = True) -> None:
     merged = {layer.merged for layer in _lora_layers(model).values()} - {None}
     if merged:
         raise AdapterError(f"cannot merge {name!r}: adapter {merged.pop()!r} is merged; unmerge_adapter first")
+    if any(not isinstance(layer.base, nn.Linear) for layer in layers.values()):
+        raise AdapterError(f"cannot merge {name!r}: the model's weights are quantised (int8); adapters run unmerged")
     if safe:  # check every layer before touching any, so a failure leaves the model unmerged
         for path, layer in layers.items():
             if not torch.isfinite(layer.base.weight + layer.delta_weight(name)).all():
