@@ -24,6 +24,7 @@ from model.checkpoint import Checkpoint, load_checkpoint, parameter_count
 from model.classifier import POOLINGS
 from model.decoding import GenerationConfig
 from model.generation import generate_seq2seq
+from model.quantize import mode_for, quantize
 from service.adapters import AdapterRegistry, check_name
 from service.errors import InvalidRequest, NotFound, NotReady, ServiceError
 from service.jobs import DEADLINE_GRACE_S, CallJob, GenerationJob, Job, PoolingJob, StreamText
@@ -390,6 +391,7 @@ class Engine:
             try:
                 checkpoint = await asyncio.to_thread(load_checkpoint, directory, self.settings.device,
                                                      self.settings.dtype)
+                quantize(checkpoint.model, mode_for(self.settings.quantize, name))
                 worker = ModelWorker(name, checkpoint, self.settings, self.metrics, self.adapters_dir)
                 await worker.start()
                 self.metrics.model_load_seconds.labels(name).set(time.perf_counter() - start)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from model.quantize import QuantizeError, mode_for
 from service.types import EngineSettings
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -109,6 +110,13 @@ class Settings:
     )
     log_level: str = _setting("info", "TSERVE_LOG_LEVEL", "logging level: " + ", ".join(LOG_LEVELS), str)
     warmup: bool = _setting(True, "TSERVE_WARMUP", "run one tiny request per model before reporting ready", _bool)
+    quantize: str = _setting(
+        "none",
+        "TSERVE_QUANTIZE",
+        "int8 linear weights (CPU only): none, int8, or per model name=mode entries plus an optional bare "
+        "default, e.g. none,translation=int8",
+        str,
+    )
 
     def __post_init__(self) -> None:
         positive = (
@@ -139,6 +147,10 @@ class Settings:
             raise SettingsError(f"log_level ({_env('log_level')}) must be one of {LOG_LEVELS}, got {self.log_level!r}")
         if any(not k.isascii() or not k.isprintable() or " " in k for k in self.api_keys + self.admin_keys):
             raise SettingsError("API keys must be printable ASCII without spaces")
+        try:
+            mode_for(self.quantize, "")
+        except QuantizeError as exc:
+            raise SettingsError(f"quantize ({_env('quantize')}): {exc}") from None
 
     @property
     def auth_enabled(self) -> bool:
@@ -175,6 +187,7 @@ class Settings:
             request_timeout_s=self.request_timeout_s,
             max_resident_adapters=self.max_resident_adapters,
             warmup=self.warmup,
+            quantize=self.quantize,
         )
 
 

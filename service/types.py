@@ -110,3 +110,4 @@ class EngineSettings:
     request_timeout_s: float = 60.0
     max_resident_adapters: int = 8
     warmup: bool = True
+    quantize: str = "none"  # model.quantize.mode_for spec: "int8", or per model "name=int8,..."

@@ -209,3 +209,29 @@ def test_a_failing_classify_job_fails_alone(models_dir):
     ok, boom, ok2 = asyncio.run(main())
     assert isinstance(boom, EngineFailure) and boom.request_id == "boom" and "injected fault" in str(boom)
     assert ok[0].label in LABELS and len(ok2[0]) == 32
+
+
+def test_quantize_setting_makes_the_named_model_int8_with_adapters(models_dir, adapters_dir):
+    """quantize="none,<mt>=int8": only that model is int8; it generates what the offline int8 model does."""
+    from model.decoding import GenerationConfig
+    from model.generation import generate_seq2seq
+    from model.quantize import Int8Linear, quantize_int8
+    from tests.service.conftest import TEXTS
+
+    async def main():
+        async with running_engine(models_dir, adapters_dir, quantize=f"none,{MT}=int8") as engine:
+            mt, lm = engine.get(MT), engine.get(LM)
+            assert any(isinstance(m, Int8Linear) for m in mt.model.modules())
+            assert not any(isinstance(m, Int8Linear) for m in lm.model.modules())
+            base = await mt.generate([TEXTS[0]], GenerateParams(max_new_tokens=8), "q-base")
+            adapted = await mt.generate([TEXTS[0]], GenerateParams(max_new_tokens=8, adapter=ADAPTERS[MT]), "q-a")
+            return base[0].tokens, adapted[0].tokens
+
+    base, adapted = asyncio.run(main())
+    ckpt = load_checkpoint(models_dir / MT, device="cpu")
+    quantize_int8(ckpt.model)
+    load_adapter(ckpt.model, adapters_dir / MT / ADAPTERS[MT], "ref")
+    src = [ckpt.src_tokenizer.encode(TEXTS[0], add_eos=True)]
+    config = GenerationConfig(max_new_tokens=8, eos_token_id=ckpt.config.eos_id)
+    assert base == generate_seq2seq(ckpt.model, src, config)[0][0].tokens
+    assert adapted == generate_seq2seq(ckpt.model, src, config, adapters="ref")[0][0].tokens

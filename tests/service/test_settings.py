@@ -58,6 +58,7 @@ def test_precedence_default_env_flag():
         ({"TSERVE_LOG_LEVEL": "loud"}, "TSERVE_LOG_LEVEL"),
         ({"TSERVE_WARMUP": "maybe"}, "TSERVE_WARMUP"),
         ({"TSERVE_API_KEYS": "has space"}, "printable ASCII"),
+        ({"TSERVE_QUANTIZE": "none,mt=int4"}, "TSERVE_QUANTIZE"),
     ],
 )
 def test_invalid_settings_name_the_variable(env, says):
