@@ -46,5 +46,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="padded tokens per batch (default %(default)s)",
     )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default %(default)s)")
+    p.add_argument(
+        "--quantize",
+        choices=("none", "int8"),
+        default="none",
+        help="int8: dynamic int8 linear weights (CPU only), to compare with fp32; its metrics are merged "
+        'under "int8" in metrics.json (default %(default)s)',
+    )
     p.add_argument("--skip-malformed", action="store_true", help="skip malformed test lines (and report the count)")
     p.set_defaults(func=_run)

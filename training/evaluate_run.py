@@ -13,6 +13,7 @@ import torch
 
 from model.checkpoint import CheckpointError, load_checkpoint
 from model.lora import AdapterError, load_adapter
+from model.quantize import QuantizeError, quantize
 from training.distributed import user_device
 from training.errors import UserError
 from training.session import merge_metrics
@@ -25,8 +26,10 @@ ADAPTER = "evaluated"
 
 def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     """The `evaluate` command; returns what it printed and merged into metrics.json."""
+    quantized = getattr(args, "quantize", "none") != "none"
+    device = user_device("cpu" if quantized and args.device == "auto" else args.device)
     try:
-        ckpt = load_checkpoint(args.model, device=user_device(args.device), dtype=torch.float32)
+        ckpt = load_checkpoint(args.model, device=device, dtype=torch.float32)
     except CheckpointError as e:
         raise UserError(f"--model: {e}") from e
     adapters = None
@@ -39,6 +42,11 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         if base and Path(base).resolve() != Path(args.model).resolve():
             logger.warning("adapter %s was trained on %s, not %s", args.adapter, base, args.model)
         adapters = ADAPTER
+    if quantized:
+        try:
+            quantize(ckpt.model, args.quantize)
+        except QuantizeError as e:
+            raise UserError(f"--quantize {args.quantize}: {e}") from e
     task = TASKS[ckpt.family](
         TaskOptions(
             skip_malformed=args.skip_malformed,
@@ -61,7 +69,9 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     if args.adapter:
         result["base_model"] = str(Path(args.model).resolve())
     target = Path(args.adapter or args.model)
-    merge_metrics(target, result)
+    if quantized:
+        result["quantize"] = args.quantize
+    merge_metrics(target, {args.quantize: result} if quantized else result)  # fp32 metrics stay as they were
     sys.stdout.write(json.dumps(result, indent=2) + "\n")
     logger.info("metrics merged into %s", target / "metrics.json")
     return result

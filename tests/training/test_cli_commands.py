@@ -27,7 +27,7 @@ def _run(*argv: str) -> subprocess.CompletedProcess:
         (["train", "classifier", "--help"], ["--pretrain-mlm", "--pretrain-steps", "--skip-malformed"]),
         (["train", "causal_lm", "--help"], ["--max-minutes", "--batch-tokens", "--accum-steps", "--device"]),
         (["lora", "--help"], ["--base", "--rank", "--alpha", "--targets", "--dropout"]),
-        (["evaluate", "--help"], ["--model", "--adapter", "--test", "--beams", "--max-examples"]),
+        (["evaluate", "--help"], ["--model", "--adapter", "--test", "--beams", "--max-examples", "--quantize"]),
     ],
 )
 def test_help(argv, flags):

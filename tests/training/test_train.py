@@ -117,6 +117,11 @@ def test_evaluate_writes_metrics(family, data, tmp_path):
     assert "valid_loss" in metrics  # training's keys are kept
     if family == "causal_lm":
         assert metrics["perplexity"] > 1.0
+    run_cli("evaluate", "--model", str(out), "--test", str(data[f"{prefix}_valid"]), "--beams", "2",
+            "--max-examples", "5", "--max-new-tokens", "8", "--quantize", "int8")  # fmt: skip
+    after = json.loads((out / "metrics.json").read_text())
+    assert after["int8"]["quantize"] == "int8" and expected[family] <= set(after["int8"])
+    assert {k: after[k] for k in metrics} == metrics  # the fp32 metrics stay as they were
 
 
 @pytest.mark.parametrize(
