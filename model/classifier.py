@@ -45,11 +45,20 @@ class TransformerClassifier(nn.Module):
             nn.init.normal_(self.embed.tokens.weight, std=config.d_model**-0.5)
 
     def encode(
-        self, ids: torch.Tensor, segments: torch.Tensor | None = None, attention_weights: bool = False
+        self,
+        ids: torch.Tensor,
+        segments: torch.Tensor | None = None,
+        attention_weights: bool = False,
+        cls_only: bool = False,
     ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
-        """ids (B, T) right-padded -> hidden states (B, T, D) and attention maps when asked."""
+        """ids (B, T) right-padded -> hidden states (B, T, D) and attention maps when asked.
+
+        ``cls_only``: the last layer computes the [CLS] position alone (all the heads read): (B, 1, D).
+        """
         mask = padding_mask(ids, self.config.pad_id)
-        return self.encoder(self.embed(ids, segments=segments), mask, attention_weights=attention_weights)
+        keep = slice(0, 1) if cls_only else None
+        return self.encoder(self.embed(ids, segments=segments), mask, attention_weights=attention_weights,
+                            keep_last=keep)
 
     def pool(self, hidden: torch.Tensor) -> torch.Tensor:
         """The pooled [CLS] representation (B, D) the heads read."""
@@ -58,7 +67,7 @@ class TransformerClassifier(nn.Module):
 
     def forward(self, ids: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
         """Class logits (B, num_labels)."""
-        hidden, _ = self.encode(ids, segments)
+        hidden, _ = self.encode(ids, segments, cls_only=True)
         return self.classifier(self.dropout(self.pool(hidden)))
 
     def pretraining_logits(

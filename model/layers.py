@@ -119,11 +119,19 @@ class TransformerLayer(nn.Module):
         cache: KVCache | None = None,
         layer: int = 0,
         attention_weights: bool = False,
+        keep: slice | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """x (B, T, D) -> (B, T, D) and, when asked, the attention weights by kind ("self", "cross")."""
+        """x (B, T, D) -> (B, T, D) and, when asked, the attention weights by kind ("self", "cross").
+
+        With ``keep`` only those positions are computed, attending to every position: (B, T', D).
+        """
         weights: dict[str, torch.Tensor] = {}
         h = self._input(x, self.self_attn_norm)
-        out, w = self.self_attn(h, mask, cache=cache, layer=layer, attention_weights=attention_weights)
+        if keep is not None:  # queries of the kept positions; keys and values of all
+            x = x[:, keep]
+            out, w = self.self_attn(h[:, keep], mask, source=h, attention_weights=attention_weights)
+        else:
+            out, w = self.self_attn(h, mask, cache=cache, layer=layer, attention_weights=attention_weights)
         x = self._residual(x, out, self.self_attn_norm)
         if w is not None:
             weights["self"] = w
@@ -157,8 +165,11 @@ class LayerStack(nn.Module):
         memory_mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
         attention_weights: bool = False,
+        keep_last: slice | None = None,
     ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+        """``keep_last``: the last layer computes only these positions (a head that reads [CLS] only)."""
         maps = []
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             x, weights = layer(
                 x,
@@ -168,6 +179,7 @@ class LayerStack(nn.Module):
                 cache=cache,
                 layer=i,
                 attention_weights=attention_weights,
+                keep=keep_last if i == last else None,
             )
             maps.append(weights)
         if self.final_norm is not None:

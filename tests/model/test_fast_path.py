@@ -11,7 +11,7 @@ from model.generation import generate_causal, generate_seq2seq
 from model.kv_cache import KVCache
 from model.lora import AdapterError, LoRAConfig, add_adapter, delete_adapter, merge_adapter, use_adapters
 from model.quantize import Int8Linear, QuantizeError, mode_for, quantize_int8
-from tests.model.conftest import random_ids, tiny_causal_lm, tiny_seq2seq
+from tests.model.conftest import random_ids, tiny_causal_lm, tiny_classifier, tiny_seq2seq
 
 SOURCES = [[9, 10, 11, 12], [13, 14, 15, 16, 17, 18], [19, 20, 21], [22, 23, 24, 25, 26]]
 GREEDY = GenerationConfig(max_new_tokens=10)
@@ -185,3 +185,14 @@ def test_quantize_refuses_a_merged_adapter_and_parses_modes():
     assert mode_for("none,mt=int8", "lm") == "none" and mode_for("", "lm") == "none"
     with pytest.raises(QuantizeError, match="int4"):
         mode_for("mt=int4", "mt")
+
+
+def test_classifier_last_layer_on_cls_only_equals_the_full_encoder(norm):
+    model = tiny_classifier(norm=norm).double()
+    ids = random_ids(3, 7)
+    ids[1, 4:] = 0  # padding
+    full, _ = model.encode(ids)
+    cls, _ = model.encode(ids, cls_only=True)
+    assert cls.shape == (3, 1, 32) and (cls[:, 0] - full[:, 0]).abs().max() < 1e-10
+    logits = model.classifier(model.pool(full))
+    assert (model(ids) - logits).abs().max() < 1e-10
