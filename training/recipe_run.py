@@ -10,7 +10,8 @@ Layout under ``out`` (serve it with ``python -m service --models OUT/models --ad
 
 A stage is skipped when its output exists (a corpus's manifest.json, a model or adapter directory,
 an evaluation's record), so an interrupted run picks up where it stopped; an interrupted training
-run resumes from its last saved state. ``force`` removes every stage's output first.
+run resumes from its last saved state. A stage whose inputs changed after it ran (a retrained base
+under an adapter, a retrained model under its evaluations) is redone. ``force`` redoes every stage.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any
 
 import torch
 
+from model import checkpoint, lora
 from training import corpora
 from training.errors import UserError
 from training.recipe_summary import build_summary
@@ -83,6 +85,7 @@ class Stage:
     run: Callable[[], dict[str, Any]]
     removes: tuple[Path, ...] = ()  # what --force deletes besides output and the record
     describe: Callable[[], dict[str, Any]] | None = None  # the record of an output found without one
+    inputs: tuple[Path, ...] = ()  # files made by earlier stages: when one is newer, the stage is redone
 
 
 def run_command(argv: list[str]) -> None:
@@ -190,7 +193,7 @@ def training_stages(f: FamilyRecipe, paths: Paths) -> list[Stage]:
         argv = ["train", f.family, *data(base), *f.train_flags, "--max-minutes", str(f.train_minutes)]
         return _train_then_move(model, paths, argv)
 
-    def lora() -> dict[str, Any]:
+    def train_adapter() -> dict[str, Any]:
         argv = ["lora", "--base", str(model), *data(domain), *f.lora_flags, "--max-minutes", str(f.lora_minutes)]
         return _train_then_move(adapter, paths, argv)
 
@@ -203,14 +206,16 @@ def training_stages(f: FamilyRecipe, paths: Paths) -> list[Stage]:
             train,
             _with_state(paths.run_dir(model)),
             lambda: _metrics(model),
+            inputs=(paths.corpus(base) / "manifest.json",),
         ),
         Stage(
             f"lora-{f.model}-{f.adapter}",
             adapter,
             f.lora_minutes * 60 + overhead,
-            lora,
+            train_adapter,
             _with_state(paths.run_dir(adapter)),
             lambda: _metrics(adapter),
+            inputs=(paths.corpus(domain) / "manifest.json", model / checkpoint.WEIGHTS_FILE),
         ),
     ]
 
@@ -253,14 +258,16 @@ def evaluation_stages(f: FamilyRecipe, tier: Tier, paths: Paths) -> list[Stage]:
 
         return run
 
+    weights, adapter_weights = model / checkpoint.WEIGHTS_FILE, adapter / lora.WEIGHTS_FILE
+    tokenizer = model / checkpoint.TOKENIZER_FILE
     runs = [
-        (f"eval-{f.model}-base-on-{f.adapter}", evaluate(domain, False)),
-        (f"eval-{f.model}-{f.adapter}-on-{f.adapter}", evaluate(domain, True)),
-        (f"eval-{f.model}-base", evaluate(base, False)),
-        (f"baselines-{f.model}-{f.adapter}", baselines(domain)),
-        (f"baselines-{f.model}", baselines(base)),
+        (f"eval-{f.model}-base-on-{f.adapter}", evaluate(domain, False), (weights,)),
+        (f"eval-{f.model}-{f.adapter}-on-{f.adapter}", evaluate(domain, True), (weights, adapter_weights)),
+        (f"eval-{f.model}-base", evaluate(base, False), (weights,)),
+        (f"baselines-{f.model}-{f.adapter}", baselines(domain), (tokenizer,)),
+        (f"baselines-{f.model}", baselines(base), (tokenizer,)),
     ]
-    return [Stage(name, paths.record(name), budget, run) for name, run in runs]
+    return [Stage(name, paths.record(name), budget, run, inputs=inputs) for name, run, inputs in runs]
 
 
 def pipelines(tier: Tier, paths: Paths) -> dict[str, list[Stage]]:
@@ -295,15 +302,27 @@ def machine() -> dict[str, Any]:
     }
 
 
+def _remove(*paths: Path) -> None:
+    for path in paths:
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
+def is_stale(stage: Stage, record: Path) -> bool:
+    """Whether an input of ``stage`` changed after its record was written (e.g. a retrained base)."""
+    return record.exists() and any(p.exists() and p.stat().st_mtime > record.stat().st_mtime for p in stage.inputs)
+
+
 def run_stage(stage: Stage, paths: Paths, force: bool) -> bool:
-    """Run ``stage`` unless its output exists (after removing it with ``force``); True if it ran."""
+    """Run ``stage`` unless its output exists and is up to date; True if it ran.
+
+    With ``force``, or when an input is newer than the stage's record, its output is removed first.
+    """
     record = paths.record(stage.name)
-    if force:
-        for path in (stage.output, record, *stage.removes):
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
+    if force or is_stale(stage, record):
+        _remove(stage.output, record, *stage.removes)
     record.parent.mkdir(parents=True, exist_ok=True)
     if stage.output.exists():
         if not record.exists() and stage.describe is not None:  # e.g. corpora kept from another run

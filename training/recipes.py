@@ -152,7 +152,8 @@ QUICK = Tier(
     translation_package="postgres-15",
 )
 
-# About 55 minutes of wall time on 2 CPU cores with --jobs 2: wider, deeper models trained longer.
+# About 50 minutes of wall time on 2 CPU cores with --jobs 2: about twice the parameters of the
+# quick models and four times their training, since compute, not data, limits both tiers on a CPU.
 QUALITY = Tier(
     name="quality",
     translation=FamilyRecipe(
@@ -162,23 +163,23 @@ QUALITY = Tier(
         train_flags=(
             "--arch",
             "paper",
-            *_sizes(3, 256, 4, 1024, 6000, 128, 0.1),
-            *_loop(100_000, 500, 1e-3, 300, 2048),
+            *_sizes(2, 192, 4, 768, 4000, 128, 0.05),
+            *_loop(100_000, 500, 1.5e-3, 300, 2048),
             "--valid-examples",
             "200",
         ),
         train_minutes=40.0,
         lora_flags=("--rank", "16", "--alpha", "32", *LORA_ALL, *_loop(100_000, 200, 2e-3, 50, 2048)),
-        lora_minutes=6.0,
+        lora_minutes=4.0,
         eval_flags=("--beams", "4"),
-        eval_minutes=5.0,
+        eval_minutes=3.0,
     ),
     langid=FamilyRecipe(
         model="langid",
         family="classifier",
         adapter="iso",
-        train_flags=("--arch", "bert", *_sizes(4, 256, 4, 1024, 6000, 64, 0.1), *_loop(100_000, 300, 7e-4, 200, 4096)),
-        train_minutes=10.0,
+        train_flags=("--arch", "bert", *_sizes(3, 192, 4, 768, 4000, 64, 0.1), *_loop(100_000, 300, 1e-3, 100, 4096)),
+        train_minutes=8.0,
         lora_flags=("--rank", "16", "--alpha", "32", *LORA_ALL, *_loop(100_000, 200, 2e-3, 50, 4096)),
         lora_minutes=3.0,
         eval_minutes=1.5,
@@ -187,16 +188,11 @@ QUALITY = Tier(
         model="code",
         family="causal_lm",
         adapter="tests",
-        train_flags=(
-            "--arch",
-            "gpt2",
-            *_sizes(4, 256, 4, 1024, 8000, 256, 0.0),
-            *_loop(100_000, 250, 1e-3, 200, 8192),
-        ),
-        train_minutes=25.0,
-        lora_flags=("--rank", "16", "--alpha", "32", *LORA_ALL, *_loop(100_000, 200, 2e-3, 50, 8192)),
-        lora_minutes=5.0,
-        eval_minutes=3.0,
+        train_flags=("--arch", "gpt2", *_sizes(3, 192, 4, 768, 4000, 256, 0.0), *_loop(100_000, 300, 2e-3, 100, 4096)),
+        train_minutes=24.0,
+        lora_flags=("--rank", "16", "--alpha", "32", *LORA_ALL, *_loop(100_000, 200, 2e-3, 30, 4096)),
+        lora_minutes=4.0,
+        eval_minutes=2.0,
     ),
     translation_package="postgres-15",
 )
