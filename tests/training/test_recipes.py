@@ -8,6 +8,7 @@ import logging
 import math
 import random
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from tests.training.mo_writer import write_locale_tree
 from training import baselines
 from training.baselines import lm_targets, majority_class, map_langdetect, unigram_perplexity
 from training.data import LabeledText, Pair
+from training.errors import UserError
 from training.recipe_run import Paths, plan, run_command, run_recipe
 from training.recipes import FamilyRecipe, Tier
 
@@ -203,3 +205,9 @@ def test_langdetect_is_seeded_and_detects_plain_sentences() -> None:
     texts = ["Dies ist ein ganz normaler deutscher Satz über das Wetter.", "这是一个关于天气的普通中文句子。"]
     first = baselines.langdetect_predict(texts, ["de", "zh_CN"])
     assert first == ["de", "zh_CN"] == baselines.langdetect_predict(texts, ["de", "zh_CN"])
+
+
+def test_langdetect_missing_is_a_clear_user_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "langdetect", None)  # makes `import langdetect` raise ImportError
+    with pytest.raises(UserError, match=r"pip install langdetect==1\.0\.9"):
+        baselines.langdetect_predict(["Hallo Welt"], ["de"])
