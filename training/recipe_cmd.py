@@ -19,7 +19,8 @@ def _run(args: argparse.Namespace) -> None:
 
     import torch
 
-    from training.recipe_run import Paths, run_recipe
+    from training.recipe_run import run_recipe
+    from training.recipe_stages import Paths
     from training.recipes import TIERS
 
     torch.set_num_threads(args.threads)

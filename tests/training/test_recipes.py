@@ -22,7 +22,8 @@ from training import baselines
 from training.baselines import lm_targets, majority_class, map_langdetect, unigram_perplexity
 from training.data import LabeledText, Pair
 from training.errors import UserError
-from training.recipe_run import Paths, plan, run_command, run_recipe
+from training.recipe_run import run_recipe
+from training.recipe_stages import Paths, plan, run_command
 from training.recipes import FamilyRecipe, Tier
 
 HAS_LANGDETECT = importlib.util.find_spec("langdetect") is not None
