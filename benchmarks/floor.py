@@ -1,0 +1,129 @@
+"""The floor under every decoding result: bytes read over memory bandwidth, FLOPs over the matmul rate.
+
+A decoding step must read every weight it multiplies by (and the KV cache it attends to) and do
+2 FLOPs per weight per row, so no implementation on this machine beats, per step,
+``max(bytes / bandwidth, flops / matmul rate)``. Bandwidth is measured by reading a buffer as large
+as the step's weights (so a working set that lives in the last-level cache gets that cache's rate);
+the matmul rate by a 1024^3 fp32 GEMM and, for int8, by fbgemm's dynamic int8 linear. Each is the
+best over the thread counts tried. The cross-attention K/V of beams of one source count once.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+D, F, V, L, H = 512, 2048, 8000, 6, 8
+FP32, INT8 = 4, 1
+SELF_ATTN = 4 * D * D  # q, k, v, out projections
+FFN = 2 * D * F
+CROSS_DECODE = 2 * D * D  # cross-attention q and out (its K/V are computed once per source)
+LM_HEAD = V * D
+
+
+def _median_seconds(fn: Callable[[], object], repeats: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@dataclass
+class Rates:
+    """Measured rates: bytes/s read at a given working-set size, FLOP/s of fp32 and int8 GEMMs."""
+
+    bandwidth: dict[int, float]  # working-set bytes -> bytes/s
+    fp32_flops: float
+    int8_ops: float
+    threads: dict[str, int]  # which thread count gave each best rate
+
+    def read_rate(self, nbytes: float) -> float:
+        """Bandwidth measured at the working-set size closest to ``nbytes``."""
+        size = min(self.bandwidth, key=lambda s: abs(s - nbytes))
+        return self.bandwidth[size]
+
+
+def measure_rates(working_sets: list[int], threads: list[int]) -> Rates:
+    """Best-over-threads read bandwidth per working-set size and GEMM rates."""
+    best: dict[str, tuple[float, int]] = {}
+
+    def keep(key: str, value: float, n: int) -> None:
+        if key not in best or value > best[key][0]:
+            best[key] = (value, n)
+
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    x = torch.randn(256, 2048)
+    w = torch.randn(2048, 2048) * 0.02
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        q = torch.quantize_per_channel(w, (w.abs().amax(1) / 127).double(), torch.zeros(2048, dtype=torch.long), 0,
+                                       torch.qint8)
+        packed = torch.ops.quantized.linear_prepack(q, None)
+    buffers = {size: torch.ones(size // 4) for size in working_sets}
+    before = torch.get_num_threads()
+    try:
+        for n in threads:
+            torch.set_num_threads(n)
+            with torch.inference_mode():
+                for size, buf in buffers.items():
+                    keep(f"bw{size}", size / _median_seconds(buf.sum), n)
+                keep("fp32", 2 * 1024**3 / _median_seconds(lambda: a @ b), n)
+                int8 = _median_seconds(lambda: torch.ops.quantized.linear_dynamic(x, packed, True))
+                keep("int8", 2 * 256 * 2048 * 2048 / int8, n)
+    finally:
+        torch.set_num_threads(before)
+    return Rates(
+        bandwidth={size: best[f"bw{size}"][0] for size in working_sets},
+        fp32_flops=best["fp32"][0],
+        int8_ops=best["int8"][0],
+        threads={k: n for k, (_, n) in best.items()},
+    )
+
+
+def decoder_weights(family: str) -> int:
+    """Weights one decoding step multiplies by (per row), lm_head included."""
+    per_layer = SELF_ATTN + FFN + (CROSS_DECODE if family == "seq2seq" else 0)
+    return L * per_layer + LM_HEAD
+
+
+def decode_floor(family: str, batch: int, beams: int, input_len: int, new_tokens: int, rates: Rates,
+                 weight_bytes: int) -> float:
+    """Seconds no engine can beat for one cell (prefill/encoding included); ``weight_bytes`` 4 or 1."""
+    rows = batch * max(beams, 1)
+    weights = decoder_weights(family)
+    flop_rate = rates.fp32_flops if weight_bytes == FP32 else rates.int8_ops
+    step_bytes = weights * weight_bytes
+    bandwidth = rates.read_rate(step_bytes)
+    if family == "causal_lm":  # prefill: every prompt token through the layers, lm_head on the last one
+        first = 2 * batch * (input_len * L * (SELF_ATTN + FFN) + LM_HEAD)
+        steps = [(input_len + t + 1, 0) for t in range(new_tokens - 1)]  # (self K/V length, cross length)
+    else:  # encoder, the cross K/V projections, then one decoder step per new token (BOS first)
+        first = 2 * batch * input_len * L * (SELF_ATTN + FFN + 2 * D * D)
+        steps = [(t + 1, input_len) for t in range(new_tokens)]
+    seconds = max(first / flop_rate, (L * (SELF_ATTN + FFN) * weight_bytes) / bandwidth)
+    for t, (self_len, cross_len) in enumerate(steps):
+        live = batch if t == 0 and family == "seq2seq" else rows  # beams expand after the first step
+        kv_bytes = L * 2 * D * FP32 * (live * self_len + batch * cross_len)
+        flops = 2 * live * weights + L * 4 * D * live * (self_len + cross_len)
+        seconds += max((step_bytes + kv_bytes) / bandwidth, flops / flop_rate)
+    return seconds
+
+
+def classifier_floor(batch: int, length: int, rates: Rates, weight_bytes: int) -> float:
+    """Seconds for one forward of ``batch`` sequences of ``length`` tokens."""
+    weights = L * (SELF_ATTN + FFN)
+    flop_rate = rates.fp32_flops if weight_bytes == FP32 else rates.int8_ops
+    flops = 2 * batch * length * weights + L * 4 * D * batch * length * length
+    nbytes = weights * weight_bytes
+    return max(flops / flop_rate, nbytes / rates.read_rate(nbytes))
+
+
+__all__ = ["FP32", "INT8", "Rates", "classifier_floor", "decode_floor", "decoder_weights", "measure_rates"]
