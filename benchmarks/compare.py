@@ -10,7 +10,8 @@ min_new_tokens = max_new_tokens fixes every length. Cells:
 
 Every engine runs at each thread count of ``--threads`` as its own variant; within a cell all variants
 alternate (the order rotating each round) after one warm-up each, and each engine is reported in
-its best thread count. tokens/s = inputs x new tokens / wall time (beam: the returned sequence per
+its best thread count (a thread count whose warm-up is over ``--prune`` times slower than the
+engine's best is not timed further). tokens/s = inputs x new tokens / wall time (beam: the returned sequence per
 input), prefill/encoding included. Ratios are ours over the peer, from medians of the same run. The
 load average is printed before and after each section: other work on the machine slows everyone.
 """
@@ -46,6 +47,7 @@ class Cell:
     beams: int
     items: int  # tokens (or sequences) per run, for the rate
     seconds: dict[str, float] = field(default_factory=dict)
+    pruned: list[str] = field(default_factory=list)  # variants timed by their warm-up only
 
     def best(self, engine: str) -> tuple[float, int] | None:
         """(rate, threads) of ``engine`` in its fastest thread count."""
@@ -63,8 +65,13 @@ def load() -> str:
 
 
 def alternate(cell: Cell, variants: dict[str, tuple[int, Callable[[], list[int]]]], expected: int,
-              repeats: int) -> Cell:
-    """Warm up, then time every variant ``repeats`` times in rotating order; store the medians."""
+              repeats: int, prune: float) -> Cell:
+    """Warm up, then time every variant ``repeats`` times in rotating order; store the medians.
+
+    A thread count whose warm-up took over ``prune`` x the same engine's fastest warm-up is not timed
+    further (on a shared machine, spinning OpenMP threads can make it 5x slower): its warm-up time
+    stands as its result, which is never an engine's best.
+    """
     times: dict[str, list[float]] = {v: [] for v in variants}
     order = list(variants)
     for round_ in range(repeats + 1):
@@ -77,8 +84,20 @@ def alternate(cell: Cell, variants: dict[str, tuple[int, Callable[[], list[int]]
             if any(n != expected for n in produced):
                 raise RuntimeError(f"{name} in {cell.family} {cell.label} b{cell.batch}: produced {produced}, "
                                    f"expected {expected} each")
-            if round_ > 0:
-                times[name].append(elapsed)
+            times[name].append(elapsed)
+        if round_ == 0:
+            fastest = {}
+            for name, (warm,) in times.items():
+                engine = name.rsplit("@", 1)[0]
+                fastest[engine] = min(fastest.get(engine, warm), warm)
+            slow = [n for n, (warm,) in times.items() if warm > prune * fastest[n.rsplit("@", 1)[0]]]
+            if slow:
+                logger.info("%s %s b%d: not timing %s further (warm-up over %.1fx its engine's fastest)",
+                            cell.family, cell.label, cell.batch, ", ".join(slow), prune)
+                cell.pruned += slow
+            order = [n for n in order if n not in slow]
+            for name in order:
+                times[name].clear()
     cell.seconds = {v: statistics.median(t) for v, t in times.items()}
     logger.info("%s %s b%d: %s", cell.family, cell.label, cell.batch,
                 ", ".join(f"{v} {cell.items / s:,.0f}/s" for v, s in cell.seconds.items()))
@@ -107,7 +126,7 @@ def decode_cells(models: peers.Models, args: argparse.Namespace, translators: di
                 for kind in ("fp32", "int8") if translators else ():
                     run = peers.ct2_translate(translators[kind, n], models.tokenizer, inputs, beams, new)
                     variants[f"CT2 {kind}@{n}"] = (1, run)
-            cells.append(alternate(cell, variants, new, args.repeats))
+            cells.append(alternate(cell, variants, new, args.repeats, args.prune))
     return cells
 
 
@@ -122,7 +141,7 @@ def classifier_cells(models: peers.Models, args: argparse.Namespace) -> list[Cel
             variants[f"ours int8@{n}"] = (n, peers.ours_classify(models.classifier_int8, ids))
             variants[f"HF@{n}"] = (n, peers.hf_classify(models.hf_classifier, ids))
         cell = Cell("classifier", "forward", batch, 0, batch)
-        cells.append(alternate(cell, variants, batch, args.classifier_repeats))
+        cells.append(alternate(cell, variants, batch, args.classifier_repeats, args.prune))
     return cells
 
 
@@ -248,7 +267,10 @@ def measure(root: Path, args: argparse.Namespace) -> list[str]:
         out += [f"Service done: {load()}"]
     working_sets = [floor.decoder_weights(f) * b for f in ("causal_lm", "seq2seq") for b in (floor.FP32, floor.INT8)]
     rates = floor.measure_rates(working_sets, args.threads)
+    pruned = "; ".join(f"{c.family} {c.label} b{c.batch}: {', '.join(c.pruned)}" for c in cells if c.pruned)
     out += ["", "### Results (items/s, best thread count in brackets)", "", results_table(cells), "",
+            f"Timed by their warm-up only (over {args.prune}x slower than the same engine's best): {pruned or 'none'}",
+            "",
             "### Targets", "", targets(cells, overhead), ""]
     if overhead:
         rows = [[k, f"{v:.3f}", f"{args.new_tokens / v:,.0f}", f"{v / overhead['offline'] - 1:+.1%}"]
@@ -267,6 +289,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="16/8 new tokens, 1 round, smaller batches: a smoke run")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="thread counts tried per engine")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per decoding cell")
+    parser.add_argument("--prune", type=float, default=1.5,
+                        help="stop timing a thread count whose warm-up is this many times slower than the "
+                        "same engine's fastest (default %(default)s)")
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--skip-classifier", action="store_true")
     parser.add_argument("--skip-service", action="store_true")
