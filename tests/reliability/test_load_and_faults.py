@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from model.lora import CONFIG_FILE, WEIGHTS_FILE
 from tests.reliability.helpers import inprocess_server, rss_bytes, wait_until
 from tests.service.conftest import ADAPTERS, CLS, LM
-from tests.service.server import running_server
+from tests.service.server import metric_samples, running_server
 from tests.service.test_errors import error_of
 
 PROMPTS = ["hello world", "the cat", "gold", "delete file 3", "i love this", "a journey"]
@@ -64,7 +64,11 @@ def test_queue_full_is_429_at_once_and_accepted_requests_finish(models_dir):
                     r = await ac.post(path, json=json)
                     return r, time.perf_counter() - start
 
-                accepted = [asyncio.create_task(timed(body)) for _ in range(3)]  # 1 running + 2 waiting
+                accepted = [asyncio.create_task(timed(body))]
+                # The first job must have left the queue for the batch before two more fill the queue.
+                while sum(metric_samples((await ac.get("/metrics")).text, "tserve_num_requests_running").values()) < 1:
+                    await asyncio.sleep(0.01)
+                accepted += [asyncio.create_task(timed(body)) for _ in range(2)]  # 1 running + 2 waiting
                 await asyncio.sleep(0.1)
                 probes = []
                 while len(probes) < 50:  # until a slot frees (the first job leaves the queue for the batch)
