@@ -11,8 +11,10 @@ By default the benchmark builds its own checkpoints of a realistic small size wi
 (a random model decodes exactly as fast as a trained one): a causal_lm and a classifier of
 d_model 256, 4 layers, 4 heads, ffn 1024, with a byte-level BPE of 8000 tokens trained on Python's
 standard library source, saved by model.checkpoint.save_checkpoint; and 8 random LoRA adapters per
-model (model.lora.add_adapter + save_adapter with random nonzero B; not trained: throughput only).
-It starts ``python -m service`` on 127.0.0.1 the way tests/service/server.py does. ``--models DIR``
+model (model.lora.add_adapter + save_adapter with random nonzero B; not trained: throughput only);
+see benchmarks/serve_setup.py. It starts ``python -m service`` on 127.0.0.1 with
+tests/service/server.py's ``running_server`` (the HTTP tests' mechanism), one server with
+batching and one without, one after the other. ``--models DIR``
 benchmarks existing checkpoints instead (the first causal_lm, else seq2seq, and the first
 classifier), with the adapters of ``--adapters DIR`` if it holds 8 per model, else random ones.
 ``--url URL`` measures a running server (``--url-unbatched URL`` a second one started with
@@ -29,7 +31,6 @@ import argparse
 import asyncio
 import logging
 import os
-import random
 import shutil
 import statistics
 import tempfile
@@ -40,84 +41,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import torch
 
 from benchmarks.common import machine_line, markdown_table
-from model.causal_lm import CausalLM
-from model.checkpoint import load_checkpoint, load_config, save_checkpoint
-from model.classifier import TransformerClassifier
-from model.config import CausalLMConfig, ClassifierConfig
-from model.lora import LoRAConfig, add_adapter, save_adapter
-from model.tokenizer import Tokenizer
+from benchmarks.serve_setup import NUM_ADAPTERS, build_models, find_models, prepare_adapters, prompts_from, stdlib_texts
 from tests.service.server import metric_samples, running_server
 
 logger = logging.getLogger("benchmarks.serve")
 
-SIZES = dict(vocab_size=8000, d_model=256, n_heads=4, d_ff=1024, dropout=0.0)
-LABELS = ["negative", "neutral", "positive"]
-NUM_ADAPTERS = 8
-ADAPTER_RANK, ADAPTER_ALPHA, ADAPTER_STD = 8, 16.0, 0.02
-ADAPTER_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
-ENDPOINTS = ("greedy", "beam 4", "classify")
-
-
-# ---- checkpoints and adapters ---------------------------------------------------------------------
-
-
-def stdlib_texts(limit_chars: int = 2_000_000) -> list[str]:
-    """Python standard library source files, sorted by name, up to ``limit_chars`` characters."""
-    texts, total = [], 0
-    for path in sorted(Path(os.__file__).parent.glob("*.py")):
-        text = path.read_text(encoding="utf-8", errors="replace")
-        texts.append(text)
-        total += len(text)
-        if total >= limit_chars:
-            break
-    return texts
-
-
-def build_models(directory: Path) -> tuple[str, str]:
-    """Random-weight causal_lm ("bench-lm") and classifier ("bench-cls") with a real BPE; returns their names."""
-    tokenizer = Tokenizer.train(stdlib_texts(), vocab_size=SIZES["vocab_size"])
-    sizes = dict(SIZES, vocab_size=tokenizer.vocab_size)
-    torch.manual_seed(0)
-    lm = CausalLM(CausalLMConfig(**sizes, n_layers=4, max_len=256)).eval()
-    save_checkpoint(directory / "bench-lm", lm, tokenizer)
-    cls = TransformerClassifier(ClassifierConfig(**sizes, n_layers=4, max_len=128, num_labels=len(LABELS),
-                                                 cls_id=tokenizer.cls_id)).eval()
-    save_checkpoint(directory / "bench-cls", cls, tokenizer, labels=LABELS)
-    return "bench-lm", "bench-cls"
-
-
-def random_adapters(model_dir: Path, out_root: Path, count: int) -> list[str]:
-    """``count`` LoRA adapters with random nonzero B for the checkpoint in ``model_dir`` (not trained)."""
-    ckpt = load_checkpoint(model_dir, device="cpu")
-    config = LoRAConfig(r=ADAPTER_RANK, lora_alpha=ADAPTER_ALPHA, target_modules=ADAPTER_TARGETS)
-    names = []
-    for i in range(count):
-        name = f"rand-{i}"
-        add_adapter(ckpt.model, name, config, seed=i)
-        generator = torch.Generator().manual_seed(1000 + i)
-        with torch.no_grad():
-            for module in ckpt.model.modules():
-                if hasattr(module, "lora_B") and name in module.lora_B:
-                    weight = module.lora_B[name].weight
-                    weight.copy_(torch.randn(weight.shape, generator=generator) * ADAPTER_STD)
-        save_adapter(ckpt.model, name, out_root / model_dir.name / name, base_model_name_or_path=model_dir.name)
-        names.append(name)
-    return names
-
-
-def find_models(directory: Path) -> tuple[str | None, str | None]:
-    """(generator, classifier) checkpoint names in ``directory``: first causal_lm (else seq2seq), first classifier."""
-    families: dict[str, list[str]] = {}
-    for path in sorted(p for p in directory.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        try:
-            families.setdefault(load_config(path).family, []).append(path.name)
-        except Exception as exc:  # not a checkpoint: say so and go on
-            logger.warning("skipping %s: %s", path, exc)
-    generator = (families.get("causal_lm") or families.get("seq2seq") or [None])[0]
-    return generator, (families.get("classifier") or [None])[0]
+ENDPOINTS = ("greedy", "beam4", "classify")
 
 
 # ---- the load generator ---------------------------------------------------------------------------
@@ -132,8 +63,9 @@ class Cell:
 
     @property
     def label(self) -> str:
-        return (f"{self.endpoint}, {self.clients} clients, batching {'on' if self.batching else 'off'}, "
-                f"{self.adapters or 'no'} adapter(s)")
+        adapters = {0: "no adapter", 1: "1 adapter"}.get(self.adapters, f"{self.adapters} adapters")
+        clients = f"{self.clients} client{'s' if self.clients != 1 else ''}"
+        return f"{self.endpoint}, {clients}, batching {'on' if self.batching else 'off'}, {adapters}"
 
 
 @dataclass
@@ -141,6 +73,7 @@ class Result:
     cell: Cell
     latencies: list[float] = field(default_factory=list)  # seconds, successful requests
     errors: int = 0
+    first_error: str | None = None  # status and message of the first failed request
     seconds: float = 0.0
     rows_per_step: float | None = None  # mean tserve_batch_size over the cell
     server_cpu_s: float | None = None  # CPU time of the server process (all threads) over the cell
@@ -177,7 +110,7 @@ class Workload:
         if cell.endpoint == "classify":
             return f"/v1/models/{model}/classify", body
         body.update(max_new_tokens=self.new_tokens, min_new_tokens=self.new_tokens)
-        if cell.endpoint == "beam 4":
+        if cell.endpoint == "beam4":
             body.update(strategy="beam", num_beams=4)
         return f"/v1/models/{model}/generate", body
 
@@ -225,13 +158,14 @@ async def run_cell(url: str, cell: Cell, workload: Workload, requests: int, cap_
                 sent = time.perf_counter()
                 try:
                     response = await client.post(path, json=body)
-                    ok = response.status_code == 200
-                except httpx.HTTPError:
-                    ok = False
-                if ok:
+                    error = None if response.status_code == 200 else f"{response.status_code} {response.text[:200]}"
+                except httpx.HTTPError as exc:
+                    error = f"{type(exc).__name__}: {exc}"
+                if error is None:
                     result.latencies.append(time.perf_counter() - sent)
                 else:
                     result.errors += 1
+                    result.first_error = result.first_error or error
 
         await asyncio.gather(*(one_client() for _ in range(cell.clients)))
         result.seconds = time.perf_counter() - start
@@ -354,29 +288,20 @@ def verdicts(results: dict[Cell, Result], args: argparse.Namespace) -> list[str]
     on, off = results.get(Cell("greedy", clients, True, 0)), results.get(Cell("greedy", clients, False, 0))
     ratio = _ratio(on, off)
     if ratio is not None:
+        verdict = f"target >= 4x: {'met' if ratio >= 4 else 'MISSED'}" if clients == 32 else "target is at 32 clients"
         lines.append(f"- Batching on / off, greedy generation, {clients} clients: {ratio:.1f}x the throughput "
-                     f"(target >= 4x: {'met' if ratio >= 4 else 'MISSED'}){_cpu_ratio(on, off)}")
+                     f"({verdict}){_cpu_ratio(on, off)}")
     for endpoint in args.adapter_endpoints:
         c = max(args.adapter_clients)
         one, many = results.get(Cell(endpoint, c, True, 1)), results.get(Cell(endpoint, c, True, NUM_ADAPTERS))
         ratio = _ratio(many, one)
         if ratio is not None:
+            verdict = f"target >= 70%: {'met' if ratio >= 0.7 else 'MISSED'}" if c == 32 else "target is at 32 clients"
             lines.append(f"- {NUM_ADAPTERS} adapters / 1 adapter, {endpoint}, {c} clients: {ratio:.0%} of the "
-                         f"throughput (target >= 70%: {'met' if ratio >= 0.7 else 'MISSED'}){_cpu_ratio(many, one)}")
-    problems = [f"{r.cell.label}: {r.skipped or f'{r.errors} errors'}" for r in results.values()
-                if r.skipped or r.errors]
+                         f"throughput ({verdict}){_cpu_ratio(many, one)}")
+    problems = [f"{r.cell.label}: {r.skipped or f'{r.errors} errors, the first: {r.first_error}'}"
+                for r in results.values() if r.skipped or r.errors]
     return lines + [f"- Not measured or failed: {p}" for p in problems]
-
-
-def prompts_from(texts: list[str], count: int = 256, seed: int = 0) -> list[str]:
-    """Realistic prompts: runs of 2-3 consecutive non-blank source lines (~20-40 tokens)."""
-    lines = [line.strip() for text in texts for line in text.splitlines() if 20 <= len(line.strip()) <= 80]
-    rng = random.Random(seed)
-    out = []
-    for _ in range(count):
-        i = rng.randrange(len(lines) - 3)
-        out.append(" ".join(lines[i: i + rng.choice((2, 3))]))
-    return out
 
 
 @contextmanager
@@ -408,48 +333,59 @@ def discover(url: str) -> tuple[str | None, str | None, dict[str, list[str]]]:
     return generator, classifier, {m["name"]: sorted(m["adapters"]) for m in models}
 
 
-def run(args: argparse.Namespace) -> str:
-    load_before = os.getloadavg()
-    work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
-    try:
-        adapters_note = "adapters: none created"
-        models_dir = adapters_dir = None
-        if not args.url:
-            models_dir = Path(args.models) if args.models else work / "models"
-            if args.models:
-                generator, classifier = find_models(models_dir)
-                source = f"checkpoints in {models_dir}"
-            else:
-                generator, classifier = build_models(models_dir)
-                source = ("random-weight checkpoints built here: causal_lm and classifier, d_model 256, 4 layers, "
-                          "4 heads, ffn 1024, BPE vocab 8000 trained on Python stdlib source, fp32")
-            adapters_dir, adapters_note = prepare_adapters(args, models_dir, [generator, classifier], work)
-        with servers(args, models_dir, adapters_dir) as urls:
-            generator, classifier, adapters = discover(urls[True][0])
-            if args.url:
-                source = f"the server at {args.url}"
-            workload = Workload(generator, classifier, adapters, prompts_from(stdlib_texts(300_000)), args.new_tokens)
-            results = measure(urls, plan(args, workload), workload, args)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    load_after = os.getloadavg()
-    lines = [
-        f"Machine: {machine_line()}",
-        f"Load average (1/5/15 min): {'/'.join(f'{x:.2f}' for x in load_before)} before, "
-        f"{'/'.join(f'{x:.2f}' for x in load_after)} after",
+def prepare(args: argparse.Namespace, work: Path) -> tuple[Path | None, Path | None, str, str]:
+    """(models dir, adapters dir, what the models are, what the adapters are) for the servers started here."""
+    if args.url:
+        return None, None, f"those of the server at {args.url}", "those the server has (8 needed per model)"
+    models_dir = Path(args.models) if args.models else work / "models"
+    if args.models:
+        generator, classifier = find_models(models_dir)
+        source = f"checkpoints in {models_dir}"
+    else:
+        generator, classifier = build_models(models_dir)
+        source = ("random-weight checkpoints built here: causal_lm and classifier, d_model 256, 4 layers, 4 heads, "
+                  "ffn 1024, BPE vocab 8000 trained on Python stdlib source, fp32")
+    given = Path(args.adapters) if args.adapters else None
+    adapters_dir, note = prepare_adapters(given, models_dir, [generator, classifier], work)
+    return models_dir, adapters_dir, source, note
+
+
+def describe(args: argparse.Namespace, workload: Workload, source: str, adapters: str,
+             loads: tuple[tuple[float, ...], tuple[float, ...]]) -> list[str]:
+    server = (f"python -m service on 127.0.0.1 (tests/service/server.py), TSERVE_THREADS={args.threads}, "
+              f"max_wait_ms 5 (default), batching on = max_batch_size {args.max_batch_size}, off = max_batch_size 1"
+              if not args.url else f"{args.url} (batching on), {args.url_unbatched or 'none'} (batching off)")
+    return [
+        f"Machine: {machine_line()} (the load generator's process)",
+        f"Load average (1/5/15 min): {'/'.join(f'{x:.2f}' for x in loads[0])} before, "
+        f"{'/'.join(f'{x:.2f}' for x in loads[1])} after",
         f"Models: {source}; generator {workload.generator!r}, classifier {workload.classifier!r}",
-        f"Adapters: {adapters_note}",
-        f"Server: python -m service on 127.0.0.1, TSERVE_THREADS={args.threads}, max_wait_ms 5 (default), "
-        f"batching on = max_batch_size {args.max_batch_size}, off = max_batch_size 1; load generator "
-        f"(httpx, asyncio) in this process on the same machine",
+        f"Adapters: {adapters}",
+        f"Server: {server}; load generator (httpx, asyncio) in this process on the same machine",
         f"Requests: generate {args.new_tokens} new tokens each (min_new_tokens = max_new_tokens), prompts of "
         f"2-3 stdlib source lines; classify one such text per request; per cell max({args.min_requests}, "
         f"{args.requests_per_client} x clients) requests, capped at {args.cell_cap:.0f} s per cell and "
         f"{args.time_cap:.0f} s overall; rows/step = mean tserve_batch_size over the cell; CPU ms/req = CPU time "
         f"of the server process (all threads: HTTP and model) per request, which other load on the machine "
         f"does not inflate the way it inflates wall-clock numbers",
+    ]
+
+
+def run(args: argparse.Namespace) -> str:
+    load_before = os.getloadavg()
+    work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
+    try:
+        models_dir, adapters_dir, source, adapters_note = prepare(args, work)
+        with servers(args, models_dir, adapters_dir) as urls:
+            generator, classifier, adapters = discover(urls[True][0])
+            workload = Workload(generator, classifier, adapters, prompts_from(stdlib_texts(300_000)), args.new_tokens)
+            results = measure(urls, plan(args, workload), workload, args)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return "\n".join([
+        *describe(args, workload, source, adapters_note, (load_before, os.getloadavg())),
         "",
-        "Batching on (max_batch_size " + str(args.max_batch_size) + ") vs off (max_batch_size 1), base model:",
+        f"Batching on (max_batch_size {args.max_batch_size}) vs off (max_batch_size 1), base model:",
         "",
         batching_table(results, args),
         "",
@@ -459,27 +395,7 @@ def run(args: argparse.Namespace) -> str:
         "",
         "Targets:",
         *verdicts(results, args),
-    ]
-    return "\n".join(lines)
-
-
-def prepare_adapters(args: argparse.Namespace, models_dir: Path, models: list[str | None],
-                     work: Path) -> tuple[Path, str]:
-    """The adapters directory for the servers: --adapters if it has 8 per model, else random ones."""
-    if args.adapters:
-        given = Path(args.adapters)
-        if all(m is None or len([p for p in (given / m).glob("*") if p.is_dir()]) >= NUM_ADAPTERS
-               for m in models):
-            return given, f"trained adapters from {given}"
-        logger.warning("%s does not hold %d adapters per model: using random ones", given, NUM_ADAPTERS)
-    root = work / "adapters"
-    for model in models:
-        if model is not None:
-            random_adapters(models_dir / model, root, NUM_ADAPTERS)
-    note = (f"RANDOM LoRA adapters made for this benchmark (not trained): {NUM_ADAPTERS} per model, rank "
-            f"{ADAPTER_RANK}, alpha {ADAPTER_ALPHA:g}, on {'/'.join(ADAPTER_TARGETS)}, A PEFT's init, "
-            f"B ~ N(0, {ADAPTER_STD}^2) (model.lora.add_adapter + save_adapter)")
-    return root, note
+    ])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -512,7 +428,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+    for noisy in ("httpx", "model"):  # a line per request, per adapter made
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     print(run(args))
 
 
