@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import math
 import shutil
 import signal
 import tarfile
@@ -36,6 +37,16 @@ def generate(client: httpx.Client, model: str, **body) -> dict:
     r = client.post(f"/v1/models/{model}/generate", json=body)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def requests_lasting(client: httpx.Client, body: dict, seconds: float) -> int:
+    """How many requests like ``body``, served one at a time, keep this machine busy for ``seconds``.
+
+    Timed on the running server, so a test that needs work in flight does not depend on the machine's speed."""
+    generate(client, LM, **body)  # the first call pays one-off costs
+    start = time.perf_counter()
+    generate(client, LM, **body)
+    return min(200, max(6, math.ceil(seconds / (time.perf_counter() - start))))
 
 
 def strip_scores(outputs: list[dict]) -> list[dict]:
@@ -328,13 +339,14 @@ def test_adapter_swaps_under_sustained_load_lose_nothing(models_dir, adapters_di
 
 def test_sigterm_stops_accepting_finishes_in_flight_and_exits_0(models_dir):
     body = {"inputs": ["a", "b"], "max_new_tokens": 100, "min_new_tokens": 100, "strategy": "beam", "num_beams": 4}
-    with running_server(models_dir, None, TSERVE_MAX_BATCH_SIZE="8", TSERVE_WARMUP="false") as s:
+    with running_server(models_dir, None, TSERVE_MAX_BATCH_SIZE="1", TSERVE_WARMUP="false") as s:
         with s.client() as c:
             expected = strip_scores(generate(c, LM, **body)["outputs"])
+            count = requests_lasting(c, body, 1.5)  # served one at a time: surely in flight at SIGTERM
 
         async def scenario() -> tuple[list[httpx.Response], BaseException | httpx.Response, float]:
             async with httpx.AsyncClient(base_url=s.url, timeout=60) as ac:
-                tasks = [asyncio.create_task(ac.post(f"/v1/models/{LM}/generate", json=body)) for _ in range(6)]
+                tasks = [asyncio.create_task(ac.post(f"/v1/models/{LM}/generate", json=body)) for _ in range(count)]
                 await asyncio.sleep(0.3)
                 assert not all(t.done() for t in tasks), "the requests finished before SIGTERM"
                 s.process.send_signal(signal.SIGTERM)
@@ -357,14 +369,20 @@ def test_sigterm_stops_accepting_finishes_in_flight_and_exits_0(models_dir):
 
 def test_sigterm_drain_deadline_bounds_the_exit(models_dir):
     """Work that outlasts drain_timeout_s is cut at the deadline: the process still exits 0, promptly, and
-    every client gets an answer or a closed connection, not a hang."""
+    every client gets an answer or a closed connection, not a hang.
+
+    One request per batch serialises the work, and the request count comes from a timed request on this
+    machine, so the queue surely outlasts the deadline however fast the machine is."""
+    drain_s = 1.0
     body = {"inputs": ["a"] * 4, "max_new_tokens": 100, "min_new_tokens": 100, "strategy": "beam", "num_beams": 8}
-    env = dict(TSERVE_MAX_BATCH_SIZE="32", TSERVE_DRAIN_TIMEOUT_S="1", TSERVE_WARMUP="false")
+    env = dict(TSERVE_MAX_BATCH_SIZE="1", TSERVE_DRAIN_TIMEOUT_S=str(drain_s), TSERVE_WARMUP="false")
     with running_server(models_dir, None, **env) as s:
+        with s.client() as c:
+            count = requests_lasting(c, body, 4 * drain_s)
 
         async def scenario() -> tuple[list, float]:
             async with httpx.AsyncClient(base_url=s.url, timeout=60) as ac:
-                tasks = [asyncio.create_task(ac.post(f"/v1/models/{LM}/generate", json=body)) for _ in range(12)]
+                tasks = [asyncio.create_task(ac.post(f"/v1/models/{LM}/generate", json=body)) for _ in range(count)]
                 await asyncio.sleep(0.3)
                 s.process.send_signal(signal.SIGTERM)
                 start = time.perf_counter()
@@ -373,7 +391,7 @@ def test_sigterm_drain_deadline_bounds_the_exit(models_dir):
         outcomes, signalled = asyncio.run(scenario())
         assert s.process.wait(30) == 0
         exit_s = time.perf_counter() - signalled
-        assert exit_s < 1 + 1 + 5, exit_s  # uvicorn's drain + the engine's drain + margin
+        assert exit_s < drain_s + 1 + 5, exit_s  # uvicorn's drain + the engine's drain + margin
         statuses = [o.status_code if isinstance(o, httpx.Response) else type(o).__name__ for o in outcomes]
         assert set(statuses) <= {200, 503}, statuses  # answers, in the one error shape: no cut connections
         for o in outcomes:
