@@ -17,6 +17,7 @@ from pathlib import Path
 from model.checkpoint import load_checkpoint
 from model.decoding import GenerationConfig
 from model.generation import generate_causal
+from model.layout import use_input_major_weights
 
 PROMPT = "the service adds what over the engine"
 
@@ -28,6 +29,7 @@ def measure(models_dir: Path, name: str, new_tokens: int, repeats: int) -> dict[
     from tests.service.server import running_server
 
     ckpt = load_checkpoint(models_dir / name, device="cpu")
+    use_input_major_weights(ckpt.model)  # as the engine does
     prompt = ckpt.tokenizer.encode(PROMPT, add_bos=True)  # what the engine feeds for this text
     config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, eos_token_id=ckpt.config.eos_id)
     params = GenerateParams(max_new_tokens=new_tokens, min_new_tokens=new_tokens)

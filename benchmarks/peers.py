@@ -31,6 +31,7 @@ from model.classifier import TransformerClassifier
 from model.config import CausalLMConfig, ClassifierConfig, Seq2SeqConfig
 from model.decoding import GenerationConfig
 from model.generation import generate_causal, generate_seq2seq
+from model.layout import use_input_major_weights
 from model.quantize import quantize_int8
 from model.seq2seq import Seq2SeqTransformer
 from model.tokenizer import Tokenizer
@@ -103,14 +104,17 @@ def build(root: Path, seed: int = 0) -> Models:
         ct2_dir = Path(TransformersConverter(str(exports["seq2seq"])).convert(str(root / "ct2" / "seq2seq")))
     except ImportError:
         logger.warning("ctranslate2 is not installed: its cells are skipped")
+    int8 = {name: _int8(model) for name, model in (("causal", causal), ("seq2seq", seq2seq), ("cls", classifier))}
+    for model in (causal, seq2seq, classifier, *int8.values()):
+        use_input_major_weights(model)  # as the service does at load
     return Models(
         tokenizer=tokenizer,
         causal=causal,
         seq2seq=seq2seq,
         classifier=classifier,
-        causal_int8=_int8(causal),
-        seq2seq_int8=_int8(seq2seq),
-        classifier_int8=_int8(classifier),
+        causal_int8=int8["causal"],
+        seq2seq_int8=int8["seq2seq"],
+        classifier_int8=int8["cls"],
         hf_causal=transformers.GPT2LMHeadModel.from_pretrained(exports["causal_lm"]).eval(),
         hf_seq2seq=transformers.MarianMTModel.from_pretrained(exports["seq2seq"]).eval(),
         hf_classifier=transformers.BertForSequenceClassification.from_pretrained(exports["classifier"]).eval(),

@@ -24,6 +24,7 @@ from model.checkpoint import Checkpoint, load_checkpoint, parameter_count
 from model.classifier import POOLINGS
 from model.decoding import GenerationConfig
 from model.generation import generate_seq2seq
+from model.layout import use_input_major_weights
 from model.quantize import mode_for, quantize
 from service.adapters import AdapterRegistry, check_name
 from service.errors import InvalidRequest, NotFound, NotReady, ServiceError
@@ -392,6 +393,7 @@ class Engine:
                 checkpoint = await asyncio.to_thread(load_checkpoint, directory, self.settings.device,
                                                      self.settings.dtype)
                 quantize(checkpoint.model, mode_for(self.settings.quantize, name))
+                use_input_major_weights(checkpoint.model)
                 worker = ModelWorker(name, checkpoint, self.settings, self.metrics, self.adapters_dir)
                 await worker.start()
                 self.metrics.model_load_seconds.labels(name).set(time.perf_counter() - start)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from model.checkpoint import CheckpointError, load_checkpoint
+from model.layout import use_input_major_weights
 from model.lora import AdapterError, load_adapter
 from model.quantize import QuantizeError, quantize
 from training.distributed import user_device
@@ -47,6 +48,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
             quantize(ckpt.model, args.quantize)
         except QuantizeError as e:
             raise UserError(f"--quantize {args.quantize}: {e}") from e
+    use_input_major_weights(ckpt.model)
     task = TASKS[ckpt.family](
         TaskOptions(
             skip_malformed=args.skip_malformed,

@@ -279,10 +279,11 @@ def test_not_ready_is_503(models_dir):
 
 def test_queue_full_429_and_timeout_504(models_dir):
     settings = dict(
-        TSERVE_MAX_QUEUE="1", TSERVE_MAX_BATCH_SIZE="1", TSERVE_REQUEST_TIMEOUT_S="0.05", TSERVE_WARMUP="false"
+        TSERVE_MAX_QUEUE="1", TSERVE_MAX_BATCH_SIZE="1", TSERVE_REQUEST_TIMEOUT_S="0.02", TSERVE_WARMUP="false"
     )
-    # min_new_tokens = max_new_tokens: 100 decode steps, far over the 50 ms time-out.
-    body = {"inputs": ["hello"], "max_new_tokens": 100, "min_new_tokens": 100}
+    # 8 inputs x 8 beams for 100 decode steps (min_new_tokens = max_new_tokens): far over the 20 ms time-out
+    # on any machine.
+    body = {"inputs": ["hello"] * 8, "max_new_tokens": 100, "min_new_tokens": 100, "strategy": "beam", "num_beams": 8}
     with running_server(models_dir, None, **settings) as s:
 
         async def burst() -> list[httpx.Response]:
