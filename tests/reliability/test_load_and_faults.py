@@ -39,14 +39,25 @@ def generate(client: httpx.Client, model: str, **body) -> dict:
     return r.json()
 
 
-def requests_lasting(client: httpx.Client, body: dict, seconds: float) -> int:
-    """How many requests like ``body``, served one at a time, keep this machine busy for ``seconds``.
+def seconds_per_request(client: httpx.Client, body: dict) -> float:
+    """How long one request like ``body`` takes on the running server (after an untimed first call).
 
-    Timed on the running server, so a test that needs work in flight does not depend on the machine's speed."""
+    Tests that need work in flight size it from this, so they do not depend on the machine's speed."""
     generate(client, LM, **body)  # the first call pays one-off costs
     start = time.perf_counter()
     generate(client, LM, **body)
-    return min(200, max(6, math.ceil(seconds / (time.perf_counter() - start))))
+    return time.perf_counter() - start
+
+
+def requests_lasting(client: httpx.Client, body: dict, seconds: float) -> int:
+    """How many requests like ``body``, served one at a time, keep this machine busy for ``seconds``."""
+    return min(200, max(6, math.ceil(seconds / seconds_per_request(client, body))))
+
+
+def inputs_lasting(client: httpx.Client, body: dict, seconds: float) -> dict:
+    """``body`` with its inputs repeated (up to 64) until one request takes ``seconds`` on this machine."""
+    repeat = min(64 // len(body["inputs"]), max(1, math.ceil(seconds / seconds_per_request(client, body))))
+    return {**body, "inputs": body["inputs"] * repeat}
 
 
 def strip_scores(outputs: list[dict]) -> list[dict]:
@@ -65,7 +76,8 @@ def test_queue_full_is_429_at_once_and_accepted_requests_finish(models_dir):
     env = dict(TSERVE_MAX_QUEUE="2", TSERVE_MAX_BATCH_SIZE="1", TSERVE_WARMUP="false")
     path = f"/v1/models/{LM}/generate"
     with running_server(models_dir, None, **env) as s, s.client() as c:
-        expected = strip_scores(generate(c, LM, **body)["outputs"])
+        slow = inputs_lasting(c, body, 0.5)  # a slot must stay taken for many probes
+        expected = strip_scores(generate(c, LM, **slow)["outputs"])
 
         async def fill_then_probe() -> tuple[list[tuple[httpx.Response, float]], list[tuple[httpx.Response, float]]]:
             async with httpx.AsyncClient(base_url=s.url, timeout=60) as ac:
@@ -75,11 +87,11 @@ def test_queue_full_is_429_at_once_and_accepted_requests_finish(models_dir):
                     r = await ac.post(path, json=json)
                     return r, time.perf_counter() - start
 
-                accepted = [asyncio.create_task(timed(body))]
+                accepted = [asyncio.create_task(timed(slow))]
                 # The first job must have left the queue for the batch before two more fill the queue.
                 while sum(metric_samples((await ac.get("/metrics")).text, "tserve_num_requests_running").values()) < 1:
                     await asyncio.sleep(0.01)
-                accepted += [asyncio.create_task(timed(body)) for _ in range(2)]  # 1 running + 2 waiting
+                accepted += [asyncio.create_task(timed(slow)) for _ in range(2)]  # 1 running + 2 waiting
                 await asyncio.sleep(0.1)
                 probes = []
                 while len(probes) < 50:  # until a slot frees (the first job leaves the queue for the batch)
