@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from model.config import CausalLMConfig
+from model.fast_step import run_decoder
 from model.kv_cache import KVCache
 from model.layers import Embeddings, LayerStack, causal_mask, init_weights
 
@@ -53,6 +54,6 @@ class CausalLM(nn.Module):
     def decode_step(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Feed one token per row (N,); return next-token logits (N, V)."""
         positions, mask = cache.begin_step(1)
-        x, _ = self.decoder(self.embed(tokens[:, None], positions), mask, cache=cache)
+        x = run_decoder(self.decoder, self.embed(tokens[:, None], positions), mask, cache, None)
         cache.end_step(1)
         return self.lm_head(x[:, 0])

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from model.config import Seq2SeqConfig
+from model.fast_step import run_decoder
 from model.kv_cache import CrossAttentionMemory, KVCache
 from model.layers import Embeddings, LayerStack, causal_mask, init_weights, padding_mask
 
@@ -75,6 +76,6 @@ class Seq2SeqTransformer(nn.Module):
     def decode_step(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Feed one target token per row (N,); return next-token logits (N, V)."""
         positions, mask = cache.begin_step(1)
-        x, _ = self.decoder(self.tgt_embed(tokens[:, None], positions), mask, memory_mask=cache.cross.mask, cache=cache)
+        x = run_decoder(self.decoder, self.tgt_embed(tokens[:, None], positions), mask, cache, cache.cross.mask)
         cache.end_step(1)
         return self.lm_head(x[:, 0])

@@ -1,0 +1,187 @@
+"""The decoder stack of one decoding step without nn.Module dispatch: the inference fast path.
+
+A decode step at batch 1 spends as long in Python as in some of its GEMMs: every layer makes a
+dozen nn.Module calls (hooks machinery, attribute lookups) around a dozen tensor ops. This module
+walks the same layers once, keeps for each one plain callables bound to the same parameters
+(``torch.layer_norm`` / ``F.linear`` on the Parameter objects, an ``Int8Linear``'s or a
+``LoRALinear``'s own forward), and replays them per step. It computes exactly what
+``LayerStack.forward`` computes in eval mode with a cache (tests compare the two in float64);
+training, attention weights and ``keep_last`` take the general path.
+
+The plan is rebuilt when a projection module is swapped (LoRA wrapping, int8 quantisation);
+in-place weight changes (``load_state_dict``, LoRA merge, ``model.layout``) reach it through the
+shared Parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.attention import MultiHeadAttention
+from model.kv_cache import KVCache
+from model.layers import FeedForward, LayerStack, TransformerLayer
+
+Op = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _op(module: nn.Module) -> Op:
+    """A callable computing ``module(x)``: its parameters bound directly when it is a plain Linear/LayerNorm."""
+    if type(module) is nn.Linear:
+        weight, bias = module.weight, module.bias
+        return lambda x: F.linear(x, weight, bias)
+    if type(module) is nn.LayerNorm:
+        shape, weight, bias, eps = module.normalized_shape, module.weight, module.bias, module.eps
+        return lambda x: torch.layer_norm(x, shape, weight, bias, eps)
+    return module.forward if not module._forward_hooks and not module._forward_pre_hooks else module
+
+
+def _activation(ffn: FeedForward) -> Op:
+    if ffn.activation == "relu":
+        return torch.relu
+    approximate = "tanh" if ffn.activation == "gelu_tanh" else "none"
+    return lambda x: F.gelu(x, approximate=approximate)
+
+
+@dataclass
+class _Attention:
+    q: Op
+    k: Op
+    v: Op
+    out: Op
+    qkv: Op | None  # the fused q/k/v projection, while it is in use
+    n_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, attn: MultiHeadAttention) -> _Attention:
+        qkv = _op(attn.qkv_proj) if attn.fused else None
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj)
+        return cls(*(_op(p) for p in projections), qkv, attn.n_heads, attn.head_dim)
+
+    def heads(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+
+    def merge(self, out: torch.Tensor) -> torch.Tensor:
+        b, _, t, _ = out.shape
+        return self.out(out.transpose(1, 2).reshape(b, t, -1))
+
+
+@dataclass
+class _Layer:
+    pre_norm: bool
+    self_norm: Op
+    self_attn: _Attention
+    cross_norm: Op | None
+    cross_attn: _Attention | None
+    ffn_norm: Op
+    fc1: Op
+    activation: Op
+    fc2: Op
+
+    @classmethod
+    def of(cls, layer: TransformerLayer) -> _Layer:
+        cross = layer.cross_attn is not None
+        return cls(
+            pre_norm=layer.pre_norm,
+            self_norm=_op(layer.self_attn_norm),
+            self_attn=_Attention.of(layer.self_attn),
+            cross_norm=_op(layer.cross_attn_norm) if cross else None,
+            cross_attn=_Attention.of(layer.cross_attn) if cross else None,
+            ffn_norm=_op(layer.ffn_norm),
+            fc1=_op(layer.ffn.fc1),
+            activation=_activation(layer.ffn),
+            fc2=_op(layer.ffn.fc2),
+        )
+
+    def sublayer(self, x: torch.Tensor, norm: Op, f: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Pre-LN: x + f(LN(x)); post-LN: LN(x + f(x)) (eval: no dropout)."""
+        if self.pre_norm:
+            return x + f(norm(x))
+        return norm(x + f(x))
+
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None, memory_mask: torch.Tensor | None, cache: KVCache, i: int
+    ) -> torch.Tensor:
+        attn = self.self_attn
+
+        def self_attention(h: torch.Tensor) -> torch.Tensor:
+            if attn.qkv is not None:
+                b, t, _ = h.shape
+                q, k, v = attn.qkv(h).view(b, t, 3, attn.n_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
+            else:
+                q, k, v = attn.heads(attn.q(h)), attn.heads(attn.k(h)), attn.heads(attn.v(h))
+            k, v = cache.write(i, k, v)
+            if k.dtype != q.dtype:  # a cache kept in another dtype
+                k, v = k.to(q.dtype), v.to(q.dtype)
+            return attn.merge(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+        x = self.sublayer(x, self.self_norm, self_attention)
+        if self.cross_attn is not None:
+            cross = self.cross_attn
+            keys, values = cache.cross.keys[i], cache.cross.values[i]
+
+            def cross_attention(h: torch.Tensor) -> torch.Tensor:
+                q = cross.heads(cross.q(h))
+                return cross.merge(F.scaled_dot_product_attention(q, keys, values, attn_mask=memory_mask))
+
+            x = self.sublayer(x, self.cross_norm, cross_attention)
+        return self.sublayer(x, self.ffn_norm, lambda h: self.fc2(self.activation(self.fc1(h))))
+
+
+_WATCHED = {
+    "layer": ("self_attn_norm", "self_attn", "cross_attn_norm", "cross_attn", "ffn_norm", "ffn"),
+    "attention": ("q_proj", "k_proj", "v_proj", "out_proj", "qkv_proj"),
+    "ffn": ("fc1", "fc2"),
+}
+
+
+def _children(stack: LayerStack) -> list[tuple[dict[str, nn.Module | None], str, nn.Module | None]]:
+    """(parent's module dict, name, child) of every module the plan binds, to notice a swap."""
+    watched = [(stack._modules, "final_norm", stack.final_norm)]
+    for layer in stack.layers:
+        parents = [(layer, "layer"), (layer.self_attn, "attention"), (layer.ffn, "ffn")]
+        if layer.cross_attn is not None:
+            parents.append((layer.cross_attn, "attention"))
+        for parent, kind in parents:
+            watched += [(parent._modules, name, parent._modules.get(name)) for name in _WATCHED[kind]]
+    return watched
+
+
+class DecodePlan:
+    """The layers of a ``LayerStack`` bound for replay; see the module docstring."""
+
+    def __init__(self, stack: LayerStack) -> None:
+        self.layers = [_Layer.of(layer) for layer in stack.layers]
+        self.final_norm = _op(stack.final_norm) if stack.final_norm is not None else None
+        self._watched = _children(stack)
+
+    def current(self) -> bool:
+        """Whether the stack still holds the modules this plan was built from (q/k/v and qkv_proj included,
+        so the fused projection's use follows too)."""
+        return all(parent.get(name) is child for parent, name, child in self._watched)
+
+    def __call__(
+        self, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache, memory_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer.forward(x, mask, memory_mask, cache, i)
+        return self.final_norm(x) if self.final_norm is not None else x
+
+
+def run_decoder(
+    stack: LayerStack, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache, memory_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """``stack(x, mask, memory_mask=..., cache=...)[0]``, through a cached :class:`DecodePlan` in eval mode."""
+    if stack.training:
+        return stack(x, mask, memory_mask=memory_mask, cache=cache)[0]
+    plan = stack.__dict__.get("_decode_plan")
+    if plan is None or not plan.current():
+        plan = DecodePlan(stack)
+        stack.__dict__["_decode_plan"] = plan
+    return plan(x, mask, cache, memory_mask)

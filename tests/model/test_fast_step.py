@@ -1,0 +1,113 @@
+"""The decode plan (model.fast_step) computes what LayerStack.forward computes, and follows module swaps."""
+
+import copy
+
+import pytest
+import torch
+
+from model.fast_step import run_decoder
+from model.kv_cache import KVCache
+from model.lora import LoRAConfig, add_adapter, set_adapters
+from model.quantize import quantize_int8
+from tests.model.conftest import random_ids, tiny_causal_lm, tiny_seq2seq
+
+PROMPTS = torch.tensor([[9, 10, 11, 12, 13], [14, 15, 16, 0, 0], [17, 18, 19, 20, 0]])
+LENGTHS = torch.tensor([5, 3, 4])
+
+
+@pytest.fixture(autouse=True)
+def no_grad():
+    with torch.no_grad():  # caches filled under autograd cannot be deep-copied
+        yield
+
+
+def general(stack, x, mask, cache, memory_mask):
+    return stack(x, mask, memory_mask=memory_mask, cache=cache)[0]
+
+
+def decode(model, step, tokens: list[torch.Tensor], cache: KVCache) -> list[torch.Tensor]:
+    """Hidden states of the decoder for each step's tokens, through ``step`` (fast or general)."""
+    causal = hasattr(model, "embed")
+    embed, memory_mask = (model.embed, None) if causal else (model.tgt_embed, cache.cross.mask)
+    out = []
+    for t in tokens:
+        positions, mask = cache.begin_step(1)
+        out.append(step(model.decoder, embed(t[:, None], positions), mask, cache, memory_mask))
+        cache.end_step(1)
+    return out
+
+
+def causal_cache(model, ragged: bool) -> KVCache:
+    cache = model.new_cache(3, 16)
+    lengths = LENGTHS if ragged else torch.full((3,), 5)
+    model.prefill(PROMPTS if ragged else random_ids(3, 5), lengths, cache)
+    return cache
+
+
+def seq2seq_cache(model, ragged: bool) -> KVCache:
+    src = PROMPTS if ragged else random_ids(3, 5)
+    _, cache = model.start(src, 16)
+    return cache
+
+
+def assert_same(model, cache: KVCache, steps: int = 4) -> None:
+    tokens = [random_ids(cache.batch_size, 1, seed=s)[:, 0] for s in range(steps)]
+    fast = decode(model, run_decoder, tokens, copy.deepcopy(cache))
+    slow = decode(model, general, tokens, copy.deepcopy(cache))
+    for f, s in zip(fast, slow, strict=True):
+        torch.testing.assert_close(f, s, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("ragged", [False, True], ids=["uniform", "ragged"])
+def test_plan_equals_the_layer_stack(norm, ragged):
+    lm = tiny_causal_lm(norm=norm).double()
+    assert_same(lm, causal_cache(lm, ragged))
+    mt = tiny_seq2seq(norm=norm, activation="gelu").double()
+    assert_same(mt, seq2seq_cache(mt, ragged))
+
+
+def test_plan_is_reused_then_rebuilt_when_adapters_wrap_the_projections():
+    lm = tiny_causal_lm().double()
+    assert_same(lm, causal_cache(lm, False))
+    plan = lm.decoder._decode_plan
+    assert_same(lm, causal_cache(lm, False))
+    assert lm.decoder._decode_plan is plan
+    add_adapter(lm, "x", LoRAConfig(r=2, target_modules=("q_proj", "v_proj", "fc2")), seed=0)
+    for name, p in lm.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.3)
+    set_adapters(lm, ["x", None, "x"])  # per-row: rows 0 and 2 use the adapter
+    cache = causal_cache(lm, True)
+    assert_same(lm, cache)
+    assert lm.decoder._decode_plan is not plan
+    tokens = [torch.tensor([20, 21, 22])]
+    with_adapter = decode(lm, run_decoder, tokens, copy.deepcopy(cache))[0]
+    set_adapters(lm, None)
+    without = decode(lm, run_decoder, tokens, copy.deepcopy(cache))[0]
+    assert not torch.allclose(with_adapter[0], without[0]) and torch.allclose(with_adapter[1], without[1])
+
+
+def test_plan_follows_int8_quantisation_and_its_fused_projection():
+    mt = tiny_seq2seq()
+    assert_same(mt, seq2seq_cache(mt, True))
+    before = mt.decoder._decode_plan
+    quantize_int8(mt)
+    assert all(layer.self_attn.fused for layer in mt.decoder.layers)
+    cache = seq2seq_cache(mt, True)
+    tokens = [random_ids(3, 1, seed=s)[:, 0] for s in range(3)]
+    fast = decode(mt, run_decoder, tokens, copy.deepcopy(cache))
+    assert mt.decoder._decode_plan is not before and mt.decoder._decode_plan.layers[0].self_attn.qkv is not None
+    slow = decode(mt, general, tokens, copy.deepcopy(cache))
+    for f, s in zip(fast, slow, strict=True):
+        torch.testing.assert_close(f, s, atol=1e-5, rtol=0)  # same int8 kernels; float32 sums
+
+
+def test_training_mode_takes_the_general_path():
+    lm = tiny_causal_lm(dropout=0.5).double().train()
+    cache = causal_cache(lm, False)
+    torch.manual_seed(0)
+    x = decode(lm, run_decoder, [torch.tensor([9, 9, 9])], copy.deepcopy(cache))[0]
+    torch.manual_seed(0)
+    y = decode(lm, general, [torch.tensor([9, 9, 9])], copy.deepcopy(cache))[0]
+    assert "_decode_plan" not in lm.decoder.__dict__
+    torch.testing.assert_close(x, y, atol=0, rtol=0)
