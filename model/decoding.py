@@ -265,6 +265,8 @@ class _IndependentSearch(Search):
         self._reason[slots] = reason
         self._length[slots] = self.step - ((reason == _EOS) | (reason == _STOP_TOKEN)).long()
         live = reason == 0
+        if bool(live.all()):  # the common step: no row finished, nothing to index
+            return tokens, parents
         self._slots = slots[live]
         return tokens[live], parents[live]
 

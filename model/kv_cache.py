@@ -133,13 +133,34 @@ class KVCache:
         self._write_positions = None
 
     def select(self, index: torch.Tensor) -> None:
-        """Keep, reorder or duplicate rows: row i becomes old row ``index[i]`` (beams, finished rows)."""
-        zero_tail = not self.uniform
-        self.keys = [_select_prefix(k, index, self.max_length, zero_tail) for k in self.keys]
-        self.values = [_select_prefix(v, index, self.max_length, zero_tail) for v in self.values]
+        """Keep, reorder or duplicate rows: row i becomes old row ``index[i]`` (beams, finished rows).
+
+        When the row count stays (beams reordered), only the rows that change are copied, in place.
+        """
+        if index.shape[0] == self.batch_size:
+            self._reorder_in_place(index)
+        else:
+            zero_tail = not self.uniform
+            self.keys = [_select_prefix(k, index, self.max_length, zero_tail) for k in self.keys]
+            self.values = [_select_prefix(v, index, self.max_length, zero_tail) for v in self.values]
         self.lengths = self.lengths.index_select(0, index)
         if self.cross is not None:
             self.cross = self.cross.select(index)
+
+    def _reorder_in_place(self, index: torch.Tensor) -> None:
+        """Copy the used prefix of old row ``index[i]`` into row i wherever they differ.
+
+        Beam search moves a fraction of its rows per step; copying those alone (gathered before any
+        write, so a row that is both a source and a target is read first) saves most of the traffic
+        of a full reorder. Tails beyond the used prefix keep finite values, as ``select`` requires.
+        """
+        moved = (index != torch.arange(index.shape[0], device=index.device)).nonzero().flatten()
+        if moved.numel() == 0:
+            return
+        sources = index.index_select(0, moved)
+        for buffer in self.keys + self.values:
+            used = buffer[:, :, : self.max_length]
+            used[moved] = used.index_select(0, sources)
 
     @classmethod
     def concat(cls, caches: list[KVCache]) -> KVCache:

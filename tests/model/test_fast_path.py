@@ -75,6 +75,21 @@ def test_concat_of_reordered_uniform_caches_never_reads_their_unset_tails():
         assert torch.isfinite(out[row]).all() and (out[row] - alone).abs().max() < 1e-10
 
 
+@pytest.mark.parametrize("index", [[2, 0, 1, 1], [0, 1, 2, 3], [3, 3, 0, 2], [1, 0, 3, 2]])
+def test_same_size_reorder_in_place_equals_a_gather(index):
+    """Beams reordered in place (only moved rows copied, sources read before any write) = index_select."""
+    cache = KVCache.empty(2, 4, 2, 3, 10, "cpu", torch.float64)
+    for buf in cache.keys + cache.values:
+        buf.copy_(torch.randn_like(buf))
+    cache.max_length, cache.lengths = 6, torch.full((4,), 6)
+    before = [buf.clone() for buf in cache.keys + cache.values]
+    index = torch.tensor(index)
+    cache.select(index)
+    for old, new in zip(before, cache.keys + cache.values, strict=True):
+        assert torch.equal(new[:, :, :6], old[:, :, :6].index_select(0, index))
+        assert torch.isfinite(new).all()
+
+
 # ---- int8 ------------------------------------------------------------------------------------------
 
 
