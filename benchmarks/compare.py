@@ -4,7 +4,8 @@ The models are random, of the issue's shape (benchmarks/peers.py builds, exports
 min_new_tokens = max_new_tokens fixes every length. Cells:
 
 - causal_lm: greedy at batch 1, 8, 32 and beam 4 at batch 1, 8 (16-token prompts, 128 new tokens);
-- seq2seq: greedy and beam 4 at batch 1 and 16 (32-token sources, 64 new tokens), CTranslate2 fp32/int8;
+- seq2seq: greedy and beam 4 at batch 1 and 16 (32-token sources, 64 new tokens), CTranslate2 fp32/int8
+  (each translator in a process of its own: see peers.CT2Process);
 - classifier: one forward at batch 1, 8, 64 of 64-token sequences;
 - the floor (benchmarks/floor.py) of each cell, and what the service adds (benchmarks/overhead.py).
 
@@ -268,13 +269,17 @@ def measure(root: Path, args: argparse.Namespace) -> list[str]:
     out = []
     models = peers.build(root)
     translators = {}
-    if models.ct2_dir is not None:
-        translators = {(kind, n): peers.ct2_translator(models.ct2_dir, kind.replace("fp32", "float32"), n)
+    if models.ct2_dir is not None and not args.skip_decode:
+        translators = {(kind, n): peers.CT2Process(models.ct2_dir, kind.replace("fp32", "float32"), n)
                        for kind in ("fp32", "int8") for n in args.threads}
     cells = []
-    if not args.skip_decode:
-        cells += decode_cells(models, args, translators)
-        out += ["", f"Decoding done: {load()}"]
+    try:
+        if not args.skip_decode:
+            cells += decode_cells(models, args, translators)
+            out += ["", f"Decoding done: {load()}"]
+    finally:
+        for translator in translators.values():
+            translator.close()
     if not args.skip_classifier:
         cells += classifier_cells(models, args)
         out += [f"Classifier done: {load()}"]
