@@ -402,8 +402,11 @@ class BeamSearch(Search):
         if self.step >= self.config.max_new_tokens:
             self._finalize(live_scores, live_rows, live_tokens, live_scores.isfinite(), True)
         keep = self._open(live_scores)
-        tokens, parents = live_tokens[keep].flatten(), live_rows[keep].flatten()
-        self._sentences, self._scores = self._sentences[keep], live_scores[keep]
+        if bool(keep.all()):  # the common step: every sentence goes on, nothing to index
+            tokens, parents, self._scores = live_tokens.flatten(), live_rows.flatten(), live_scores
+        else:
+            tokens, parents = live_tokens[keep].flatten(), live_rows[keep].flatten()
+            self._sentences, self._scores = self._sentences[keep], live_scores[keep]
         self._history = torch.cat([self._history[parents], tokens[:, None]], dim=1)
         return tokens, parents
 
