@@ -19,6 +19,7 @@ from model.causal_lm import CausalLM
 from model.config import CausalLMConfig, Seq2SeqConfig
 from model.decoding import GenerationConfig
 from model.generation import generate_causal, generate_seq2seq
+from model.layout import use_input_major_weights
 from model.seq2seq import Seq2SeqTransformer
 
 SHAPE = dict(vocab_size=8000, d_model=512, n_heads=8, d_ff=2048, dropout=0.0, max_len=512)
@@ -43,6 +44,8 @@ def run(args: argparse.Namespace) -> str:
     torch.manual_seed(0)
     lm = CausalLM(CausalLMConfig(**SHAPE, n_layers=6)).eval()
     s2s = Seq2SeqTransformer(Seq2SeqConfig(**SHAPE, n_encoder_layers=6, n_decoder_layers=6)).eval()
+    for model in (lm, s2s):
+        use_input_major_weights(model)  # the inference layout the service loads models in
     rows = []
 
     def measure(label: str, batch: int, fn, tokens: int, cache: str) -> float:
