@@ -15,6 +15,7 @@ shared Parameters.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -174,14 +175,23 @@ class DecodePlan:
         return self.final_norm(x) if self.final_norm is not None else x
 
 
+# LayerStack -> its plan. Kept outside the module so that copy.deepcopy(model) never copies a plan
+# whose callables would still point at the original model's parameters.
+_PLANS: weakref.WeakKeyDictionary[LayerStack, DecodePlan] = weakref.WeakKeyDictionary()
+
+
+def plan_for(stack: LayerStack) -> DecodePlan:
+    """The current plan of ``stack``, built (or rebuilt after a module swap) on demand."""
+    plan = _PLANS.get(stack)
+    if plan is None or not plan.current():
+        plan = _PLANS[stack] = DecodePlan(stack)
+    return plan
+
+
 def run_decoder(
     stack: LayerStack, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache, memory_mask: torch.Tensor | None
 ) -> torch.Tensor:
-    """``stack(x, mask, memory_mask=..., cache=...)[0]``, through a cached :class:`DecodePlan` in eval mode."""
+    """``stack(x, mask, memory_mask=..., cache=...)[0]``, through the stack's :class:`DecodePlan` in eval mode."""
     if stack.training:
         return stack(x, mask, memory_mask=memory_mask, cache=cache)[0]
-    plan = stack.__dict__.get("_decode_plan")
-    if plan is None or not plan.current():
-        plan = DecodePlan(stack)
-        stack.__dict__["_decode_plan"] = plan
-    return plan(x, mask, cache, memory_mask)
+    return plan_for(stack)(x, mask, cache, memory_mask)

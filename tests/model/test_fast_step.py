@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from model.fast_step import run_decoder
+from model.fast_step import _PLANS, plan_for, run_decoder
 from model.kv_cache import KVCache
 from model.lora import LoRAConfig, add_adapter, set_adapters
 from model.quantize import quantize_int8
@@ -69,9 +69,9 @@ def test_plan_equals_the_layer_stack(norm, ragged):
 def test_plan_is_reused_then_rebuilt_when_adapters_wrap_the_projections():
     lm = tiny_causal_lm().double()
     assert_same(lm, causal_cache(lm, False))
-    plan = lm.decoder._decode_plan
+    plan = plan_for(lm.decoder)
     assert_same(lm, causal_cache(lm, False))
-    assert lm.decoder._decode_plan is plan
+    assert plan_for(lm.decoder) is plan
     add_adapter(lm, "x", LoRAConfig(r=2, target_modules=("q_proj", "v_proj", "fc2")), seed=0)
     for name, p in lm.named_parameters():
         if "lora_B" in name:
@@ -79,7 +79,7 @@ def test_plan_is_reused_then_rebuilt_when_adapters_wrap_the_projections():
     set_adapters(lm, ["x", None, "x"])  # per-row: rows 0 and 2 use the adapter
     cache = causal_cache(lm, True)
     assert_same(lm, cache)
-    assert lm.decoder._decode_plan is not plan
+    assert plan_for(lm.decoder) is not plan
     tokens = [torch.tensor([20, 21, 22])]
     with_adapter = decode(lm, run_decoder, tokens, copy.deepcopy(cache))[0]
     set_adapters(lm, None)
@@ -90,13 +90,13 @@ def test_plan_is_reused_then_rebuilt_when_adapters_wrap_the_projections():
 def test_plan_follows_int8_quantisation_and_its_fused_projection():
     mt = tiny_seq2seq()
     assert_same(mt, seq2seq_cache(mt, True))
-    before = mt.decoder._decode_plan
+    before = plan_for(mt.decoder)
     quantize_int8(mt)
     assert all(layer.self_attn.fused for layer in mt.decoder.layers)
     cache = seq2seq_cache(mt, True)
     tokens = [random_ids(3, 1, seed=s)[:, 0] for s in range(3)]
     fast = decode(mt, run_decoder, tokens, copy.deepcopy(cache))
-    assert mt.decoder._decode_plan is not before and mt.decoder._decode_plan.layers[0].self_attn.qkv is not None
+    assert _PLANS[mt.decoder] is not before and _PLANS[mt.decoder].layers[0].self_attn.qkv is not None
     slow = decode(mt, general, tokens, copy.deepcopy(cache))
     for f, s in zip(fast, slow, strict=True):
         torch.testing.assert_close(f, s, atol=1e-5, rtol=0)  # same int8 kernels; float32 sums
@@ -109,5 +109,20 @@ def test_training_mode_takes_the_general_path():
     x = decode(lm, run_decoder, [torch.tensor([9, 9, 9])], copy.deepcopy(cache))[0]
     torch.manual_seed(0)
     y = decode(lm, general, [torch.tensor([9, 9, 9])], copy.deepcopy(cache))[0]
-    assert "_decode_plan" not in lm.decoder.__dict__
+    assert lm.decoder not in _PLANS
     torch.testing.assert_close(x, y, atol=0, rtol=0)
+
+
+def test_a_deep_copy_decodes_with_its_own_weights():
+    """A plan is never copied with the model: the copy's in-place weight changes reach its decoding."""
+    lm = tiny_causal_lm().double()
+    cache = causal_cache(lm, False)
+    tokens = [torch.tensor([20, 21, 22])]
+    original = decode(lm, run_decoder, tokens, copy.deepcopy(cache))[0]
+    twin = copy.deepcopy(lm)
+    twin.decoder.layers[0].ffn.fc2.weight.mul_(3.0)
+    fast = decode(twin, run_decoder, tokens, copy.deepcopy(cache))[0]
+    slow = decode(twin, general, tokens, copy.deepcopy(cache))[0]
+    torch.testing.assert_close(fast, slow, atol=1e-12, rtol=0)
+    assert not torch.allclose(fast, original)
+    torch.testing.assert_close(decode(lm, run_decoder, tokens, copy.deepcopy(cache))[0], original, atol=0, rtol=0)
