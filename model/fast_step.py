@@ -8,9 +8,9 @@ walks the same layers once, keeps for each one plain callables bound to the same
 ``LayerStack.forward`` computes in eval mode with a cache (tests compare the two in float64);
 training, attention weights and ``keep_last`` take the general path.
 
-The plan is rebuilt when a projection module is swapped (LoRA wrapping, int8 quantisation);
-in-place weight changes (``load_state_dict``, LoRA merge, ``model.layout``) reach it through the
-shared Parameters.
+The plan is rebuilt when a module or a bound Parameter object is swapped (LoRA wrapping, int8
+quantisation, a new Parameter assigned); in-place weight changes (``load_state_dict``, LoRA merge,
+``model.layout``) reach it through the shared Parameters.
 """
 
 from __future__ import annotations
@@ -142,15 +142,20 @@ _WATCHED = {
 }
 
 
-def _children(stack: LayerStack) -> list[tuple[dict[str, nn.Module | None], str, nn.Module | None]]:
-    """(parent's module dict, name, child) of every module the plan binds, to notice a swap."""
-    watched = [(stack._modules, "final_norm", stack.final_norm)]
+def _watched(stack: LayerStack) -> list[tuple[dict, str, object]]:
+    """(dict, name, value) of every module and parameter the plan binds, to notice a swap: the module
+    dicts of the layers and their attention/FFN blocks, and the parameter dicts of the bound
+    Linear/LayerNorm layers (a new Parameter object assigned to one of them)."""
+    watched: list[tuple[dict, str, object]] = [(stack._modules, "final_norm", stack.final_norm)]
     for layer in stack.layers:
         parents = [(layer, "layer"), (layer.self_attn, "attention"), (layer.ffn, "ffn")]
         if layer.cross_attn is not None:
             parents.append((layer.cross_attn, "attention"))
         for parent, kind in parents:
             watched += [(parent._modules, name, parent._modules.get(name)) for name in _WATCHED[kind]]
+    for module in stack.modules():
+        if type(module) in (nn.Linear, nn.LayerNorm):
+            watched += [(module._parameters, name, p) for name, p in module._parameters.items()]
     return watched
 
 
@@ -160,11 +165,11 @@ class DecodePlan:
     def __init__(self, stack: LayerStack) -> None:
         self.layers = [_Layer.of(layer) for layer in stack.layers]
         self.final_norm = _op(stack.final_norm) if stack.final_norm is not None else None
-        self._watched = _children(stack)
+        self._watched = _watched(stack)
 
     def current(self) -> bool:
-        """Whether the stack still holds the modules this plan was built from (q/k/v and qkv_proj included,
-        so the fused projection's use follows too)."""
+        """Whether the stack still holds the modules and parameters this plan was built from (q/k/v and
+        qkv_proj included, so the fused projection's use follows too)."""
         return all(parent.get(name) is child for parent, name, child in self._watched)
 
     def __call__(

@@ -126,3 +126,13 @@ def test_a_deep_copy_decodes_with_its_own_weights():
     torch.testing.assert_close(fast, slow, atol=1e-12, rtol=0)
     assert not torch.allclose(fast, original)
     torch.testing.assert_close(decode(lm, run_decoder, tokens, copy.deepcopy(cache))[0], original, atol=0, rtol=0)
+
+
+def test_a_new_parameter_object_rebuilds_the_plan():
+    lm = tiny_causal_lm().double()
+    cache = causal_cache(lm, False)
+    before = plan_for(lm.decoder)
+    fc1 = lm.decoder.layers[1].ffn.fc1
+    fc1.weight = torch.nn.Parameter(fc1.weight.detach() * -1.0)
+    assert plan_for(lm.decoder) is not before
+    assert_same(lm, cache)
