@@ -124,15 +124,34 @@ class _Layer:
 
         x = self.sublayer(x, self.self_norm, self_attention)
         if self.cross_attn is not None:
-            cross = self.cross_attn
-            keys, values = cache.cross.keys[i], cache.cross.values[i]
+            cross, memory = self.cross_attn, cache.cross
 
             def cross_attention(h: torch.Tensor) -> torch.Tensor:
                 q = cross.heads(cross.q(h))
-                return cross.merge(F.scaled_dot_product_attention(q, keys, values, attn_mask=memory_mask))
+                out = _grouped_attention(q, memory.keys[i], memory.values[i], memory_mask, memory.group_size)
+                return cross.merge(out)
 
             x = self.sublayer(x, self.cross_norm, cross_attention)
         return self.sublayer(x, self.ffn_norm, lambda h: self.fc2(self.activation(self.fc1(h))))
+
+
+def _grouped_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, group: int
+) -> torch.Tensor:
+    """SDPA of q (B, H, T, Dh) over per-row keys/values whose rows repeat in runs of ``group``.
+
+    The queries of a run attend together to its first row's K/V (one (g * T)-query attention per
+    source instead of g one-query attentions over copies): beam search reads 1/g of the memory.
+    """
+    if group == 1:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    b, heads, t, dh = q.shape
+    grouped = q.view(b // group, group, heads, t, dh).transpose(1, 2).reshape(b // group, heads, group * t, dh)
+    first = slice(None, None, group)
+    out = F.scaled_dot_product_attention(
+        grouped, keys[first], values[first], attn_mask=mask[first] if mask is not None else None
+    )
+    return out.view(b // group, heads, group, t, dh).transpose(1, 2).reshape(b, heads, t, dh)
 
 
 _WATCHED = {

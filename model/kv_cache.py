@@ -12,6 +12,7 @@ Cross-attention K/V (encoder-decoder) are computed once per source and only reor
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +33,19 @@ class CrossAttentionMemory:
     def __post_init__(self) -> None:
         if self.sources is None:
             self.sources = torch.arange(self.mask.shape[0], device=self.mask.device)
+
+    @functools.cached_property
+    def group_size(self) -> int:
+        """g > 1 when the rows come in consecutive runs of exactly g rows of one source (the beams of a
+        sentence): their K/V rows are copies, so attention may read one row per run. 1 otherwise."""
+        rows = self.sources.shape[0]
+        if rows < 2:
+            return 1
+        group = int((self.sources != self.sources[0]).long().argmax()) or rows  # length of the first run
+        if group == 1 or rows % group:
+            return 1
+        runs = self.sources.view(-1, group)
+        return group if bool((runs == runs[:, :1]).all()) else 1
 
     def select(self, index: torch.Tensor) -> CrossAttentionMemory:
         """The memory for rows ``index``; beams reordered within their source keep the K/V as they are."""
@@ -95,7 +109,7 @@ class KVCache:
         device = self.lengths.device
         key_positions = torch.arange(self.max_length + num_tokens, device=device)
         if self.uniform:
-            positions = key_positions[self.max_length:].expand(self.batch_size, num_tokens)
+            positions = key_positions[self.max_length :].expand(self.batch_size, num_tokens)
             self._write_positions = positions
             if num_tokens == 1:
                 return positions, None
@@ -112,8 +126,8 @@ class KVCache:
             raise RuntimeError("KVCache.write called before begin_step")
         visible = self.max_length + positions.shape[1]
         if self.uniform:  # one slice for every row
-            self.keys[layer][:, :, self.max_length: visible] = k
-            self.values[layer][:, :, self.max_length: visible] = v
+            self.keys[layer][:, :, self.max_length : visible] = k
+            self.values[layer][:, :, self.max_length : visible] = v
             return self.keys[layer][:, :, :visible], self.values[layer][:, :, :visible]
         rows = torch.arange(self.batch_size, device=positions.device)[:, None]
         # Advanced indices on dims 0 and 2 put the (B, t) index dims first: (B, t, H, Dh).
@@ -178,7 +192,7 @@ class KVCache:
             for c in caches:
                 if c.uniform:
                     for buffer in joined.keys + joined.values:
-                        buffer[start: start + c.batch_size, :, c.max_length:] = 0
+                        buffer[start : start + c.batch_size, :, c.max_length :] = 0
                 start += c.batch_size
         if caches[0].cross is not None:
             source_len = max(c.cross.mask.shape[-1] for c in caches)

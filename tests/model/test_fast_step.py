@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from model.fast_step import _PLANS, plan_for, run_decoder
-from model.kv_cache import KVCache
+from model.kv_cache import CrossAttentionMemory, KVCache
 from model.lora import LoRAConfig, add_adapter, set_adapters
 from model.quantize import quantize_int8
 from tests.model.conftest import random_ids, tiny_causal_lm, tiny_seq2seq
@@ -136,3 +136,22 @@ def test_a_new_parameter_object_rebuilds_the_plan():
     fc1.weight = torch.nn.Parameter(fc1.weight.detach() * -1.0)
     assert plan_for(lm.decoder) is not before
     assert_same(lm, cache)
+
+
+@pytest.mark.parametrize(
+    ("sources", "group"),
+    [([0, 0, 0, 1, 1, 1], 3), ([5, 5, 2, 2], 2), ([0, 1, 2], 1), ([0, 0, 1], 1), ([0, 0, 1, 1, 1, 1], 2), ([4, 4], 2)],
+)
+def test_group_size_finds_equal_runs_of_one_source(sources, group):
+    """Runs of g rows, each of one source (two runs may share a source: their rows are copies too)."""
+    memory = CrossAttentionMemory([], [], torch.ones(len(sources), 1, 1, 3, dtype=torch.bool), torch.tensor(sources))
+    assert memory.group_size == group
+
+
+def test_beams_of_one_source_attend_to_one_copy_of_its_memory():
+    """After beams expand each source to 3 rows, cross-attention reads one K/V row per source: same result."""
+    mt = tiny_seq2seq().double()
+    cache = seq2seq_cache(mt, True)
+    cache.select(torch.arange(3).repeat_interleave(3))
+    assert cache.cross.group_size == 3 and cache.batch_size == 9
+    assert_same(mt, cache)
