@@ -224,7 +224,13 @@ class CT2Process:
         self._reply()  # "ready", or the child's error
 
     def _reply(self):
-        reply = self._conn.recv()
+        try:
+            reply = self._conn.recv()
+        except EOFError:
+            raise RuntimeError(
+                "CTranslate2 worker exited without answering (its error is on stderr above; a script that "
+                "starts one needs an `if __name__ == '__main__':` guard, since the worker is spawned)"
+            ) from None
         if isinstance(reply, str) and reply != "ready":
             raise RuntimeError(f"CTranslate2 worker: {reply}")
         return reply
