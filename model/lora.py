@@ -20,7 +20,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +156,8 @@ class Routing:
     name: str | None = None
     groups: dict[str | None, torch.Tensor] | None = None  # adapter (None = base) -> LongTensor of rows
     rows: int = 0  # batch size the groups were built for
+    # (adapter spans of a layer) -> (rows, sum of ranks) scale mask; shared by the layers alike
+    masks: dict[tuple, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     def names(self) -> set[str]:
         return {n for n in (self.groups or {self.name: None}) if n is not None}
@@ -180,6 +182,7 @@ class LoRALinear(nn.Module):
         self.configs: dict[str, LoRAConfig] = {}
         self.merged: str | None = None  # adapter whose delta is currently added into base.weight
         self.routing = Routing()
+        self._stacked: tuple[tuple, torch.Tensor, torch.Tensor, bool] | None = None  # see _stack
         self.train(base.training)  # a wrapper made after model.eval() must not switch dropout on
 
     def add(self, name: str, config: LoRAConfig, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -225,12 +228,52 @@ class LoRALinear(nn.Module):
             return out if terms == (None, None) else out + self._correction(terms, x, out.dtype)
         if x.shape[0] != routing.rows:
             raise AdapterError(f"per-row adapters were set for {routing.rows} rows but the input has {x.shape[0]}")
+        if self.merged is None and not self.training and not torch.is_grad_enabled() and self._stack()[3]:
+            return out + self._stacked_delta(x, routing).to(out.dtype)
         for name, idx in routing.groups.items():
             terms = self._terms(name)
             if terms != (None, None):
                 idx = idx.to(x.device)
                 out.index_add_(0, idx, self._correction(terms, x.index_select(0, idx), out.dtype))
         return out
+
+    def _stack(self) -> tuple[tuple, torch.Tensor, torch.Tensor, bool]:
+        """(key, A_cat (sum r, in), B_cat (out, sum r), all finite) of every resident adapter, rebuilt when
+        one is added, removed or changed in place (the tensors' version counters are part of the key).
+
+        A non-finite weight anywhere sends mixed batches back to the per-group loop: in one GEMM over
+        every adapter, 0 x NaN would reach the rows of the other adapters too.
+        """
+        names = list(self.lora_A)
+        key = tuple((n, self.lora_A[n].weight._version, self.lora_B[n].weight._version) for n in names)
+        if self._stacked is None or self._stacked[0] != key:
+            a_cat = torch.cat([self.lora_A[n].weight for n in names]).detach()
+            b_cat = torch.cat([self.lora_B[n].weight for n in names], dim=1).detach()
+            finite = bool(torch.isfinite(a_cat).all() and torch.isfinite(b_cat).all())
+            self._stacked = (key, a_cat, b_cat, finite)
+        return self._stacked
+
+    def _stacked_delta(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Every row's own adapter delta in two GEMMs: x A_cat^T, keep (and scale) the row's adapter's
+        columns, then B_cat. Rows of the base or of an adapter this layer lacks get zero."""
+        _, a_cat, b_cat, _ = self._stack()
+        spans, start = [], 0
+        for name in self.lora_A:
+            r = self.configs[name].r
+            spans.append((name, start, start + r, self.scaling[name]))
+            start += r
+        signature = tuple(spans)
+        mask = routing.masks.get(signature)
+        if mask is None:
+            mask = torch.zeros(routing.rows, start, dtype=a_cat.dtype, device=a_cat.device)
+            for name, lo, hi, scale in spans:
+                rows = routing.groups.get(name)
+                if rows is not None:
+                    mask[rows.to(mask.device), lo:hi] = scale
+            routing.masks[signature] = mask
+        h = F.linear(x.to(a_cat.dtype), a_cat)  # (rows, ..., sum r)
+        h = h * mask.view(mask.shape[0], *([1] * (h.dim() - 2)), mask.shape[1])
+        return F.linear(h, b_cat)
 
     def extra_repr(self) -> str:
         return f"adapters={list(self.configs)}, merged={self.merged!r}"

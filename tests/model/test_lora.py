@@ -195,6 +195,37 @@ def test_mixed_batch_equals_each_row_alone(dim: int) -> None:
     assert torch.equal(run(model, x, None), model(x).detach())
 
 
+def test_stacked_mixed_path_handles_ranks_scalings_and_in_place_changes() -> None:
+    """Inference mixes adapters in two GEMMs over the concatenated A/B (model.lora._stacked_delta); it
+    equals the per-group loop for adapters of different rank and alpha, and follows in-place edits,
+    additions and removals of adapters."""
+    model = with_adapters("a")
+    add_adapter(model, "c", LoRAConfig(r=3, lora_alpha=7.0, target_modules=("q_proj", "fc2")), seed=5)
+    randomize(model, "c", seed=9)
+    rows = ["c", None, "a", "c", "a"]
+    x = inputs(3, rows=5)
+    alone = lambda: torch.cat([run(model, x[i : i + 1], n) for i, n in enumerate(rows)])  # noqa: E731
+    torch.testing.assert_close(run(model, x, rows), alone(), rtol=0, atol=1e-12)
+    with torch.enable_grad(), use_adapters(model, rows):  # autograd: the per-group loop
+        torch.testing.assert_close(model(x).detach(), alone(), rtol=0, atol=1e-12)
+    randomize(model, "c", seed=10)  # in place: the stacked copy must notice
+    torch.testing.assert_close(run(model, x, rows), alone(), rtol=0, atol=1e-12)
+    add_adapter(model, "d", LoRAConfig(r=2, lora_alpha=1.0, target_modules=("v_proj",)), seed=6)
+    randomize(model, "d", seed=11)
+    rows = ["d", "c", None, "a", "d"]
+    torch.testing.assert_close(run(model, x, rows), alone(), rtol=0, atol=1e-12)
+    delete_adapter(model, "c")
+    rows = ["d", None, "a", "a", "d"]
+    torch.testing.assert_close(run(model, x, rows), alone(), rtol=0, atol=1e-12)
+    with torch.no_grad():  # a poisoned adapter still fails only its own rows
+        next(m for m in model.modules() if isinstance(m, LoRALinear) and "d" in m.lora_B).lora_B["d"].weight.fill_(
+            float("nan")
+        )
+    out = run(model, x, rows)
+    assert torch.isnan(out[[0, 4]]).all()
+    torch.testing.assert_close(out[1:4], alone()[1:4], rtol=0, atol=1e-12)
+
+
 def test_uniform_sequence_takes_the_single_adapter_path() -> None:
     model = with_adapters("a")
     x = inputs(3)
