@@ -18,7 +18,8 @@ from model.causal_lm import CausalLM
 from model.checkpoint import load_checkpoint, load_config, save_checkpoint
 from model.classifier import TransformerClassifier
 from model.config import CausalLMConfig, ClassifierConfig
-from model.lora import LoRAConfig, add_adapter, save_adapter
+from model.lora import LoRAConfig, add_adapter
+from model.lora_io import save_adapter
 from model.tokenizer import Tokenizer
 
 logger = logging.getLogger("benchmarks.serve")

@@ -38,7 +38,7 @@ import httpx
 from safetensors.torch import load_file, save_file
 
 from benchmarks.common import machine_line, markdown_table
-from model.lora import CONFIG_FILE, WEIGHTS_FILE
+from model.lora_io import CONFIG_FILE, WEIGHTS_FILE
 
 logger = logging.getLogger("benchmarks.soak")
 

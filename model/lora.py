@@ -1,8 +1,8 @@
 """LoRA: named low-rank adapters on nn.Linear layers, several resident at once, selectable per batch row.
 
 Each targeted ``nn.Linear`` is wrapped in a :class:`LoRALinear` computing
-``y = W x + b + (alpha / r) * B(A(dropout(x)))`` for the adapter its batch row selects. Keys and files
-follow PEFT (``adapter_config.json`` + ``adapter_model.safetensors``), so adapters move between the two.
+``y = W x + b + (alpha / r) * B(A(dropout(x)))`` for the adapter its batch row selects. Configs follow
+PEFT's LoraConfig; model.lora_io reads and writes PEFT's files, so adapters move between the two.
 
 Merging is an optimisation, never a change of meaning: with adapter ``m`` merged into W, rows that
 select ``m`` cost nothing extra, and every other row (base only, or another adapter) gets ``m``'s
@@ -11,32 +11,20 @@ delta subtracted, so outputs depend only on the selection, not on what is merged
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 import re
-import shutil
-import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields, replace
-from pathlib import Path
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 logger = logging.getLogger(__name__)
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-PICKLE_FILE = "adapter_model.bin"
-KEY_PREFIX = "base_model.model."
-_KEY_RE = re.compile(r"base_model\.model\.(.+)\.lora_([AB])\.weight")
 _NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 # PEFT options that change the math when set (truthy); rejected rather than silently ignored.
 _UNSUPPORTED = ("fan_in_fan_out", "use_dora", "use_rslora", "lora_bias", "rank_pattern", "alpha_pattern",
@@ -291,20 +279,20 @@ def _lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
     return {path: m for path, m in model.named_modules() if isinstance(m, LoRALinear)}
 
 
-def _layers_with(model: nn.Module, name: str) -> dict[str, LoRALinear]:
+def layers_with(model: nn.Module, name: str) -> dict[str, LoRALinear]:
     layers = {path: m for path, m in _lora_layers(model).items() if name in m.configs}
     if not layers:
         raise AdapterError(f"unknown adapter {name!r}; resident adapters: {adapter_names(model)}")
     return layers
 
 
-def _check_new_name(model: nn.Module, name: str) -> None:
+def check_new_name(model: nn.Module, name: str) -> None:
     _check_name(name)
     if name in adapter_names(model):
         raise AdapterError(f"adapter {name!r} already exists; delete_adapter it first")
 
 
-def _targets(model: nn.Module, targets: Sequence[str]) -> dict[str, nn.Module]:
+def find_targets(model: nn.Module, targets: Sequence[str]) -> dict[str, nn.Module]:
     """Plain nn.Linear (float or model.quantize.Int8Linear) or LoRALinear modules named in `targets`."""
     from model.quantize import Int8Linear  # model.quantize imports this module
 
@@ -327,7 +315,7 @@ def _set_module(model: nn.Module, path: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent), leaf, module)
 
 
-def _wrap(model: nn.Module, found: dict[str, nn.Module]) -> dict[str, LoRALinear]:
+def wrap_targets(model: nn.Module, found: dict[str, nn.Module]) -> dict[str, LoRALinear]:
     """Replace each plain Linear in `found` by a LoRALinear around it (same base parameters)."""
     existing = list(_lora_layers(model).values())
     current = existing[0].routing if existing else Routing()
@@ -368,12 +356,12 @@ def _routing(adapters: AdapterSelection, layers: list[LoRALinear]) -> Routing:
 
 def add_adapter(model: nn.Module, name: str, config: LoRAConfig, seed: int | None = None) -> None:
     """Wrap the target Linears of `model` (once) and attach a new adapter: A kaiming-uniform, B zero."""
-    _check_new_name(model, name)
-    found = _targets(model, config.target_modules)
+    check_new_name(model, name)
+    found = find_targets(model, config.target_modules)
     if not found:
         raise AdapterError(f"adapter {name!r}: the model has no nn.Linear named any of {list(config.target_modules)}")
     generator = None if seed is None else torch.Generator().manual_seed(seed)
-    for layer in _wrap(model, found).values():
+    for layer in wrap_targets(model, found).values():
         # PEFT's init, drawn in float32 on CPU so a seed gives the same A on any device or dtype.
         a = torch.empty(config.r, layer.base.in_features)
         nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
@@ -383,7 +371,7 @@ def add_adapter(model: nn.Module, name: str, config: LoRAConfig, seed: int | Non
 
 def delete_adapter(model: nn.Module, name: str) -> None:
     """Remove adapter `name`; layers left with no adapter go back to their plain nn.Linear."""
-    layers = _layers_with(model, name)
+    layers = layers_with(model, name)
     if any(layer.merged == name for layer in layers.values()):
         raise AdapterError(f"adapter {name!r} is merged; unmerge_adapter first")
     routing = next(iter(layers.values())).routing
@@ -402,7 +390,7 @@ def adapter_names(model: nn.Module) -> list[str]:
 
 
 def get_adapter_config(model: nn.Module, name: str) -> LoRAConfig:
-    return next(iter(_layers_with(model, name).values())).configs[name]
+    return next(iter(layers_with(model, name).values())).configs[name]
 
 
 def set_adapters(model: nn.Module, adapters: AdapterSelection) -> None:
@@ -436,7 +424,7 @@ def use_adapters(model: nn.Module, adapters: AdapterSelection) -> Iterator[None]
 @torch.no_grad()
 def merge_adapter(model: nn.Module, name: str, safe: bool = True) -> None:
     """W += scale * B @ A for adapter `name` (one merged adapter at a time; outputs do not change)."""
-    layers = _layers_with(model, name)
+    layers = layers_with(model, name)
     merged = {layer.merged for layer in _lora_layers(model).values()} - {None}
     if merged:
         raise AdapterError(f"cannot merge {name!r}: adapter {merged.pop()!r} is merged; unmerge_adapter first")
@@ -463,7 +451,7 @@ def unmerge_adapter(model: nn.Module) -> None:
 
 def mark_only_lora_trainable(model: nn.Module, name: str) -> list[nn.Parameter]:
     """Freeze every parameter except adapter `name`'s A and B, which are returned."""
-    layers = _layers_with(model, name)
+    layers = layers_with(model, name)
     if any(layer.merged == name for layer in layers.values()):
         raise AdapterError(f"adapter {name!r} is merged; unmerge_adapter before training it")
     model.requires_grad_(False)
@@ -471,120 +459,3 @@ def mark_only_lora_trainable(model: nn.Module, name: str) -> list[nn.Parameter]:
     for p in params:
         p.requires_grad_(True)
     return params
-
-
-def lora_state_dict(model: nn.Module, name: str) -> dict[str, torch.Tensor]:
-    """Adapter `name`'s tensors under PEFT's keys: base_model.model.<linear path>.lora_{A,B}.weight."""
-    out = {}
-    for path, layer in _layers_with(model, name).items():
-        out[f"{KEY_PREFIX}{path}.lora_A.weight"] = layer.lora_A[name].weight.detach()
-        out[f"{KEY_PREFIX}{path}.lora_B.weight"] = layer.lora_B[name].weight.detach()
-    return out
-
-
-def save_adapter(
-    model: nn.Module, name: str, directory: str | os.PathLike, base_model_name_or_path: str | None = None
-) -> None:
-    """Write PEFT's layout into `directory`: built in a temp dir beside it, then renamed into place."""
-    config = get_adapter_config(model, name)
-    if base_model_name_or_path is not None:
-        config = replace(config, base_model_name_or_path=base_model_name_or_path)
-    tensors = {k: v.cpu().contiguous() for k, v in lora_state_dict(model, name).items()}
-    target = Path(directory)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        (tmp / CONFIG_FILE).write_text(json.dumps(config.to_peft_dict(), indent=2) + "\n")
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        if target.exists():  # a directory cannot be renamed over a non-empty one: swap via a side name
-            old = tmp.with_name(tmp.name + ".old")
-            os.replace(target, old)
-            os.replace(tmp, target)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    logger.info("saved LoRA adapter %r to %s", name, target)
-
-
-def _read_config(path: Path, name: str) -> LoRAConfig:
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise AdapterError(f"adapter {name!r}: cannot read {path}: {e}") from e
-    try:
-        return LoRAConfig.from_peft_dict(raw)
-    except AdapterError as e:
-        raise AdapterError(f"adapter {name!r}: {path}: {e}") from None
-
-
-def _read_tensors(path: Path, name: str, device: str | torch.device | None) -> dict[str, torch.Tensor]:
-    try:
-        return load_file(str(path), device=str(device or "cpu"))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise AdapterError(f"adapter {name!r}: {path} is not a readable safetensors file: {e}") from e
-
-
-def _validate(
-    where: str, config: LoRAConfig, found: dict[str, nn.Module], tensors: dict[str, torch.Tensor]
-) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Check loaded tensors against the model's target Linears; returns module path -> (A, B)."""
-    if not found:
-        raise AdapterError(f"{where}: the model has no nn.Linear named any of {list(config.target_modules)}")
-    for key in tensors:
-        match = _KEY_RE.fullmatch(key)
-        if match is None:
-            raise AdapterError(f"{where}: unexpected tensor {key!r}; expected {KEY_PREFIX}<module>.lora_A/B.weight")
-        if match[1] not in found:
-            raise AdapterError(f"{where}: tensor {key!r} names module {match[1]!r}, not a target nn.Linear "
-                               f"of this model (targets: {list(config.target_modules)})")
-    weights = {}
-    for path, module in found.items():
-        base = module.base if isinstance(module, LoRALinear) else module
-        expected = {"A": (config.r, base.in_features), "B": (base.out_features, config.r)}
-        pair = []
-        for kind, shape in expected.items():
-            key = f"{KEY_PREFIX}{path}.lora_{kind}.weight"
-            t = tensors.get(key)
-            if t is None:
-                raise AdapterError(f"{where}: missing tensor {key!r}")
-            if tuple(t.shape) != shape:
-                raise AdapterError(f"{where}: tensor {key!r} has shape {tuple(t.shape)}, expected {shape} "
-                                   f"(r={config.r}, base in={base.in_features}, out={base.out_features})")
-            if not t.is_floating_point():
-                raise AdapterError(f"{where}: tensor {key!r} has dtype {t.dtype}, expected a floating dtype")
-            if not torch.isfinite(t).all():
-                raise AdapterError(f"{where}: tensor {key!r} has non-finite values")
-            pair.append(t)
-        weights[path] = (pair[0], pair[1])
-    return weights
-
-
-def load_adapter(
-    model: nn.Module, directory: str | os.PathLike, name: str, device: str | torch.device | None = None
-) -> LoRAConfig:
-    """Load a PEFT-layout adapter as `name`, fully validated before the model is touched.
-
-    Only adapter_config.json and adapter_model.safetensors are read (never pickle). `device` is where
-    the file is read to (default CPU); the adapter then lives on each base layer's device and dtype.
-    """
-    _check_new_name(model, name)
-    directory = Path(directory)
-    weights_path = directory / WEIGHTS_FILE
-    if not weights_path.is_file():
-        if (directory / PICKLE_FILE).exists():
-            raise AdapterError(f"adapter {name!r}: {directory} has only {PICKLE_FILE}; pickle files are not "
-                               f"loaded, convert it to {WEIGHTS_FILE}")
-        raise AdapterError(f"adapter {name!r}: {weights_path} not found")
-    config_path = directory / CONFIG_FILE
-    config = _read_config(config_path, name)
-    tensors = _read_tensors(weights_path, name, device)
-    found = _targets(model, config.target_modules)
-    weights = _validate(f"adapter {name!r} ({weights_path})", config, found, tensors)
-    layers = _wrap(model, found)
-    for path, (a, b) in weights.items():
-        layers[path].add(name, config, a, b)
-    logger.info("loaded LoRA adapter %r (r=%d) from %s", name, config.r, directory)
-    return config

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from torch import nn
 
-from model import lora
+from model import lora, lora_io
 from service.errors import InvalidRequest, NotFound, QueueFull
 from service.metrics import Metrics
 from service.types import AdapterInfo
@@ -69,11 +69,11 @@ def check_name(name: object) -> str:
 
 def read_config(directory: Path) -> lora.LoRAConfig:
     """adapter_config.json of ``directory`` (InvalidRequest with model.lora's message when unusable)."""
-    path = directory / lora.CONFIG_FILE
+    path = directory / lora_io.CONFIG_FILE
     try:
         return lora.LoRAConfig.from_peft_dict(json.loads(path.read_text(encoding="utf-8")))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidRequest(f"adapter directory {directory}: cannot read {lora.CONFIG_FILE}: {exc}") from None
+        raise InvalidRequest(f"adapter directory {directory}: cannot read {lora_io.CONFIG_FILE}: {exc}") from None
     except (lora.AdapterError, TypeError) as exc:
         raise InvalidRequest(f"adapter directory {directory}: {path.name}: {exc}") from None
 
@@ -132,7 +132,7 @@ class AdapterRegistry:
             raise InvalidRequest(f"directory {directory} is outside the adapters directory {self.root}")
         if not resolved.is_dir():
             raise InvalidRequest(f"directory {directory} is not a directory")
-        for name in (lora.CONFIG_FILE, lora.WEIGHTS_FILE):
+        for name in (lora_io.CONFIG_FILE, lora_io.WEIGHTS_FILE):
             if (resolved / name).exists() and not (resolved / name).resolve().is_relative_to(self.root):
                 raise InvalidRequest(f"{directory / name} links outside the adapters directory {self.root}")
         return resolved
@@ -166,7 +166,7 @@ class AdapterRegistry:
             victims = self._make_room(exclude=version.public)
         self._remove(victims, evicted=True)
         try:
-            config = lora.load_adapter(self.model, version.path, version.internal)
+            config = lora_io.load_adapter(self.model, version.path, version.internal)
         except lora.AdapterError as exc:
             with self._lock:
                 entry = self._entries.get(version.public)
@@ -205,7 +205,7 @@ class AdapterRegistry:
             victims = self._make_room(exclude=name)
         self._remove(victims, evicted=True)
         try:
-            lora.load_adapter(self.model, path, version.internal)
+            lora_io.load_adapter(self.model, path, version.internal)
         except lora.AdapterError as exc:
             raise InvalidRequest(str(exc)) from None
         with self._lock:

@@ -19,7 +19,7 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from model.lora import CONFIG_FILE, WEIGHTS_FILE
+from model.lora_io import CONFIG_FILE, WEIGHTS_FILE
 from service.http_errors import invalid
 
 MEMBERS = (CONFIG_FILE, WEIGHTS_FILE)

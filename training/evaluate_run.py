@@ -13,7 +13,8 @@ import torch
 
 from model.checkpoint import CheckpointError, load_checkpoint
 from model.layout import use_input_major_weights
-from model.lora import AdapterError, load_adapter
+from model.lora import AdapterError
+from model.lora_io import load_adapter
 from model.quantize import QuantizeError, quantize
 from training.distributed import user_device
 from training.errors import UserError

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from model.checkpoint import Checkpoint, CheckpointError, load_checkpoint
-from model.lora import AdapterError, LoRAConfig, add_adapter, mark_only_lora_trainable, save_adapter, use_adapters
+from model.lora import AdapterError, LoRAConfig, add_adapter, mark_only_lora_trainable, use_adapters
+from model.lora_io import save_adapter
 from training import distributed
 from training.distributed import DistContext
 from training.errors import UserError

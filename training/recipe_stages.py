@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from model import checkpoint, lora
+from model import checkpoint, lora_io
 from training import corpora
 from training.baselines import LANGDETECT_PIN, baselines_for
 from training.errors import UserError
@@ -249,7 +249,7 @@ def evaluation_stages(f: FamilyRecipe, tier: Tier, paths: Paths) -> list[Stage]:
 
         return run
 
-    weights, adapter_weights = model / checkpoint.WEIGHTS_FILE, adapter / lora.WEIGHTS_FILE
+    weights, adapter_weights = model / checkpoint.WEIGHTS_FILE, adapter / lora_io.WEIGHTS_FILE
     tokenizer = model / checkpoint.TOKENIZER_FILE
     runs = [
         (f"eval-{f.model}-base-on-{f.adapter}", evaluate(domain, False), (weights,)),

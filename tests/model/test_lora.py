@@ -21,15 +21,13 @@ from model.lora import (
     clear_adapters,
     delete_adapter,
     get_adapter_config,
-    load_adapter,
-    lora_state_dict,
     mark_only_lora_trainable,
     merge_adapter,
-    save_adapter,
     set_adapters,
     unmerge_adapter,
     use_adapters,
 )
+from model.lora_io import load_adapter, lora_state_dict, save_adapter
 
 D = 8
 ATTN = LoRAConfig(r=4, lora_alpha=12.0)  # scaling 3

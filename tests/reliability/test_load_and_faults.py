@@ -19,7 +19,7 @@ import httpx
 import pytest
 from safetensors.torch import load_file, save_file
 
-from model.lora import CONFIG_FILE, WEIGHTS_FILE
+from model.lora_io import CONFIG_FILE, WEIGHTS_FILE
 from tests.reliability.helpers import inprocess_server, rss_bytes, wait_until
 from tests.service.conftest import ADAPTERS, CLS, LM
 from tests.service.server import metric_samples, running_server

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from model.checkpoint import WEIGHTS_FILE as MODEL_WEIGHTS
-from model.lora import CONFIG_FILE, PICKLE_FILE, WEIGHTS_FILE
+from model.lora_io import CONFIG_FILE, PICKLE_FILE, WEIGHTS_FILE
 from tests.reliability.helpers import inprocess_server
 from tests.service.conftest import ADAPTERS, CLS, LM, MT
 from tests.service.server import running_server

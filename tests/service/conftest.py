@@ -25,7 +25,7 @@ import pytest
 from model.checkpoint import load_checkpoint
 from model.decoding import GenerationConfig
 from model.generation import generate_causal, generate_seq2seq, stop_strings, trim_stop
-from model.lora import load_adapter
+from model.lora_io import load_adapter
 from service.engine import Engine
 from service.types import Candidate, EngineSettings, GenerateOutput, GenerateParams
 from tests.service.fixtures import ADAPTERS, CLS, LABELS, LM, MT, TEXTS, build_models, make_adapter

@@ -28,7 +28,8 @@ import torch
 from model.checkpoint import load_checkpoint
 from model.decoding import GenerationConfig
 from model.generation import generate_causal, generate_seq2seq
-from model.lora import CONFIG_FILE, WEIGHTS_FILE, load_adapter, set_adapters
+from model.lora import set_adapters
+from model.lora_io import CONFIG_FILE, WEIGHTS_FILE, load_adapter
 from training.cli import build_parser
 
 LM, MT, CLS = "tiny-lm", "tiny-mt", "tiny-cls"

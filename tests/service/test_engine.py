@@ -9,7 +9,8 @@ import torch
 from prometheus_client import generate_latest
 
 from model.checkpoint import load_checkpoint
-from model.lora import load_adapter, set_adapters
+from model.lora import set_adapters
+from model.lora_io import load_adapter
 from service.errors import EngineFailure, InvalidRequest, NotFound
 from service.types import EngineSettings, GenerateParams
 from tests.service.conftest import ADAPTERS, CLS, LABELS, LM, MT, histogram_count, running_engine

@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from model.checkpoint import load_checkpoint
-from model.lora import load_adapter, use_adapters
+from model.lora import use_adapters
+from model.lora_io import load_adapter
 from tests.training.conftest import TINY, log_rows, run_cli, train_args
 from training import lora_run
 from training.state import StateStore, state_dir_for

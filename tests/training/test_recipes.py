@@ -16,7 +16,7 @@ import sacrebleu
 import torch
 
 from model.checkpoint import load_checkpoint
-from model.lora import load_adapter
+from model.lora_io import load_adapter
 from tests.training.mo_writer import write_locale_tree
 from training import baselines
 from training.baselines import lm_targets, majority_class, map_langdetect, unigram_perplexity

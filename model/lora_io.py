@@ -1,0 +1,158 @@
+"""PEFT-layout adapter files: ``adapter_config.json`` + ``adapter_model.safetensors``.
+
+Saving writes PEFT's keys (``base_model.model.<module path>.lora_{A,B}.weight``) atomically; loading
+reads only those two files (never pickle) and validates every tensor against the model's target
+Linears before the model is touched.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from model.lora import (
+    AdapterError,
+    LoRAConfig,
+    LoRALinear,
+    check_new_name,
+    find_targets,
+    get_adapter_config,
+    layers_with,
+    wrap_targets,
+)
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLE_FILE = "adapter_model.bin"
+KEY_PREFIX = "base_model.model."
+_KEY_RE = re.compile(r"base_model\.model\.(.+)\.lora_([AB])\.weight")
+
+
+def lora_state_dict(model: nn.Module, name: str) -> dict[str, torch.Tensor]:
+    """Adapter `name`'s tensors under PEFT's keys: base_model.model.<linear path>.lora_{A,B}.weight."""
+    out = {}
+    for path, layer in layers_with(model, name).items():
+        out[f"{KEY_PREFIX}{path}.lora_A.weight"] = layer.lora_A[name].weight.detach()
+        out[f"{KEY_PREFIX}{path}.lora_B.weight"] = layer.lora_B[name].weight.detach()
+    return out
+
+
+def save_adapter(
+    model: nn.Module, name: str, directory: str | os.PathLike, base_model_name_or_path: str | None = None
+) -> None:
+    """Write PEFT's layout into `directory`: built in a temp dir beside it, then renamed into place."""
+    config = get_adapter_config(model, name)
+    if base_model_name_or_path is not None:
+        config = replace(config, base_model_name_or_path=base_model_name_or_path)
+    tensors = {k: v.cpu().contiguous() for k, v in lora_state_dict(model, name).items()}
+    target = Path(directory)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        (tmp / CONFIG_FILE).write_text(json.dumps(config.to_peft_dict(), indent=2) + "\n")
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        if target.exists():  # a directory cannot be renamed over a non-empty one: swap via a side name
+            old = tmp.with_name(tmp.name + ".old")
+            os.replace(target, old)
+            os.replace(tmp, target)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("saved LoRA adapter %r to %s", name, target)
+
+
+def _read_config(path: Path, name: str) -> LoRAConfig:
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise AdapterError(f"adapter {name!r}: cannot read {path}: {e}") from e
+    try:
+        return LoRAConfig.from_peft_dict(raw)
+    except AdapterError as e:
+        raise AdapterError(f"adapter {name!r}: {path}: {e}") from None
+
+
+def _read_tensors(path: Path, name: str, device: str | torch.device | None) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path), device=str(device or "cpu"))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise AdapterError(f"adapter {name!r}: {path} is not a readable safetensors file: {e}") from e
+
+
+def _validate(
+    where: str, config: LoRAConfig, found: dict[str, nn.Module], tensors: dict[str, torch.Tensor]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Check loaded tensors against the model's target Linears; returns module path -> (A, B)."""
+    if not found:
+        raise AdapterError(f"{where}: the model has no nn.Linear named any of {list(config.target_modules)}")
+    for key in tensors:
+        match = _KEY_RE.fullmatch(key)
+        if match is None:
+            raise AdapterError(f"{where}: unexpected tensor {key!r}; expected {KEY_PREFIX}<module>.lora_A/B.weight")
+        if match[1] not in found:
+            raise AdapterError(f"{where}: tensor {key!r} names module {match[1]!r}, not a target nn.Linear "
+                               f"of this model (targets: {list(config.target_modules)})")
+    weights = {}
+    for path, module in found.items():
+        base = module.base if isinstance(module, LoRALinear) else module
+        expected = {"A": (config.r, base.in_features), "B": (base.out_features, config.r)}
+        pair = []
+        for kind, shape in expected.items():
+            key = f"{KEY_PREFIX}{path}.lora_{kind}.weight"
+            t = tensors.get(key)
+            if t is None:
+                raise AdapterError(f"{where}: missing tensor {key!r}")
+            if tuple(t.shape) != shape:
+                raise AdapterError(f"{where}: tensor {key!r} has shape {tuple(t.shape)}, expected {shape} "
+                                   f"(r={config.r}, base in={base.in_features}, out={base.out_features})")
+            if not t.is_floating_point():
+                raise AdapterError(f"{where}: tensor {key!r} has dtype {t.dtype}, expected a floating dtype")
+            if not torch.isfinite(t).all():
+                raise AdapterError(f"{where}: tensor {key!r} has non-finite values")
+            pair.append(t)
+        weights[path] = (pair[0], pair[1])
+    return weights
+
+
+def load_adapter(
+    model: nn.Module, directory: str | os.PathLike, name: str, device: str | torch.device | None = None
+) -> LoRAConfig:
+    """Load a PEFT-layout adapter as `name`, fully validated before the model is touched.
+
+    Only adapter_config.json and adapter_model.safetensors are read (never pickle). `device` is where
+    the file is read to (default CPU); the adapter then lives on each base layer's device and dtype.
+    """
+    check_new_name(model, name)
+    directory = Path(directory)
+    weights_path = directory / WEIGHTS_FILE
+    if not weights_path.is_file():
+        if (directory / PICKLE_FILE).exists():
+            raise AdapterError(f"adapter {name!r}: {directory} has only {PICKLE_FILE}; pickle files are not "
+                               f"loaded, convert it to {WEIGHTS_FILE}")
+        raise AdapterError(f"adapter {name!r}: {weights_path} not found")
+    config_path = directory / CONFIG_FILE
+    config = _read_config(config_path, name)
+    tensors = _read_tensors(weights_path, name, device)
+    found = find_targets(model, config.target_modules)
+    weights = _validate(f"adapter {name!r} ({weights_path})", config, found, tensors)
+    layers = wrap_targets(model, found)
+    for path, (a, b) in weights.items():
+        layers[path].add(name, config, a, b)
+    logger.info("loaded LoRA adapter %r (r=%d) from %s", name, config.r, directory)
+    return config
