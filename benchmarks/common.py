@@ -11,8 +11,8 @@ from collections.abc import Callable
 import torch
 
 
-def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
-    """Median wall time of ``fn`` over ``repeats`` runs after ``warmup`` untimed runs."""
+def run_times(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
+    """Wall times of ``repeats`` runs of ``fn`` after ``warmup`` untimed runs."""
     for _ in range(warmup):
         fn()
     times = []
@@ -20,7 +20,12 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> f
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    """Median wall time of ``fn`` over ``repeats`` runs after ``warmup`` untimed runs."""
+    return statistics.median(run_times(fn, repeats, warmup))
 
 
 def cpu_name() -> str:

@@ -12,12 +12,13 @@ layer in full (ours computes only [CLS] in its last layer, so it can beat it by 
 
 from __future__ import annotations
 
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from benchmarks.common import run_times
 
 D, F, V, L, H = 512, 2048, 8000, 6, 8
 FP32, INT8 = 4, 1
@@ -29,13 +30,7 @@ LM_HEAD = V * D
 
 def _best_seconds(fn: Callable[[], object], repeats: int = 7) -> float:
     """The fastest of ``repeats`` runs: a floor takes the best rate the machine showed."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return min(run_times(fn, repeats))
 
 
 @dataclass

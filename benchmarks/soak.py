@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import io
 import json
 import logging
 import random
 import shutil
-import tarfile
 import tempfile
 import time
 from collections import Counter, defaultdict
@@ -35,10 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from safetensors.torch import load_file, save_file
 
 from benchmarks.common import machine_line, markdown_table
-from model.lora_io import CONFIG_FILE, WEIGHTS_FILE
+from tests.reliability.helpers import adapter_archive, adapter_variant, rss_bytes
 
 logger = logging.getLogger("benchmarks.soak")
 
@@ -77,30 +74,6 @@ class Stats:
 
 
 # ---- server and adapters -----------------------------------------------------------------------------
-
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for process {pid}")
-
-
-def variant(source: Path, target: Path) -> Path:
-    """A second version of an adapter: the same A, B negated."""
-    target.mkdir(parents=True)
-    shutil.copy(source / CONFIG_FILE, target / CONFIG_FILE)
-    tensors = load_file(str(source / WEIGHTS_FILE))
-    save_file({k: (-v if "lora_B" in k else v) for k, v in tensors.items()}, str(target / WEIGHTS_FILE))
-    return target
-
-
-def archive(directory: Path) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        for name in (CONFIG_FILE, WEIGHTS_FILE):
-            tar.add(directory / name, arcname=name)
-    return buf.getvalue()
 
 
 @contextmanager
@@ -267,7 +240,7 @@ async def soak(args: argparse.Namespace, url: str, pid: int | None, adapters_dir
     async with httpx.AsyncClient(base_url=url, timeout=60) as c:
         v1 = adapters_dir / LM / adapters[LM]
         tmp = Path(tempfile.mkdtemp(prefix="soak-"))
-        versions = [archive(v1), archive(variant(v1, tmp / "v2"))]
+        versions = [adapter_archive(v1), adapter_archive(adapter_variant(v1, tmp / "v2"))]
         shutil.copytree(v1, adapters_dir / LM / EXTRA, dirs_exist_ok=True)
         upload = {"Content-Type": "application/gzip"}
         refs: dict = {}

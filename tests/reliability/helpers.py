@@ -8,6 +8,9 @@ everything that needs a process of its own (signals, memory, logs).
 
 from __future__ import annotations
 
+import io
+import shutil
+import tarfile
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +21,9 @@ from pathlib import Path
 import httpx
 import uvicorn
 from fastapi import FastAPI
+from safetensors.torch import load_file, save_file
 
+from model.lora_io import CONFIG_FILE, WEIGHTS_FILE
 from service.app import create_app
 from service.engine import Engine
 from service.settings import Settings
@@ -71,6 +76,24 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+def adapter_archive(directory: Path) -> bytes:
+    """A PEFT-layout adapter directory as the .tar.gz an upload sends."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name in (CONFIG_FILE, WEIGHTS_FILE):
+            tar.add(directory / name, arcname=name)
+    return buf.getvalue()
+
+
+def adapter_variant(source: Path, target: Path) -> Path:
+    """A second version of an adapter: the same A, B negated (other outputs, same shapes)."""
+    target.mkdir(parents=True)
+    shutil.copy(source / CONFIG_FILE, target / CONFIG_FILE)
+    tensors = load_file(str(source / WEIGHTS_FILE))
+    save_file({k: (-v if "lora_B" in k else v) for k, v in tensors.items()}, str(target / WEIGHTS_FILE))
+    return target
 
 
 def wait_until(condition, timeout_s: float = 10.0, interval_s: float = 0.02) -> bool:

@@ -7,20 +7,15 @@ Figures worth recording are printed as ``FIGURE name=value`` (run with -s to see
 from __future__ import annotations
 
 import asyncio
-import io
 import math
 import shutil
 import signal
-import tarfile
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-from safetensors.torch import load_file, save_file
 
-from model.lora_io import CONFIG_FILE, WEIGHTS_FILE
-from tests.reliability.helpers import inprocess_server, rss_bytes, wait_until
+from tests.reliability.helpers import adapter_archive, adapter_variant, inprocess_server, rss_bytes, wait_until
 from tests.service.conftest import ADAPTERS, CLS, LM
 from tests.service.server import metric_samples, running_server
 from tests.service.test_errors import error_of
@@ -246,33 +241,16 @@ def test_a_failing_request_fails_alone_in_its_batch(models_dir, adapters_dir, tm
 # ---- adapter swaps under load ------------------------------------------------------------------------
 
 
-def _archive(directory: Path) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        for name in (CONFIG_FILE, WEIGHTS_FILE):
-            tar.add(directory / name, arcname=name)
-    return buf.getvalue()
-
-
-def _variant(source: Path, target: Path) -> Path:
-    """A second version of an adapter: the same A, B negated (other outputs, same shapes)."""
-    target.mkdir(parents=True)
-    shutil.copy(source / CONFIG_FILE, target / CONFIG_FILE)
-    tensors = load_file(str(source / WEIGHTS_FILE))
-    save_file({k: (-v if "lora_B" in k else v) for k, v in tensors.items()}, str(target / WEIGHTS_FILE))
-    return target
-
-
 def test_adapter_swaps_under_sustained_load_lose_nothing(models_dir, adapters_dir, tmp_path):
     """Load, unload and replace-under-the-same-name (uploads) while clients keep generating and classifying:
     no request fails, and each result is the one its adapter (one of the two versions, never a mix) gives."""
     adapters = tmp_path / "adapters"
     shutil.copytree(adapters_dir, adapters)
     v1 = adapters_dir / LM / ADAPTERS[LM]
-    v2 = _variant(v1, tmp_path / "v2")
+    v2 = adapter_variant(v1, tmp_path / "v2")
     shutil.copytree(v1, adapters / LM / "swap")
     shutil.copytree(v1, adapters / LM / "extra")
-    archives = [_archive(v2), _archive(v1)]
+    archives = [adapter_archive(v2), adapter_archive(v1)]
     seconds, clients = 6.0, 4
     with running_server(models_dir, adapters, TSERVE_MAX_WAIT_MS="10") as s, s.client() as c:
         assert c.delete(f"/v1/models/{LM}/adapters/extra").status_code == 204  # "extra" is loaded and unloaded
