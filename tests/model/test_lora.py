@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import json
-import math
-from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from model.lora import (
@@ -20,114 +16,25 @@ from model.lora import (
     add_adapter,
     clear_adapters,
     delete_adapter,
-    get_adapter_config,
     mark_only_lora_trainable,
     merge_adapter,
     set_adapters,
     unmerge_adapter,
     use_adapters,
 )
-from model.lora_io import load_adapter, lora_state_dict, save_adapter
-
-D = 8
-ATTN = LoRAConfig(r=4, lora_alpha=12.0)  # scaling 3
-MIXED = LoRAConfig(r=2, lora_alpha=2.0, target_modules=("v_proj", "fc1", "fc2"))  # scaling 1
-ROWS = ["a", None, "b", "a"]
-
-
-class Attention(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(D, D) for _ in range(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if x.dim() == 3:  # (B, T, D): softmax attention over T
-            h = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(D), dim=-1) @ v
-        else:  # (B, D): one token per row, as in a decode step
-            h = torch.tanh(q * k) * v
-        return self.out_proj(h)
-
-
-class FFN(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.self_attn, self.ffn = Attention(), FFN()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(x)
-        return x + self.ffn(x)
-
-
-class Toy(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([Block(), Block()])
-        self.head = nn.Linear(D, 5)  # never targeted
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
-
-
-def toy() -> Toy:
-    torch.manual_seed(0)
-    return Toy().double().eval()
-
-
-def randomize(model: nn.Module, name: str, seed: int) -> None:
-    """Nonzero B (and fresh A) for adapter `name`, so it actually changes outputs."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, LoRALinear) and name in m.lora_A:
-                for w in (m.lora_A[name].weight, m.lora_B[name].weight):
-                    w.copy_(torch.randn(w.shape, generator=g, dtype=w.dtype) * 0.3)
-
-
-def with_adapters(*names: str) -> Toy:
-    model = toy()
-    for i, name in enumerate(names):
-        add_adapter(model, name, MIXED if name == "b" else ATTN, seed=i)
-        randomize(model, name, seed=100 + i)
-    return model
-
-
-def run(model: nn.Module, x: torch.Tensor, adapters) -> torch.Tensor:
-    with torch.no_grad(), use_adapters(model, adapters):
-        return model(x)
-
-
-def inputs(dim: int, rows: int = 4) -> torch.Tensor:
-    g = torch.Generator().manual_seed(7)
-    shape = (rows, D) if dim == 2 else (rows, 3, D)
-    return torch.randn(shape, generator=g, dtype=torch.float64)
-
-
-def snapshot(model: nn.Module) -> tuple:
-    return (
-        [(n, type(m)) for n, m in model.named_modules()],
-        {k: v.clone() for k, v in model.state_dict().items()},
-        adapter_names(model),
-    )
-
-
-def assert_unchanged(model: nn.Module, snap: tuple) -> None:
-    modules, state, names = snapshot(model)
-    assert modules == snap[0] and names == snap[2]
-    assert state.keys() == snap[1].keys()
-    assert all(torch.equal(state[k], snap[1][k]) for k in state)
-
+from model.lora_io import lora_state_dict
+from tests.model.lora_toy import (
+    ATTN,
+    ROWS,
+    D,
+    assert_unchanged,
+    inputs,
+    randomize,
+    run,
+    snapshot,
+    toy,
+    with_adapters,
+)
 
 # ---- forward -------------------------------------------------------------------------------------
 
@@ -235,8 +142,12 @@ def test_use_adapters_validates_nests_and_restores() -> None:
     model = with_adapters("a", "b")
     x = inputs(2)
     expected = {sel: run(model, x, sel) for sel in ("a", "b", None)}
-    for bad, match in ((["a", "zzz"], "unknown adapter"), ("zzz", "unknown adapter"), ([], "non-empty"),
-                       (["a", 3], "non-empty")):
+    for bad, match in (
+        (["a", "zzz"], "unknown adapter"),
+        ("zzz", "unknown adapter"),
+        ([], "non-empty"),
+        (["a", 3], "non-empty"),
+    ):
         with pytest.raises(AdapterError, match=match), use_adapters(model, bad):
             pytest.fail("body must not run")
     with torch.no_grad(), use_adapters(model, "a"):
@@ -388,9 +299,19 @@ def test_mark_only_lora_trainable_gives_grads_only_to_that_adapter(adapters) -> 
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"r": 0}, {"r": 2.0}, {"r": True}, {"lora_alpha": 0}, {"lora_alpha": float("nan")}, {"lora_dropout": 1.0},
-     {"target_modules": ()}, {"target_modules": "q_proj"}, {"target_modules": ("q_proj", "")}, {"bias": "all"},
-     {"task_type": 3}],
+    [
+        {"r": 0},
+        {"r": 2.0},
+        {"r": True},
+        {"lora_alpha": 0},
+        {"lora_alpha": float("nan")},
+        {"lora_dropout": 1.0},
+        {"target_modules": ()},
+        {"target_modules": "q_proj"},
+        {"target_modules": ("q_proj", "")},
+        {"bias": "all"},
+        {"task_type": 3},
+    ],
 )
 def test_config_validation(kwargs: dict) -> None:
     with pytest.raises(AdapterError, match=next(iter(kwargs))):
@@ -404,117 +325,14 @@ def test_peft_dict_round_trip() -> None:
     assert d["peft_type"] == "LORA" and d["target_modules"] == ["q_proj", "v_proj"] and not d["fan_in_fan_out"]
     assert LoRAConfig.from_peft_dict({**d, "some_future_key": 1}) == cfg
     assert json.loads(json.dumps(d)) == d
-    for bad, match in (({"r": "8"}, "r="), ({"peft_type": "IA3"}, "peft_type"), ({"use_dora": True}, "unsupported"),
-                       ({"target_modules": "all-linear"}, "list of module names"), ({"lora_alpha": None}, "alpha")):
+    for bad, match in (
+        ({"r": "8"}, "r="),
+        ({"peft_type": "IA3"}, "peft_type"),
+        ({"use_dora": True}, "unsupported"),
+        ({"target_modules": "all-linear"}, "list of module names"),
+        ({"lora_alpha": None}, "alpha"),
+    ):
         with pytest.raises(AdapterError, match=match):
             LoRAConfig.from_peft_dict({**d, **bad})
     with pytest.raises(AdapterError, match="JSON object"):
         LoRAConfig.from_peft_dict([1])
-
-
-# ---- save / load -----------------------------------------------------------------------------------
-
-
-def test_save_load_round_trip(tmp_path: Path) -> None:
-    model = with_adapters("a", "b")
-    save_adapter(model, "b", tmp_path / "b", base_model_name_or_path="toy")
-    save_adapter(model, "b", tmp_path / "b", base_model_name_or_path="toy")  # overwrite in place
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
-    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
-    config = json.loads((tmp_path / "b" / "adapter_config.json").read_text())
-    for key in ("peft_type", "r", "lora_alpha", "lora_dropout", "target_modules", "bias", "task_type",
-                "base_model_name_or_path", "fan_in_fan_out", "inference_mode", "modules_to_save"):
-        assert key in config, key
-    assert config["base_model_name_or_path"] == "toy" and config["r"] == 2
-    saved = load_file(tmp_path / "b" / "adapter_model.safetensors")
-    assert "base_model.model.layers.1.ffn.fc2.lora_B.weight" in saved and len(saved) == 2 * 6
-
-    fresh = with_adapters("a")
-    loaded = load_adapter(fresh, tmp_path / "b", "b2")
-    assert loaded == get_adapter_config(fresh, "b2") and loaded.base_model_name_or_path == "toy"
-    original, reloaded = lora_state_dict(model, "b"), lora_state_dict(fresh, "b2")
-    assert original.keys() == reloaded.keys() == saved.keys()
-    assert all(torch.equal(original[k], reloaded[k]) for k in original)
-    x = inputs(3)
-    assert torch.equal(run(fresh, x, "b2"), run(model, x, "b"))
-    assert torch.equal(run(fresh, x, ["a", None, "b2", "a"]), run(model, x, ROWS))
-
-    single = toy().float()  # loads into the model's dtype
-    load_adapter(single, tmp_path / "b", "b")
-    assert single.layers[0].ffn.fc1.lora_A["b"].weight.dtype == torch.float32
-
-
-def _edit_tensors(directory: Path, edit) -> None:
-    path = directory / "adapter_model.safetensors"
-    tensors = load_file(path)
-    edit(tensors)
-    save_file(tensors, path)
-
-
-def _edit_config(directory: Path, **changes) -> None:
-    path = directory / "adapter_config.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
-
-
-A0 = "base_model.model.layers.0.self_attn.q_proj.lora_A.weight"
-B1 = "base_model.model.layers.1.self_attn.v_proj.lora_B.weight"
-
-
-def _truncate(d: Path) -> None:
-    path = d / "adapter_model.safetensors"
-    path.write_bytes(path.read_bytes()[:-40])
-
-
-def _pickle_only(d: Path) -> None:
-    (d / "adapter_model.safetensors").unlink()
-    (d / "adapter_model.bin").write_bytes(b"\x80\x04not really a pickle")
-
-
-CORRUPTIONS = {
-    "wrong_rank": (lambda d: _edit_config(d, r=2), "shape \\(4, 8\\), expected \\(2, 8\\)"),
-    "wrong_shape": (lambda d: _edit_tensors(d, lambda t: t.update({A0: torch.zeros(4, 9)})), "expected \\(4, 8\\)"),
-    "unknown_module": (lambda d: _edit_tensors(d, lambda t: t.update({A0.replace("q_proj", "fc1"): t[A0].clone()})),
-                       "not a target nn.Linear"),
-    "unknown_layer": (lambda d: _edit_tensors(d, lambda t: t.update({A0.replace(".0.", ".9."): t[A0].clone()})),
-                      "not a target nn.Linear"),
-    "bad_key": (lambda d: _edit_tensors(d, lambda t: t.update({"lora_A": t[A0].clone()})), "unexpected tensor"),
-    "missing_tensor": (lambda d: _edit_tensors(d, lambda t: t.pop(B1)), "missing tensor.*v_proj.lora_B"),
-    "nan": (lambda d: _edit_tensors(d, lambda t: t[B1].__setitem__((0, 0), float("nan"))), "non-finite"),
-    "int_dtype": (lambda d: _edit_tensors(d, lambda t: t.update({B1: t[B1].long()})), "dtype torch.int64"),
-    "truncated": (_truncate, "adapter_model.safetensors is not a readable safetensors file"),
-    "pickle_only": (_pickle_only, "pickle files are not loaded"),
-    "bad_json": (lambda d: (d / "adapter_config.json").write_text("{"), "cannot read.*adapter_config.json"),
-    "no_config": (lambda d: (d / "adapter_config.json").unlink(), "cannot read.*adapter_config.json"),
-    "unsupported": (lambda d: _edit_config(d, use_dora=True), "unsupported PEFT options"),
-    "bad_config_type": (lambda d: _edit_config(d, lora_alpha="16"), "lora_alpha='16'"),
-    "no_targets": (lambda d: _edit_config(d, target_modules=["nope"]), "no nn.Linear named"),
-}
-
-
-@pytest.mark.parametrize("case", sorted(CORRUPTIONS))
-def test_load_rejects_mismatched_adapters_and_leaves_model_unchanged(tmp_path: Path, case: str) -> None:
-    source = with_adapters("a")
-    save_adapter(source, "a", tmp_path / "a")
-    corrupt, match = CORRUPTIONS[case]
-    corrupt(tmp_path / "a")
-    model = with_adapters("keep")
-    snap = snapshot(model)
-    with pytest.raises(AdapterError, match=match) as err:
-        load_adapter(model, tmp_path / "a", "new")
-    assert "'new'" in str(err.value)
-    assert_unchanged(model, snap)
-
-
-def test_load_rejects_bad_or_taken_names(tmp_path: Path) -> None:
-    source = with_adapters("a")
-    save_adapter(source, "a", tmp_path / "a")
-    model = toy()
-    snap = snapshot(model)
-    with pytest.raises(AdapterError, match="invalid adapter name '../x'"):
-        load_adapter(model, tmp_path / "a", "../x")
-    with pytest.raises(AdapterError, match="not found"):
-        load_adapter(model, tmp_path / "missing", "m")
-    assert_unchanged(model, snap)
-    load_adapter(model, tmp_path / "a", "a")
-    with pytest.raises(AdapterError, match="already exists"):
-        load_adapter(model, tmp_path / "a", "a")
