@@ -55,6 +55,18 @@ class MultiHeadAttention(nn.Module):
         b, t, _ = x.shape
         return x.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
 
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fused projection's output (B, T, 3D) -> q, k, v, each (B, H, T, Dh)."""
+        b, t, _ = qkv.shape
+        q, k, v = qkv.view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        return q, k, v
+
+    @staticmethod
+    def merge_heads(out: torch.Tensor) -> torch.Tensor:
+        """(B, H, T, Dh) -> (B, T, D), the out projection's input."""
+        b, _, t, _ = out.shape
+        return out.transpose(1, 2).reshape(b, t, -1)
+
     def project_kv(self, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of ``source`` (B, S, D), each (B, H, S, Dh); cached once for cross-attention."""
         return self.split_heads(self.k_proj(source)), self.split_heads(self.v_proj(source))
@@ -76,7 +88,7 @@ class MultiHeadAttention(nn.Module):
         at each row's position and the query attends to everything the cache holds for its row.
         """
         if source is None and kv is None and self.fused:
-            q, k, v = (self.split_heads(p) for p in self.qkv_proj(x).chunk(3, dim=-1))
+            q, k, v = self.split_qkv(self.qkv_proj(x))
         else:
             q = self.split_heads(self.q_proj(x))  # (B, H, T, Dh)
             k, v = kv if kv is not None else self.project_kv(x if source is None else source)
@@ -90,5 +102,4 @@ class MultiHeadAttention(nn.Module):
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
             weights = None
-        b, _, t, _ = out.shape
-        return self.out_proj(out.transpose(1, 2).reshape(b, t, -1)), weights
+        return self.out_proj(self.merge_heads(out)), weights

@@ -25,7 +25,7 @@ from torch import nn
 
 from model.attention import MultiHeadAttention
 from model.kv_cache import KVCache
-from model.layers import FeedForward, LayerStack, TransformerLayer
+from model.layers import LayerStack, TransformerLayer
 
 Op = Callable[[torch.Tensor], torch.Tensor]
 
@@ -41,13 +41,6 @@ def _op(module: nn.Module) -> Op:
     return module.forward if not module._forward_hooks and not module._forward_pre_hooks else module
 
 
-def _activation(ffn: FeedForward) -> Op:
-    if ffn.activation == "relu":
-        return torch.relu
-    approximate = "tanh" if ffn.activation == "gelu_tanh" else "none"
-    return lambda x: F.gelu(x, approximate=approximate)
-
-
 @dataclass
 class _Attention:
     q: Op
@@ -55,22 +48,17 @@ class _Attention:
     v: Op
     out: Op
     qkv: Op | None  # the fused q/k/v projection, while it is in use
-    n_heads: int
-    head_dim: int
+    heads: Callable[[torch.Tensor], torch.Tensor]  # the module's split_heads
+    split_qkv: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
     @classmethod
     def of(cls, attn: MultiHeadAttention) -> _Attention:
         qkv = _op(attn.qkv_proj) if attn.fused else None
         projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj)
-        return cls(*(_op(p) for p in projections), qkv, attn.n_heads, attn.head_dim)
-
-    def heads(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        return x.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        return cls(*(_op(p) for p in projections), qkv, attn.split_heads, attn.split_qkv)
 
     def merge(self, out: torch.Tensor) -> torch.Tensor:
-        b, _, t, _ = out.shape
-        return self.out(out.transpose(1, 2).reshape(b, t, -1))
+        return self.out(MultiHeadAttention.merge_heads(out))
 
 
 @dataclass
@@ -96,7 +84,7 @@ class _Layer:
             cross_attn=_Attention.of(layer.cross_attn) if cross else None,
             ffn_norm=_op(layer.ffn_norm),
             fc1=_op(layer.ffn.fc1),
-            activation=_activation(layer.ffn),
+            activation=layer.ffn.activate,
             fc2=_op(layer.ffn.fc2),
         )
 
@@ -113,8 +101,7 @@ class _Layer:
 
         def self_attention(h: torch.Tensor) -> torch.Tensor:
             if attn.qkv is not None:
-                b, t, _ = h.shape
-                q, k, v = attn.qkv(h).view(b, t, 3, attn.n_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
+                q, k, v = attn.split_qkv(attn.qkv(h))
             else:
                 q, k, v = attn.heads(attn.q(h)), attn.heads(attn.k(h)), attn.heads(attn.v(h))
             k, v = cache.write(i, k, v)

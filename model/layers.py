@@ -71,12 +71,14 @@ class FeedForward(nn.Module):
         self.activation = config.activation
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc1(x)
+    def activate(self, h: torch.Tensor) -> torch.Tensor:
+        """The configured nonlinearity: ReLU, GELU, or GELU's tanh approximation."""
         if self.activation == "relu":
-            h = F.relu(h)
-        else:
-            h = F.gelu(h, approximate="tanh" if self.activation == "gelu_tanh" else "none")
+            return F.relu(h)
+        return F.gelu(h, approximate="tanh" if self.activation == "gelu_tanh" else "none")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.activate(self.fc1(x))
         return self.fc2(self.dropout(h) if self.training else h)
 
 
