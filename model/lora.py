@@ -17,7 +17,7 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -151,6 +151,20 @@ class Routing:
         return {n for n in (self.groups or {self.name: None}) if n is not None}
 
 
+class _Stacked(NamedTuple):
+    """A LoRALinear's resident adapters side by side, for mixed batches in inference.
+
+    A non-finite weight anywhere (``finite`` False) sends mixed batches back to the per-group loop:
+    in one GEMM over every adapter, 0 x NaN would reach the rows of the other adapters too.
+    """
+
+    key: tuple  # (name, A version, B version) per adapter
+    a: torch.Tensor  # (sum of ranks, in)
+    b: torch.Tensor  # (out, sum of ranks)
+    spans: tuple[tuple[str, int, int, float], ...]  # (name, first column, end column, scaling)
+    finite: bool
+
+
 def _linear_from(weight: torch.Tensor) -> nn.Linear:
     """A bias-free nn.Linear holding `weight` (out, in), without running an init."""
     layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
@@ -170,7 +184,7 @@ class LoRALinear(nn.Module):
         self.configs: dict[str, LoRAConfig] = {}
         self.merged: str | None = None  # adapter whose delta is currently added into base.weight
         self.routing = Routing()
-        self._stacked: tuple[tuple, torch.Tensor, torch.Tensor, bool] | None = None  # see _stack
+        self._stacked: _Stacked | None = None  # see _stack
         self.train(base.training)  # a wrapper made after model.eval() must not switch dropout on
 
     def add(self, name: str, config: LoRAConfig, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -216,8 +230,10 @@ class LoRALinear(nn.Module):
             return out if terms == (None, None) else out + self._correction(terms, x, out.dtype)
         if x.shape[0] != routing.rows:
             raise AdapterError(f"per-row adapters were set for {routing.rows} rows but the input has {x.shape[0]}")
-        if self.merged is None and not self.training and not torch.is_grad_enabled() and self._stack()[3]:
-            return out + self._stacked_delta(x, routing).to(out.dtype)
+        if self.merged is None and not self.training and not torch.is_grad_enabled():  # inference
+            stacked = self._stack()
+            if stacked.finite:
+                return out + self._stacked_delta(x, routing, stacked).to(out.dtype)
         for name, idx in routing.groups.items():
             terms = self._terms(name)
             if terms != (None, None):
@@ -225,43 +241,38 @@ class LoRALinear(nn.Module):
                 out.index_add_(0, idx, self._correction(terms, x.index_select(0, idx), out.dtype))
         return out
 
-    def _stack(self) -> tuple[tuple, torch.Tensor, torch.Tensor, bool]:
-        """(key, A_cat (sum r, in), B_cat (out, sum r), all finite) of every resident adapter, rebuilt when
-        one is added, removed or changed in place (the tensors' version counters are part of the key).
-
-        A non-finite weight anywhere sends mixed batches back to the per-group loop: in one GEMM over
-        every adapter, 0 x NaN would reach the rows of the other adapters too.
-        """
+    def _stack(self) -> _Stacked:
+        """Every resident adapter concatenated (see :class:`_Stacked`), rebuilt when one is added, removed
+        or changed in place (the tensors' version counters are part of the key)."""
         names = list(self.lora_A)
         key = tuple((n, self.lora_A[n].weight._version, self.lora_B[n].weight._version) for n in names)
-        if self._stacked is None or self._stacked[0] != key:
+        if self._stacked is None or self._stacked.key != key:
+            spans, start = [], 0
+            for name in names:
+                r = self.configs[name].r
+                spans.append((name, start, start + r, self.scaling[name]))
+                start += r
             a_cat = torch.cat([self.lora_A[n].weight for n in names]).detach()
             b_cat = torch.cat([self.lora_B[n].weight for n in names], dim=1).detach()
             finite = bool(torch.isfinite(a_cat).all() and torch.isfinite(b_cat).all())
-            self._stacked = (key, a_cat, b_cat, finite)
+            self._stacked = _Stacked(key, a_cat, b_cat, tuple(spans), finite)
         return self._stacked
 
-    def _stacked_delta(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+    @staticmethod
+    def _stacked_delta(x: torch.Tensor, routing: Routing, stacked: _Stacked) -> torch.Tensor:
         """Every row's own adapter delta in two GEMMs: x A_cat^T, keep (and scale) the row's adapter's
         columns, then B_cat. Rows of the base or of an adapter this layer lacks get zero."""
-        _, a_cat, b_cat, _ = self._stack()
-        spans, start = [], 0
-        for name in self.lora_A:
-            r = self.configs[name].r
-            spans.append((name, start, start + r, self.scaling[name]))
-            start += r
-        signature = tuple(spans)
-        mask = routing.masks.get(signature)
+        mask = routing.masks.get(stacked.spans)
         if mask is None:
-            mask = torch.zeros(routing.rows, start, dtype=a_cat.dtype, device=a_cat.device)
-            for name, lo, hi, scale in spans:
+            mask = torch.zeros(routing.rows, stacked.a.shape[0], dtype=stacked.a.dtype, device=stacked.a.device)
+            for name, lo, hi, scale in stacked.spans:
                 rows = routing.groups.get(name)
                 if rows is not None:
                     mask[rows.to(mask.device), lo:hi] = scale
-            routing.masks[signature] = mask
-        h = F.linear(x.to(a_cat.dtype), a_cat)  # (rows, ..., sum r)
+            routing.masks[stacked.spans] = mask
+        h = F.linear(x.to(stacked.a.dtype), stacked.a)  # (rows, ..., sum r)
         h = h * mask.view(mask.shape[0], *([1] * (h.dim() - 2)), mask.shape[1])
-        return F.linear(h, b_cat)
+        return F.linear(h, stacked.b)
 
     def extra_repr(self) -> str:
         return f"adapters={list(self.configs)}, merged={self.merged!r}"
