@@ -18,28 +18,11 @@ import torch
 from torch import nn
 
 from benchmarks.common import machine_line, markdown_table
-from benchmarks.peers import BERT, GPT2, LABELS, LAYERS, PAPER, SHAPE, decoding_config, random_ids
-from model.causal_lm import CausalLM
-from model.classifier import TransformerClassifier
-from model.config import CausalLMConfig, ClassifierConfig, Seq2SeqConfig
+from benchmarks.peers import decoding_config, random_ids, random_models
 from model.generation import generate_causal, generate_seq2seq
 from model.layout import use_input_major_weights
-from model.seq2seq import Seq2SeqTransformer
 
 Cell = tuple[str, int, Callable[[nn.Module], object]]  # name, items per run, run(model)
-
-
-def models() -> dict[str, nn.Module]:
-    torch.manual_seed(0)
-    return {
-        "causal_lm": CausalLM(CausalLMConfig(**SHAPE, n_layers=LAYERS, **GPT2)).eval(),
-        "seq2seq": Seq2SeqTransformer(
-            Seq2SeqConfig(**SHAPE, n_encoder_layers=LAYERS, n_decoder_layers=LAYERS, max_src_len=256, **PAPER)
-        ).eval(),
-        "classifier": TransformerClassifier(
-            ClassifierConfig(**SHAPE, n_layers=LAYERS, num_labels=len(LABELS), layer_norm_eps=1e-12, **BERT)
-        ).eval(),
-    }
 
 
 def cells(new_tokens: int) -> list[tuple[str, Cell]]:
@@ -91,7 +74,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="intra-op threads")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    pairs = {family: (model, copy.deepcopy(model)) for family, model in models().items()}
+    families = dict(zip(("causal_lm", "seq2seq", "classifier"), random_models(), strict=True))
+    pairs = {family: (model, copy.deepcopy(model)) for family, model in families.items()}
     for _, relaid in pairs.values():
         use_input_major_weights(relaid)
     print(machine_line())

@@ -78,13 +78,8 @@ def synthetic_tokenizer(vocab_size: int = SHAPE["vocab_size"], seed: int = 0) ->
     return tokenizer
 
 
-def build(root: Path, seed: int = 0) -> Models:
-    """Make, save, export and convert the three models under ``root``."""
-    import transformers
-
-    from training.export import export_hf
-
-    tokenizer = synthetic_tokenizer()
+def random_models(seed: int = 0) -> tuple[CausalLM, Seq2SeqTransformer, TransformerClassifier]:
+    """The three models of the issue's shape, random weights, in eval mode."""
     torch.manual_seed(seed)
     causal = CausalLM(CausalLMConfig(**SHAPE, n_layers=LAYERS, **GPT2)).eval()
     seq2seq = Seq2SeqTransformer(
@@ -93,6 +88,17 @@ def build(root: Path, seed: int = 0) -> Models:
     classifier = TransformerClassifier(
         ClassifierConfig(**SHAPE, n_layers=LAYERS, num_labels=len(LABELS), layer_norm_eps=1e-12, **BERT)
     ).eval()
+    return causal, seq2seq, classifier
+
+
+def build(root: Path, seed: int = 0) -> Models:
+    """Make, save, export and convert the three models under ``root``."""
+    import transformers
+
+    from training.export import export_hf
+
+    tokenizer = synthetic_tokenizer()
+    causal, seq2seq, classifier = random_models(seed)
     checkpoints, exports = {}, {}
     for name, model in (("causal_lm", causal), ("seq2seq", seq2seq), ("classifier", classifier)):
         labels = LABELS if name == "classifier" else None
@@ -105,17 +111,17 @@ def build(root: Path, seed: int = 0) -> Models:
         ct2_dir = Path(TransformersConverter(str(exports["seq2seq"])).convert(str(root / "ct2" / "seq2seq")))
     except ImportError:
         logger.warning("ctranslate2 is not installed: its cells are skipped")
-    int8 = {name: _int8(model) for name, model in (("causal", causal), ("seq2seq", seq2seq), ("cls", classifier))}
-    for model in (causal, seq2seq, classifier, *int8.values()):
+    causal_int8, seq2seq_int8, classifier_int8 = (_int8(m) for m in (causal, seq2seq, classifier))
+    for model in (causal, seq2seq, classifier, causal_int8, seq2seq_int8, classifier_int8):
         use_input_major_weights(model)  # as the service does at load
     return Models(
         tokenizer=tokenizer,
         causal=causal,
         seq2seq=seq2seq,
         classifier=classifier,
-        causal_int8=int8["causal"],
-        seq2seq_int8=int8["seq2seq"],
-        classifier_int8=int8["cls"],
+        causal_int8=causal_int8,
+        seq2seq_int8=seq2seq_int8,
+        classifier_int8=classifier_int8,
         hf_causal=transformers.GPT2LMHeadModel.from_pretrained(exports["causal_lm"]).eval(),
         hf_seq2seq=transformers.MarianMTModel.from_pretrained(exports["seq2seq"]).eval(),
         hf_classifier=transformers.BertForSequenceClassification.from_pretrained(exports["classifier"]).eval(),
