@@ -149,7 +149,8 @@ class KVCache:
     def select(self, index: torch.Tensor) -> None:
         """Keep, reorder or duplicate rows: row i becomes old row ``index[i]`` (beams, finished rows).
 
-        When the row count stays (beams reordered), only the rows that change are copied, in place.
+        When the row count stays (beams reordered), only the rows that change are copied, in place:
+        a shallow copy of this cache sharing its buffers sees the change too. Otherwise new buffers.
         """
         if index.shape[0] == self.batch_size:
             self._reorder_in_place(index)

@@ -57,8 +57,8 @@ class RunningBatch:
     def sub(self, job: GenerationJob) -> RunningBatch:
         """A copy of one job's rows (the batch itself is untouched)."""
         index = self.row_index([job])
-        cache = dataclasses.replace(self.cache)
-        cache.select(index)
+        cache = dataclasses.replace(self.cache)  # shares the buffers: safe, since an index over every
+        cache.select(index)  # row is the identity (select copies nothing) and any other one allocates anew
         tokens = self.tokens.index_select(0, index) if self.tokens is not None else None
         return RunningBatch([job], cache, tokens)
 
