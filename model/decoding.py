@@ -115,18 +115,38 @@ def log_probs(logits: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1)
 
 
-def mask_tokens(scores: torch.Tensor, token_ids: tuple[int, ...]) -> torch.Tensor:
-    """Copy of `scores` (rows, V) with the columns `token_ids` set to -inf."""
+def mask_tokens(scores: torch.Tensor, token_ids: tuple[int, ...], inplace: bool = False) -> torch.Tensor:
+    """`scores` (rows, V) with the columns `token_ids` set to -inf: a copy, or `scores` itself if `inplace`."""
     if not token_ids:
         return scores
-    scores = scores.clone()
+    scores = scores if inplace else scores.clone()
     scores[:, list(token_ids)] = NEG_INF
     return scores
 
 
-def min_length_mask(scores: torch.Tensor, step: int, config: GenerationConfig) -> torch.Tensor:
+def min_length_mask(scores: torch.Tensor, step: int, config: GenerationConfig, inplace: bool = False) -> torch.Tensor:
     """Forbid EOS and stop tokens while fewer than `min_new_tokens` tokens are generated."""
-    return mask_tokens(scores, config.finish_token_ids) if step < config.min_new_tokens else scores
+    return mask_tokens(scores, config.finish_token_ids, inplace) if step < config.min_new_tokens else scores
+
+
+def top_k(scores: torch.Tensor, k: int, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """``scores.topk(k, dim=1)`` (values, indices; best first) of a (rows, N) tensor, faster for large N.
+
+    torch's CPU topk copies and partially sorts every row. Here a row is cut into chunks of ``chunk``
+    columns and only the ``k`` chunks with the largest maxima are searched: every one of the k best
+    values lies in a chunk whose maximum is at least the k-th best, and at most k chunks hold them.
+    Equal values may come back in another order than topk's (which does not promise one either).
+    """
+    rows, n = scores.shape
+    if n < 32 * k * chunk:  # few chunks: the plain topk is as fast
+        return scores.topk(k, dim=1)
+    full = n - n % chunk
+    chunks = scores[:, :full].view(rows, -1, chunk).amax(dim=2).topk(k, dim=1).indices  # (rows, k)
+    columns = (chunks[:, :, None] * chunk + torch.arange(chunk, device=scores.device)).view(rows, -1)
+    if full < n:  # the last, partial chunk is always searched
+        columns = torch.cat([columns, torch.arange(full, n, device=scores.device).expand(rows, -1)], dim=1)
+    values, pick = scores.gather(1, columns).topk(k, dim=1)
+    return values, columns.gather(1, pick)
 
 
 def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -157,7 +177,7 @@ def sampling_logits(logits: torch.Tensor, step: int, config: GenerationConfig) -
 
 def gumbel_argmax(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Sample one token per row from softmax(logits) given uniforms in [0, 1) of the same shape."""
-    return torch.argmax(logits - torch.log(-torch.log(uniforms)), dim=-1)
+    return (logits - torch.log(-torch.log(uniforms))).max(dim=-1).indices  # first maximum, as argmax
 
 
 def length_penalty(length: int, alpha: float) -> float:
@@ -233,8 +253,8 @@ class _IndependentSearch(Search):
         return self._slots is not None and self._slots.numel() == 0
 
     @abstractmethod
-    def _choose(self, logits: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
-        """Next token (R,) of every live row."""
+    def _choose(self, logits: torch.Tensor, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Next token (R,) of every live row and its log-prob (R,); ``logprobs`` may be overwritten."""
 
     def _start(self, device: torch.device) -> None:
         n = self.num_inputs * self.samples
@@ -244,6 +264,7 @@ class _IndependentSearch(Search):
         self._reason = torch.zeros(n, dtype=torch.long, device=device)  # finish code per slot
         self._length = torch.zeros(n, dtype=torch.long, device=device)  # tokens kept per slot
         self._stop_ids = torch.tensor(self.config.stop_token_ids, dtype=torch.long, device=device)
+        self._all_slots = self._slots  # `_slots` stays this tensor until a row leaves
 
     def advance(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self._check_logits(logits)
@@ -253,27 +274,33 @@ class _IndependentSearch(Search):
             self._start(logits.device)
             parents = torch.arange(self.num_inputs, device=logits.device).repeat_interleave(self.samples)
             logits = logits.index_select(0, parents) if self.samples > 1 else logits
-        else:
-            parents = torch.arange(self.num_rows, device=logits.device)
+        else:  # while no row has left, the slots are the rows 0..R-1
+            whole = self._slots is self._all_slots
+            parents = self._slots if whole else torch.arange(self.num_rows, device=logits.device)
         slots = self._slots
         logprobs = log_probs(logits)
-        tokens = self._choose(logits, logprobs)
-        self._tokens[slots, self.step] = tokens
-        self._logprob[slots] += logprobs.gather(1, tokens[:, None]).squeeze(1)
+        tokens, chosen = self._choose(logits, logprobs)
+        if slots is self._all_slots:  # every slot is live: slices instead of indexed writes
+            self._tokens[:, self.step] = tokens
+            self._logprob += chosen
+        else:
+            self._tokens[slots, self.step] = tokens
+            self._logprob[slots] += chosen
         self.step += 1
         reason = self._finish_codes(tokens, slots)
-        self._reason[slots] = reason
-        self._length[slots] = self.step - ((reason == _EOS) | (reason == _STOP_TOKEN)).long()
         live = reason == 0
-        if bool(live.all()):  # the common step: no row finished, nothing to index
+        if bool(live.all()):  # the common step: no row finished, nothing to record or index
             return tokens, parents
+        self._reason[slots] = reason  # a live row's reason and length are written again when it ends
+        self._length[slots] = self.step - ((reason == _EOS) | (reason == _STOP_TOKEN)).long()
         self._slots = slots[live]
         return tokens[live], parents[live]
 
     def _finish_codes(self, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Finish code per row (0 = continues), by priority EOS > stop token > stop_fn > length."""
         reason = torch.zeros_like(tokens)
-        reason.masked_fill_(torch.isin(tokens, self._stop_ids), _STOP_TOKEN)
+        if self.config.stop_token_ids:
+            reason.masked_fill_(torch.isin(tokens, self._stop_ids), _STOP_TOKEN)
         reason.masked_fill_(tokens == self.config.eos_token_id, _EOS)
         if self.stop_fn is not None and self.step >= self.config.min_new_tokens:
             rows = (reason == 0).nonzero().flatten()
@@ -300,8 +327,10 @@ class GreedySearch(_IndependentSearch):
     def __init__(self, config: GenerationConfig, num_inputs: int, stop_fn: StopFn | None = None):
         super().__init__(config, num_inputs, stop_fn, samples=1)
 
-    def _choose(self, logits: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
-        return torch.argmax(min_length_mask(logprobs, self.step, self.config), dim=-1)
+    def _choose(self, logits: torch.Tensor, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # max(dim) gives the first maximal index, as argmax does, and is 2-3x faster on CPU.
+        chosen, tokens = min_length_mask(logprobs, self.step, self.config, inplace=True).max(dim=-1)
+        return tokens, chosen
 
 
 class SampleSearch(_IndependentSearch):
@@ -311,9 +340,10 @@ class SampleSearch(_IndependentSearch):
         super().__init__(config, num_inputs, stop_fn, samples=config.num_return_sequences)
         self._generators: list[torch.Generator] | None = None
 
-    def _choose(self, logits: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    def _choose(self, logits: torch.Tensor, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = sampling_logits(logits, self.step, self.config)
-        return gumbel_argmax(scores, self._uniforms(scores.shape, scores.device))
+        tokens = gumbel_argmax(scores, self._uniforms(scores.shape, scores.device))
+        return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
 
     def _uniforms(self, shape: torch.Size, device: torch.device) -> torch.Tensor:
         """Uniform noise (R, V); with a seed, drawn per input for all its samples, then gathered."""
@@ -381,18 +411,19 @@ class BeamSearch(Search):
             self._history = torch.zeros(self.num_inputs, 0, dtype=torch.long, device=device)
             self._finish_ids = torch.tensor(self.config.finish_token_ids, device=device)
         sentences, width = self._scores.shape
-        logprobs = min_length_mask(log_probs(logits), self.step, self.config)
-        flat = (self._scores[:, :, None] + logprobs.view(sentences, width, vocab)).view(sentences, -1)
+        # Scores are finite, -inf (masked, empty beam) or NaN, so `> NEG_INF` is isfinite() in one op.
+        logprobs = min_length_mask(log_probs(logits), self.step, self.config, inplace=True)
+        flat = logprobs.view(sentences, width, vocab).add_(self._scores[:, :, None]).view(sentences, -1)
         # Enough candidates that `beams` live ones remain even if every beam's EOS/stop tokens rank first.
         count = min(beams * (1 + len(self.config.finish_token_ids)), width * vocab)
-        cand_scores, cand_ids = flat.topk(count, dim=1)  # (S, count), best first
+        cand_scores, cand_ids = top_k(flat, count)  # (S, count), best first
         cand_tokens = cand_ids % vocab
         cand_rows = cand_ids // vocab + torch.arange(sentences, device=device)[:, None] * width
         finishing = torch.isin(cand_tokens, self._finish_ids)
         self.step += 1
         # As in HF: only EOS/stop candidates ranked within the top `beams` finish a hypothesis.
         ranked = torch.arange(count, device=device) < beams
-        self._finalize(cand_scores, cand_rows, cand_tokens, finishing & ranked & cand_scores.isfinite(), False)
+        self._finalize(cand_scores, cand_rows, cand_tokens, finishing & ranked & (cand_scores > NEG_INF), False)
         live_scores, pick = cand_scores.masked_fill(finishing, NEG_INF).topk(min(beams, count), dim=1)
         if pick.size(1) < beams:  # tiny vocabulary: pad with empty (-inf) beams
             pad = beams - pick.size(1)
@@ -400,7 +431,7 @@ class BeamSearch(Search):
             pick = torch.cat([pick, pick.new_zeros(sentences, pad)], 1)
         live_rows, live_tokens = cand_rows.gather(1, pick), cand_tokens.gather(1, pick)
         if self.step >= self.config.max_new_tokens:
-            self._finalize(live_scores, live_rows, live_tokens, live_scores.isfinite(), True)
+            self._finalize(live_scores, live_rows, live_tokens, live_scores > NEG_INF, True)
         keep = self._open(live_scores)
         if bool(keep.all()):  # the common step: every sentence goes on, nothing to index
             tokens, parents, self._scores = live_tokens.flatten(), live_rows.flatten(), live_scores
@@ -432,6 +463,8 @@ class BeamSearch(Search):
         """(S,) bool: sentences that keep their beams for another step."""
         if self.step >= self.config.max_new_tokens:
             return torch.zeros(live_scores.size(0), dtype=torch.bool, device=live_scores.device)
+        if not any(nbest.full for nbest in self._nbest):  # nothing to beat yet: a sentence with a beam goes on
+            return live_scores[:, 0] > NEG_INF  # its best beam (topk order)
         alpha = self.config.length_penalty
         # A live sum s <= 0 only falls; s / penalty(L) is monotone in L, so its best is at an end.
         lengths = (self.step + 1, self.config.max_new_tokens)

@@ -47,6 +47,11 @@ class CrossAttentionMemory:
         runs = self.sources.view(-1, group)
         return group if bool((runs == runs[:, :1]).all()) else 1
 
+    @functools.cached_property
+    def attention_mask(self) -> torch.Tensor | None:
+        """``mask`` for attention, or None when no source has padding (SDPA's unmasked path is faster)."""
+        return None if bool(self.mask.all()) else self.mask
+
     def select(self, index: torch.Tensor) -> CrossAttentionMemory:
         """The memory for rows ``index``; beams reordered within their source keep the K/V as they are."""
         sources = self.sources.index_select(0, index)

@@ -76,6 +76,7 @@ class Seq2SeqTransformer(nn.Module):
     def decode_step(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Feed one target token per row (N,); return next-token logits (N, V)."""
         positions, mask = cache.begin_step(1)
-        x = run_decoder(self.decoder, self.tgt_embed(tokens[:, None], positions), mask, cache, cache.cross.mask)
+        x = self.tgt_embed(tokens[:, None], positions)
+        x = run_decoder(self.decoder, x, mask, cache, cache.cross.attention_mask)
         cache.end_step(1)
         return self.lm_head(x[:, 0])

@@ -13,6 +13,7 @@ from model.decoding import (
     apply_top_p,
     make_search,
     run_search,
+    top_k,
 )
 
 EOS = 2
@@ -237,6 +238,30 @@ def test_beam_matches_naive_reference(alpha, early_stopping, beams, scale):
         expected = naive_beam(model, prompt, config)
         assert [(h.tokens, h.finish_reason) for h in hyps] == [(tokens, reason) for _, tokens, reason in expected]
         assert [h.score for h in hyps] == pytest.approx([score for score, _, _ in expected], abs=1e-5)
+
+
+def test_beam_over_a_large_vocabulary_matches_naive_reference():
+    """4 beams x 6000 tokens: the candidates come from top_k's chunked search, not torch.topk."""
+    model = ToyLM(vocab=6000, eos_slope=3.0, scale=3.0)
+    config = GenerationConfig(strategy="beam", num_beams=4, num_return_sequences=4, max_new_tokens=6)
+    for prompt, hyps in zip(PROMPTS, generate(model, PROMPTS, config), strict=True):
+        expected = naive_beam(model, prompt, config)
+        assert [(h.tokens, h.finish_reason) for h in hyps] == [(tokens, reason) for _, tokens, reason in expected]
+        assert [h.score for h in hyps] == pytest.approx([score for score, _, _ in expected], abs=1e-5)
+
+
+@pytest.mark.parametrize("rows, columns, k", [(3, 32000, 8), (2, 40003, 5), (4, 100, 3)])
+def test_top_k_equals_torch_topk(rows, columns, k):
+    scores = torch.randn(rows, columns, generator=torch.Generator().manual_seed(columns))
+    scores[0, -1] = 10.0  # the best value in the partial last chunk
+    scores[1, :5000] = -math.inf  # whole chunks of -inf
+    values, indices = top_k(scores, k)
+    expected = scores.topk(k, dim=1)
+    assert torch.equal(values, expected.values) and torch.equal(indices, expected.indices)
+    dead = torch.full((1, 32000), -math.inf)
+    values, indices = top_k(dead, k)  # all equal: any k columns, each holding the value it reports
+    assert torch.equal(values, dead[:, :k]) and torch.equal(dead.gather(1, indices), values)
+    assert indices.unique().numel() == k
 
 
 def test_beam_nbest_sorted_distinct_and_reasons():

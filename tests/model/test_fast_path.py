@@ -54,6 +54,21 @@ def test_uniform_decode_needs_no_mask_and_ragged_prefill_is_not_uniform():
     assert not ragged.uniform and ragged.begin_step(1)[1] is not None
 
 
+def test_unpadded_sources_need_no_cross_attention_mask():
+    model = tiny_seq2seq().double()
+    with torch.no_grad():
+        _, equal = model.start(torch.tensor([SOURCES[0], SOURCES[3][:4]]), capacity=4)
+        assert equal.cross.attention_mask is None
+        padded = torch.tensor([SOURCES[0] + [model.config.pad_id], SOURCES[3]])
+        _, ragged = model.start(padded, capacity=4)
+        assert ragged.cross.attention_mask is ragged.cross.mask and not bool(ragged.cross.mask.all())
+        # The unmasked step equals one through the all-True mask.
+        tokens = torch.tensor([5, 6])
+        masked = copy.deepcopy(equal)
+        masked.cross.attention_mask = masked.cross.mask
+        assert torch.allclose(model.decode_step(tokens, equal), model.decode_step(tokens, masked), atol=1e-12)
+
+
 def test_concat_of_reordered_uniform_caches_never_reads_their_unset_tails():
     """select() leaves a uniform cache's tail unset; rows of another length joining it must not see it."""
     model = tiny_causal_lm().double()
