@@ -274,13 +274,15 @@ class _IndependentSearch(Search):
             self._start(logits.device)
             parents = torch.arange(self.num_inputs, device=logits.device).repeat_interleave(self.samples)
             logits = logits.index_select(0, parents) if self.samples > 1 else logits
-        else:  # while no row has left, the slots are the rows 0..R-1
-            whole = self._slots is self._all_slots
-            parents = self._slots if whole else torch.arange(self.num_rows, device=logits.device)
+        else:
+            parents = None
         slots = self._slots
+        whole = slots is self._all_slots  # no row has left yet: slot i is row i
+        if parents is None:
+            parents = slots if whole else torch.arange(self.num_rows, device=logits.device)
         logprobs = log_probs(logits)
         tokens, chosen = self._choose(logits, logprobs)
-        if slots is self._all_slots:  # every slot is live: slices instead of indexed writes
+        if whole:  # slices instead of indexed writes
             self._tokens[:, self.step] = tokens
             self._logprob += chosen
         else:
@@ -411,7 +413,6 @@ class BeamSearch(Search):
             self._history = torch.zeros(self.num_inputs, 0, dtype=torch.long, device=device)
             self._finish_ids = torch.tensor(self.config.finish_token_ids, device=device)
         sentences, width = self._scores.shape
-        # Scores are finite, -inf (masked, empty beam) or NaN, so `> NEG_INF` is isfinite() in one op.
         logprobs = min_length_mask(log_probs(logits), self.step, self.config, inplace=True)
         flat = logprobs.view(sentences, width, vocab).add_(self._scores[:, :, None]).view(sentences, -1)
         # Enough candidates that `beams` live ones remain even if every beam's EOS/stop tokens rank first.
@@ -422,6 +423,7 @@ class BeamSearch(Search):
         finishing = torch.isin(cand_tokens, self._finish_ids)
         self.step += 1
         # As in HF: only EOS/stop candidates ranked within the top `beams` finish a hypothesis.
+        # Scores are finite, -inf (masked, empty beam) or NaN, so `> NEG_INF` is isfinite() in one op.
         ranked = torch.arange(count, device=device) < beams
         self._finalize(cand_scores, cand_rows, cand_tokens, finishing & ranked & (cand_scores > NEG_INF), False)
         live_scores, pick = cand_scores.masked_fill(finishing, NEG_INF).topk(min(beams, count), dim=1)
