@@ -161,12 +161,17 @@ def test_streamed_generation_arrives_in_pieces(browser, server: Server):
     fill(browser, "gen-input", "the quick brown fox")
     fill(browser, "gen-max", "12")
     set_checkbox(browser, "gen-stream", True)
-    # Record every change of the output while the events arrive.
+    # Record the text of every change of the output. Per mutation record, not per observer callback:
+    # events that arrive in one network chunk are rendered in one task, so one callback sees them all.
     browser.execute_script("""
         window.pieces = [];
         const out = document.getElementById('gen-output');
-        new MutationObserver(() => window.pieces.push(out.textContent))
-            .observe(out, {childList: true, characterData: true, subtree: true});
+        new MutationObserver((records) => {
+            for (const record of records) {
+                for (const node of record.addedNodes) window.pieces.push(node.textContent);
+                if (record.type === 'characterData') window.pieces.push(record.target.textContent);
+            }
+        }).observe(out, {childList: true, characterData: true, subtree: true});
     """)
     browser.find_element(By.ID, "gen-run").click()
     wait(browser, lambda d: d.find_element(By.ID, "gen-output").get_attribute("data-done") == "true" or status(d))
@@ -180,6 +185,9 @@ def test_streamed_generation_arrives_in_pieces(browser, server: Server):
     assert f"{len(expected['tokens'])} tokens" in meta
     if len(expected["tokens"]) > 1:
         assert len(pieces) > 1, f"the output changed only {len(pieces)} time(s): not streamed"
+        # Each piece extends the one before, up to the whole text.
+        assert all(b.startswith(a) for a, b in zip(pieces, pieces[1:], strict=False)), pieces
+        assert pieces[-1] == expected["text"]
     assert not severe_console_errors(browser)
 
 
