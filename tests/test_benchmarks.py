@@ -1,13 +1,13 @@
-"""The peer comparison (`python -m benchmarks.compare`) runs end to end: a smoke run, not a measurement.
+"""The model benchmarks run end to end: smoke runs on a few tokens, not measurements.
 
-Speed is measured by the benchmark itself on a quiet machine (docs/benchmarks.md); this only checks
-that the one command still builds, exports and converts the models, runs every engine to exactly the
-requested lengths (the harness raises otherwise) and writes every table.
+Speed is measured by the benchmarks themselves on a quiet machine (docs/benchmarks.md); these only
+check that each command still builds its models, runs every engine or layout to exactly the requested
+lengths (the harnesses raise otherwise) and prints every table.
 """
 
 import re
 
-from benchmarks import compare
+from benchmarks import compare, decode, layout
 
 
 def _results_rows(report: str) -> list[list[str]]:
@@ -38,3 +38,22 @@ def test_compare_quick_run_reports_every_engine_and_target(tmp_path):
         assert goal in targets
     assert re.search(r"Read bandwidth by working set: 92 MB: [\d.]+ GB/s", report)
     assert "floor fp32 /s" in report
+
+
+def test_decode_benchmark_reports_cached_and_uncached_rows():
+    report = decode.run(decode.parse_args(["--new-tokens", "3", "--seq2seq-new-tokens", "3", "--batches", "1", "2",
+                                           "--seq2seq-batches", "1", "--repeats", "1"]))
+    rows = {tuple(cell.strip() for cell in line.strip("|").split("|")[:4]) for line in report.splitlines()
+            if line.startswith("| ") and not line.startswith("| decode")}
+    assert rows == {("causal_lm greedy", "1", "3", "yes"), ("causal_lm greedy", "1", "3", "no"),
+                    ("causal_lm greedy", "2", "3", "yes"), ("causal_lm greedy", "2", "3", "no"),
+                    ("causal_lm beam 4", "1", "3", "yes"), ("causal_lm beam 4", "1", "3", "no"),
+                    ("seq2seq beam 4", "1", "3", "yes")}
+    assert re.search(r"KV cache speed-up, greedy batch 2: \d+\.\dx", report)
+
+
+def test_layout_benchmark_compares_every_cell(capsys):
+    layout.main(["--rounds", "1", "--new-tokens", "2", "--threads", "1"])  # raises if the layouts disagree
+    table = capsys.readouterr().out.split("| cell |", 1)[1]
+    cells = re.findall(r"^\| (.+?) \| [\d,]+ \| [\d,]+ \| \d+\.\d\dx \|$", table, flags=re.MULTILINE)
+    assert len(cells) == 11 and "classifier b64 (seq/s)" in cells
