@@ -6,15 +6,8 @@ from collections import Counter
 import pytest
 import torch
 
-from model.decoding import (
-    GenerationConfig,
-    Hypothesis,
-    apply_top_k,
-    apply_top_p,
-    make_search,
-    run_search,
-    top_k,
-)
+from model.decoding import GenerationConfig, Hypothesis, make_search, run_search
+from model.logits import apply_top_k, apply_top_p, top_k
 
 EOS = 2
 

@@ -1,0 +1,87 @@
+"""Logits processing for the searches of model.decoding: pure functions over (rows, V) tensors."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from model.decoding import GenerationConfig
+
+NEG_INF = float("-inf")
+
+
+def log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """log_softmax over the vocabulary, in float32 whatever the logits' dtype."""
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def mask_tokens(scores: torch.Tensor, token_ids: tuple[int, ...], inplace: bool = False) -> torch.Tensor:
+    """`scores` (rows, V) with the columns `token_ids` set to -inf: a copy, or `scores` itself if `inplace`."""
+    if not token_ids:
+        return scores
+    scores = scores if inplace else scores.clone()
+    scores[:, list(token_ids)] = NEG_INF
+    return scores
+
+
+def min_length_mask(scores: torch.Tensor, step: int, config: GenerationConfig, inplace: bool = False) -> torch.Tensor:
+    """Forbid EOS and stop tokens while fewer than `min_new_tokens` tokens are generated."""
+    return mask_tokens(scores, config.finish_token_ids, inplace) if step < config.min_new_tokens else scores
+
+
+def top_k(scores: torch.Tensor, k: int, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """``scores.topk(k, dim=1)`` (values, indices; best first) of a (rows, N) tensor, faster for large N.
+
+    torch's CPU topk copies and partially sorts every row. Here a row is cut into chunks of ``chunk``
+    columns and only the ``k`` chunks with the largest maxima are searched: every one of the k best
+    values lies in a chunk whose maximum is at least the k-th best, and at most k chunks hold them.
+    Equal values may come back in another order than topk's (which does not promise one either).
+    """
+    rows, n = scores.shape
+    if n < 32 * k * chunk:  # few chunks: the plain topk is as fast
+        return scores.topk(k, dim=1)
+    full = n - n % chunk
+    chunks = scores[:, :full].view(rows, -1, chunk).amax(dim=2).topk(k, dim=1).indices  # (rows, k)
+    columns = (chunks[:, :, None] * chunk + torch.arange(chunk, device=scores.device)).view(rows, -1)
+    if full < n:  # the last, partial chunk is always searched
+        columns = torch.cat([columns, torch.arange(full, n, device=scores.device).expand(rows, -1)], dim=1)
+    values, pick = scores.gather(1, columns).topk(k, dim=1)
+    return values, columns.gather(1, pick)
+
+
+def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep the k highest logits per row (ties with the k-th survive); k = 0 keeps all."""
+    if k <= 0 or k >= logits.size(-1):
+        return logits
+    kth = torch.topk(logits, k, dim=-1).values[:, -1:]
+    return logits.masked_fill(logits < kth, NEG_INF)
+
+
+def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches p (at least one)."""
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs  # 0 for the most likely token
+    drop_sorted = mass_before >= p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, NEG_INF)
+
+
+def sampling_logits(logits: torch.Tensor, step: int, config: GenerationConfig) -> torch.Tensor:
+    """Min-length mask, temperature, top-k and top-p, in that order, in float32."""
+    scores = min_length_mask(logits.float(), step, config) / config.temperature
+    return apply_top_p(apply_top_k(scores, config.top_k), config.top_p)
+
+
+def gumbel_argmax(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Sample one token per row from softmax(logits) given uniforms in [0, 1) of the same shape."""
+    return (logits - torch.log(-torch.log(uniforms))).max(dim=-1).indices  # first maximum, as argmax
+
+
+def length_penalty(length: int, alpha: float) -> float:
+    """GNMT length penalty ((5 + length) / 6) ** alpha."""
+    return ((5 + length) / 6) ** alpha
