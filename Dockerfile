@@ -43,6 +43,20 @@ COPY requirements.txt constraints.txt /tmp/deps/
 RUN pip install --no-cache-dir --no-deps --index-url "${TORCH_INDEX}" "$(grep -E '^torch==' /tmp/deps/requirements.txt)" \
     && pip install --no-cache-dir -r /tmp/deps/requirements.txt -c /tmp/deps/constraints.txt \
     && python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+# The int8 AVX512-VNNI kernel (model/int8_kernel.py), compiled here so that the runtime image needs no
+# compiler: g++ (and Python's headers where the base image has none), then one build into
+# /opt/tserve-kernels, which the runtime copies. Without it int8 models fall back to fbgemm.
+COPY model/ /tmp/src/model/
+# hadolint ignore=DL3008
+RUN extra="" \
+    && if [ ! -f "$(python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h" ]; then \
+        extra=python3-dev; \
+    fi \
+    && apt-get update \
+    && apt-get install -y --no-install-recommends g++ ${extra:+"$extra"} \
+    && rm -rf /var/lib/apt/lists/* \
+    && TSERVE_KERNEL_DIR=/opt/tserve-kernels PYTHONPATH=/tmp/src python -m model.int8_kernel \
+    && ls /opt/tserve-kernels/tserve_int8_*.so
 
 # ---- train: `python -m training recipe` into /checkpoints (compose profile `train`) ------------------
 FROM ${TRAIN_IMAGE} AS train
@@ -79,6 +93,7 @@ RUN if ! command -v python3 >/dev/null; then \
     && useradd --system --uid 10001 --gid tserve --home-dir /app --no-create-home --shell /usr/sbin/nologin tserve \
     && mkdir -p /models /adapters && chown tserve:tserve /adapters
 COPY --from=build /opt/venv /opt/venv
+COPY --from=build /opt/tserve-kernels /opt/tserve-kernels
 WORKDIR /app
 COPY model/ model/
 COPY service/ service/
@@ -88,6 +103,7 @@ COPY training/ training/
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
+    TSERVE_KERNEL_DIR=/opt/tserve-kernels \
     TSERVE_MODELS=/models \
     TSERVE_ADAPTERS=/adapters \
     TSERVE_HOST=0.0.0.0 \

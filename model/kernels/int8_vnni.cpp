@@ -1,0 +1,156 @@
+// int8 x int8 linear layers on AVX512-VNNI: the int8 path's GEMM for every batch size (model/int8_kernel.py).
+//
+// y = sx * sw * (xq - 128) . w + bias, where
+//   w   int8 weights, one scale sw per output channel (symmetric, |w| <= 127), packed as
+//       [out / 16][in / 4][16][4]: one 64-byte load holds 4 consecutive inputs of 16 outputs, so
+//       `vpdpbusd` accumulates 16 outputs at once without horizontal sums (out and in zero-padded);
+//   xq  each activation row quantised on the fly to uint8 around 128, scale sx = max|x| / 127, so a
+//       row's result does not depend on the other rows of its batch;
+//   the -128 offset is undone with the weights' row sums (w_sum * 128).
+// Rows are tiled 4 at a time against 4 blocks of 16 outputs (16 accumulators); tiles are spread over
+// ATen's intra-op threads (the process's one OpenMP pool). Only `supported()` runs on other CPUs.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+
+namespace {
+
+constexpr int64_t kRowChunk = 64;  // activation rows per task: their uint8 copy stays in L2 across blocks
+
+VNNI void quantize_row(const float* x, int64_t k, int64_t k_padded, uint8_t* q, float* scale) {
+  __m512 amax = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+  float m = _mm512_reduce_max_ps(amax);
+  for (; i < k; ++i) m = std::max(m, std::fabs(x[i]));
+  const float s = m > 0 ? m / 127.f : 1.f;
+  const __m512 inv = _mm512_set1_ps(1.f / s);
+  const __m512i offset = _mm512_set1_epi32(128);
+  i = 0;
+  for (; i + 16 <= k; i += 16) {
+    __m512i v = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), inv)), offset);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtusepi32_epi8(v));
+  }
+  for (; i < k; ++i) q[i] = static_cast<uint8_t>(std::nearbyint(x[i] * (1.f / s)) + 128);
+  for (; i < k_padded; ++i) q[i] = 128;  // zero after the offset; the padded weights are zero too
+  *scale = s;
+}
+
+struct Problem {
+  const uint8_t* xq;   // (m, k_padded)
+  const float* sx;     // (m,)
+  const int8_t* w;     // packed
+  const float* sw;     // (n,)
+  const int32_t* w_sum;
+  const float* bias;   // (n,) or null
+  float* out;          // (m, n)
+  int64_t m, n, k_padded, blocks;
+};
+
+// Rows [m0, m0 + MR) against output blocks [blk, blk + NB).
+template <int MR, int NB>
+VNNI void tile(const Problem& p, int64_t blk, int64_t m0) {
+  __m512i acc[MR][NB];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NB; ++c) acc[r][c] = _mm512_setzero_si512();
+  const int64_t steps = p.k_padded / 4, stride = steps * 64;
+  const int8_t* w = p.w + blk * stride;
+  const int32_t* x[MR];
+  for (int r = 0; r < MR; ++r) x[r] = reinterpret_cast<const int32_t*>(p.xq + (m0 + r) * p.k_padded);
+  for (int64_t s = 0; s < steps; ++s) {
+    __m512i wv[NB];
+    for (int c = 0; c < NB; ++c) wv[c] = _mm512_loadu_si512(w + c * stride + s * 64);
+    for (int r = 0; r < MR; ++r) {
+      const __m512i xb = _mm512_set1_epi32(x[r][s]);
+      for (int c = 0; c < NB; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], xb, wv[c]);
+    }
+  }
+  for (int c = 0; c < NB; ++c) {
+    const int64_t n0 = (blk + c) * 16;
+    if (n0 >= p.n) break;
+    const __mmask16 mask = p.n - n0 >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (p.n - n0)) - 1);
+    const __m512 sw = _mm512_maskz_loadu_ps(mask, p.sw + n0);
+    const __m512i offset = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(mask, p.w_sum + n0), 7);  // 128 * sum(w)
+    const __m512 bias = p.bias ? _mm512_maskz_loadu_ps(mask, p.bias + n0) : _mm512_setzero_ps();
+    for (int r = 0; r < MR; ++r) {
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][c], offset));
+      const __m512 y = _mm512_fmadd_ps(dot, _mm512_mul_ps(sw, _mm512_set1_ps(p.sx[m0 + r])), bias);
+      _mm512_mask_storeu_ps(p.out + (m0 + r) * p.n + n0, mask, y);
+    }
+  }
+}
+
+template <int MR>
+void tile_blocks(const Problem& p, int64_t blk, int64_t m0) {
+  switch (std::min<int64_t>(4, p.blocks - blk)) {
+    case 4: return tile<MR, 4>(p, blk, m0);
+    case 3: return tile<MR, 3>(p, blk, m0);
+    case 2: return tile<MR, 2>(p, blk, m0);
+    default: return tile<MR, 1>(p, blk, m0);
+  }
+}
+
+void rows(const Problem& p, int64_t blk, int64_t begin, int64_t end) {
+  int64_t m0 = begin;
+  for (; m0 + 4 <= end; m0 += 4) tile_blocks<4>(p, blk, m0);
+  switch (end - m0) {
+    case 3: return tile_blocks<3>(p, blk, m0);
+    case 2: return tile_blocks<2>(p, blk, m0);
+    case 1: return tile_blocks<1>(p, blk, m0);
+    default: return;
+  }
+}
+
+}  // namespace
+
+bool supported() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"); }
+
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale,
+                     const torch::Tensor& w_sum, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(supported(), "int8 kernel: this CPU has no AVX512-VNNI");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, "int8 kernel: x must be float32 on the CPU");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 4 && packed.is_contiguous() &&
+              packed.scalar_type() == at::kChar, "int8 kernel: packed weights must be int8 [out/16][in/4][16][4]");
+  const int64_t n = w_scale.size(0), blocks = packed.size(0), k_padded = packed.size(1) * 4;
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) <= k_padded && x.size(-1) > k_padded - 4,
+              "int8 kernel: x has ", x.size(-1), " features, the weights ", k_padded, " (padded)");
+  TORCH_CHECK(n <= blocks * 16 && n > blocks * 16 - 16 && w_sum.size(0) == n, "int8 kernel: scale/sum sizes");
+  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_sum.scalar_type() == at::kInt && w_scale.is_contiguous() &&
+              w_sum.is_contiguous(), "int8 kernel: w_scale float32, w_sum int32, contiguous");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->size(0) == n),
+              "int8 kernel: bias must be float32 (out,)");
+  const torch::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
+  const int64_t m = x2.size(0), k = x2.size(1);
+  torch::Tensor xq = torch::empty({m, k_padded}, x.options().dtype(at::kByte));
+  torch::Tensor sx = torch::empty({m}, x.options());
+  torch::Tensor out = torch::empty({m, n}, x.options());
+  const float* xp = x2.data_ptr<float>();
+  uint8_t* xqp = xq.data_ptr<uint8_t>();
+  float* sxp = sx.data_ptr<float>();
+  at::parallel_for(0, m, kRowChunk, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) quantize_row(xp + r * k, k, k_padded, xqp + r * k_padded, sxp + r);
+  });
+  const Problem p{xqp, sxp, packed.data_ptr<int8_t>(), w_scale.data_ptr<float>(), w_sum.data_ptr<int32_t>(),
+                  bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), m, n, k_padded, blocks};
+  const int64_t groups = (blocks + 3) / 4, chunks = (m + kRowChunk - 1) / kRowChunk;
+  at::parallel_for(0, groups * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t row = (i / groups) * kRowChunk;
+      rows(p, (i % groups) * 4, row, std::min(m, row + kRowChunk));
+    }
+  });
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = n;
+  return out.view(sizes);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.def("supported", &supported, "whether this CPU has AVX512-VNNI");
+  module.def("linear", &linear, "int8 linear: x float32 (..., in) -> (..., out) float32");
+}

@@ -1,0 +1,109 @@
+"""The AVX512-VNNI int8 kernel against an exact integer reference, and how it is built and chosen."""
+
+import numpy as np
+import pytest
+import torch
+
+from model import int8_kernel
+from model.quantize import Int8Linear, QuantizeError, quantize_int8
+from tests.model.conftest import tiny_seq2seq
+
+kernel, why_not = int8_kernel._load()
+needs_kernel = pytest.mark.skipif(kernel is None, reason=f"int8 kernel unavailable here: {why_not}")
+
+
+def _quantized_weights(out: int, inp: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out, inp, generator=g) * 0.05
+    scales = (w.abs().amax(1) / 127).clamp(min=1e-12)
+    return torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
+
+
+def _reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The kernel's arithmetic done naively: per-row float32 scale, round-to-even uint8, exact integer
+    dot products (int64), the rest in float64."""
+    x2 = x.reshape(-1, x.shape[-1])
+    amax = x2.abs().amax(1)
+    sx = torch.where(amax > 0, amax / 127, torch.ones_like(amax))  # float32, as the kernel
+    xq = torch.round(x2 * (1 / sx)[:, None]).to(torch.int64)  # -127..127 (the kernel's uint8 minus 128)
+    dots = xq @ q.to(torch.int64).T
+    y = dots.double() * sx.double()[:, None] * scales.double()[None, :]
+    if bias is not None:
+        y = y + bias.double()
+    return y.reshape(*x.shape[:-1], q.shape[0])
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 70, 133])
+@pytest.mark.parametrize(("out", "inp"), [(1, 13), (37, 70), (64, 64), (80, 130), (16, 2048)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_kernel_equals_the_integer_reference(rows, out, inp, with_bias):
+    q, scales = _quantized_weights(out, inp)
+    bias = torch.randn(out) if with_bias else None
+    x = torch.randn(rows, inp) * 3
+    got = kernel.linear(x, int8_kernel.pack(q), scales, q.sum(1, dtype=torch.int32), bias)
+    want = _reference(x, q, scales, bias)
+    assert got.shape == (rows, out) and got.dtype == torch.float32
+    if rows:
+        np.testing.assert_allclose(got.double().numpy(), want.numpy(), rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@needs_kernel
+def test_rows_do_not_depend_on_their_batch_and_leading_dims_are_kept():
+    layer = torch.nn.Linear(96, 200)
+    int8 = _with_kernel(layer, "vnni")
+    x = torch.randn(3, 7, 96)
+    batched = int8(x)
+    assert batched.shape == (3, 7, 200)
+    alone = torch.stack([torch.stack([int8(x[i, j : j + 1])[0] for j in range(7)]) for i in range(3)])
+    assert torch.equal(batched, alone)  # per-row activation scales: bit-identical
+    with torch.no_grad():
+        want = layer(x)
+    assert (batched - want).abs().max() < 0.02 * want.abs().max()
+
+
+@needs_kernel
+def test_pack_round_trips_and_the_module_dequantises():
+    q, _ = _quantized_weights(37, 70)
+    packed = int8_kernel.pack(q)
+    assert packed.shape == (3, 18, 16, 4)  # 37 -> 48 outputs, 70 -> 72 inputs, zero-padded
+    assert torch.equal(int8_kernel.unpack(packed, 37, 70), q)
+    layer = torch.nn.Linear(70, 37)
+    int8 = _with_kernel(layer, "vnni")
+    assert int8.backend == "vnni" and torch.equal(int8.bias, layer.bias.detach())
+    assert (int8.weight - layer.weight).abs().max() <= layer.weight.abs().amax(1).max() / 254 + 1e-7
+
+
+@needs_kernel
+def test_bad_inputs_raise_instead_of_reading_out_of_bounds():
+    q, scales = _quantized_weights(32, 64)
+    args = (int8_kernel.pack(q), scales, q.sum(1, dtype=torch.int32), None)
+    for x in (torch.randn(2, 60), torch.randn(2, 65), torch.randn(2, 64, dtype=torch.float64)):
+        with pytest.raises(RuntimeError, match="int8 kernel"):
+            kernel.linear(x, *args)
+    with pytest.raises(RuntimeError, match="int8 kernel"):
+        kernel.linear(torch.randn(2, 64), args[0], scales[:31], *args[2:])
+
+
+@needs_kernel
+def test_a_built_kernel_is_imported_without_building():
+    module = int8_kernel._import_built(int8_kernel.kernel_dir(), int8_kernel.module_name())
+    assert module is not None and module.supported()
+    assert int8_kernel._import_built(int8_kernel.kernel_dir(), "tserve_int8_no_such_build") is None
+
+
+def test_the_kernel_choice_is_validated(monkeypatch):
+    monkeypatch.setenv("TSERVE_INT8_KERNEL", "fbgemm")
+    assert int8_kernel.vnni_kernel() is None
+    model = tiny_seq2seq()
+    quantize_int8(model)
+    assert {m.backend for m in model.modules() if isinstance(m, Int8Linear)} == {"fbgemm"}
+    monkeypatch.setenv("TSERVE_INT8_KERNEL", "avx9000")
+    with pytest.raises(QuantizeError, match="TSERVE_INT8_KERNEL"):
+        quantize_int8(tiny_seq2seq())
+
+
+def _with_kernel(layer: torch.nn.Linear, choice: str) -> Int8Linear:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TSERVE_INT8_KERNEL", choice)
+        return Int8Linear.from_linear(layer)
