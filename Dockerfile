@@ -43,9 +43,9 @@ COPY requirements.txt constraints.txt /tmp/deps/
 RUN pip install --no-cache-dir --no-deps --index-url "${TORCH_INDEX}" "$(grep -E '^torch==' /tmp/deps/requirements.txt)" \
     && pip install --no-cache-dir -r /tmp/deps/requirements.txt -c /tmp/deps/constraints.txt \
     && python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
-# The int8 AVX512-VNNI kernel (model/int8_kernel.py), compiled here so that the runtime image needs no
-# compiler: g++ (and Python's headers where the base image has none), then one build into
-# /opt/tserve-kernels, which the runtime copies. Without it int8 models fall back to fbgemm.
+# The C++ kernels (model/native.py: int8 on AVX512-VNNI, decode attention), compiled here so that the
+# runtime image needs no compiler: g++ (and Python's headers where the base image has none), then one
+# build into /opt/tserve-kernels, which the runtime copies. Without them PyTorch's kernels serve.
 COPY model/ /tmp/src/model/
 # hadolint ignore=DL3008
 RUN extra="" \
@@ -55,8 +55,8 @@ RUN extra="" \
     && apt-get update \
     && apt-get install -y --no-install-recommends g++ ${extra:+"$extra"} \
     && rm -rf /var/lib/apt/lists/* \
-    && TSERVE_KERNEL_DIR=/opt/tserve-kernels PYTHONPATH=/tmp/src python -m model.int8_kernel \
-    && ls /opt/tserve-kernels/tserve_int8_*.so
+    && TSERVE_KERNEL_DIR=/opt/tserve-kernels PYTHONPATH=/tmp/src python -m model.native \
+    && ls /opt/tserve-kernels/tserve_kernels_*.so
 
 # ---- train: `python -m training recipe` into /checkpoints (compose profile `train`) ------------------
 FROM ${TRAIN_IMAGE} AS train

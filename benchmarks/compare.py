@@ -256,8 +256,20 @@ def versions() -> str:
     return " · ".join(parts)
 
 
+def kernels() -> str:
+    """Which of our C++ kernels run here (model/native.py), or why none does."""
+    from model import attention, int8_kernel
+
+    module, why = int8_kernel.available()
+    int8 = "AVX512-VNNI kernel" if module is not None and int8_kernel.kernel_choice() != "fbgemm" else \
+        f"fbgemm ({why or 'TSERVE_INT8_KERNEL=fbgemm'})"
+    decode = "AVX-512 kernel" if attention._decode_kernel() is not None else "SDPA"
+    return f"int8 GEMM {int8}; decode attention {decode}"
+
+
 def run(args: argparse.Namespace) -> str:
-    out = [f"Machine: {machine_line()}", f"Peers: {versions()}", f"Threads tried per engine: {args.threads}",
+    out = [f"Machine: {machine_line()}", f"Peers: {versions()}", f"Ours: {kernels()}",
+           f"Threads tried per engine: {args.threads}",
            f"Shape: d_model 512, 6 layers, 8 heads, ffn 2048, vocab 8000, random weights; median of "
            f"{args.repeats} alternating runs after 1 warm-up (classifier: {args.classifier_repeats})", ""]
     out.append(f"Start: {time.strftime('%Y-%m-%d %H:%M:%S')}, {load()}")

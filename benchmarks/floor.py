@@ -5,7 +5,8 @@ A decoding step must read every weight it multiplies by (and the KV cache it att
 ``max(bytes / bandwidth, flops / matmul rate)``. Bandwidth is measured by reading a buffer as large
 as the step's weights (so a working set that lives in the last-level cache gets that cache's rate);
 the matmul rate by fp32 GEMMs (1024^3, and 512 rows through a 512 x 2048 linear) and, for int8, by
-fbgemm's dynamic int8 linear. Each is the fastest of 7 runs at the best of the thread counts tried.
+the faster of fbgemm's dynamic int8 linear and ours (model/kernels/int8_vnni.cpp). Each is the fastest
+of 7 runs at the best of the thread counts tried.
 The cross-attention K/V of beams of one source count once. The classifier's floor counts every
 layer in full (ours computes only [CLS] in its last layer, so it can beat it by up to 1/6).
 """
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from benchmarks.common import run_times
+from model.quantize import Int8Linear
 
 D, F, V, L, H = 512, 2048, 8000, 6, 8
 FP32, INT8 = 4, 1
@@ -65,6 +67,7 @@ def measure_rates(working_sets: list[int], threads: list[int]) -> Rates:
         q = torch.quantize_per_channel(w, (w.abs().amax(1) / 127).double(), torch.zeros(2048, dtype=torch.long), 0,
                                        torch.qint8)
         packed = torch.ops.quantized.linear_prepack(q, None)
+    ours = Int8Linear(w, None)  # the int8 GEMM our models run (the VNNI kernel where it runs, else fbgemm)
     buffers = {size: torch.ones(size // 4) for size in working_sets}
     before = torch.get_num_threads()
     try:
@@ -75,8 +78,8 @@ def measure_rates(working_sets: list[int], threads: list[int]) -> Rates:
                     keep(f"bw{size}", size / _best_seconds(buf.sum), n)
                 keep("fp32", 2 * 1024**3 / _best_seconds(lambda: a @ b), n)
                 keep("fp32", 2 * 512 * 512 * 2048 / _best_seconds(lambda: torch.nn.functional.linear(x32, w32)), n)
-                int8 = _best_seconds(lambda: torch.ops.quantized.linear_dynamic(x, packed, True))
-                keep("int8", 2 * 256 * 2048 * 2048 / int8, n)
+                for int8_linear in (lambda: torch.ops.quantized.linear_dynamic(x, packed, True), lambda: ours(x)):
+                    keep("int8", 2 * 256 * 2048 * 2048 / _best_seconds(int8_linear), n)
     finally:
         torch.set_num_threads(before)
     return Rates(

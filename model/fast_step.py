@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.attention import MultiHeadAttention
+from model.attention import MultiHeadAttention, decode_attention
 from model.kv_cache import KVCache
 from model.layers import LayerStack, TransformerLayer
 
@@ -107,7 +107,7 @@ class _Layer:
             k, v = cache.write(i, k, v)
             if k.dtype != q.dtype:  # a cache kept in another dtype
                 k, v = k.to(q.dtype), v.to(q.dtype)
-            return attn.merge(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+            return attn.merge(decode_attention(q, k, v, mask))
 
         x = self.sublayer(x, self.self_norm, self_attention)
         if self.cross_attn is not None:
@@ -131,13 +131,11 @@ def _grouped_attention(
     source instead of g one-query attentions over copies): beam search reads 1/g of the memory.
     """
     if group == 1:
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        return decode_attention(q, keys, values, mask)
     b, heads, t, dh = q.shape
     grouped = q.view(b // group, group, heads, t, dh).transpose(1, 2).reshape(b // group, heads, group * t, dh)
     first = slice(None, None, group)
-    out = F.scaled_dot_product_attention(
-        grouped, keys[first], values[first], attn_mask=mask[first] if mask is not None else None
-    )
+    out = decode_attention(grouped, keys[first], values[first], mask[first] if mask is not None else None)
     return out.view(b // group, heads, group, t, dh).transpose(1, 2).reshape(b, heads, t, dh)
 
 

@@ -54,7 +54,7 @@ class Int8Linear(nn.Module):
         if kernel is not None:
             q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
             self.backend = "vnni"
-            self._kernel_linear = kernel.linear
+            self._kernel_linear = kernel.int8_linear
             self._packed = int8_kernel.pack(q)
             self._scales, self._sums, self._bias = scales, q.sum(dim=1, dtype=torch.int32), bias
             return

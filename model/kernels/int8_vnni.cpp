@@ -8,7 +8,7 @@
 //       row's result does not depend on the other rows of its batch;
 //   the -128 offset is undone with the weights' row sums (w_sum * 128).
 // Rows are tiled 4 at a time against 4 blocks of 16 outputs (16 accumulators); tiles are spread over
-// ATen's intra-op threads (the process's one OpenMP pool). Only `supported()` runs on other CPUs.
+// ATen's intra-op threads (the process's one OpenMP pool). Only `has_vnni()` runs on other CPUs.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -108,12 +108,12 @@ void rows(const Problem& p, int64_t blk, int64_t begin, int64_t end) {
 
 }  // namespace
 
-bool supported() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+bool has_vnni() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"); }
 
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale,
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale,
                      const torch::Tensor& w_sum, const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(supported(), "int8 kernel: this CPU has no AVX512-VNNI");
+  TORCH_CHECK(has_vnni(), "int8 kernel: this CPU has no AVX512-VNNI");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, "int8 kernel: x must be float32 on the CPU");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 4 && packed.is_contiguous() &&
               packed.scalar_type() == at::kChar, "int8 kernel: packed weights must be int8 [out/16][in/4][16][4]");
@@ -148,9 +148,4 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, const 
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = n;
   return out.view(sizes);
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("supported", &supported, "whether this CPU has AVX512-VNNI");
-  module.def("linear", &linear, "int8 linear: x float32 (..., in) -> (..., out) float32");
 }

@@ -50,12 +50,12 @@ def seq2seq_cache(model, ragged: bool) -> KVCache:
     return cache
 
 
-def assert_same(model, cache: KVCache, steps: int = 4) -> None:
+def assert_same(model, cache: KVCache, steps: int = 4, atol: float = 1e-12) -> None:
     tokens = [random_ids(cache.batch_size, 1, seed=s)[:, 0] for s in range(steps)]
     fast = decode(model, run_decoder, tokens, copy.deepcopy(cache))
     slow = decode(model, general, tokens, copy.deepcopy(cache))
     for f, s in zip(fast, slow, strict=True):
-        torch.testing.assert_close(f, s, atol=1e-12, rtol=0)
+        torch.testing.assert_close(f, s, atol=atol, rtol=0)
 
 
 @pytest.mark.parametrize("ragged", [False, True], ids=["uniform", "ragged"])
@@ -89,7 +89,7 @@ def test_plan_is_reused_then_rebuilt_when_adapters_wrap_the_projections():
 
 def test_plan_follows_int8_quantisation_and_its_fused_projection():
     mt = tiny_seq2seq()
-    assert_same(mt, seq2seq_cache(mt, True))
+    assert_same(mt, seq2seq_cache(mt, True), atol=1e-5)  # float32: the plan's decode attention kernel vs SDPA
     before = plan_for(mt.decoder)
     quantize_int8(mt)
     assert all(layer.self_attn.fused for layer in mt.decoder.layers)

@@ -1,14 +1,14 @@
-"""The AVX512-VNNI int8 kernel against an exact integer reference, and how it is built and chosen."""
+"""The AVX512-VNNI int8 kernel against an exact integer reference, and how the C++ kernels are built and chosen."""
 
 import numpy as np
 import pytest
 import torch
 
-from model import int8_kernel
+from model import int8_kernel, native
 from model.quantize import Int8Linear, QuantizeError, quantize_int8
 from tests.model.conftest import tiny_seq2seq
 
-kernel, why_not = int8_kernel._load()
+kernel, why_not = int8_kernel.available()
 needs_kernel = pytest.mark.skipif(kernel is None, reason=f"int8 kernel unavailable here: {why_not}")
 
 
@@ -41,7 +41,7 @@ def test_kernel_equals_the_integer_reference(rows, out, inp, with_bias):
     q, scales = _quantized_weights(out, inp)
     bias = torch.randn(out) if with_bias else None
     x = torch.randn(rows, inp) * 3
-    got = kernel.linear(x, int8_kernel.pack(q), scales, q.sum(1, dtype=torch.int32), bias)
+    got = kernel.int8_linear(x, int8_kernel.pack(q), scales, q.sum(1, dtype=torch.int32), bias)
     want = _reference(x, q, scales, bias)
     assert got.shape == (rows, out) and got.dtype == torch.float32
     if rows:
@@ -80,16 +80,16 @@ def test_bad_inputs_raise_instead_of_reading_out_of_bounds():
     args = (int8_kernel.pack(q), scales, q.sum(1, dtype=torch.int32), None)
     for x in (torch.randn(2, 60), torch.randn(2, 65), torch.randn(2, 64, dtype=torch.float64)):
         with pytest.raises(RuntimeError, match="int8 kernel"):
-            kernel.linear(x, *args)
+            kernel.int8_linear(x, *args)
     with pytest.raises(RuntimeError, match="int8 kernel"):
-        kernel.linear(torch.randn(2, 64), args[0], scales[:31], *args[2:])
+        kernel.int8_linear(torch.randn(2, 64), args[0], scales[:31], *args[2:])
 
 
 @needs_kernel
 def test_a_built_kernel_is_imported_without_building():
-    module = int8_kernel._import_built(int8_kernel.kernel_dir(), int8_kernel.module_name())
-    assert module is not None and module.supported()
-    assert int8_kernel._import_built(int8_kernel.kernel_dir(), "tserve_int8_no_such_build") is None
+    module = native.import_built(native.kernel_dir(), native.module_name())
+    assert module is not None and module.has_vnni()
+    assert native.import_built(native.kernel_dir(), "tserve_kernels_no_such_build") is None
 
 
 def test_the_kernel_choice_is_validated(monkeypatch):

@@ -1,0 +1,88 @@
+"""Our C++ CPU kernels (model/kernels/*.cpp): built once, then imported; every caller has a PyTorch fallback.
+
+The kernels are one PyTorch C++ extension compiled on first use (about 25 s; ``torch.utils.cpp_extension``
+with the system's C++ compiler and ninja) into ``TSERVE_KERNEL_DIR`` (default ``~/.cache/tserve/kernels``),
+under a name carrying the sources' hash and the Python/torch versions: later processes import the built
+module directly (no compiler needed then, as in the Docker image, which builds it at image build time),
+and edited sources build afresh. Only x86-64 Linux; each kernel also checks the CPU features it needs
+(``has_vnni``, ``has_avx512``), and :func:`extension` returns None, with the reason, where it cannot run.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import logging
+import os
+import platform
+import shutil
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCES = sorted((Path(__file__).parent / "kernels").glob("*.cpp"))
+
+
+def kernel_dir() -> Path:
+    return Path(os.environ.get("TSERVE_KERNEL_DIR") or Path.home() / ".cache" / "tserve" / "kernels")
+
+
+def module_name() -> str:
+    """The extension's name: the sources' hash and the Python/torch versions it is built against."""
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES)).hexdigest()[:12]
+    version = torch.__version__.split("+")[0].replace(".", "_")
+    return f"tserve_kernels_{digest}_py{sys.version_info.major}{sys.version_info.minor}_torch{version}"
+
+
+def import_built(directory: Path, name: str) -> ModuleType | None:
+    """The already-built extension in ``directory``, or None."""
+    library = directory / f"{name}.so"
+    if not library.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build(directory: Path, name: str) -> ModuleType:
+    from torch.utils.cpp_extension import load
+
+    directory.mkdir(parents=True, exist_ok=True)
+    if shutil.which("ninja") is None:  # the venv's ninja (pip package) when the venv is not activated
+        os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    logger.info("building the C++ kernels into %s (once, about 25 s)", directory)
+    sources = [str(path) for path in SOURCES]
+    return load(name, sources=sources, extra_cflags=["-O3", "-fopenmp"], build_directory=str(directory))
+
+
+@functools.cache
+def load() -> tuple[ModuleType | None, str]:
+    """(the extension, "") once built or imported, else (None, why not)."""
+    if platform.machine().lower() not in ("x86_64", "amd64") or sys.platform != "linux":
+        return None, f"the kernels are built for x86-64 Linux, not {sys.platform}/{platform.machine()}"
+    directory, name = kernel_dir(), module_name()
+    try:
+        return import_built(directory, name) or _build(directory, name), ""
+    except Exception as exc:  # no compiler, no ninja, a read-only cache: the PyTorch paths serve instead
+        return None, f"could not build the C++ kernels ({type(exc).__name__}: {str(exc).strip()[:300]})"
+
+
+def main() -> None:
+    """``python -m model.native``: build the kernels now (Docker image builds) and say which run here."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    module, why = load()
+    if module is None:
+        print(f"C++ kernels: none ({why})")
+        return
+    print(f"C++ kernels: {kernel_dir() / module_name()}.so; int8 AVX512-VNNI: {module.has_vnni()}, "
+          f"decode attention AVX-512: {module.has_avx512()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""The AVX-512 decode-attention kernel against a float64 reference, and where it is used."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import attention
+from model.attention import decode_attention
+from model.generation import generate_causal, generate_seq2seq
+from model.decoding import GenerationConfig
+from tests.model.conftest import random_ids, tiny_causal_lm, tiny_seq2seq
+
+kernel = attention._decode_kernel()
+needs_kernel = pytest.mark.skipif(kernel is None, reason="the C++ decode-attention kernel does not run here")
+
+
+def _reference(q, k, v, mask):
+    scores = q.double() @ k.double().transpose(-2, -1) / q.shape[-1] ** 0.5
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1) @ v.double()
+
+
+def _cache_slices(b, h, t, dh, capacity=40, seed=0):
+    """K/V as a decoder reads them: the first t positions of preallocated (B, H, capacity, Dh) buffers."""
+    g = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn(b, h, capacity, dh, generator=g) * 2 for _ in range(2))
+    return k[:, :, :t], v[:, :, :t]
+
+
+@needs_kernel
+@pytest.mark.parametrize(("b", "h", "tq", "t", "dh"), [(1, 8, 1, 1, 64), (3, 4, 1, 37, 64), (2, 2, 4, 33, 8),
+                                                       (5, 3, 1, 17, 24), (1, 1, 16, 40, 128), (2, 8, 3, 16, 100)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_kernel_equals_the_float64_reference(b, h, tq, t, dh, masked):
+    q = torch.randn(b, h, tq, dh)
+    k, v = _cache_slices(b, h, t, dh)
+    mask = None
+    if masked:  # ragged rows: row i sees its first t - i keys
+        lengths = torch.arange(t, t - b, -1).clamp(min=1)
+        mask = (torch.arange(t) < lengths[:, None]).view(b, 1, 1, t)
+    got = kernel.decode_attention(q, k, v, mask)
+    assert got.shape == (b, h, tq, dh)
+    torch.testing.assert_close(got.double(), _reference(q, k, v, mask), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_per_query_masks_and_a_query_with_nothing_to_see():
+    q = torch.randn(2, 2, 3, 16)
+    k, v = _cache_slices(2, 2, 5, 16)
+    mask = torch.rand(2, 2, 3, 5) > 0.4
+    mask[0, 1, 2] = False  # this query may attend to nothing
+    got = kernel.decode_attention(q, k, v, mask)
+    assert torch.equal(got[0, 1, 2], torch.zeros(16))
+    live = mask.any(-1)
+    torch.testing.assert_close(got[live].double(), _reference(q, k, v, mask)[live], rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_bad_inputs_raise():
+    q, (k, v) = torch.randn(1, 2, 1, 16), _cache_slices(1, 2, 4, 16)
+    with pytest.raises(RuntimeError, match="decode attention"):
+        kernel.decode_attention(q.double(), k.double(), v.double(), None)
+    with pytest.raises(RuntimeError, match="decode attention"):
+        kernel.decode_attention(q, k[:, :1], v[:, :1], None)
+    with pytest.raises(RuntimeError, match="decode attention"):
+        kernel.decode_attention(q, k, v, torch.ones(1, 1, 1, 3, dtype=torch.bool))
+
+
+def test_other_inputs_take_sdpa():
+    """float64, autograd and long query blocks are SDPA's; results equal SDPA exactly there."""
+    q, (k, v) = torch.randn(1, 2, 20, 16), _cache_slices(1, 2, 20, 16)
+    assert torch.equal(decode_attention(q, k, v, None), F.scaled_dot_product_attention(q, k, v))
+    q64, k64, v64 = q[:, :, :1].double(), k.double(), v.double()
+    assert torch.equal(decode_attention(q64, k64, v64, None), F.scaled_dot_product_attention(q64, k64, v64))
+    qg = q[:, :, :1].clone().requires_grad_()
+    decode_attention(qg, k, v, None).sum().backward()
+    assert qg.grad is not None
+
+
+@needs_kernel
+def test_decoding_with_the_kernel_equals_decoding_with_sdpa(monkeypatch):
+    """Greedy and beam outputs (padded batches: masks in self- and cross-attention) do not change."""
+    torch.manual_seed(0)
+    lm, mt = tiny_causal_lm().eval(), tiny_seq2seq().eval()
+    prompts = [[9, 10, 11], [20], [30, 31, 32, 33, 34]]
+    sources = random_ids(4, 7, seed=3).tolist()
+    sources[1] = sources[1][:3]
+    configs = [GenerationConfig(max_new_tokens=6), GenerationConfig(strategy="beam", num_beams=3, max_new_tokens=6)]
+
+    def outputs():
+        return [[h[0].tokens for h in generate_causal(lm, prompts, c)] + [h[0].tokens for h in
+                generate_seq2seq(mt, sources, c)] for c in configs]
+
+    with_kernel = outputs()
+    monkeypatch.setattr(attention, "_decode_kernel", lambda: None)
+    assert outputs() == with_kernel
