@@ -6,8 +6,8 @@ import torch.nn.functional as F
 
 from model import attention
 from model.attention import decode_attention
-from model.generation import generate_causal, generate_seq2seq
 from model.decoding import GenerationConfig
+from model.generation import generate_causal, generate_seq2seq
 from tests.model.conftest import random_ids, tiny_causal_lm, tiny_seq2seq
 
 kernel = attention._decode_kernel()
