@@ -56,7 +56,7 @@ RUN extra="" \
     && apt-get install -y --no-install-recommends g++ ${extra:+"$extra"} \
     && rm -rf /var/lib/apt/lists/* \
     && TSERVE_KERNEL_DIR=/opt/tserve-kernels PYTHONPATH=/tmp/src python -m model.native \
-    && ls /opt/tserve-kernels/tserve_kernels_*.so
+    && ls /opt/tserve-kernels/tserve_kernels_*/tserve_kernels_*.so
 
 # ---- train: `python -m training recipe` into /checkpoints (compose profile `train`) ------------------
 FROM ${TRAIN_IMAGE} AS train

@@ -7,7 +7,7 @@ CHECKPOINTS ?= checkpoints
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: run serve train-quick train-quality test lint bench-decode bench-serve soak
+.PHONY: run serve train-quick train-quality test lint kernels bench-decode bench-serve soak
 
 $(STAMP): requirements.txt requirements-dev.txt constraints.txt
 	python3 -m venv $(VENV)
@@ -15,21 +15,25 @@ $(STAMP): requirements.txt requirements-dev.txt constraints.txt
 	$(PIP) install -r requirements-dev.txt -c constraints.txt
 	touch $(STAMP)
 
+## Our C++ CPU kernels (model/native.py): built once per machine (about 25 s), then only imported.
+kernels: $(STAMP)
+	$(PY) -m model.native
+
 ## The main job: build the corpora and train the default models if $(CHECKPOINTS)/ has none, then serve them.
 run: train-quick serve
 
-train-quick: $(STAMP)
+train-quick: kernels
 	$(PY) -m training recipe quick --out $(CHECKPOINTS)
 
-train-quality: $(STAMP)
+train-quality: kernels
 	$(PY) -m training recipe quality --out $(CHECKPOINTS)-quality
 
-serve: $(STAMP)
+serve: kernels
 	@echo "Playground: http://$(HOST):$(PORT)/   API docs: http://$(HOST):$(PORT)/docs   Metrics: http://$(HOST):$(PORT)/metrics"
 	$(PY) -m service --models $(CHECKPOINTS)/models --adapters $(CHECKPOINTS)/adapters --host $(HOST) --port $(PORT)
 
 ## The tests (what CI runs).
-test: $(STAMP)
+test: kernels
 	$(PY) -m ruff check model training service benchmarks tests
 	$(PY) -m pytest -q
 
@@ -39,7 +43,7 @@ lint: $(STAMP)
 bench-decode: $(STAMP)
 	$(PY) -m benchmarks.decode
 
-bench-serve: $(STAMP)
+bench-serve: kernels
 	$(PY) -m benchmarks.serve
 
 soak: $(STAMP)

@@ -18,6 +18,7 @@ import os
 import platform
 import shutil
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -40,8 +41,8 @@ def module_name() -> str:
 
 
 def import_built(directory: Path, name: str) -> ModuleType | None:
-    """The already-built extension in ``directory``, or None."""
-    library = directory / f"{name}.so"
+    """The already-built extension ``name`` under ``directory``, or None."""
+    library = directory / name / f"{name}.so"
     if not library.is_file():
         return None
     spec = importlib.util.spec_from_file_location(name, library)
@@ -50,10 +51,18 @@ def import_built(directory: Path, name: str) -> ModuleType | None:
     return module
 
 
+STALE_LOCK_S = 600  # a build lock older than this was left by a killed build
+
+
 def _build(directory: Path, name: str) -> ModuleType:
     from torch.utils.cpp_extension import load
 
+    directory = directory / name  # one folder per version: builds of different sources never share files
     directory.mkdir(parents=True, exist_ok=True)
+    lock = directory / "lock"  # torch waits for this file to go away, forever if its builder was killed
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+        logger.warning("removing a stale kernel build lock %s", lock)
+        lock.unlink(missing_ok=True)
     if shutil.which("ninja") is None:  # the venv's ninja (pip package) when the venv is not activated
         os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     logger.info("building the C++ kernels into %s (once, about 25 s)", directory)
@@ -80,7 +89,7 @@ def main() -> None:
     if module is None:
         print(f"C++ kernels: none ({why})")
         return
-    print(f"C++ kernels: {kernel_dir() / module_name()}.so; int8 AVX512-VNNI: {module.has_vnni()}, "
+    print(f"C++ kernels: {kernel_dir() / module_name()}; int8 AVX512-VNNI: {module.has_vnni()}, "
           f"decode attention AVX-512: {module.has_avx512()}")
 
 

@@ -1,10 +1,10 @@
-"""The AVX512-VNNI int8 kernel against an exact integer reference, and how the C++ kernels are built and chosen."""
+"""The AVX512-VNNI int8 kernel against an exact integer reference, and how the int8 GEMM is chosen."""
 
 import numpy as np
 import pytest
 import torch
 
-from model import int8_kernel, native
+from model import int8_kernel
 from model.quantize import Int8Linear, QuantizeError, quantize_int8
 from tests.model.conftest import tiny_seq2seq
 
@@ -83,13 +83,6 @@ def test_bad_inputs_raise_instead_of_reading_out_of_bounds():
             kernel.int8_linear(x, *args)
     with pytest.raises(RuntimeError, match="int8 kernel"):
         kernel.int8_linear(torch.randn(2, 64), args[0], scales[:31], *args[2:])
-
-
-@needs_kernel
-def test_a_built_kernel_is_imported_without_building():
-    module = native.import_built(native.kernel_dir(), native.module_name())
-    assert module is not None and module.has_vnni()
-    assert native.import_built(native.kernel_dir(), "tserve_kernels_no_such_build") is None
 
 
 def test_the_kernel_choice_is_validated(monkeypatch):

@@ -1,0 +1,50 @@
+"""Building and loading the C++ kernels (model/native.py): reuse of a build, stale locks, failures."""
+
+import os
+import shutil
+import time
+
+import pytest
+
+from model import native
+
+built, why_not = native.load()
+needs_build = pytest.mark.skipif(built is None, reason=f"the C++ kernels do not build here: {why_not}")
+
+
+@needs_build
+def test_a_built_extension_is_imported_without_building():
+    module = native.import_built(native.kernel_dir(), native.module_name())
+    assert module is not None and module.has_avx512() == built.has_avx512()
+    assert native.import_built(native.kernel_dir(), "tserve_kernels_no_such_build") is None
+
+
+@needs_build
+def test_a_stale_build_lock_is_removed_instead_of_waited_for(tmp_path):
+    """A build killed mid-way leaves torch's lock file; the next build must not wait on it forever."""
+    name = native.module_name()
+    shutil.copytree(native.kernel_dir() / name, tmp_path / name)  # up to date: ninja has nothing to compile
+    lock = tmp_path / name / "lock"
+    lock.touch()
+    old = time.time() - native.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    started = time.monotonic()
+    module = native._build(tmp_path, name)
+    assert module.has_avx512() == built.has_avx512() and not lock.exists()
+    assert time.monotonic() - started < 120  # waiting on the lock would never end
+
+
+def test_a_failed_build_reports_why_and_nothing_is_loaded(tmp_path, monkeypatch):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv("TSERVE_KERNEL_DIR", str(blocker))
+    module, why = native.load.__wrapped__()  # uncached: the session's own load stays as it was
+    assert module is None and "could not build the C++ kernels" in why
+
+
+def test_the_name_follows_the_sources(monkeypatch, tmp_path):
+    source = tmp_path / "extra.cpp"
+    source.write_text("// a change\n")
+    before = native.module_name()
+    monkeypatch.setattr(native, "SOURCES", [*native.SOURCES, source])
+    assert native.module_name() != before and native.module_name().startswith("tserve_kernels_")
