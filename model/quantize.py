@@ -128,7 +128,7 @@ def quantize_int8(model: nn.Module) -> int:
     for attn, qkv in fused:
         if qkv is not None:
             attn.qkv_proj, attn._qkv_of = qkv, (attn.q_proj, attn.k_proj, attn.v_proj)
-    logger.info("quantised %d linear layers to int8", len(targets))
+    logger.info("quantised %d linear layers to int8 (%s)", len(targets), "AVX512-VNNI kernel" if kernel else "fbgemm")
     return len(targets)
 
 
