@@ -15,6 +15,7 @@ quantisation, a new Parameter assigned); in-place weight changes (``load_state_d
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -169,12 +170,12 @@ class DecodePlan:
     def __init__(self, stack: LayerStack) -> None:
         self.layers = [_Layer.of(layer) for layer in stack.layers]
         self.final_norm = _op(stack.final_norm) if stack.final_norm is not None else None
-        self._watched = _watched(stack)
+        self._parents, self._names, self._children = zip(*_watched(stack), strict=True)
 
     def current(self) -> bool:
         """Whether the stack still holds the modules and parameters this plan was built from (q/k/v and
-        qkv_proj included, so the fused projection's use follows too)."""
-        return all(parent.get(name) is child for parent, name, child in self._watched)
+        qkv_proj included, so the fused projection's use follows too). Runs every step: the loop is in C."""
+        return all(map(operator.is_, map(dict.get, self._parents, self._names), self._children))
 
     def __call__(
         self, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache, memory_mask: torch.Tensor | None = None

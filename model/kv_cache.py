@@ -131,9 +131,10 @@ class KVCache:
             raise RuntimeError("KVCache.write called before begin_step")
         visible = self.max_length + positions.shape[1]
         if self.uniform:  # one slice for every row
-            self.keys[layer][:, :, self.max_length : visible] = k
-            self.values[layer][:, :, self.max_length : visible] = v
-            return self.keys[layer][:, :, :visible], self.values[layer][:, :, :visible]
+            keys, values, start = self.keys[layer], self.values[layer], self.max_length
+            keys.narrow(2, start, visible - start).copy_(k)
+            values.narrow(2, start, visible - start).copy_(v)
+            return keys.narrow(2, 0, visible), values.narrow(2, 0, visible)
         rows = torch.arange(self.batch_size, device=positions.device)[:, None]
         # Advanced indices on dims 0 and 2 put the (B, t) index dims first: (B, t, H, Dh).
         self.keys[layer][rows, :, positions] = k.transpose(1, 2).to(self.keys[layer].dtype)
