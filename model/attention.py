@@ -10,6 +10,7 @@ Masks are boolean, True where a query may attend, broadcastable to (B, H, Tq, Tk
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 from types import ModuleType
@@ -20,6 +21,8 @@ from torch import nn
 
 from model import native
 from model.kv_cache import KVCache
+
+logger = logging.getLogger(__name__)
 
 KERNEL_MAX_QUERIES = 16  # longer query blocks (prefill) are SDPA's strength
 KERNEL_MAX_HEAD_DIM = 128
@@ -41,8 +44,12 @@ def _decode_kernel() -> ModuleType | None:
     """The C++ kernels where decode attention runs on this CPU, unless ``TSERVE_DECODE_ATTENTION=sdpa``."""
     if os.environ.get("TSERVE_DECODE_ATTENTION", "auto").strip().lower() == "sdpa":
         return None
-    module, _ = native.load()
-    return module if module is not None and module.has_avx512() else None
+    module, why = native.load()
+    if module is not None and not module.has_avx512():
+        module, why = None, "this CPU has no AVX-512"
+    if module is None:
+        logger.info("decode attention uses SDPA: %s", why)
+    return module
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
