@@ -41,8 +41,8 @@ def attention(
 
 @functools.cache
 def _decode_kernel() -> ModuleType | None:
-    """The C++ kernels where decode attention runs on this CPU, unless ``TSERVE_DECODE_ATTENTION=sdpa``."""
-    if os.environ.get("TSERVE_DECODE_ATTENTION", "auto").strip().lower() == "sdpa":
+    """The C++ kernels where decode attention runs on this CPU, unless ``TSERVE_DECODE_KERNELS=off``."""
+    if os.environ.get("TSERVE_DECODE_KERNELS", "auto").strip().lower() == "off":
         return None
     module, why = native.load()
     if module is not None and not module.has_avx512():

@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.attention import MultiHeadAttention, decode_attention
+from model import attention
+from model.attention import KERNEL_MAX_HEAD_DIM, MultiHeadAttention, decode_attention
 from model.kv_cache import KVCache
 from model.layers import LayerStack, TransformerLayer
 
@@ -164,12 +165,90 @@ def _watched(stack: LayerStack) -> list[tuple[dict, str, object]]:
     return watched
 
 
+_ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_tanh": 2}  # decode_step.cpp's Activation
+
+
+def _projection(module: nn.Module | None) -> list[torch.Tensor] | None:
+    """A projection as decode_step.cpp takes it: float32 [weight, bias] or our int8 [packed, scales, sums, bias]
+    (an empty tensor for no bias); [] for an absent one; None when the native step cannot run it."""
+    from model.quantize import Int8Linear  # model.quantize imports model.attention, which this module imports
+
+    if module is None:
+        return []
+    none = torch.empty(0)
+    if type(module) is nn.Linear and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu":
+        return [module.weight, module.bias if module.bias is not None else none]
+    if type(module) is Int8Linear and module.backend == "vnni":
+        return [module._packed, module._scales, module._sums, module._bias if module._bias is not None else none]
+    return None
+
+
+def _norm(module: nn.Module | None) -> tuple[list[torch.Tensor], list[float]] | None:
+    if module is None:
+        return [torch.empty(0), torch.empty(0)], [0.0]
+    if type(module) is not nn.LayerNorm or module.weight is None or module.bias is None:
+        return None
+    return [module.weight, module.bias], [module.eps]
+
+
+@dataclass
+class _NativeStep:
+    """The decoder stack's arguments to the C++ step (model/kernels/decode_step.cpp), or why there are none."""
+
+    projections: list[list[torch.Tensor]]
+    norms: list[torch.Tensor]
+    eps: list[float]
+    heads: int
+    pre_norm: bool
+    activation: int
+
+    @classmethod
+    def of(cls, stack: LayerStack) -> _NativeStep | None:
+        """None when a layer holds something the C++ step does not run (LoRA, fbgemm int8, other dtypes)."""
+        projections, norms, eps = [], [], []
+        for layer in stack.layers:
+            attn, cross = layer.self_attn, layer.cross_attn
+            fused = attn.fused
+            modules = [None if fused else attn.q_proj, None if fused else attn.k_proj, None if fused else attn.v_proj,
+                       attn.out_proj, cross.q_proj if cross else None, cross.out_proj if cross else None,
+                       layer.ffn.fc1, layer.ffn.fc2, attn.qkv_proj if fused else None]
+            bound = [_projection(m) for m in modules]
+            layer_norms = [_norm(layer.self_attn_norm), _norm(layer.cross_attn_norm if cross else None),
+                           _norm(layer.ffn_norm)]
+            if any(b is None for b in bound) or any(n is None for n in layer_norms):
+                return None
+            if layer.ffn.activation not in _ACTIVATIONS or attn.head_dim > KERNEL_MAX_HEAD_DIM:
+                return None
+            projections += bound
+            for tensors, (e,) in layer_norms:
+                norms += tensors
+                eps.append(e)
+        first = stack.layers[0]
+        if any(layer.pre_norm != first.pre_norm or layer.ffn.activation != first.ffn.activation
+               or layer.self_attn.n_heads != first.self_attn.n_heads for layer in stack.layers):
+            return None
+        return cls(projections, norms, eps, first.self_attn.n_heads, first.pre_norm, _ACTIVATIONS[first.ffn.activation])
+
+    def __call__(
+        self, kernels, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache, memory_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        cross, none = cache.cross, torch.empty(0)
+        return kernels.decode_layers(
+            x, self.projections, self.norms, self.eps, cache.keys, cache.values,
+            cross.keys if cross is not None else [], cross.values if cross is not None else [],
+            self.heads, self.pre_norm, self.activation, cache.max_length, cache.max_length + 1,
+            none if cache.uniform else cache._write_positions, mask if mask is not None else none,
+            memory_mask if memory_mask is not None else none, cross.group_size if cross is not None else 1,
+        )
+
+
 class DecodePlan:
     """The layers of a ``LayerStack`` bound for replay; see the module docstring."""
 
     def __init__(self, stack: LayerStack) -> None:
         self.layers = [_Layer.of(layer) for layer in stack.layers]
         self.final_norm = _op(stack.final_norm) if stack.final_norm is not None else None
+        self.native = _NativeStep.of(stack)
         self._parents, self._names, self._children = zip(*_watched(stack), strict=True)
 
     def current(self) -> bool:
@@ -180,8 +259,18 @@ class DecodePlan:
     def __call__(
         self, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache, memory_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
-        for i, layer in enumerate(self.layers):
-            x = layer.forward(x, mask, memory_mask, cache, i)
+        kernels = attention._decode_kernel() if self.native is not None else None
+        if (
+            kernels is not None
+            and x.shape[1] == 1
+            and x.dtype == torch.float32
+            and cache.keys[0].dtype == torch.float32
+            and not torch.is_grad_enabled()
+        ):
+            x = self.native(kernels, x, mask, cache, memory_mask)
+        else:
+            for i, layer in enumerate(self.layers):
+                x = layer.forward(x, mask, memory_mask, cache, i)
         return self.final_norm(x) if self.final_norm is not None else x
 
 

@@ -7,10 +7,18 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, c
 bool has_avx512();
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const c10::optional<torch::Tensor>& mask);
+torch::Tensor decode_layers(torch::Tensor x, const std::vector<std::vector<torch::Tensor>>& projections,
+                            const std::vector<torch::Tensor>& norms, const std::vector<double>& eps,
+                            const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
+                            const std::vector<torch::Tensor>& cross_keys, const std::vector<torch::Tensor>& cross_values,
+                            int64_t heads, bool pre_norm, int64_t activation, int64_t start, int64_t visible,
+                            const torch::Tensor& write_positions, const torch::Tensor& self_mask,
+                            const torch::Tensor& memory_mask, int64_t group);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("has_vnni", &has_vnni, "whether this CPU has AVX512-VNNI (int8_linear)");
   module.def("int8_linear", &int8_linear, "int8 linear: x float32 (..., in) -> (..., out) float32");
   module.def("has_avx512", &has_avx512, "whether this CPU has AVX-512 F/BW/VL/DQ (decode_attention)");
   module.def("decode_attention", &decode_attention, "attention of a few queries per head over a KV cache, float32");
+  module.def("decode_layers", &decode_layers, "one decoding step through every decoder layer (model/fast_step.py)");
 }

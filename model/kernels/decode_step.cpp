@@ -1,0 +1,123 @@
+// One decoding step through every decoder layer in one call (model/fast_step.py's native path).
+//
+// The same ATen ops, in the same order, as the decode plan's Python replay (DecodePlan): the layer loop,
+// the head split/merge views and the cache writes run here instead of in the interpreter, which cost
+// about 0.5 ms per step at d_model 512 / 6 layers (a fifth of a batch-1 step). Projections are float32
+// (weight, bias) pairs or our int8 layers (packed, scales, sums, bias: int8_vnni.cpp); attention is
+// decode_attention.cpp. One new token per row; the caller has begun the cache step.
+#include <torch/extension.h>
+
+#include <vector>
+
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale,
+                          const torch::Tensor& w_sum, const c10::optional<torch::Tensor>& bias);
+torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                               const c10::optional<torch::Tensor>& mask);
+
+namespace {
+
+using Tensors = std::vector<torch::Tensor>;
+using c10::optional;
+
+enum Slot { kQ, kK, kV, kOut, kCrossQ, kCrossOut, kFc1, kFc2, kQkv, kSlots };
+enum Norm { kSelfNorm, kCrossNorm, kFfnNorm };
+enum Activation { kRelu, kGelu, kGeluTanh };
+
+optional<torch::Tensor> maybe(const torch::Tensor& t) { return t.numel() ? optional<torch::Tensor>(t) : c10::nullopt; }
+
+// A projection: {weight, bias} float32 (bias empty when absent) or {packed, scales, sums, bias} int8.
+torch::Tensor project(const torch::Tensor& x, const Tensors& p) {
+  if (p.size() == 4) return int8_linear(x, p[0], p[1], p[2], maybe(p[3]));
+  return at::linear(x, p[0], maybe(p[1]));
+}
+
+struct Step {
+  int64_t rows, heads, d, dh;
+  bool pre_norm;
+  Activation activation;
+
+  torch::Tensor split(const torch::Tensor& t) const { return t.view({rows, 1, heads, dh}).transpose(1, 2); }
+  torch::Tensor merge(const torch::Tensor& t) const { return t.transpose(1, 2).reshape({rows, 1, d}); }
+
+  // Pre-LN: x + f(LN(x)); post-LN: LN(x + f(x)).
+  template <class F>
+  torch::Tensor sublayer(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, double eps, F f) const {
+    if (pre_norm) return x + f(at::layer_norm(x, {d}, w, b, eps));
+    return at::layer_norm(x + f(x), {d}, w, b, eps);
+  }
+
+  torch::Tensor activate(const torch::Tensor& h) const {
+    if (activation == kRelu) return at::relu(h);
+    return at::gelu(h, activation == kGeluTanh ? "tanh" : "none");
+  }
+};
+
+// SDPA of q over per-row K/V whose rows repeat in runs of `group` (beams of one source): the g queries of
+// a run attend together to its first row (fast_step._grouped_attention).
+torch::Tensor grouped_attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
+                                const optional<torch::Tensor>& mask, int64_t group) {
+  if (group == 1) return decode_attention(q, keys, values, mask);
+  const int64_t b = q.size(0), h = q.size(1), t = q.size(2), dh = q.size(3);
+  auto grouped = q.view({b / group, group, h, t, dh}).transpose(1, 2).reshape({b / group, h, group * t, dh});
+  auto first = [&](const torch::Tensor& x) { return x.slice(0, 0, b, group); };
+  auto out = decode_attention(grouped, first(keys), first(values),
+                              mask.has_value() ? optional<torch::Tensor>(first(*mask)) : c10::nullopt);
+  return out.view({b / group, h, group, t, dh}).transpose(1, 2).reshape({b, h, t, dh});
+}
+
+}  // namespace
+
+// x (B, 1, D) -> the stack's output before any final norm. projections: per layer kSlots lists (empty when
+// absent; kQkv non-empty means the fused q/k/v projection is in use); norms: per layer 6 tensors (self,
+// cross, ffn weight/bias; cross empty without cross-attention); eps: per layer 3; keys/values: the cache
+// buffers (B, H, capacity, Dh); write_positions: (B, 1) for ragged rows, empty when every row writes at
+// `start`; visible: keys visible after the write; self_mask/memory_mask: bool masks or empty.
+torch::Tensor decode_layers(torch::Tensor x, const std::vector<Tensors>& projections, const Tensors& norms,
+                            const std::vector<double>& eps, const Tensors& keys, const Tensors& values,
+                            const Tensors& cross_keys, const Tensors& cross_values, int64_t heads, bool pre_norm,
+                            int64_t activation, int64_t start, int64_t visible, const torch::Tensor& write_positions,
+                            const torch::Tensor& self_mask, const torch::Tensor& memory_mask, int64_t group) {
+  const int64_t layers = static_cast<int64_t>(keys.size());
+  TORCH_CHECK(x.dim() == 3 && x.size(1) == 1, "decode step: x must be (B, 1, D)");
+  TORCH_CHECK(static_cast<int64_t>(projections.size()) == layers * kSlots && static_cast<int64_t>(norms.size()) == layers * 6 &&
+              static_cast<int64_t>(eps.size()) == layers * 3 && static_cast<int64_t>(values.size()) == layers,
+              "decode step: per-layer argument counts disagree");
+  const Step s{x.size(0), heads, x.size(2), x.size(2) / heads, pre_norm, static_cast<Activation>(activation)};
+  const optional<torch::Tensor> smask = maybe(self_mask), mmask = maybe(memory_mask);
+  torch::Tensor rows;
+  if (write_positions.numel()) rows = torch::arange(s.rows, write_positions.options()).unsqueeze(1);
+  for (int64_t l = 0; l < layers; ++l) {
+    const Tensors* p = &projections[l * kSlots];
+    const torch::Tensor* n = &norms[l * 6];
+    const double* e = &eps[l * 3];
+    x = s.sublayer(x, n[0], n[1], e[kSelfNorm], [&](const torch::Tensor& h) {
+      torch::Tensor q, k, v;
+      if (!p[kQkv].empty()) {
+        auto qkv = project(h, p[kQkv]).view({s.rows, 1, 3, heads, s.dh}).permute({2, 0, 3, 1, 4});
+        q = qkv[0], k = qkv[1], v = qkv[2];
+      } else {
+        q = s.split(project(h, p[kQ])), k = s.split(project(h, p[kK])), v = s.split(project(h, p[kV]));
+      }
+      if (rows.defined()) {  // advanced indices on dims 0 and 2: (B, 1, H, Dh) values
+        torch::Tensor layer_keys = keys[l], layer_values = values[l];  // handles to the cache buffers
+        layer_keys.index_put_({rows, torch::indexing::Slice(), write_positions}, k.transpose(1, 2));
+        layer_values.index_put_({rows, torch::indexing::Slice(), write_positions}, v.transpose(1, 2));
+      } else {
+        keys[l].narrow(2, start, 1).copy_(k);
+        values[l].narrow(2, start, 1).copy_(v);
+      }
+      auto out = decode_attention(q, keys[l].narrow(2, 0, visible), values[l].narrow(2, 0, visible), smask);
+      return project(s.merge(out), p[kOut]);
+    });
+    if (!p[kCrossQ].empty()) {
+      x = s.sublayer(x, n[2], n[3], e[kCrossNorm], [&](const torch::Tensor& h) {
+        auto out = grouped_attention(s.split(project(h, p[kCrossQ])), cross_keys[l], cross_values[l], mmask, group);
+        return project(s.merge(out), p[kCrossOut]);
+      });
+    }
+    x = s.sublayer(x, n[4], n[5], e[kFfnNorm], [&](const torch::Tensor& h) {
+      return project(s.activate(project(h, p[kFc1])), p[kFc2]);
+    });
+  }
+  return x;
+}

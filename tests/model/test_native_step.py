@@ -1,0 +1,99 @@
+"""The C++ decoding step (model/kernels/decode_step.cpp) computes what the decode plan's Python replay computes."""
+
+import copy
+
+import pytest
+import torch
+
+from model import attention
+from model.fast_step import plan_for, run_decoder
+from model.lora import LoRAConfig, add_adapter
+from model.quantize import quantize_int8
+from tests.model.conftest import random_ids, tiny_causal_lm, tiny_seq2seq
+from tests.model.test_fast_step import causal_cache, decode, seq2seq_cache
+
+pytestmark = pytest.mark.skipif(attention._decode_kernel() is None, reason="the C++ decode kernels do not run here")
+
+
+@pytest.fixture(autouse=True)
+def no_grad():
+    with torch.no_grad():
+        yield
+
+
+def _native_and_python(model, cache, steps: int = 4):
+    """Decoder outputs of ``steps`` one-token steps through the C++ step and through the Python replay,
+    each from its own copy of ``cache``, with the caches they leave behind."""
+    tokens = [random_ids(cache.batch_size, 1, seed=s)[:, 0] for s in range(steps)]
+    plan = plan_for(model.decoder)
+    assert plan.native is not None
+    calls = []
+    native_call = plan.native.__call__
+
+    def counted(*args):
+        calls.append(1)
+        return native_call(*args)
+
+    results = {}
+    for name in ("native", "python"):
+        plan.native = counted if name == "native" else None
+        copied = copy.deepcopy(cache)
+        results[name] = decode(model, run_decoder, tokens, copied), copied
+    plan.native = native_call.__self__
+    assert len(calls) == steps  # the native step really ran
+    return results["native"], results["python"]
+
+
+def _assert_equal(model, cache, atol=1e-6):
+    (native, native_cache), (python, python_cache) = _native_and_python(model, cache)
+    for a, b in zip(native, python, strict=True):
+        torch.testing.assert_close(a, b, atol=atol, rtol=0)
+    for a, b in zip(native_cache.keys + native_cache.values, python_cache.keys + python_cache.values, strict=True):
+        torch.testing.assert_close(a[:, :, : native_cache.max_length], b[:, :, : python_cache.max_length], atol=atol,
+                                   rtol=0)
+
+
+@pytest.mark.parametrize("ragged", [False, True], ids=["uniform", "ragged"])
+def test_native_step_equals_the_python_replay(norm, ragged):
+    """Pre-/post-LN, GELU/ReLU, uniform and ragged caches (per-row writes, masks), padded sources."""
+    lm = tiny_causal_lm(norm=norm, activation="gelu_tanh")
+    _assert_equal(lm, causal_cache(lm, ragged))
+    mt = tiny_seq2seq(norm=norm, activation="gelu")
+    _assert_equal(mt, seq2seq_cache(mt, ragged))
+
+
+def test_native_step_with_beams_sharing_their_source():
+    mt = tiny_seq2seq()
+    cache = seq2seq_cache(mt, True)
+    cache.select(torch.arange(3).repeat_interleave(3))
+    assert cache.cross.group_size == 3
+    _assert_equal(mt, cache)
+
+
+def test_native_step_runs_our_int8_layers_and_their_fused_projection():
+    from model import int8_kernel
+
+    if int8_kernel.vnni_kernel() is None:
+        pytest.skip("the int8 VNNI kernel does not run here")
+    mt = tiny_seq2seq()
+    quantize_int8(mt)
+    assert all(layer.self_attn.fused for layer in mt.decoder.layers)
+    _assert_equal(mt, seq2seq_cache(mt, False))
+
+
+def test_what_the_native_step_does_not_run_takes_the_python_replay(monkeypatch):
+    lm = tiny_causal_lm()
+    add_adapter(lm, "x", LoRAConfig(r=2, target_modules=("q_proj",)), seed=0)
+    assert plan_for(lm.decoder).native is None  # LoRA-wrapped projections
+    fbgemm = tiny_seq2seq()
+    monkeypatch.setenv("TSERVE_INT8_KERNEL", "fbgemm")
+    quantize_int8(fbgemm)
+    assert plan_for(fbgemm.decoder).native is None
+    double = tiny_causal_lm().double()
+    assert plan_for(double.decoder).native is None
+    lm = tiny_causal_lm()
+    cache = causal_cache(lm, False)
+    plan = plan_for(lm.decoder)
+    monkeypatch.setattr(plan, "native", lambda *args: pytest.fail("native step under autograd"))
+    with torch.enable_grad():
+        decode(lm, run_decoder, [random_ids(3, 1)[:, 0]], cache)  # autograd on: the Python replay
