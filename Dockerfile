@@ -43,7 +43,7 @@ COPY requirements.txt constraints.txt /tmp/deps/
 RUN pip install --no-cache-dir --no-deps --index-url "${TORCH_INDEX}" "$(grep -E '^torch==' /tmp/deps/requirements.txt)" \
     && pip install --no-cache-dir -r /tmp/deps/requirements.txt -c /tmp/deps/constraints.txt \
     && python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
-# The C++ kernels (model/native.py: int8 on AVX512-VNNI, decode attention), compiled here so that the
+# The C++ kernels (model/native.py: int8 on AVX512-VNNI, the decoding step), compiled here so that the
 # runtime image needs no compiler: g++ (and Python's headers where the base image has none), then one
 # build into /opt/tserve-kernels, which the runtime copies. Without them PyTorch's kernels serve.
 COPY model/ /tmp/src/model/

@@ -15,7 +15,7 @@ $(STAMP): requirements.txt requirements-dev.txt constraints.txt
 	$(PIP) install -r requirements-dev.txt -c constraints.txt
 	touch $(STAMP)
 
-## Our C++ CPU kernels (model/native.py): built once per machine (about 25 s), then only imported.
+## Our C++ CPU kernels (model/native.py): built once per machine (under a minute), then only imported.
 kernels: $(STAMP)
 	$(PY) -m model.native
 

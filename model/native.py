@@ -1,6 +1,6 @@
 """Our C++ CPU kernels (model/kernels/*.cpp): built once, then imported; every caller has a PyTorch fallback.
 
-The kernels are one PyTorch C++ extension compiled on first use (about 25 s; ``torch.utils.cpp_extension``
+The kernels are one PyTorch C++ extension compiled on first use (under a minute; ``torch.utils.cpp_extension``
 with the system's C++ compiler and ninja) into ``TSERVE_KERNEL_DIR`` (default ``~/.cache/tserve/kernels``),
 under a name carrying the sources' hash and the Python/torch versions: later processes import the built
 module directly (no compiler needed then, as in the Docker image, which builds it at image build time),
@@ -65,7 +65,7 @@ def _build(directory: Path, name: str) -> ModuleType:
         lock.unlink(missing_ok=True)
     if shutil.which("ninja") is None:  # the venv's ninja (pip package) when the venv is not activated
         os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    logger.info("building the C++ kernels into %s (once, about 25 s)", directory)
+    logger.info("building the C++ kernels into %s (once, under a minute)", directory)
     sources = [str(path) for path in SOURCES]
     return load(name, sources=sources, extra_cflags=["-O3", "-fopenmp"], build_directory=str(directory))
 
@@ -90,7 +90,7 @@ def main() -> None:
         print(f"C++ kernels: none ({why})")
         return
     print(f"C++ kernels: {kernel_dir() / module_name()}; int8 AVX512-VNNI: {module.has_vnni()}, "
-          f"decode attention AVX-512: {module.has_avx512()}")
+          f"decoding step and attention (AVX-512): {module.has_avx512()}")
 
 
 if __name__ == "__main__":
