@@ -15,10 +15,15 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<std::vector<torch
                             const torch::Tensor& write_positions, const torch::Tensor& self_mask,
                             const torch::Tensor& memory_mask, int64_t group);
 
+// The computing functions release the GIL (as PyTorch's own ops do), so the service's event loop and other
+// Python threads run while a step computes.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  using release = pybind11::call_guard<pybind11::gil_scoped_release>;
   module.def("has_vnni", &has_vnni, "whether this CPU has AVX512-VNNI (int8_linear)");
-  module.def("int8_linear", &int8_linear, "int8 linear: x float32 (..., in) -> (..., out) float32");
+  module.def("int8_linear", &int8_linear, "int8 linear: x float32 (..., in) -> (..., out) float32", release());
   module.def("has_avx512", &has_avx512, "whether this CPU has AVX-512 F/BW/VL/DQ (decode_attention)");
-  module.def("decode_attention", &decode_attention, "attention of a few queries per head over a KV cache, float32");
-  module.def("decode_layers", &decode_layers, "one decoding step through every decoder layer (model/fast_step.py)");
+  module.def("decode_attention", &decode_attention, "attention of a few queries per head over a KV cache, float32",
+             release());
+  module.def("decode_layers", &decode_layers, "one decoding step through every decoder layer (model/fast_step.py)",
+             release());
 }
