@@ -28,6 +28,7 @@ from model import attention
 from model.attention import KERNEL_MAX_HEAD_DIM, MultiHeadAttention, decode_attention
 from model.kv_cache import KVCache
 from model.layers import LayerStack, TransformerLayer
+from model.lora import LoRALinear
 
 Op = Callable[[torch.Tensor], torch.Tensor]
 
@@ -175,6 +176,8 @@ def _projection(module: nn.Module | None) -> list[torch.Tensor] | None:
 
     if module is None:
         return []
+    if type(module) is LoRALinear:  # its base, for the steps whose rows select no adapter (_NativeStep.usable)
+        module = module.base
     none = torch.empty(0)
     if type(module) is nn.Linear and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu":
         return [module.weight, module.bias if module.bias is not None else none]
@@ -201,6 +204,12 @@ class _NativeStep:
     heads: int
     pre_norm: bool
     activation: int
+    adapted: list[LoRALinear]  # LoRA-wrapped projections, bound by their bases
+
+    def usable(self) -> bool:
+        """Whether this step adds no adapter delta anywhere (no rows select one; a merged adapter selected
+        is already in its base), so the bases alone compute it."""
+        return all(m.routing.groups is None and m._terms(m.routing.name) == (None, None) for m in self.adapted)
 
     @classmethod
     def of(cls, stack: LayerStack) -> _NativeStep | None:
@@ -227,7 +236,9 @@ class _NativeStep:
         if any(layer.pre_norm != first.pre_norm or layer.ffn.activation != first.ffn.activation
                or layer.self_attn.n_heads != first.self_attn.n_heads for layer in stack.layers):
             return None
-        return cls(projections, norms, eps, first.self_attn.n_heads, first.pre_norm, _ACTIVATIONS[first.ffn.activation])
+        adapted = [m for m in stack.modules() if type(m) is LoRALinear]
+        return cls(projections, norms, eps, first.self_attn.n_heads, first.pre_norm, _ACTIVATIONS[first.ffn.activation],
+                   adapted)
 
     def __call__(
         self, kernels, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache, memory_mask: torch.Tensor | None
@@ -266,6 +277,7 @@ class DecodePlan:
             and x.dtype == torch.float32
             and cache.keys[0].dtype == torch.float32
             and not torch.is_grad_enabled()
+            and (not self.native.adapted or self.native.usable())
         ):
             x = self.native(kernels, x, mask, cache, memory_mask)
         else:

@@ -7,7 +7,7 @@ import torch
 
 from model import attention
 from model.fast_step import plan_for, run_decoder
-from model.lora import LoRAConfig, add_adapter
+from model.lora import LoRAConfig, LoRALinear, add_adapter, merge_adapter, use_adapters
 from model.quantize import quantize_int8
 from tests.model.conftest import random_ids, tiny_causal_lm, tiny_seq2seq
 from tests.model.test_fast_step import causal_cache, decode, seq2seq_cache
@@ -21,26 +21,37 @@ def no_grad():
         yield
 
 
+class _Watched:
+    """A plan's native step that counts its calls (or fails them), otherwise the step itself."""
+
+    def __init__(self, native, fail: bool = False):
+        self.native, self.fail, self.calls = native, fail, 0
+
+    def __getattr__(self, name):
+        return getattr(self.native, name)
+
+    def __call__(self, *args):
+        if self.fail:
+            pytest.fail("the native step ran where it must not")
+        self.calls += 1
+        return self.native(*args)
+
+
 def _native_and_python(model, cache, steps: int = 4):
     """Decoder outputs of ``steps`` one-token steps through the C++ step and through the Python replay,
     each from its own copy of ``cache``, with the caches they leave behind."""
     tokens = [random_ids(cache.batch_size, 1, seed=s)[:, 0] for s in range(steps)]
     plan = plan_for(model.decoder)
-    assert plan.native is not None
-    calls = []
-    native_call = plan.native.__call__
-
-    def counted(*args):
-        calls.append(1)
-        return native_call(*args)
-
+    native = plan.native
+    assert native is not None
+    counted = _Watched(native)
     results = {}
     for name in ("native", "python"):
         plan.native = counted if name == "native" else None
         copied = copy.deepcopy(cache)
         results[name] = decode(model, run_decoder, tokens, copied), copied
-    plan.native = native_call.__self__
-    assert len(calls) == steps  # the native step really ran
+    plan.native = native
+    assert counted.calls == steps  # the native step really ran
     return results["native"], results["python"]
 
 
@@ -81,10 +92,37 @@ def test_native_step_runs_our_int8_layers_and_their_fused_projection():
     _assert_equal(mt, seq2seq_cache(mt, False))
 
 
-def test_what_the_native_step_does_not_run_takes_the_python_replay(monkeypatch):
+def _with_adapter():
     lm = tiny_causal_lm()
-    add_adapter(lm, "x", LoRAConfig(r=2, target_modules=("q_proj",)), seed=0)
-    assert plan_for(lm.decoder).native is None  # LoRA-wrapped projections
+    add_adapter(lm, "x", LoRAConfig(r=2, target_modules=("q_proj", "fc2")), seed=0)
+    for module in lm.modules():  # B starts at zero: make the adapter change the outputs
+        if type(module) is LoRALinear:
+            module.lora_B["x"].weight.normal_(0, 0.5)
+    return lm
+
+
+def test_steps_selecting_no_adapter_run_natively_on_the_bases():
+    lm = _with_adapter()
+    assert plan_for(lm.decoder).native.adapted
+    _assert_equal(lm, causal_cache(lm, True))  # no adapter selected: the bases alone
+    merge_adapter(lm, "x")
+    with use_adapters(lm, "x"):  # the merged adapter selected: in the bases already
+        _assert_equal(lm, causal_cache(lm, False))
+
+
+@pytest.mark.parametrize("selection", ["x", ["x", None, "x"]], ids=["all-rows", "per-row"])
+def test_steps_adding_adapter_deltas_take_the_python_replay(selection, monkeypatch):
+    lm = _with_adapter()
+    cache = causal_cache(lm, False)
+    tokens = [random_ids(3, 1, seed=s)[:, 0] for s in range(2)]
+    base = decode(lm, run_decoder, tokens, copy.deepcopy(cache))
+    monkeypatch.setattr(plan_for(lm.decoder), "native", _Watched(plan_for(lm.decoder).native, fail=True))
+    with use_adapters(lm, selection):
+        adapted = decode(lm, run_decoder, tokens, copy.deepcopy(cache))
+    assert (adapted[-1] - base[-1]).abs().max() > 1e-3  # the deltas were added
+
+
+def test_what_the_native_step_does_not_run_takes_the_python_replay(monkeypatch):
     fbgemm = tiny_seq2seq()
     monkeypatch.setenv("TSERVE_INT8_KERNEL", "fbgemm")
     quantize_int8(fbgemm)
@@ -94,6 +132,6 @@ def test_what_the_native_step_does_not_run_takes_the_python_replay(monkeypatch):
     lm = tiny_causal_lm()
     cache = causal_cache(lm, False)
     plan = plan_for(lm.decoder)
-    monkeypatch.setattr(plan, "native", lambda *args: pytest.fail("native step under autograd"))
+    monkeypatch.setattr(plan, "native", _Watched(plan.native, fail=True))
     with torch.enable_grad():
         decode(lm, run_decoder, [random_ids(3, 1)[:, 0]], cache)  # autograd on: the Python replay
