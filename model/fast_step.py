@@ -167,6 +167,7 @@ def _watched(stack: LayerStack) -> list[tuple[dict, str, object]]:
 
 
 _ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_tanh": 2}  # decode_step.cpp's Activation
+_ABSENT = torch.empty(0)  # decode_step.cpp's "no tensor here" (a missing bias, mask or norm)
 
 
 def _projection(module: nn.Module | None) -> list[torch.Tensor] | None:
@@ -178,20 +179,20 @@ def _projection(module: nn.Module | None) -> list[torch.Tensor] | None:
         return []
     if type(module) is LoRALinear:  # its base, for the steps whose rows select no adapter (_NativeStep.usable)
         module = module.base
-    none = torch.empty(0)
     if type(module) is nn.Linear and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu":
-        return [module.weight, module.bias if module.bias is not None else none]
+        return [module.weight, _ABSENT if module.bias is None else module.bias]
     if type(module) is Int8Linear and module.backend == "vnni":
-        return [module._packed, module._scales, module._sums, module._bias if module._bias is not None else none]
+        return [module._packed, module._scales, module._sums, _ABSENT if module._bias is None else module._bias]
     return None
 
 
-def _norm(module: nn.Module | None) -> tuple[list[torch.Tensor], list[float]] | None:
+def _norm(module: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """(weight, bias, eps) of a LayerNorm as decode_step.cpp takes it; absent ones empty; None if it cannot."""
     if module is None:
-        return [torch.empty(0), torch.empty(0)], [0.0]
+        return _ABSENT, _ABSENT, 0.0
     if type(module) is not nn.LayerNorm or module.weight is None or module.bias is None:
         return None
-    return [module.weight, module.bias], [module.eps]
+    return module.weight, module.bias, module.eps
 
 
 @dataclass
@@ -229,8 +230,8 @@ class _NativeStep:
             if layer.ffn.activation not in _ACTIVATIONS or attn.head_dim > KERNEL_MAX_HEAD_DIM:
                 return None
             projections += bound
-            for tensors, (e,) in layer_norms:
-                norms += tensors
+            for weight, bias, e in layer_norms:
+                norms += [weight, bias]
                 eps.append(e)
         first = stack.layers[0]
         if any(layer.pre_norm != first.pre_norm or layer.ffn.activation != first.ffn.activation
@@ -243,13 +244,13 @@ class _NativeStep:
     def __call__(
         self, kernels, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache, memory_mask: torch.Tensor | None
     ) -> torch.Tensor:
-        cross, none = cache.cross, torch.empty(0)
+        cross = cache.cross
         return kernels.decode_layers(
             x, self.projections, self.norms, self.eps, cache.keys, cache.values,
             cross.keys if cross is not None else [], cross.values if cross is not None else [],
             self.heads, self.pre_norm, self.activation, cache.max_length, cache.max_length + 1,
-            none if cache.uniform else cache._write_positions, mask if mask is not None else none,
-            memory_mask if memory_mask is not None else none, cross.group_size if cross is not None else 1,
+            _ABSENT if cache.uniform else cache.write_positions, _ABSENT if mask is None else mask,
+            _ABSENT if memory_mask is None else memory_mask, cross.group_size if cross is not None else 1,
         )
 
 

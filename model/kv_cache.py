@@ -124,6 +124,11 @@ class KVCache:
         mask = key_positions[None, None, :] <= positions[:, :, None]  # (B, t, K)
         return positions, mask[:, None]
 
+    @property
+    def write_positions(self) -> torch.Tensor | None:
+        """Where this step writes each row's new tokens (B, t), set by :meth:`begin_step`; None between steps."""
+        return self._write_positions
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this step's (B, H, t, Dh) keys/values of ``layer``; return views of all visible K/V."""
         positions = self._write_positions

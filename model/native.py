@@ -87,11 +87,10 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     module, why = load()
     if module is None:
-        print(f"C++ kernels: none ({why})")
+        logger.info("C++ kernels: none (%s)", why)
         return
-    print(f"C++ kernels: {kernel_dir() / module_name()}; int8 AVX512-VNNI: {module.has_vnni()}, "
-          f"decoding step and attention (AVX-512): {module.has_avx512()}")
-
+    logger.info("C++ kernels: %s; int8 AVX512-VNNI: %s, decoding step and attention (AVX-512): %s",
+                kernel_dir() / module_name(), module.has_vnni(), module.has_avx512())
 
 if __name__ == "__main__":
     main()
