@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from model.config import CausalLMConfig
-from model.fast_step import run_decoder
+from model.fast_step import decode_head, run_decoder
 from model.kv_cache import KVCache
 from model.layers import Embeddings, LayerStack, causal_mask, init_weights
 
@@ -56,4 +56,4 @@ class CausalLM(nn.Module):
         positions, mask = cache.begin_step(1)
         x = run_decoder(self.decoder, self.embed(tokens[:, None], positions), mask, cache, None)
         cache.end_step(1)
-        return self.lm_head(x[:, 0])
+        return decode_head(self.lm_head, x[:, 0])

@@ -145,10 +145,10 @@ class Search(ABC):
         """Finished hypotheses per input, once done."""
 
     def _check_logits(self, logits: torch.Tensor) -> None:
-        _require(logits.dim() == 2 and logits.size(0) == self.num_rows,
-                 f"logits must be (num_rows={self.num_rows}, V), got {tuple(logits.shape)}")
-        _require(max(self.config.finish_token_ids) < logits.size(1),
-                 f"eos/stop token ids {self.config.finish_token_ids} out of vocabulary {logits.size(1)}")
+        if logits.dim() != 2 or logits.size(0) != self.num_rows:  # (messages built only on failure: every step)
+            raise ValueError(f"logits must be (num_rows={self.num_rows}, V), got {tuple(logits.shape)}")
+        if max(self.config.finish_token_ids) >= logits.size(1):
+            raise ValueError(f"eos/stop token ids {self.config.finish_token_ids} out of vocabulary {logits.size(1)}")
 
     def _check_done(self) -> None:
         if not self.done:

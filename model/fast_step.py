@@ -300,6 +300,20 @@ def plan_for(stack: LayerStack) -> DecodePlan:
     return plan
 
 
+def decode_head(head: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``head(x)``: the output projection of a decoding step's rows (N, D) -> (N, V).
+
+    A plain Linear on CPU goes through our few-rows kernel (model/kernels/few_rows_linear.cpp), which reads
+    the (tied, input-major) weights faster than MKL's GEMV at up to 4 rows and calls ``F.linear`` itself
+    otherwise (more rows, another dtype or layout, autograd); LoRA, int8 and hooked heads run as modules.
+    """
+    kernels = attention._decode_kernel()
+    plain = type(head) is nn.Linear and not head._forward_hooks and not head._forward_pre_hooks
+    if kernels is None or not plain or head.weight.device.type != "cpu":
+        return head(x)
+    return kernels.few_rows_linear(x, head.weight, head.bias)
+
+
 def run_decoder(
     stack: LayerStack, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache, memory_mask: torch.Tensor | None
 ) -> torch.Tensor:

@@ -22,7 +22,10 @@ def mask_tokens(scores: torch.Tensor, token_ids: tuple[int, ...], inplace: bool 
     if not token_ids:
         return scores
     scores = scores if inplace else scores.clone()
-    scores[:, list(token_ids)] = NEG_INF
+    if len(token_ids) == 1:  # a column fill: no index tensor built (every step of a min-length search)
+        scores.select(1, token_ids[0]).fill_(NEG_INF)
+    else:
+        scores[:, list(token_ids)] = NEG_INF
     return scores
 
 

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from model.config import Seq2SeqConfig
-from model.fast_step import run_decoder
+from model.fast_step import decode_head, run_decoder
 from model.kv_cache import CrossAttentionMemory, KVCache
 from model.layers import Embeddings, LayerStack, causal_mask, init_weights, padding_mask
 
@@ -79,4 +79,4 @@ class Seq2SeqTransformer(nn.Module):
         x = self.tgt_embed(tokens[:, None], positions)
         x = run_decoder(self.decoder, x, mask, cache, cache.cross.attention_mask)
         cache.end_step(1)
-        return self.lm_head(x[:, 0])
+        return decode_head(self.lm_head, x[:, 0])

@@ -7,6 +7,7 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, c
 bool has_avx512();
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const c10::optional<torch::Tensor>& mask);
+torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias);
 torch::Tensor decode_layers(torch::Tensor x, const std::vector<std::vector<torch::Tensor>>& projections,
                             const std::vector<torch::Tensor>& norms, const std::vector<double>& eps,
                             const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
@@ -23,6 +24,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("int8_linear", &int8_linear, "int8 linear: x float32 (..., in) -> (..., out) float32", release());
   module.def("has_avx512", &has_avx512, "whether this CPU has AVX-512 F/BW/VL/DQ (decode_attention)");
   module.def("decode_attention", &decode_attention, "attention of a few queries per head over a KV cache, float32",
+             release());
+  module.def("few_rows_linear", &few_rows_linear, "float32 linear of a few rows over input-major weights (else at::linear)",
              release());
   module.def("decode_layers", &decode_layers, "one decoding step through every decoder layer (model/fast_step.py)",
              release());

@@ -1,9 +1,10 @@
 // One decoding step through every decoder layer in one call (model/fast_step.py's native path).
 //
-// The same ATen ops, in the same order, as the decode plan's Python replay (DecodePlan): the layer loop,
+// The same ops, in the same order, as the decode plan's Python replay (DecodePlan): the layer loop,
 // the head split/merge views and the cache writes run here instead of in the interpreter, which cost
 // about 0.5 ms per step at d_model 512 / 6 layers (a fifth of a batch-1 step). Projections are float32
-// (weight, bias) pairs or our int8 layers (packed, scales, sums, bias: int8_vnni.cpp); attention is
+// (weight, bias) pairs (few_rows_linear.cpp up to 4 rows, at::linear beyond: the same sums in another
+// order) or our int8 layers (packed, scales, sums, bias: int8_vnni.cpp); attention is
 // decode_attention.cpp. One new token per row; the caller has begun the cache step.
 #include <torch/extension.h>
 
@@ -13,6 +14,7 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, c
                           const torch::Tensor& w_sum, const c10::optional<torch::Tensor>& bias);
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const c10::optional<torch::Tensor>& mask);
+torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias);
 
 namespace {
 
@@ -28,7 +30,7 @@ optional<torch::Tensor> maybe(const torch::Tensor& t) { return t.numel() ? optio
 // A projection: {weight, bias} float32 (bias empty when absent) or {packed, scales, sums, bias} int8.
 torch::Tensor project(const torch::Tensor& x, const Tensors& p) {
   if (p.size() == 4) return int8_linear(x, p[0], p[1], p[2], maybe(p[3]));
-  return at::linear(x, p[0], maybe(p[1]));
+  return few_rows_linear(x, p[0], maybe(p[1]));  // at::linear beyond a few rows
 }
 
 struct Step {

@@ -7,6 +7,7 @@ import torch
 
 from model import attention
 from model.fast_step import plan_for, run_decoder
+from model.layout import use_input_major_weights
 from model.lora import LoRAConfig, LoRALinear, add_adapter, merge_adapter, use_adapters
 from model.quantize import quantize_int8
 from tests.model.conftest import random_ids, tiny_causal_lm, tiny_seq2seq
@@ -71,6 +72,17 @@ def test_native_step_equals_the_python_replay(norm, ragged):
     _assert_equal(lm, causal_cache(lm, ragged))
     mt = tiny_seq2seq(norm=norm, activation="gelu")
     _assert_equal(mt, seq2seq_cache(mt, ragged))
+
+
+def test_native_step_over_input_major_weights_equals_the_python_replay():
+    """The service's weight layout: the native step's projections of up to 4 rows run on the few-rows GEMV
+    (the same sums as the replay's F.linear, in another order)."""
+    lm = tiny_causal_lm()
+    use_input_major_weights(lm)
+    _assert_equal(lm, causal_cache(lm, True), atol=1e-5)
+    mt = tiny_seq2seq()
+    use_input_major_weights(mt)
+    _assert_equal(mt, seq2seq_cache(mt, False), atol=1e-5)
 
 
 def test_native_step_with_beams_sharing_their_source():
