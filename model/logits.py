@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from model import attention
+
 if TYPE_CHECKING:
     from model.decoding import GenerationConfig
 
@@ -15,6 +17,21 @@ NEG_INF = float("-inf")
 def log_probs(logits: torch.Tensor) -> torch.Tensor:
     """log_softmax over the vocabulary, in float32 whatever the logits' dtype."""
     return torch.log_softmax(logits.float(), dim=-1)
+
+
+def greedy_choice(logits: torch.Tensor, step: int, config: GenerationConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy tokens (rows,) under the min-length mask, and their log-probs (rows,) in the unmasked distribution.
+
+    float32 CPU logits go through one C++ pass per row (model/kernels/greedy_pick.cpp) where torch makes
+    three and two (rows, V) tensors; the first maximal column wins either way, as ``argmax`` does.
+    """
+    kernels = attention._decode_kernel()
+    if kernels is not None and logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.stride(1) == 1:
+        banned = config.finish_token_ids if step < config.min_new_tokens else ()
+        return kernels.greedy_pick(logits, list(banned))
+    # max(dim) gives the first maximal index, as argmax does, and is 2-3x faster on CPU.
+    chosen, tokens = min_length_mask(log_probs(logits), step, config, inplace=True).max(dim=-1)
+    return tokens, chosen
 
 
 def mask_tokens(scores: torch.Tensor, token_ids: tuple[int, ...], inplace: bool = False) -> torch.Tensor:

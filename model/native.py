@@ -26,7 +26,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = sorted((Path(__file__).parent / "kernels").glob("*.cpp"))
+KERNELS = Path(__file__).parent / "kernels"
+SOURCES = sorted(KERNELS.glob("*.cpp"))
+HEADERS = sorted(KERNELS.glob("*.h"))
 
 
 def kernel_dir() -> Path:
@@ -34,8 +36,8 @@ def kernel_dir() -> Path:
 
 
 def module_name() -> str:
-    """The extension's name: the sources' hash and the Python/torch versions it is built against."""
-    digest = hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES)).hexdigest()[:12]
+    """The extension's name: the sources' (and headers') hash and the Python/torch versions it is built against."""
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES + HEADERS)).hexdigest()[:12]
     version = torch.__version__.split("+")[0].replace(".", "_")
     return f"tserve_kernels_{digest}_py{sys.version_info.major}{sys.version_info.minor}_torch{version}"
 

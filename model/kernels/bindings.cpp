@@ -8,6 +8,7 @@ bool has_avx512();
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const c10::optional<torch::Tensor>& mask);
 torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias);
+std::tuple<torch::Tensor, torch::Tensor> greedy_pick(const torch::Tensor& logits, const std::vector<int64_t>& banned);
 torch::Tensor decode_layers(torch::Tensor x, const std::vector<std::vector<torch::Tensor>>& projections,
                             const std::vector<torch::Tensor>& norms, const std::vector<double>& eps,
                             const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
@@ -27,6 +28,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              release());
   module.def("few_rows_linear", &few_rows_linear, "float32 linear of a few rows over input-major weights (else at::linear)",
              release());
+  module.def("greedy_pick", &greedy_pick, "greedy choice per row: (first argmax outside banned, its log-prob)", release());
   module.def("decode_layers", &decode_layers, "one decoding step through every decoder layer (model/fast_step.py)",
              release());
 }

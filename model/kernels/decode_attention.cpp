@@ -9,6 +9,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "simd_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -18,22 +20,6 @@
 namespace {
 
 constexpr int64_t kMaxChunks = 8;  // head dims up to 128
-
-// exp(x) for x <= 0 (scores minus their maximum): 2^n * p(f), relative error about 2e-7.
-AVX512 __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
 
 struct Head {
   const float* q;     // first query; queries q_row apart
@@ -75,7 +61,7 @@ AVX512 void attend(const Head& a, float scale, float* scores) {
     __m512 total = _mm512_setzero_ps();
     for (int64_t j = 0; j < a.keys; j += 16) {
       const __mmask16 m = a.keys - j >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (a.keys - j)) - 1);
-      const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + j), shift)));
+      const __m512 e = _mm512_maskz_mov_ps(m, tserve::exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + j), shift)));
       _mm512_mask_storeu_ps(scores + j, m, e);
       total = _mm512_add_ps(total, e);
     }
