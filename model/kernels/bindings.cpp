@@ -9,6 +9,9 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
                                const c10::optional<torch::Tensor>& mask);
 torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias);
 std::tuple<torch::Tensor, torch::Tensor> greedy_pick(const torch::Tensor& logits, const std::vector<int64_t>& banned);
+torch::Tensor rows_layer_norm(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias, double eps);
+torch::Tensor rows_activate_(torch::Tensor h, int64_t activation);
+torch::Tensor rows_add_(torch::Tensor y, const torch::Tensor& x);
 torch::Tensor decode_layers(torch::Tensor x, const std::vector<std::vector<torch::Tensor>>& projections,
                             const std::vector<torch::Tensor>& norms, const std::vector<double>& eps,
                             const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
@@ -29,6 +32,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("few_rows_linear", &few_rows_linear, "float32 linear of a few rows over input-major weights (else at::linear)",
              release());
   module.def("greedy_pick", &greedy_pick, "greedy choice per row: (first argmax outside banned, its log-prob)", release());
+  module.def("rows_layer_norm", &rows_layer_norm, "LayerNorm over the last dim (the native step's)", release());
+  module.def("rows_activate_", &rows_activate_, "ReLU (0), GELU (1), GELU tanh (2) in place", release());
+  module.def("rows_add_", &rows_add_, "y += x in place", release());
   module.def("decode_layers", &decode_layers, "one decoding step through every decoder layer (model/fast_step.py)",
              release());
 }

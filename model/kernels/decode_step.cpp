@@ -5,7 +5,7 @@
 // about 0.5 ms per step at d_model 512 / 6 layers (a fifth of a batch-1 step). Projections are float32
 // (weight, bias) pairs (few_rows_linear.cpp up to 4 rows, at::linear beyond: the same sums in another
 // order) or our int8 layers (packed, scales, sums, bias: int8_vnni.cpp); attention is
-// decode_attention.cpp. One new token per row; the caller has begun the cache step.
+// decode_attention.cpp; LayerNorm, activations and residual adds are elementwise.cpp's. One new token per row; the caller has begun the cache step.
 #include <torch/extension.h>
 
 #include <vector>
@@ -15,6 +15,9 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, c
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const c10::optional<torch::Tensor>& mask);
 torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias);
+torch::Tensor rows_layer_norm(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias, double eps);
+torch::Tensor rows_activate_(torch::Tensor h, int64_t activation);
+torch::Tensor rows_add_(torch::Tensor y, const torch::Tensor& x);
 
 namespace {
 
@@ -41,17 +44,14 @@ struct Step {
   torch::Tensor split(const torch::Tensor& t) const { return t.view({rows, 1, heads, dh}).transpose(1, 2); }
   torch::Tensor merge(const torch::Tensor& t) const { return t.transpose(1, 2).reshape({rows, 1, d}); }
 
-  // Pre-LN: x + f(LN(x)); post-LN: LN(x + f(x)).
+  // Pre-LN: x + f(LN(x)); post-LN: LN(x + f(x)). f's result is fresh: the residual is added into it.
   template <class F>
   torch::Tensor sublayer(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, double eps, F f) const {
-    if (pre_norm) return x + f(at::layer_norm(x, {d}, w, b, eps));
-    return at::layer_norm(x + f(x), {d}, w, b, eps);
+    if (pre_norm) return rows_add_(f(rows_layer_norm(x, w, b, eps)), x);
+    return rows_layer_norm(rows_add_(f(x), x), w, b, eps);
   }
 
-  torch::Tensor activate(const torch::Tensor& h) const {
-    if (activation == kRelu) return at::relu(h);
-    return at::gelu(h, activation == kGeluTanh ? "tanh" : "none");
-  }
+  torch::Tensor activate(const torch::Tensor& h) const { return rows_activate_(h, activation); }
 };
 
 // SDPA of q over per-row K/V whose rows repeat in runs of `group` (beams of one source): the g queries of

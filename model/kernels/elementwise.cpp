@@ -1,0 +1,154 @@
+// The native step's LayerNorm, activations and residual adds on (rows, D) float32 activations, AVX-512.
+//
+// At a few rows ATen's versions of these cost 3-8 us a call in allocations and dispatch (LayerNorm also
+// makes its mean and rstd tensors), about as long as one of the step's smaller GEMVs reads its weights;
+// these take well under a microsecond at d_model 512. Rows are spread over ATen's threads once there are
+// enough of them. Anything but contiguous float32 CPU tensors goes to the ATen op.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include "simd_math.h"
+
+#include <cmath>
+
+#define AVX512 __attribute__((target("avx512f")))
+
+bool has_avx512();
+
+namespace {
+
+constexpr int64_t kGrain = 1 << 15;  // elements per task before rows are spread over threads
+
+bool fits(const torch::Tensor& t) {
+  static const bool avx512 = has_avx512();
+  return avx512 && t.scalar_type() == at::kFloat && t.device().is_cpu() && t.is_contiguous() &&
+         !(at::GradMode::is_enabled() && t.requires_grad());
+}
+
+template <class F>
+void over_rows(int64_t rows, int64_t width, F f) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(width, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) f(r);
+  });
+}
+
+// mask of the first `left` of 16 lanes
+inline __mmask16 lanes(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+}
+
+AVX512 void layer_norm_row(const float* x, const float* w, const float* b, float* y, int64_t d, float eps) {
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t c = 0; c < d; c += 16) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(lanes(d - c), x + c));
+  const float mean = _mm512_reduce_add_ps(sum) / static_cast<float>(d);
+  const __m512 m = _mm512_set1_ps(mean);
+  __m512 squares = _mm512_setzero_ps();
+  for (int64_t c = 0; c < d; c += 16) {
+    const __mmask16 k = lanes(d - c);
+    const __m512 centred = _mm512_maskz_sub_ps(k, _mm512_maskz_loadu_ps(k, x + c), m);
+    squares = _mm512_fmadd_ps(centred, centred, squares);
+  }
+  const __m512 rstd = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(d) + eps));
+  for (int64_t c = 0; c < d; c += 16) {
+    const __mmask16 k = lanes(d - c);
+    __m512 v = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + c), m), rstd);
+    if (w != nullptr) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(k, w + c));
+    if (b != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, b + c));
+    _mm512_mask_storeu_ps(y + c, k, v);
+  }
+}
+
+// erf(x), |error| < 3e-7 (Abramowitz & Stegun 7.1.26 with exp(-x^2) from simd_math.h)
+AVX512 __m512 erf_approx(__m512 x) {
+  const __m512 a = _mm512_abs_ps(x);
+  const __m512 t = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_fmadd_ps(_mm512_set1_ps(0.3275911f), a, _mm512_set1_ps(1.f)));
+  __m512 p = _mm512_set1_ps(1.061405429f);
+  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-1.453152027f));
+  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.421413741f));
+  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-0.284496736f));
+  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(0.254829592f));
+  p = _mm512_mul_ps(p, t);
+  const __m512 e = tserve::exp_nonpositive(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), a), a));
+  const __m512 r = _mm512_fnmadd_ps(p, e, _mm512_set1_ps(1.f));  // erf(|x|)
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(r),  // the sign of x
+                                             _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN))));
+}
+
+// tanh(u) = sign(u) (1 - e^{-2|u|}) / (1 + e^{-2|u|})
+AVX512 __m512 tanh_approx(__m512 u) {
+  const __m512 e = tserve::exp_nonpositive(_mm512_mul_ps(_mm512_set1_ps(-2.f), _mm512_abs_ps(u)));
+  const __m512 r = _mm512_div_ps(_mm512_sub_ps(_mm512_set1_ps(1.f), e), _mm512_add_ps(_mm512_set1_ps(1.f), e));
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(r),
+                                             _mm512_and_si512(_mm512_castps_si512(u), _mm512_set1_epi32(INT32_MIN))));
+}
+
+enum Activation { kRelu, kGelu, kGeluTanh };  // as in decode_step.cpp
+
+AVX512 void activate_row(float* y, int64_t n, int64_t activation) {
+  const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.f);
+  for (int64_t c = 0; c < n; c += 16) {
+    const __mmask16 k = lanes(n - c);
+    const __m512 x = _mm512_maskz_loadu_ps(k, y + c);
+    __m512 out;
+    if (activation == kRelu) {
+      out = _mm512_max_ps(x, _mm512_setzero_ps());
+    } else if (activation == kGelu) {  // x/2 (1 + erf(x / sqrt 2))
+      out = _mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, erf_approx(_mm512_mul_ps(x, _mm512_set1_ps(0.7071067811865476f)))));
+    } else {  // x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+      const __m512 inner = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+                                         _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), x), _mm512_mul_ps(x, x), x));
+      out = _mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, tanh_approx(inner)));
+    }
+    _mm512_mask_storeu_ps(y + c, k, out);
+  }
+}
+
+AVX512 void add_row(float* y, const float* x, int64_t n) {
+  for (int64_t c = 0; c < n; c += 16) {
+    const __mmask16 k = lanes(n - c);
+    _mm512_mask_storeu_ps(y + c, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, y + c), _mm512_maskz_loadu_ps(k, x + c)));
+  }
+}
+
+}  // namespace
+
+// LayerNorm over the last dim of x with weight/bias (absent: empty tensors), as at::layer_norm.
+torch::Tensor rows_layer_norm(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias, double eps) {
+  const int64_t d = x.size(-1);
+  const bool affine_fits = (!weight.defined() || !weight.numel() || (fits(weight) && weight.numel() == d)) &&
+                           (!bias.defined() || !bias.numel() || (fits(bias) && bias.numel() == d));
+  if (!fits(x) || !affine_fits || d == 0) {
+    const auto maybe = [](const torch::Tensor& t) { return t.defined() && t.numel() ? c10::optional<torch::Tensor>(t) : c10::nullopt; };
+    return at::layer_norm(x, {d}, maybe(weight), maybe(bias), eps);
+  }
+  auto y = at::empty_like(x);
+  const float* w = weight.defined() && weight.numel() ? weight.data_ptr<float>() : nullptr;
+  const float* b = bias.defined() && bias.numel() ? bias.data_ptr<float>() : nullptr;
+  const float* in = x.data_ptr<float>();
+  float* out = y.data_ptr<float>();
+  over_rows(x.numel() / d, d, [&](int64_t r) { layer_norm_row(in + r * d, w, b, out + r * d, d, static_cast<float>(eps)); });
+  return y;
+}
+
+// h = activation(h) in place (h freshly computed by the caller); returns h. 0 ReLU, 1 GELU (erf), 2 GELU (tanh).
+torch::Tensor rows_activate_(torch::Tensor h, int64_t activation) {
+  if (!fits(h)) {
+    if (activation == kRelu) return at::relu(h);
+    return at::gelu(h, activation == kGeluTanh ? "tanh" : "none");
+  }
+  const int64_t n = h.size(-1);
+  float* data = h.data_ptr<float>();
+  over_rows(n ? h.numel() / n : 0, n, [&](int64_t r) { activate_row(data + r * n, n, activation); });
+  return h;
+}
+
+// y += x in place (y freshly computed by the caller, same shape as x); returns y.
+torch::Tensor rows_add_(torch::Tensor y, const torch::Tensor& x) {
+  if (!fits(y) || !fits(x) || y.sizes() != x.sizes()) return y + x;
+  const int64_t n = y.size(-1);
+  float* out = y.data_ptr<float>();
+  const float* in = x.data_ptr<float>();
+  over_rows(n ? y.numel() / n : 0, n, [&](int64_t r) { add_row(out + r * n, in + r * n, n); });
+  return y;
+}

@@ -1,0 +1,52 @@
+"""The native step's LayerNorm, activations and residual add (model/kernels/elementwise.cpp) against float64."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import attention
+
+kernel = attention._decode_kernel()
+pytestmark = pytest.mark.skipif(kernel is None, reason="the C++ kernels do not run here")
+
+
+@pytest.mark.parametrize(("rows", "d"), [(1, 512), (3, 37), (64, 512), (2, 16), (1, 1)])
+@pytest.mark.parametrize("affine", [True, False])
+def test_layer_norm_equals_the_float64_reference(rows, d, affine):
+    x = torch.randn(rows, 1, d) * 3 + 1
+    weight, bias = (torch.randn(d), torch.randn(d)) if affine else (torch.empty(0), torch.empty(0))
+    got = kernel.rows_layer_norm(x, weight, bias, 1e-5)
+    expected = F.layer_norm(x.double(), (d,), weight.double() if affine else None, bias.double() if affine else None,
+                            1e-5)
+    assert got.shape == x.shape
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("activation", "reference"), [(0, F.relu), (1, F.gelu),
+                                                        (2, lambda x: F.gelu(x, approximate="tanh"))])
+@pytest.mark.parametrize("rows", [1, 40])
+def test_activations_equal_the_float64_reference_in_place(activation, reference, rows):
+    x = torch.linspace(-12, 12, rows * 2051).view(rows, 2051)  # both tails, zero, odd widths
+    h = x.clone()
+    got = kernel.rows_activate_(h, activation)
+    assert got.data_ptr() == h.data_ptr()  # in place
+    torch.testing.assert_close(got.double(), reference(x.double()), rtol=1e-6, atol=1e-6)
+
+
+def test_add_in_place():
+    y, x = torch.randn(5, 1, 33), torch.randn(5, 1, 33)
+    expected = y + x
+    got = kernel.rows_add_(y, x)
+    assert got.data_ptr() == y.data_ptr() and torch.equal(got, expected)
+
+
+def test_what_they_do_not_run_goes_to_aten():
+    """float64, non-contiguous inputs and mismatched shapes: the ATen op's result."""
+    x = torch.randn(4, 8, dtype=torch.float64)
+    torch.testing.assert_close(kernel.rows_layer_norm(x, torch.ones(8, dtype=torch.float64),
+                                                      torch.zeros(8, dtype=torch.float64), 1e-5),
+                               F.layer_norm(x, (8,)))
+    strided = torch.randn(4, 16)[:, ::2]
+    assert not strided.is_contiguous()
+    torch.testing.assert_close(kernel.rows_activate_(strided, 1), F.gelu(strided))
+    torch.testing.assert_close(kernel.rows_add_(torch.ones(2, 3), torch.ones(3)), torch.full((2, 3), 2.0))
