@@ -5,7 +5,8 @@
 // at about 49 GB/s on this project's 2-core CPU, called once per weight. Here the K rows of W are split
 // into one contiguous range per ATen thread, each thread streams its range front to back (4 rows at a
 // time, with software prefetch) into partial sums of its own, and the partials are added at the end: the
-// same weights read at 58-64 GB/s. Anything else (more rows, other layouts or dtypes) goes to at::linear.
+// same weights read at 58-64 GB/s. More rows take MKL's GEMM (at::mm, then the bias); other layouts, dtypes
+// or autograd go to at::linear.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -71,9 +72,8 @@ void accumulate_rows(const Problem& p, int64_t k0, int64_t k1, float* acc) {
   }
 }
 
-// out (rows, n) += each of `count` partial sums laid out like it, + bias (n,) when given.
-AVX512 void add_partials(float* out, const float* partials, int64_t count, int64_t rows, int64_t n, const float* bias) {
-  const int64_t size = rows * n;
+// out (rows, n) += each of `count` partial sums laid out like it.
+AVX512 void add_partials(float* out, const float* partials, int64_t count, int64_t size) {
   for (int64_t part = 0; part < count; ++part) {
     const float* partial = partials + part * size;
     int64_t i = 0;
@@ -81,13 +81,19 @@ AVX512 void add_partials(float* out, const float* partials, int64_t count, int64
       _mm512_storeu_ps(out + i, _mm512_add_ps(_mm512_loadu_ps(out + i), _mm512_loadu_ps(partial + i)));
     for (; i < size; ++i) out[i] += partial[i];
   }
-  if (bias == nullptr) return;
-  for (int64_t r = 0; r < rows; ++r) {
-    float* row = out + r * n;
-    int64_t c = 0;
-    for (; c + 16 <= n; c += 16) _mm512_storeu_ps(row + c, _mm512_add_ps(_mm512_loadu_ps(row + c), _mm512_loadu_ps(bias + c)));
-    for (; c < n; ++c) row[c] += bias[c];
-  }
+}
+
+AVX512 void add_bias_row(float* row, int64_t n, const float* bias) {
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16) _mm512_storeu_ps(row + c, _mm512_add_ps(_mm512_loadu_ps(row + c), _mm512_loadu_ps(bias + c)));
+  for (; c < n; ++c) row[c] += bias[c];
+}
+
+// out (rows, n) += bias (n,) on every row, rows spread over ATen's threads when there are many.
+void add_bias(float* out, int64_t rows, int64_t n, const float* bias) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 15) / n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) add_bias_row(out + r * n, n, bias);
+  });
 }
 
 }  // namespace
@@ -99,10 +105,17 @@ torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& weigh
   const int64_t k = x.size(-1), n = weight.size(0), rows = k ? x.numel() / k : 0;
   const bool fits = avx512 && x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && x.device().is_cpu() &&
                     weight.device().is_cpu() && weight.dim() == 2 && weight.size(1) == k && n > 1 &&
-                    weight.stride(0) == 1 && weight.stride(1) == n && rows >= 1 && rows <= kMaxRows &&
-                    !at::GradMode::is_enabled() &&
+                    weight.stride(0) == 1 && weight.stride(1) == n && rows >= 1 && !at::GradMode::is_enabled() &&
                     (!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n));
   if (!fits) return at::linear(x, weight, bias);
+  const float* bias_data = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  if (rows > kMaxRows) {  // MKL's GEMM, the bias added after it (addmm first copies it into the output: slower)
+    torch::Tensor y = at::mm(x.reshape({rows, k}), weight.t());
+    if (bias_data != nullptr) add_bias(y.data_ptr<float>(), rows, n, bias_data);
+    auto sizes = x.sizes().vec();
+    sizes.back() = n;
+    return y.view(sizes);
+  }
   const torch::Tensor input = x.is_contiguous() ? x : x.contiguous();
   auto sizes = x.sizes().vec();
   sizes.back() = n;
@@ -120,6 +133,7 @@ torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& weigh
       accumulate_rows(p, std::min(k, part * span), part == parts - 1 ? k : std::min(k, (part + 1) * span), acc);
     }
   });
-  add_partials(out, partials, parts - 1, rows, n, bias.has_value() ? bias->data_ptr<float>() : nullptr);
+  add_partials(out, partials, parts - 1, rows * n);
+  if (bias_data != nullptr) add_bias(out, rows, n, bias_data);
   return y;
 }
