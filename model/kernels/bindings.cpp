@@ -12,6 +12,7 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_pick(const torch::Tensor& logits
 torch::Tensor rows_layer_norm(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias, double eps);
 torch::Tensor rows_activate_(torch::Tensor h, int64_t activation);
 torch::Tensor rows_add_(torch::Tensor y, const torch::Tensor& x);
+void rows_cache_write(const torch::Tensor& cache, int64_t position, const torch::Tensor& src);
 torch::Tensor decode_layers(torch::Tensor x, const std::vector<std::vector<torch::Tensor>>& projections,
                             const std::vector<torch::Tensor>& norms, const std::vector<double>& eps,
                             const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
@@ -35,6 +36,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("rows_layer_norm", &rows_layer_norm, "LayerNorm over the last dim (the native step's)", release());
   module.def("rows_activate_", &rows_activate_, "ReLU (0), GELU (1), GELU tanh (2) in place", release());
   module.def("rows_add_", &rows_add_, "y += x in place", release());
+  module.def("rows_cache_write", &rows_cache_write, "cache[:, :, position] = src (B, H, 1, Dh)", release());
   module.def("decode_layers", &decode_layers, "one decoding step through every decoder layer (model/fast_step.py)",
              release());
 }

@@ -18,6 +18,7 @@ torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& weigh
 torch::Tensor rows_layer_norm(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias, double eps);
 torch::Tensor rows_activate_(torch::Tensor h, int64_t activation);
 torch::Tensor rows_add_(torch::Tensor y, const torch::Tensor& x);
+void rows_cache_write(const torch::Tensor& cache, int64_t position, const torch::Tensor& src);
 
 namespace {
 
@@ -105,8 +106,8 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<Tensors>& project
         layer_keys.index_put_({rows, torch::indexing::Slice(), write_positions}, k.transpose(1, 2));
         layer_values.index_put_({rows, torch::indexing::Slice(), write_positions}, v.transpose(1, 2));
       } else {
-        keys[l].narrow(2, start, 1).copy_(k);
-        values[l].narrow(2, start, 1).copy_(v);
+        rows_cache_write(keys[l], start, k);
+        rows_cache_write(values[l], start, v);
       }
       auto out = decode_attention(q, keys[l].narrow(2, 0, visible), values[l].narrow(2, 0, visible), smask);
       return project(s.merge(out), p[kOut]);

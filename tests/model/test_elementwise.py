@@ -50,3 +50,20 @@ def test_what_they_do_not_run_goes_to_aten():
     assert not strided.is_contiguous()
     torch.testing.assert_close(kernel.rows_activate_(strided, 1), F.gelu(strided))
     torch.testing.assert_close(kernel.rows_add_(torch.ones(2, 3), torch.ones(3)), torch.full((2, 3), 2.0))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "head_split_view"])
+def test_cache_write_fills_one_position_of_every_row_and_head(layout):
+    cache = torch.zeros(3, 4, 10, 8)
+    if layout == "contiguous":
+        src = torch.randn(3, 4, 1, 8)
+    else:  # a projection's (B, 1, D) output seen as heads, as the native step passes it
+        src = torch.randn(3, 1, 32).view(3, 1, 4, 8).transpose(1, 2)
+    kernel.rows_cache_write(cache, 6, src)
+    assert torch.equal(cache[:, :, 6:7], src)
+    assert cache[:, :, :6].abs().sum() == 0 and cache[:, :, 7:].abs().sum() == 0
+
+
+def test_cache_write_outside_the_buffer_raises():
+    with pytest.raises(RuntimeError):
+        kernel.rows_cache_write(torch.zeros(1, 2, 4, 8), 4, torch.randn(1, 2, 1, 8))
