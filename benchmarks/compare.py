@@ -263,8 +263,10 @@ def kernels() -> str:
     module, why = int8_kernel.available()
     int8 = "AVX512-VNNI kernel" if module is not None and int8_kernel.kernel_choice() != "fbgemm" else \
         f"fbgemm ({why or 'TSERVE_INT8_KERNEL=fbgemm'})"
-    decode = "AVX-512 kernel" if attention._decode_kernel() is not None else "SDPA"
-    return f"int8 GEMM {int8}; decode attention {decode}"
+    if attention._decode_kernel() is None:
+        return f"int8 GEMM {int8}; decoding step: Python replay, MKL, SDPA"
+    return (f"int8 GEMM {int8}; decoding step (AVX-512): native layers, few-rows GEMV, attention, LayerNorm/"
+            "activations/cache writes, greedy choice")
 
 
 def run(args: argparse.Namespace) -> str:
