@@ -21,8 +21,8 @@ bool has_avx512();
 
 namespace {
 
-constexpr int64_t kMaxRows = 4;      // rows handled here; MKL's GEMM is level with this at 4-8 rows
-constexpr int64_t kPrefetchRows = 6;  // weight rows prefetched ahead of the ones being read
+constexpr int64_t kMaxRows = 4;      // rows handled here (4 x 4 broadcasts fill the registers); MKL beyond
+constexpr int64_t kPrefetchRows = 6;  // weight rows prefetched ahead (past the end is harmless: no fault)
 constexpr int64_t kRowGroup = 4;     // weight rows consumed per pass over the partial sums
 
 struct Problem {
