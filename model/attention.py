@@ -41,14 +41,15 @@ def attention(
 
 @functools.cache
 def _decode_kernel() -> ModuleType | None:
-    """The C++ kernels where decode attention runs on this CPU, unless ``TSERVE_DECODE_KERNELS=off``."""
+    """The C++ kernels of a decoding step (attention, the native layers, the few-rows GEMV, the greedy
+    choice) where they run on this CPU, unless ``TSERVE_DECODE_KERNELS=off``."""
     if os.environ.get("TSERVE_DECODE_KERNELS", "auto").strip().lower() == "off":
         return None
     module, why = native.load()
     if module is not None and not module.has_avx512():
         module, why = None, "this CPU has no AVX-512"
     if module is None:
-        logger.info("decode attention uses SDPA: %s", why)
+        logger.info("decoding steps use PyTorch ops (SDPA, MKL): %s", why)
     return module
 
 

@@ -1,11 +1,12 @@
 // One decoding step through every decoder layer in one call (model/fast_step.py's native path).
 //
-// The same ops, in the same order, as the decode plan's Python replay (DecodePlan): the layer loop,
-// the head split/merge views and the cache writes run here instead of in the interpreter, which cost
-// about 0.5 ms per step at d_model 512 / 6 layers (a fifth of a batch-1 step). Projections are float32
-// (weight, bias) pairs (few_rows_linear.cpp up to 4 rows, at::linear beyond: the same sums in another
-// order) or our int8 layers (packed, scales, sums, bias: int8_vnni.cpp); attention is
-// decode_attention.cpp; LayerNorm, activations and residual adds are elementwise.cpp's. One new token per row; the caller has begun the cache step.
+// The computation of the decode plan's Python replay (DecodePlan), in the same order: the layer loop, the
+// head split/merge views and the cache writes run here instead of in the interpreter, which cost about
+// 0.5 ms per step at d_model 512 / 6 layers (a fifth of a batch-1 step). Projections are float32 (weight,
+// bias) pairs (few_rows_linear.cpp: the same sums as F.linear in another order) or our int8 layers
+// (packed, scales, sums, bias: int8_vnni.cpp); attention is decode_attention.cpp; LayerNorm, activations,
+// residual adds and uniform cache writes are elementwise.cpp's. One new token per row; the caller has begun
+// the cache step.
 #include <torch/extension.h>
 
 #include <vector>
@@ -27,7 +28,6 @@ using c10::optional;
 
 enum Slot { kQ, kK, kV, kOut, kCrossQ, kCrossOut, kFc1, kFc2, kQkv, kSlots };
 enum Norm { kSelfNorm, kCrossNorm, kFfnNorm };
-enum Activation { kRelu, kGelu, kGeluTanh };
 
 optional<torch::Tensor> maybe(const torch::Tensor& t) { return t.numel() ? optional<torch::Tensor>(t) : c10::nullopt; }
 
@@ -40,7 +40,7 @@ torch::Tensor project(const torch::Tensor& x, const Tensors& p) {
 struct Step {
   int64_t rows, heads, d, dh;
   bool pre_norm;
-  Activation activation;
+  int64_t activation;  // elementwise.cpp's Activation
 
   torch::Tensor split(const torch::Tensor& t) const { return t.view({rows, 1, heads, dh}).transpose(1, 2); }
   torch::Tensor merge(const torch::Tensor& t) const { return t.transpose(1, 2).reshape({rows, 1, d}); }
@@ -85,7 +85,7 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<Tensors>& project
   TORCH_CHECK(static_cast<int64_t>(projections.size()) == layers * kSlots && static_cast<int64_t>(norms.size()) == layers * 6 &&
               static_cast<int64_t>(eps.size()) == layers * 3 && static_cast<int64_t>(values.size()) == layers,
               "decode step: per-layer argument counts disagree");
-  const Step s{x.size(0), heads, x.size(2), x.size(2) / heads, pre_norm, static_cast<Activation>(activation)};
+  const Step s{x.size(0), heads, x.size(2), x.size(2) / heads, pre_norm, activation};
   const optional<torch::Tensor> smask = maybe(self_mask), mmask = maybe(memory_mask);
   torch::Tensor rows;
   if (write_positions.numel()) rows = torch::arange(s.rows, write_positions.options()).unsqueeze(1);

@@ -35,25 +35,20 @@ void over_rows(int64_t rows, int64_t width, F f) {
   });
 }
 
-// mask of the first `left` of 16 lanes
-inline __mmask16 lanes(int64_t left) {
-  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-}
-
 AVX512 void layer_norm_row(const float* x, const float* w, const float* b, float* y, int64_t d, float eps) {
   __m512 sum = _mm512_setzero_ps();
-  for (int64_t c = 0; c < d; c += 16) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(lanes(d - c), x + c));
+  for (int64_t c = 0; c < d; c += 16) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(tserve::first_lanes(d - c), x + c));
   const float mean = _mm512_reduce_add_ps(sum) / static_cast<float>(d);
   const __m512 m = _mm512_set1_ps(mean);
   __m512 squares = _mm512_setzero_ps();
   for (int64_t c = 0; c < d; c += 16) {
-    const __mmask16 k = lanes(d - c);
+    const __mmask16 k = tserve::first_lanes(d - c);
     const __m512 centred = _mm512_maskz_sub_ps(k, _mm512_maskz_loadu_ps(k, x + c), m);
     squares = _mm512_fmadd_ps(centred, centred, squares);
   }
   const __m512 rstd = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(d) + eps));
   for (int64_t c = 0; c < d; c += 16) {
-    const __mmask16 k = lanes(d - c);
+    const __mmask16 k = tserve::first_lanes(d - c);
     __m512 v = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + c), m), rstd);
     if (w != nullptr) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(k, w + c));
     if (b != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, b + c));
@@ -85,12 +80,12 @@ AVX512 __m512 tanh_approx(__m512 u) {
                                              _mm512_and_si512(_mm512_castps_si512(u), _mm512_set1_epi32(INT32_MIN))));
 }
 
-enum Activation { kRelu, kGelu, kGeluTanh };  // as in decode_step.cpp
+enum Activation { kRelu, kGelu, kGeluTanh };  // fast_step._ACTIVATIONS
 
 AVX512 void activate_row(float* y, int64_t n, int64_t activation) {
   const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.f);
   for (int64_t c = 0; c < n; c += 16) {
-    const __mmask16 k = lanes(n - c);
+    const __mmask16 k = tserve::first_lanes(n - c);
     const __m512 x = _mm512_maskz_loadu_ps(k, y + c);
     __m512 out;
     if (activation == kRelu) {
@@ -108,7 +103,7 @@ AVX512 void activate_row(float* y, int64_t n, int64_t activation) {
 
 AVX512 void add_row(float* y, const float* x, int64_t n) {
   for (int64_t c = 0; c < n; c += 16) {
-    const __mmask16 k = lanes(n - c);
+    const __mmask16 k = tserve::first_lanes(n - c);
     _mm512_mask_storeu_ps(y + c, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, y + c), _mm512_maskz_loadu_ps(k, x + c)));
   }
 }

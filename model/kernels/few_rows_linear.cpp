@@ -26,9 +26,9 @@ constexpr int64_t kPrefetchRows = 6;  // weight rows prefetched ahead (past the 
 constexpr int64_t kRowGroup = 4;     // weight rows consumed per pass over the partial sums
 
 struct Problem {
-  const float* x;  // (rows, k), row stride x_stride
+  const float* x;  // (rows, k) contiguous
   const float* w;  // (k, n) contiguous
-  int64_t rows, k, n, x_stride;
+  int64_t rows, k, n;
 };
 
 // acc[r][:] += sum over weight rows [k0, k1) of x[r][i] * w[i][:], for every row r.
@@ -39,7 +39,7 @@ AVX512 void accumulate(const Problem& p, int64_t k0, int64_t k1, float* acc) {
   for (; i + kRowGroup <= k1; i += kRowGroup) {
     __m512 xs[R][kRowGroup];
     for (int r = 0; r < R; ++r)
-      for (int j = 0; j < kRowGroup; ++j) xs[r][j] = _mm512_set1_ps(p.x[r * p.x_stride + i + j]);
+      for (int j = 0; j < kRowGroup; ++j) xs[r][j] = _mm512_set1_ps(p.x[r * p.k + i + j]);
     const float* w = p.w + i * n;
     for (int64_t c = 0; c < vectors * 16; c += 16) {
       __m512 wv[kRowGroup];
@@ -55,11 +55,11 @@ AVX512 void accumulate(const Problem& p, int64_t k0, int64_t k1, float* acc) {
     }
     for (int64_t c = vectors * 16; c < n; ++c)  // the last n % 16 columns
       for (int r = 0; r < R; ++r)
-        for (int j = 0; j < kRowGroup; ++j) acc[r * n + c] += p.x[r * p.x_stride + i + j] * w[j * n + c];
+        for (int j = 0; j < kRowGroup; ++j) acc[r * n + c] += p.x[r * p.k + i + j] * w[j * n + c];
   }
   for (; i < k1; ++i)
     for (int r = 0; r < R; ++r)
-      for (int64_t c = 0; c < n; ++c) acc[r * n + c] += p.x[r * p.x_stride + i] * p.w[i * n + c];
+      for (int64_t c = 0; c < n; ++c) acc[r * n + c] += p.x[r * p.k + i] * p.w[i * n + c];
 }
 
 void accumulate_rows(const Problem& p, int64_t k0, int64_t k1, float* acc) {
@@ -121,7 +121,7 @@ torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& weigh
   sizes.back() = n;
   torch::Tensor y = at::empty(sizes, x.options());
   float* out = y.data_ptr<float>();
-  const Problem p{input.data_ptr<float>(), weight.data_ptr<float>(), rows, k, n, k};
+  const Problem p{input.data_ptr<float>(), weight.data_ptr<float>(), rows, k, n};
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), k / kRowGroup));
   const int64_t span = (k / parts + kRowGroup - 1) / kRowGroup * kRowGroup;  // weight rows per part
   thread_local std::vector<float> scratch;  // the other parts' sums (kept: at most threads x 4 rows x N)

@@ -43,7 +43,7 @@ AVX512 Choice pick(const float* row, int64_t v, const std::vector<int64_t>& bann
   __m512 best = _mm512_set1_ps(kNegInf);
   __m512i best_at = _mm512_set1_epi32(std::numeric_limits<int32_t>::max());
   for (int64_t c = 0; c < v; c += 16) {  // per lane: the maximum and its first column
-    const __mmask16 valid = v - c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (v - c)) - 1);
+    const __mmask16 valid = tserve::first_lanes(v - c);
     const __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(kNegInf), valid, row + c);
     const __mmask16 better = _mm512_mask_cmp_ps_mask(valid, x, best, _CMP_GT_OQ);
     best = _mm512_mask_mov_ps(best, better, x);
@@ -58,7 +58,7 @@ AVX512 Choice pick(const float* row, int64_t v, const std::vector<int64_t>& bann
   __m512 sum = _mm512_setzero_ps();
   const __m512 shift = _mm512_set1_ps(top);
   for (int64_t c = 0; c < v; c += 16) {
-    const __mmask16 valid = v - c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (v - c)) - 1);
+    const __mmask16 valid = tserve::first_lanes(v - c);
     const __m512 x = _mm512_maskz_loadu_ps(valid, row + c);
     sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(valid, tserve::exp_nonpositive(_mm512_sub_ps(x, shift))));
   }

@@ -3,7 +3,14 @@
 
 #include <immintrin.h>
 
+#include <cstdint>
+
 namespace tserve {
+
+// The mask of the first `left` of 16 lanes (all 16 when left >= 16): a row's last, partial vector.
+inline __mmask16 first_lanes(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+}
 
 // exp(x) for x <= 0 (scores minus their maximum): 2^n * p(f), relative error about 2e-7.
 __attribute__((target("avx512f"))) inline __m512 exp_nonpositive(__m512 x) {
