@@ -177,7 +177,7 @@ def _projection(module: nn.Module | None) -> list[torch.Tensor] | None:
 
     if module is None:
         return []
-    if type(module) is LoRALinear:  # its base, for the steps whose rows select no adapter (_NativeStep.usable)
+    if type(module) is LoRALinear:  # its base; the adapters' deltas come per step (_NativeStep.deltas)
         module = module.base
     if type(module) is nn.Linear and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu":
         return [module.weight, _ABSENT if module.bias is None else module.bias]
@@ -205,17 +205,28 @@ class _NativeStep:
     heads: int
     pre_norm: bool
     activation: int
-    adapted: list[LoRALinear]  # LoRA-wrapped projections, bound by their bases
+    adapted: list[tuple[int, LoRALinear]]  # (index in projections, module): LoRA-wrapped ones, bound by their bases
 
-    def usable(self) -> bool:
-        """Whether this step adds no adapter delta anywhere (no rows select one; a merged adapter selected
-        is already in its base), so the bases alone compute it."""
-        return all(m.routing.groups is None and m._terms(m.routing.name) == (None, None) for m in self.adapted)
+    def deltas(self, rows: int) -> list[list[torch.Tensor]] | None:
+        """This step's LoRA deltas per projection (model.lora.RowDeltas as lists; [] where a projection adds
+        none, and [] for the whole step when none does), or None when one must come from the Python replay
+        (training mode, autograd, non-finite adapter weights)."""
+        deltas: list[list[torch.Tensor]] = []
+        for index, module in self.adapted:
+            found = module.row_deltas(rows)
+            if found is None:
+                continue
+            if not module.stackable():
+                return None
+            if not deltas:
+                deltas = [[] for _ in self.projections]
+            deltas[index] = list(found)
+        return deltas
 
     @classmethod
     def of(cls, stack: LayerStack) -> _NativeStep | None:
-        """None when a layer holds something the C++ step does not run (LoRA, fbgemm int8, other dtypes)."""
-        projections, norms, eps = [], [], []
+        """None when a layer holds something the C++ step does not run (fbgemm int8, other dtypes)."""
+        projections, norms, eps, adapted = [], [], [], []
         for layer in stack.layers:
             attn, cross = layer.self_attn, layer.cross_attn
             fused = attn.fused
@@ -229,6 +240,7 @@ class _NativeStep:
                 return None
             if layer.ffn.activation not in _ACTIVATIONS or attn.head_dim > KERNEL_MAX_HEAD_DIM:
                 return None
+            adapted += [(len(projections) + i, m) for i, m in enumerate(modules) if type(m) is LoRALinear]
             projections += bound
             for weight, bias, e in layer_norms:
                 norms += [weight, bias]
@@ -237,16 +249,16 @@ class _NativeStep:
         if any(layer.pre_norm != first.pre_norm or layer.ffn.activation != first.ffn.activation
                or layer.self_attn.n_heads != first.self_attn.n_heads for layer in stack.layers):
             return None
-        adapted = [m for m in stack.modules() if type(m) is LoRALinear]
         return cls(projections, norms, eps, first.self_attn.n_heads, first.pre_norm, _ACTIVATIONS[first.ffn.activation],
                    adapted)
 
     def __call__(
-        self, kernels, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache, memory_mask: torch.Tensor | None
+        self, kernels, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache, memory_mask: torch.Tensor | None,
+        deltas: list[list[torch.Tensor]],
     ) -> torch.Tensor:
         cross = cache.cross
         return kernels.decode_layers(
-            x, self.projections, self.norms, self.eps, cache.keys, cache.values,
+            x, self.projections, deltas, self.norms, self.eps, cache.keys, cache.values,
             cross.keys if cross is not None else [], cross.values if cross is not None else [],
             self.heads, self.pre_norm, self.activation, cache.max_length, cache.max_length + 1,
             _ABSENT if cache.uniform else cache.write_positions, _ABSENT if mask is None else mask,
@@ -272,15 +284,17 @@ class DecodePlan:
         self, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache, memory_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         kernels = attention._decode_kernel() if self.native is not None else None
-        if (
-            kernels is not None
+        deltas = (
+            self.native.deltas(x.shape[0])
+            if kernels is not None
             and x.shape[1] == 1
             and x.dtype == torch.float32
             and cache.keys[0].dtype == torch.float32
             and not torch.is_grad_enabled()
-            and (not self.native.adapted or self.native.usable())
-        ):
-            x = self.native(kernels, x, mask, cache, memory_mask)
+            else None
+        )
+        if deltas is not None:
+            x = self.native(kernels, x, mask, cache, memory_mask, deltas)
         else:
             for i, layer in enumerate(self.layers):
                 x = layer.forward(x, mask, memory_mask, cache, i)

@@ -144,7 +144,7 @@ class Routing:
     name: str | None = None
     groups: dict[str | None, torch.Tensor] | None = None  # adapter (None = base) -> LongTensor of rows
     rows: int = 0  # batch size the groups were built for
-    # (adapter spans of a layer) -> (rows, sum of ranks) scale mask; shared by the layers alike
+    # LoRALinear.row_deltas' scales, by what they depend on; shared by the layers alike
     masks: dict[tuple, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     def names(self) -> set[str]:
@@ -158,11 +158,27 @@ class _Stacked(NamedTuple):
     in one GEMM over every adapter, 0 x NaN would reach the rows of the other adapters too.
     """
 
-    key: tuple  # (name, A version, B version) per adapter
+    key: tuple  # the adapters' names, then the version counters of their A and B weights
     a: torch.Tensor  # (sum of ranks, in)
     b: torch.Tensor  # (out, sum of ranks)
     spans: tuple[tuple[str, int, int, float], ...]  # (name, first column, end column, scaling)
     finite: bool
+
+
+class RowDeltas(NamedTuple):
+    """What an inference forward adds to a LoRALinear's base output, in two GEMMs: ((x A^T) * scales) B^T.
+
+    Each row's scales hold its adapter's scaling on that adapter's columns of A (and minus the merged
+    adapter's on its columns when the row selects another); one row of scales when every row selects alike.
+    """
+
+    a: torch.Tensor  # (columns, in)
+    b: torch.Tensor  # (out, columns)
+    scales: torch.Tensor  # (rows or 1, columns)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.linear(x.to(self.a.dtype), self.a)  # (rows, ..., columns)
+        return F.linear(h * self.scales.view(self.scales.shape[0], *([1] * (h.dim() - 2)), -1), self.b)
 
 
 def _linear_from(weight: torch.Tensor) -> nn.Linear:
@@ -188,10 +204,15 @@ class LoRALinear(nn.Module):
         self.train(base.training)  # a wrapper made after model.eval() must not switch dropout on
 
     def add(self, name: str, config: LoRAConfig, a: torch.Tensor, b: torch.Tensor) -> None:
-        """Attach adapter `name` with copies of A (r, in) and B (out, r) on the base's device and dtype."""
+        """Attach adapter `name` with copies of A (r, in) and B (out, r) on the base's device and dtype.
+
+        The copies are normal tensors even when made under ``torch.inference_mode`` (a service loading an
+        adapter between steps): :meth:`_stack` keys on their version counters, which inference tensors lack.
+        """
         w = self.base.weight
-        self.lora_A[name] = _linear_from(a.detach().to(w.device, w.dtype, copy=True))
-        self.lora_B[name] = _linear_from(b.detach().to(w.device, w.dtype, copy=True))
+        with torch.inference_mode(False):
+            self.lora_A[name] = _linear_from(a.detach().to(w.device, w.dtype, copy=True))
+            self.lora_B[name] = _linear_from(b.detach().to(w.device, w.dtype, copy=True))
         self.scaling[name] = config.scaling
         self.configs[name] = config
 
@@ -230,10 +251,9 @@ class LoRALinear(nn.Module):
             return out if terms == (None, None) else out + self._correction(terms, x, out.dtype)
         if x.shape[0] != routing.rows:
             raise AdapterError(f"per-row adapters were set for {routing.rows} rows but the input has {x.shape[0]}")
-        if self.merged is None and not self.training and not torch.is_grad_enabled():  # inference
-            stacked = self._stack()
-            if stacked.finite:
-                return out + self._stacked_delta(x, routing, stacked).to(out.dtype)
+        if self.stackable():  # inference
+            deltas = self.row_deltas(x.shape[0])
+            return out if deltas is None else out + deltas(x).to(out.dtype)
         for name, idx in routing.groups.items():
             terms = self._terms(name)
             if terms != (None, None):
@@ -241,12 +261,55 @@ class LoRALinear(nn.Module):
                 out.index_add_(0, idx, self._correction(terms, x.index_select(0, idx), out.dtype))
         return out
 
+    def stackable(self) -> bool:
+        """Whether forwards may take :meth:`row_deltas` now: inference (eval mode, no autograd), and finite
+        adapter weights where rows mix adapters or the merged one is taken out (see :class:`_Stacked`)."""
+        if self.training or torch.is_grad_enabled():
+            return False
+        return (self.routing.groups is None and self.merged is None) or self._stack().finite
+
+    def row_deltas(self, rows: int) -> RowDeltas | None:
+        """The adapter deltas an inference forward over ``rows`` rows adds to the base's output under the
+        current routing and merge, or None where no row gets one. Check :meth:`stackable` first."""
+        routing = self.routing
+        selected = routing.groups if routing.groups is not None else {routing.name: None}
+        if routing.groups is not None and rows != routing.rows:
+            raise AdapterError(f"per-row adapters were set for {routing.rows} rows but the input has {rows}")
+        terms = {name: self._terms(name) for name in selected}
+        if all(t == (None, None) for t in terms.values()):
+            return None
+        add, sub = next(iter(terms.values())) if len(terms) == 1 else (None, None)
+        if add is not None and sub is None:  # one adapter on every row, none merged: its own A and B
+            key = ("one", add, self.scaling[add])
+            a, b = self.lora_A[add].weight, self.lora_B[add].weight  # no autograd here: no detach needed
+            scales = routing.masks.get(key)
+            if scales is None:
+                scales = routing.masks[key] = torch.full((1, a.shape[0]), key[2], dtype=a.dtype, device=a.device)
+            return RowDeltas(a, b, scales)
+        stacked = self._stack()
+        key = ("rows", stacked.spans, self.merged)  # shared by the layers holding the same adapters alike
+        scales = routing.masks.get(key)
+        if scales is None:
+            columns = {name: (lo, hi, scale) for name, lo, hi, scale in stacked.spans}
+            scales = torch.zeros(routing.rows if routing.groups is not None else 1, stacked.a.shape[0],
+                                 dtype=stacked.a.dtype, device=stacked.a.device)
+            for name, rows_of in selected.items():
+                target = slice(None) if rows_of is None else rows_of.to(scales.device)
+                for adapter, sign in zip(terms[name], (1.0, -1.0), strict=True):
+                    if adapter is not None:
+                        lo, hi, scale = columns[adapter]
+                        scales[target, lo:hi] += sign * scale
+            routing.masks[key] = scales
+        return RowDeltas(stacked.a, stacked.b, scales)
+
     def _stack(self) -> _Stacked:
         """Every resident adapter concatenated (see :class:`_Stacked`), rebuilt when one is added, removed
         or changed in place (the tensors' version counters are part of the key)."""
-        names = list(self.lora_A)
-        key = tuple((n, self.lora_A[n].weight._version, self.lora_B[n].weight._version) for n in names)
+        a, b = self.lora_A._modules, self.lora_B._modules  # read directly: this runs every inference step
+        key = (tuple(a), *(m._parameters["weight"]._version for m in a.values()),
+               *(m._parameters["weight"]._version for m in b.values()))
         if self._stacked is None or self._stacked.key != key:
+            names = list(self.lora_A)
             spans, start = [], 0
             for name in names:
                 r = self.configs[name].r
@@ -257,22 +320,6 @@ class LoRALinear(nn.Module):
             finite = bool(torch.isfinite(a_cat).all() and torch.isfinite(b_cat).all())
             self._stacked = _Stacked(key, a_cat, b_cat, tuple(spans), finite)
         return self._stacked
-
-    @staticmethod
-    def _stacked_delta(x: torch.Tensor, routing: Routing, stacked: _Stacked) -> torch.Tensor:
-        """Every row's own adapter delta in two GEMMs: x A_cat^T, keep (and scale) the row's adapter's
-        columns, then B_cat. Rows of the base or of an adapter this layer lacks get zero."""
-        mask = routing.masks.get(stacked.spans)
-        if mask is None:
-            mask = torch.zeros(routing.rows, stacked.a.shape[0], dtype=stacked.a.dtype, device=stacked.a.device)
-            for name, lo, hi, scale in stacked.spans:
-                rows = routing.groups.get(name)
-                if rows is not None:
-                    mask[rows.to(mask.device), lo:hi] = scale
-            routing.masks[stacked.spans] = mask
-        h = F.linear(x.to(stacked.a.dtype), stacked.a)  # (rows, ..., sum r)
-        h = h * mask.view(mask.shape[0], *([1] * (h.dim() - 2)), mask.shape[1])
-        return F.linear(h, stacked.b)
 
     def extra_repr(self) -> str:
         return f"adapters={list(self.configs)}, merged={self.merged!r}"

@@ -14,6 +14,7 @@ torch::Tensor rows_activate_(torch::Tensor h, int64_t activation);
 torch::Tensor rows_add_(torch::Tensor y, const torch::Tensor& x);
 void rows_cache_write(const torch::Tensor& cache, int64_t position, const torch::Tensor& src);
 torch::Tensor decode_layers(torch::Tensor x, const std::vector<std::vector<torch::Tensor>>& projections,
+                            const std::vector<std::vector<torch::Tensor>>& deltas,
                             const std::vector<torch::Tensor>& norms, const std::vector<double>& eps,
                             const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
                             const std::vector<torch::Tensor>& cross_keys, const std::vector<torch::Tensor>& cross_values,

@@ -37,6 +37,19 @@ torch::Tensor project(const torch::Tensor& x, const Tensors& p) {
   return few_rows_linear(x, p[0], maybe(p[1]));  // at::linear beyond a few rows
 }
 
+// The projection plus its LoRA deltas when `deltas` holds {A (C, in), B (out, C), scales (rows or 1, C)}:
+// ((x A^T) * scales) B^T added to every row (model.lora.RowDeltas).
+torch::Tensor project(const torch::Tensor& x, const Tensors& p, const Tensors* deltas) {
+  torch::Tensor y = project(x, p);
+  if (deltas == nullptr || deltas->empty()) return y;
+  const Tensors& d = *deltas;
+  const int64_t rows = x.size(0);
+  torch::Tensor h = at::mm(x.reshape({rows, x.size(-1)}), d[0].t());
+  h.mul_(d[2]);
+  y.view({rows, y.size(-1)}).addmm_(h, d[1].t());
+  return y;
+}
+
 struct Step {
   int64_t rows, heads, d, dh;
   bool pre_norm;
@@ -71,11 +84,13 @@ torch::Tensor grouped_attention(const torch::Tensor& q, const torch::Tensor& key
 }  // namespace
 
 // x (B, 1, D) -> the stack's output before any final norm. projections: per layer kSlots lists (empty when
-// absent; kQkv non-empty means the fused q/k/v projection is in use); norms: per layer 6 tensors (self,
+// absent; kQkv non-empty means the fused q/k/v projection is in use); deltas: none, or per layer kSlots
+// lists of LoRA deltas (empty where a projection adds none; see project); norms: per layer 6 tensors (self,
 // cross, ffn weight/bias; cross empty without cross-attention); eps: per layer 3; keys/values: the cache
 // buffers (B, H, capacity, Dh); write_positions: (B, 1) for ragged rows, empty when every row writes at
 // `start`; visible: keys visible after the write; self_mask/memory_mask: bool masks or empty.
-torch::Tensor decode_layers(torch::Tensor x, const std::vector<Tensors>& projections, const Tensors& norms,
+torch::Tensor decode_layers(torch::Tensor x, const std::vector<Tensors>& projections,
+                            const std::vector<Tensors>& deltas, const Tensors& norms,
                             const std::vector<double>& eps, const Tensors& keys, const Tensors& values,
                             const Tensors& cross_keys, const Tensors& cross_values, int64_t heads, bool pre_norm,
                             int64_t activation, int64_t start, int64_t visible, const torch::Tensor& write_positions,
@@ -83,7 +98,8 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<Tensors>& project
   const int64_t layers = static_cast<int64_t>(keys.size());
   TORCH_CHECK(x.dim() == 3 && x.size(1) == 1, "decode step: x must be (B, 1, D)");
   TORCH_CHECK(static_cast<int64_t>(projections.size()) == layers * kSlots && static_cast<int64_t>(norms.size()) == layers * 6 &&
-              static_cast<int64_t>(eps.size()) == layers * 3 && static_cast<int64_t>(values.size()) == layers,
+              static_cast<int64_t>(eps.size()) == layers * 3 && static_cast<int64_t>(values.size()) == layers &&
+              (deltas.empty() || deltas.size() == projections.size()),
               "decode step: per-layer argument counts disagree");
   const Step s{x.size(0), heads, x.size(2), x.size(2) / heads, pre_norm, activation};
   const optional<torch::Tensor> smask = maybe(self_mask), mmask = maybe(memory_mask);
@@ -91,6 +107,8 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<Tensors>& project
   if (write_positions.numel()) rows = torch::arange(s.rows, write_positions.options()).unsqueeze(1);
   for (int64_t l = 0; l < layers; ++l) {
     const Tensors* p = &projections[l * kSlots];
+    const Tensors* lora = deltas.empty() ? nullptr : &deltas[l * kSlots];
+    auto delta = [&](Slot slot) { return lora == nullptr ? nullptr : &lora[slot]; };
     const torch::Tensor* n = &norms[l * 6];
     const double* e = &eps[l * 3];
     x = s.sublayer(x, n[0], n[1], e[kSelfNorm], [&](const torch::Tensor& h) {
@@ -99,7 +117,8 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<Tensors>& project
         auto qkv = project(h, p[kQkv]).view({s.rows, 1, 3, heads, s.dh}).permute({2, 0, 3, 1, 4});
         q = qkv[0], k = qkv[1], v = qkv[2];
       } else {
-        q = s.split(project(h, p[kQ])), k = s.split(project(h, p[kK])), v = s.split(project(h, p[kV]));
+        q = s.split(project(h, p[kQ], delta(kQ))), k = s.split(project(h, p[kK], delta(kK)));
+        v = s.split(project(h, p[kV], delta(kV)));
       }
       if (rows.defined()) {  // advanced indices on dims 0 and 2: (B, 1, H, Dh) values
         torch::Tensor layer_keys = keys[l], layer_values = values[l];  // handles to the cache buffers
@@ -110,16 +129,17 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<Tensors>& project
         rows_cache_write(values[l], start, v);
       }
       auto out = decode_attention(q, keys[l].narrow(2, 0, visible), values[l].narrow(2, 0, visible), smask);
-      return project(s.merge(out), p[kOut]);
+      return project(s.merge(out), p[kOut], delta(kOut));
     });
     if (!p[kCrossQ].empty()) {
       x = s.sublayer(x, n[2], n[3], e[kCrossNorm], [&](const torch::Tensor& h) {
-        auto out = grouped_attention(s.split(project(h, p[kCrossQ])), cross_keys[l], cross_values[l], mmask, group);
-        return project(s.merge(out), p[kCrossOut]);
+        auto out = grouped_attention(s.split(project(h, p[kCrossQ], delta(kCrossQ))), cross_keys[l], cross_values[l], mmask,
+                                     group);
+        return project(s.merge(out), p[kCrossOut], delta(kCrossOut));
       });
     }
     x = s.sublayer(x, n[4], n[5], e[kFfnNorm], [&](const torch::Tensor& h) {
-      return project(s.activate(project(h, p[kFc1])), p[kFc2]);
+      return project(s.activate(project(h, p[kFc1], delta(kFc1))), p[kFc2], delta(kFc2));
     });
   }
   return x;

@@ -104,17 +104,19 @@ def test_native_step_runs_our_int8_layers_and_their_fused_projection():
     _assert_equal(mt, seq2seq_cache(mt, False))
 
 
-def _with_adapter():
-    lm = tiny_causal_lm()
-    add_adapter(lm, "x", LoRAConfig(r=2, target_modules=("q_proj", "fc2")), seed=0)
-    for module in lm.modules():  # B starts at zero: make the adapter change the outputs
+def _with_adapters(model, targets=("q_proj", "fc2")):
+    """``model`` with adapters "x" (r 2) and "y" (r 3) on ``targets``, both changing the outputs."""
+    add_adapter(model, "x", LoRAConfig(r=2, target_modules=targets), seed=0)
+    add_adapter(model, "y", LoRAConfig(r=3, lora_alpha=6, target_modules=targets), seed=1)
+    for module in model.modules():  # B starts at zero: make the adapters change the outputs
         if type(module) is LoRALinear:
-            module.lora_B["x"].weight.normal_(0, 0.5)
-    return lm
+            for b in module.lora_B.values():
+                b.weight.normal_(0, 0.5)
+    return model
 
 
 def test_steps_selecting_no_adapter_run_natively_on_the_bases():
-    lm = _with_adapter()
+    lm = _with_adapters(tiny_causal_lm())
     assert plan_for(lm.decoder).native.adapted
     _assert_equal(lm, causal_cache(lm, True))  # no adapter selected: the bases alone
     merge_adapter(lm, "x")
@@ -122,16 +124,58 @@ def test_steps_selecting_no_adapter_run_natively_on_the_bases():
         _assert_equal(lm, causal_cache(lm, False))
 
 
-@pytest.mark.parametrize("selection", ["x", ["x", None, "x"]], ids=["all-rows", "per-row"])
-def test_steps_adding_adapter_deltas_take_the_python_replay(selection, monkeypatch):
-    lm = _with_adapter()
+SELECTIONS = {"all-rows": "x", "per-row": ["x", None, "y"], "per-row-pair": ["y", "y", "x"]}
+
+
+@pytest.mark.parametrize("selection", list(SELECTIONS.values()), ids=list(SELECTIONS))
+@pytest.mark.parametrize("merged", [None, "x"], ids=["unmerged", "x-merged"])
+def test_native_step_adds_the_adapter_deltas_of_the_python_replay(selection, merged):
+    """Every row's own adapter (the merged one subtracted where a row selects another), ragged caches too."""
+    lm = _with_adapters(tiny_causal_lm())
+    if merged:
+        merge_adapter(lm, merged)
     cache = causal_cache(lm, False)
     tokens = [random_ids(3, 1, seed=s)[:, 0] for s in range(2)]
     base = decode(lm, run_decoder, tokens, copy.deepcopy(cache))
-    monkeypatch.setattr(plan_for(lm.decoder), "native", _Watched(plan_for(lm.decoder).native, fail=True))
     with use_adapters(lm, selection):
         adapted = decode(lm, run_decoder, tokens, copy.deepcopy(cache))
+        _assert_equal(lm, cache, atol=1e-5)
+        _assert_equal(lm, causal_cache(lm, True), atol=1e-5)
     assert (adapted[-1] - base[-1]).abs().max() > 1e-3  # the deltas were added
+
+
+def test_native_step_adds_deltas_on_every_projection_of_a_seq2seq_decoder():
+    mt = _with_adapters(tiny_seq2seq(), targets=("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"))
+    use_input_major_weights(mt)
+    cache = seq2seq_cache(mt, True)
+    cache.select(torch.arange(3).repeat_interleave(2))  # beams sharing their source
+    with use_adapters(mt, ["x", "x", None, "y", "y", "x"]):
+        _assert_equal(mt, cache, atol=1e-5)
+
+
+def test_steps_the_native_step_cannot_add_take_the_python_replay(monkeypatch):
+    lm = _with_adapters(tiny_causal_lm())
+    cache = causal_cache(lm, False)
+    plan = plan_for(lm.decoder)
+    monkeypatch.setattr(plan, "native", _Watched(plan.native, fail=True))
+    tokens = [random_ids(3, 1)[:, 0]]
+    with use_adapters(lm, "x"):
+        lm.train()  # training mode: the replay's LoRALinear (dropout)
+        decode(lm, run_decoder, tokens, copy.deepcopy(cache))
+        lm.eval()
+    layer = next(m for m in lm.decoder.modules() if type(m) is LoRALinear)
+    layer.lora_A["y"].weight[0, 0] = float("nan")
+    with use_adapters(lm, ["x", None, "y"]):  # mixed rows over non-finite weights: the per-group loop
+        outputs = decode(lm, run_decoder, tokens, copy.deepcopy(cache))
+    assert outputs[-1][:2].isfinite().all()  # the NaN stays in the row selecting "y"
+
+
+def test_one_adapter_for_every_row_needs_only_its_own_weights_finite():
+    lm = _with_adapters(tiny_causal_lm())
+    layer = next(m for m in lm.decoder.modules() if type(m) is LoRALinear)
+    layer.lora_A["y"].weight[0, 0] = float("nan")
+    with use_adapters(lm, "x"):
+        _assert_equal(lm, causal_cache(lm, False), atol=1e-5)
 
 
 def test_what_the_native_step_does_not_run_takes_the_python_replay(monkeypatch):
