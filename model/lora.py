@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.layout import input_major
+
 logger = logging.getLogger(__name__)
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -201,6 +203,9 @@ class LoRALinear(nn.Module):
         self.merged: str | None = None  # adapter whose delta is currently added into base.weight
         self.routing = Routing()
         self._stacked: _Stacked | None = None  # see _stack
+        self._revision = 0  # bumped when an adapter is added or removed
+        # row_deltas' last answer: (routing, (merged, revision), the _Stacked it used or None, the deltas)
+        self._last_deltas: tuple[Routing, tuple, _Stacked | None, RowDeltas | None] | None = None
         self.train(base.training)  # a wrapper made after model.eval() must not switch dropout on
 
     def add(self, name: str, config: LoRAConfig, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -210,6 +215,7 @@ class LoRALinear(nn.Module):
         adapter between steps): :meth:`_stack` keys on their version counters, which inference tensors lack.
         """
         w = self.base.weight
+        self._revision += 1
         with torch.inference_mode(False):
             self.lora_A[name] = _linear_from(a.detach().to(w.device, w.dtype, copy=True))
             self.lora_B[name] = _linear_from(b.detach().to(w.device, w.dtype, copy=True))
@@ -218,6 +224,7 @@ class LoRALinear(nn.Module):
 
     def remove(self, name: str) -> None:
         del self.lora_A[name], self.lora_B[name], self.scaling[name], self.configs[name]
+        self._revision += 1
 
     def delta_weight(self, name: str) -> torch.Tensor:
         """scale * B @ A as (out, in) in the base weight's dtype (the product is taken in >= float32)."""
@@ -270,14 +277,29 @@ class LoRALinear(nn.Module):
 
     def row_deltas(self, rows: int) -> RowDeltas | None:
         """The adapter deltas an inference forward over ``rows`` rows adds to the base's output under the
-        current routing and merge, or None where no row gets one. Check :meth:`stackable` first."""
+        current routing and merge, or None where no row gets one. Check :meth:`stackable` first.
+
+        Asked once per decoding step: the answer is kept while the routing object, the merge, the resident
+        adapters and (for stacked ones) their weights' versions stay the same."""
         routing = self.routing
-        selected = routing.groups if routing.groups is not None else {routing.name: None}
         if routing.groups is not None and rows != routing.rows:
             raise AdapterError(f"per-row adapters were set for {routing.rows} rows but the input has {rows}")
+        state = (self.merged, self._revision)
+        last = self._last_deltas
+        kept = last is not None and last[0] is routing and last[1] == state
+        if kept and (last[2] is None or last[2] is self._stack()):  # _stack rebuilds after in-place changes
+            return last[3]
+        stacked, deltas = self._current_deltas()
+        self._last_deltas = (routing, state, stacked, deltas)
+        return deltas
+
+    def _current_deltas(self) -> tuple[_Stacked | None, RowDeltas | None]:
+        """(the stacked adapters used, or None; the deltas) for row_deltas."""
+        routing = self.routing
+        selected = routing.groups if routing.groups is not None else {routing.name: None}
         terms = {name: self._terms(name) for name in selected}
         if all(t == (None, None) for t in terms.values()):
-            return None
+            return None, None
         add, sub = next(iter(terms.values())) if len(terms) == 1 else (None, None)
         if add is not None and sub is None:  # one adapter on every row, none merged: its own A and B
             key = ("one", add, self.scaling[add])
@@ -285,7 +307,7 @@ class LoRALinear(nn.Module):
             scales = routing.masks.get(key)
             if scales is None:
                 scales = routing.masks[key] = torch.full((1, a.shape[0]), key[2], dtype=a.dtype, device=a.device)
-            return RowDeltas(a, b, scales)
+            return None, RowDeltas(a, b, scales)  # the Parameters themselves: in-place changes reach it
         stacked = self._stack()
         key = ("rows", stacked.spans, self.merged)  # shared by the layers holding the same adapters alike
         scales = routing.masks.get(key)
@@ -300,7 +322,7 @@ class LoRALinear(nn.Module):
                         lo, hi, scale = columns[adapter]
                         scales[target, lo:hi] += sign * scale
             routing.masks[key] = scales
-        return RowDeltas(stacked.a, stacked.b, scales)
+        return stacked, RowDeltas(stacked.a, stacked.b, scales)
 
     def _stack(self) -> _Stacked:
         """Every resident adapter concatenated (see :class:`_Stacked`), rebuilt when one is added, removed
@@ -316,7 +338,9 @@ class LoRALinear(nn.Module):
                 spans.append((name, start, start + r, self.scaling[name]))
                 start += r
             a_cat = torch.cat([self.lora_A[n].weight for n in names]).detach()
-            b_cat = torch.cat([self.lora_B[n].weight for n in names], dim=1).detach()
+            # B input-major: a row adds only its own adapter's columns of B^T (lora_delta.cpp), and MKL
+            # likes that layout too (model/layout.py)
+            b_cat = input_major(torch.cat([self.lora_B[n].weight for n in names], dim=1).detach())
             finite = bool(torch.isfinite(a_cat).all() and torch.isfinite(b_cat).all())
             self._stacked = _Stacked(key, a_cat, b_cat, tuple(spans), finite)
         return self._stacked

@@ -13,6 +13,8 @@ torch::Tensor rows_layer_norm(const torch::Tensor& x, const torch::Tensor& weigh
 torch::Tensor rows_activate_(torch::Tensor h, int64_t activation);
 torch::Tensor rows_add_(torch::Tensor y, const torch::Tensor& x);
 void rows_cache_write(const torch::Tensor& cache, int64_t position, const torch::Tensor& src);
+void lora_delta_add_(const torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& b,
+                     const torch::Tensor& scales);
 torch::Tensor decode_layers(torch::Tensor x, const std::vector<std::vector<torch::Tensor>>& projections,
                             const std::vector<std::vector<torch::Tensor>>& deltas,
                             const std::vector<torch::Tensor>& norms, const std::vector<double>& eps,
@@ -38,6 +40,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("rows_activate_", &rows_activate_, "ReLU (0), GELU (1), GELU tanh (2) in place", release());
   module.def("rows_add_", &rows_add_, "y += x in place", release());
   module.def("rows_cache_write", &rows_cache_write, "cache[:, :, position] = src (B, H, 1, Dh)", release());
+  module.def("lora_delta_add_", &lora_delta_add_, "y += ((x A^T) * scales) B^T in place (LoRA deltas)", release());
   module.def("decode_layers", &decode_layers, "one decoding step through every decoder layer (model/fast_step.py)",
              release());
 }

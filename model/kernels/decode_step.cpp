@@ -4,8 +4,8 @@
 // head split/merge views and the cache writes run here instead of in the interpreter, which cost about
 // 0.5 ms per step at d_model 512 / 6 layers (a fifth of a batch-1 step). Projections are float32 (weight,
 // bias) pairs (few_rows_linear.cpp: the same sums as F.linear in another order) or our int8 layers
-// (packed, scales, sums, bias: int8_vnni.cpp); attention is decode_attention.cpp; LayerNorm, activations,
-// residual adds and uniform cache writes are elementwise.cpp's. One new token per row; the caller has begun
+// (packed, scales, sums, bias: int8_vnni.cpp), plus LoRA deltas (lora_delta.cpp); attention is
+// decode_attention.cpp; LayerNorm, activations, residual adds and uniform cache writes are elementwise.cpp's. One new token per row; the caller has begun
 // the cache step.
 #include <torch/extension.h>
 
@@ -20,6 +20,8 @@ torch::Tensor rows_layer_norm(const torch::Tensor& x, const torch::Tensor& weigh
 torch::Tensor rows_activate_(torch::Tensor h, int64_t activation);
 torch::Tensor rows_add_(torch::Tensor y, const torch::Tensor& x);
 void rows_cache_write(const torch::Tensor& cache, int64_t position, const torch::Tensor& src);
+void lora_delta_add_(const torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& b,
+                     const torch::Tensor& scales);
 
 namespace {
 
@@ -41,12 +43,7 @@ torch::Tensor project(const torch::Tensor& x, const Tensors& p) {
 // ((x A^T) * scales) B^T added to every row (model.lora.RowDeltas).
 torch::Tensor project(const torch::Tensor& x, const Tensors& p, const Tensors* deltas) {
   torch::Tensor y = project(x, p);
-  if (deltas == nullptr || deltas->empty()) return y;
-  const Tensors& d = *deltas;
-  const int64_t rows = x.size(0);
-  torch::Tensor h = at::mm(x.reshape({rows, x.size(-1)}), d[0].t());
-  h.mul_(d[2]);
-  y.view({rows, y.size(-1)}).addmm_(h, d[1].t());
+  if (deltas != nullptr && !deltas->empty()) lora_delta_add_(y, x, (*deltas)[0], (*deltas)[1], (*deltas)[2]);
   return y;
 }
 
