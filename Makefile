@@ -7,7 +7,7 @@ CHECKPOINTS ?= checkpoints
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: run serve train-quick train-quality test lint kernels bench-decode bench-serve soak
+.PHONY: run serve train-quick train-quality test lint kernels bench-decode bench-adapters bench-serve soak
 
 $(STAMP): requirements.txt requirements-dev.txt constraints.txt
 	python3 -m venv $(VENV)
@@ -42,6 +42,9 @@ lint: $(STAMP)
 
 bench-decode: $(STAMP)
 	$(PY) -m benchmarks.decode
+
+bench-adapters: kernels
+	$(PY) -m benchmarks.adapters
 
 bench-serve: kernels
 	$(PY) -m benchmarks.serve

@@ -213,10 +213,11 @@ class _NativeStep:
         (training mode, autograd, non-finite adapter weights)."""
         deltas: list[list[torch.Tensor]] = []
         for index, module in self.adapted:
+            stackable = module.stackable()
             found = module.row_deltas(rows)
             if found is None:
                 continue
-            if not module.stackable():
+            if not stackable:
                 return None
             if not deltas:
                 deltas = [[] for _ in self.projections]

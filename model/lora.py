@@ -277,7 +277,8 @@ class LoRALinear(nn.Module):
 
     def row_deltas(self, rows: int) -> RowDeltas | None:
         """The adapter deltas an inference forward over ``rows`` rows adds to the base's output under the
-        current routing and merge, or None where no row gets one. Check :meth:`stackable` first.
+        current routing and merge, or None where no row gets one. Call :meth:`stackable` first (it also
+        brings the stacked adapters up to date with in-place changes).
 
         Asked once per decoding step: the answer is kept while the routing object, the merge, the resident
         adapters and (for stacked ones) their weights' versions stay the same."""
@@ -287,7 +288,7 @@ class LoRALinear(nn.Module):
         state = (self.merged, self._revision)
         last = self._last_deltas
         kept = last is not None and last[0] is routing and last[1] == state
-        if kept and (last[2] is None or last[2] is self._stack()):  # _stack rebuilds after in-place changes
+        if kept and (last[2] is None or last[2] is self._stacked):  # stackable()'s _stack() rebuilt it if changed
             return last[3]
         stacked, deltas = self._current_deltas()
         self._last_deltas = (routing, state, stacked, deltas)

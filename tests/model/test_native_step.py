@@ -144,6 +144,30 @@ def test_native_step_adds_the_adapter_deltas_of_the_python_replay(selection, mer
     assert (adapted[-1] - base[-1]).abs().max() > 1e-3  # the deltas were added
 
 
+@pytest.mark.parametrize("selection", list(SELECTIONS.values())[:2], ids=list(SELECTIONS)[:2])
+def test_deltas_kept_between_steps_follow_in_place_changes_and_new_adapters(selection):
+    """LoRALinear.row_deltas keeps its answer per routing object; checked against the per-group loop that
+    autograd mode takes (nothing stacked, nothing kept)."""
+    lm = _with_adapters(tiny_causal_lm())
+    cache = causal_cache(lm, False)
+    tokens = [random_ids(3, 1, seed=s)[:, 0] for s in range(2)]
+
+    def assert_native_equals_the_loop():
+        native = decode(lm, run_decoder, tokens, copy.deepcopy(cache))
+        with torch.enable_grad():
+            loop = decode(lm, run_decoder, tokens, copy.deepcopy(cache))
+        torch.testing.assert_close(native[-1], loop[-1], atol=1e-5, rtol=0)
+
+    with use_adapters(lm, selection):  # one routing object throughout
+        assert_native_equals_the_loop()
+        for module in lm.modules():
+            if type(module) is LoRALinear:
+                module.lora_B["x"].weight.mul_(3.0)  # in place: the same Parameter, a new version
+        assert_native_equals_the_loop()
+        add_adapter(lm, "z", LoRAConfig(r=4, target_modules=("q_proj", "fc2")), seed=2)
+        assert_native_equals_the_loop()
+
+
 def test_native_step_adds_deltas_on_every_projection_of_a_seq2seq_decoder():
     mt = _with_adapters(tiny_seq2seq(), targets=("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"))
     use_input_major_weights(mt)
