@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model import attention
+from model import attention, packed_weights
 from model.attention import KERNEL_MAX_HEAD_DIM, MultiHeadAttention, decode_attention
 from model.kv_cache import KVCache
 from model.layers import LayerStack, TransformerLayer
@@ -253,13 +253,22 @@ class _NativeStep:
         return cls(projections, norms, eps, first.self_attn.n_heads, first.pre_norm, _ACTIVATIONS[first.ffn.activation],
                    adapted)
 
+    def panels(self, kernels, rows: int) -> list[torch.Tensor]:
+        """Each float32 projection's packed copy (model/packed_weights.py; empty for the others) for a step of
+        ``rows`` rows, or [] where the few-rows GEMV (or MKL, packing off) takes the step."""
+        if rows <= packed_weights.MAX_GEMV_ROWS or not packed_weights.enabled():
+            return []
+        found = [packed_weights.packed(kernels, p[0]) if len(p) == 2 else None for p in self.projections]
+        return [_ABSENT if panels is None else panels for panels in found]
+
     def __call__(
         self, kernels, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache, memory_mask: torch.Tensor | None,
         deltas: list[list[torch.Tensor]],
     ) -> torch.Tensor:
         cross = cache.cross
         return kernels.decode_layers(
-            x, self.projections, deltas, self.norms, self.eps, cache.keys, cache.values,
+            x, self.projections, deltas, self.panels(kernels, x.shape[0]), self.norms, self.eps,
+            cache.keys, cache.values,
             cross.keys if cross is not None else [], cross.values if cross is not None else [],
             self.heads, self.pre_norm, self.activation, cache.max_length, cache.max_length + 1,
             _ABSENT if cache.uniform else cache.write_positions, _ABSENT if mask is None else mask,
@@ -318,14 +327,19 @@ def plan_for(stack: LayerStack) -> DecodePlan:
 def decode_head(head: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``head(x)``: the output projection of a decoding step's rows (N, D) -> (N, V).
 
-    A plain Linear on CPU goes through our few-rows kernel (model/kernels/few_rows_linear.cpp), which reads
-    the (tied, input-major) weights faster than MKL's GEMV at up to 4 rows and calls ``F.linear`` itself
-    otherwise (more rows, another dtype or layout, autograd); LoRA, int8 and hooked heads run as modules.
+    A plain Linear on CPU goes through our kernels: the few-rows GEMV (model/kernels/few_rows_linear.cpp),
+    which reads the (tied, input-major) weights faster than MKL's GEMV at up to 4 rows and calls ``F.linear``
+    itself otherwise (another dtype or layout, autograd), and beyond 4 rows the panel GEMM over the weight's
+    packed copy (model/packed_weights.py); LoRA, int8 and hooked heads run as modules.
     """
     kernels = attention._decode_kernel()
     plain = type(head) is nn.Linear and not head._forward_hooks and not head._forward_pre_hooks
     if kernels is None or not plain or head.weight.device.type != "cpu":
         return head(x)
+    if x.shape[0] > packed_weights.MAX_GEMV_ROWS and packed_weights.enabled() and not torch.is_grad_enabled():
+        panels = packed_weights.packed(kernels, head.weight)
+        if panels is not None:
+            return kernels.packed_linear(x, panels, head.out_features, head.bias)
     return kernels.few_rows_linear(x, head.weight, head.bias)
 
 

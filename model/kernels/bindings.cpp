@@ -8,6 +8,9 @@ bool has_avx512();
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const c10::optional<torch::Tensor>& mask);
 torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias);
+torch::Tensor pack_weight(const torch::Tensor& weight);
+torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
+                            const c10::optional<torch::Tensor>& bias);
 std::tuple<torch::Tensor, torch::Tensor> greedy_pick(const torch::Tensor& logits, const std::vector<int64_t>& banned);
 torch::Tensor rows_layer_norm(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias, double eps);
 torch::Tensor rows_activate_(torch::Tensor h, int64_t activation);
@@ -16,7 +19,7 @@ void rows_cache_write(const torch::Tensor& cache, int64_t position, const torch:
 void lora_delta_add_(const torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& b,
                      const torch::Tensor& scales);
 torch::Tensor decode_layers(torch::Tensor x, const std::vector<std::vector<torch::Tensor>>& projections,
-                            const std::vector<std::vector<torch::Tensor>>& deltas,
+                            const std::vector<std::vector<torch::Tensor>>& deltas, const std::vector<torch::Tensor>& panels,
                             const std::vector<torch::Tensor>& norms, const std::vector<double>& eps,
                             const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
                             const std::vector<torch::Tensor>& cross_keys, const std::vector<torch::Tensor>& cross_values,
@@ -34,6 +37,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("decode_attention", &decode_attention, "attention of a few queries per head over a KV cache, float32",
              release());
   module.def("few_rows_linear", &few_rows_linear, "float32 linear of a few rows over input-major weights (else at::linear)",
+             release());
+  module.def("pack_weight", &pack_weight, "an (N, K) float32 weight as (ceil(N / 32), K, 32) panels", release());
+  module.def("packed_linear", &packed_linear, "float32 linear over pack_weight's panels: x (..., K) -> (..., n)",
              release());
   module.def("greedy_pick", &greedy_pick, "greedy choice per row: (first argmax outside banned, its log-prob)", release());
   module.def("rows_layer_norm", &rows_layer_norm, "LayerNorm over the last dim (the native step's)", release());

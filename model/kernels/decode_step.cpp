@@ -16,6 +16,8 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, c
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const c10::optional<torch::Tensor>& mask);
 torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias);
+torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
+                            const c10::optional<torch::Tensor>& bias);
 torch::Tensor rows_layer_norm(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias, double eps);
 torch::Tensor rows_activate_(torch::Tensor h, int64_t activation);
 torch::Tensor rows_add_(torch::Tensor y, const torch::Tensor& x);
@@ -33,16 +35,18 @@ enum Norm { kSelfNorm, kCrossNorm, kFfnNorm };
 
 optional<torch::Tensor> maybe(const torch::Tensor& t) { return t.numel() ? optional<torch::Tensor>(t) : c10::nullopt; }
 
-// A projection: {weight, bias} float32 (bias empty when absent) or {packed, scales, sums, bias} int8.
-torch::Tensor project(const torch::Tensor& x, const Tensors& p) {
+// A projection: {weight, bias} float32 (bias empty when absent) or {packed, scales, sums, bias} int8; a float32
+// weight's panels (packed_linear.cpp) when the caller gives them (more rows than the few-rows GEMV takes).
+torch::Tensor project(const torch::Tensor& x, const Tensors& p, const torch::Tensor* panels) {
   if (p.size() == 4) return int8_linear(x, p[0], p[1], p[2], maybe(p[3]));
-  return few_rows_linear(x, p[0], maybe(p[1]));  // at::linear beyond a few rows
+  if (panels != nullptr && panels->numel()) return packed_linear(x, *panels, p[0].size(0), maybe(p[1]));
+  return few_rows_linear(x, p[0], maybe(p[1]));  // MKL beyond a few rows
 }
 
 // The projection plus its LoRA deltas when `deltas` holds {A (C, in), B (out, C), scales (rows or 1, C)}:
 // ((x A^T) * scales) B^T added to every row (model.lora.RowDeltas).
-torch::Tensor project(const torch::Tensor& x, const Tensors& p, const Tensors* deltas) {
-  torch::Tensor y = project(x, p);
+torch::Tensor project(const torch::Tensor& x, const Tensors& p, const Tensors* deltas, const torch::Tensor* panels) {
+  torch::Tensor y = project(x, p, panels);
   if (deltas != nullptr && !deltas->empty()) lora_delta_add_(y, x, (*deltas)[0], (*deltas)[1], (*deltas)[2]);
   return y;
 }
@@ -82,12 +86,13 @@ torch::Tensor grouped_attention(const torch::Tensor& q, const torch::Tensor& key
 
 // x (B, 1, D) -> the stack's output before any final norm. projections: per layer kSlots lists (empty when
 // absent; kQkv non-empty means the fused q/k/v projection is in use); deltas: none, or per layer kSlots
-// lists of LoRA deltas (empty where a projection adds none; see project); norms: per layer 6 tensors (self,
+// lists of LoRA deltas (empty where a projection adds none; see project); panels: none, or one per projection
+// (empty where it has none: model/packed_weights.py); norms: per layer 6 tensors (self,
 // cross, ffn weight/bias; cross empty without cross-attention); eps: per layer 3; keys/values: the cache
 // buffers (B, H, capacity, Dh); write_positions: (B, 1) for ragged rows, empty when every row writes at
 // `start`; visible: keys visible after the write; self_mask/memory_mask: bool masks or empty.
 torch::Tensor decode_layers(torch::Tensor x, const std::vector<Tensors>& projections,
-                            const std::vector<Tensors>& deltas, const Tensors& norms,
+                            const std::vector<Tensors>& deltas, const Tensors& panels, const Tensors& norms,
                             const std::vector<double>& eps, const Tensors& keys, const Tensors& values,
                             const Tensors& cross_keys, const Tensors& cross_values, int64_t heads, bool pre_norm,
                             int64_t activation, int64_t start, int64_t visible, const torch::Tensor& write_positions,
@@ -96,7 +101,8 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<Tensors>& project
   TORCH_CHECK(x.dim() == 3 && x.size(1) == 1, "decode step: x must be (B, 1, D)");
   TORCH_CHECK(static_cast<int64_t>(projections.size()) == layers * kSlots && static_cast<int64_t>(norms.size()) == layers * 6 &&
               static_cast<int64_t>(eps.size()) == layers * 3 && static_cast<int64_t>(values.size()) == layers &&
-              (deltas.empty() || deltas.size() == projections.size()),
+              (deltas.empty() || deltas.size() == projections.size()) &&
+              (panels.empty() || panels.size() == projections.size()),
               "decode step: per-layer argument counts disagree");
   const Step s{x.size(0), heads, x.size(2), x.size(2) / heads, pre_norm, activation};
   const optional<torch::Tensor> smask = maybe(self_mask), mmask = maybe(memory_mask);
@@ -105,17 +111,19 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<Tensors>& project
   for (int64_t l = 0; l < layers; ++l) {
     const Tensors* p = &projections[l * kSlots];
     const Tensors* lora = deltas.empty() ? nullptr : &deltas[l * kSlots];
+    const torch::Tensor* packed = panels.empty() ? nullptr : &panels[l * kSlots];
     auto delta = [&](Slot slot) { return lora == nullptr ? nullptr : &lora[slot]; };
+    auto panel = [&](Slot slot) { return packed == nullptr ? nullptr : &packed[slot]; };
     const torch::Tensor* n = &norms[l * 6];
     const double* e = &eps[l * 3];
     x = s.sublayer(x, n[0], n[1], e[kSelfNorm], [&](const torch::Tensor& h) {
       torch::Tensor q, k, v;
       if (!p[kQkv].empty()) {
-        auto qkv = project(h, p[kQkv]).view({s.rows, 1, 3, heads, s.dh}).permute({2, 0, 3, 1, 4});
+        auto qkv = project(h, p[kQkv], panel(kQkv)).view({s.rows, 1, 3, heads, s.dh}).permute({2, 0, 3, 1, 4});
         q = qkv[0], k = qkv[1], v = qkv[2];
       } else {
-        q = s.split(project(h, p[kQ], delta(kQ))), k = s.split(project(h, p[kK], delta(kK)));
-        v = s.split(project(h, p[kV], delta(kV)));
+        q = s.split(project(h, p[kQ], delta(kQ), panel(kQ))), k = s.split(project(h, p[kK], delta(kK), panel(kK)));
+        v = s.split(project(h, p[kV], delta(kV), panel(kV)));
       }
       if (rows.defined()) {  // advanced indices on dims 0 and 2: (B, 1, H, Dh) values
         torch::Tensor layer_keys = keys[l], layer_values = values[l];  // handles to the cache buffers
@@ -126,17 +134,17 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<Tensors>& project
         rows_cache_write(values[l], start, v);
       }
       auto out = decode_attention(q, keys[l].narrow(2, 0, visible), values[l].narrow(2, 0, visible), smask);
-      return project(s.merge(out), p[kOut], delta(kOut));
+      return project(s.merge(out), p[kOut], delta(kOut), panel(kOut));
     });
     if (!p[kCrossQ].empty()) {
       x = s.sublayer(x, n[2], n[3], e[kCrossNorm], [&](const torch::Tensor& h) {
-        auto out = grouped_attention(s.split(project(h, p[kCrossQ], delta(kCrossQ))), cross_keys[l], cross_values[l], mmask,
-                                     group);
-        return project(s.merge(out), p[kCrossOut], delta(kCrossOut));
+        auto q = s.split(project(h, p[kCrossQ], delta(kCrossQ), panel(kCrossQ)));
+        auto out = grouped_attention(q, cross_keys[l], cross_values[l], mmask, group);
+        return project(s.merge(out), p[kCrossOut], delta(kCrossOut), panel(kCrossOut));
       });
     }
     x = s.sublayer(x, n[4], n[5], e[kFfnNorm], [&](const torch::Tensor& h) {
-      return project(s.activate(project(h, p[kFc1], delta(kFc1))), p[kFc2], delta(kFc2));
+      return project(s.activate(project(h, p[kFc1], delta(kFc1), panel(kFc1))), p[kFc2], delta(kFc2), panel(kFc2));
     });
   }
   return x;

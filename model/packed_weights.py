@@ -1,0 +1,41 @@
+"""Packed copies of float32 weights for the decoding step's GEMMs beyond a few rows.
+
+Steps of more than :data:`MAX_GEMV_ROWS` rows (batched greedy, beams) multiply each weight on 5-64 rows,
+where our panel GEMM (model/kernels/packed_linear.cpp) beat MKL's by 1.3-1.45x on this project's CPU, but
+only over a copy of the weight laid out in 32-column panels. :func:`packed` makes that copy the first time
+a batched step needs it (so a service that only ever decodes one row per step spends no memory on it),
+keeps it beside the weight for as long as the weight lives, and makes it again when the weight changed
+since (an in-place change such as a LoRA merge bumps its version counter; re-laying it, as
+model/layout.py does, moves its data). The copy is as large as the weight: ``TSERVE_PACKED_WEIGHTS=off``
+keeps MKL on the weights as stored instead.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+MAX_GEMV_ROWS = 4  # up to this many rows the few-rows GEMV reads the weights as stored (few_rows_linear.cpp)
+
+# weight -> ((its version, its data pointer) when packed, the panels); keyed by identity, dropped with the weight
+_PACKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def enabled() -> bool:
+    """Whether batched steps may use packed copies (``TSERVE_PACKED_WEIGHTS``, default on)."""
+    return os.environ.get("TSERVE_PACKED_WEIGHTS", "auto").strip().lower() != "off"
+
+
+def packed(kernels: ModuleType, weight: torch.Tensor) -> torch.Tensor | None:
+    """The panels of ``weight`` (out, in) for ``kernels.packed_linear``, up to date; None where it has none
+    (not a float32 CPU tensor, or an inference tensor, whose changes cannot be seen)."""
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.is_inference():
+        return None
+    state = (weight._version, weight.data_ptr())
+    entry = _PACKED.get(weight)
+    if entry is None or entry[0] != state:
+        entry = _PACKED[weight] = (state, kernels.pack_weight(weight))
+    return entry[1]
