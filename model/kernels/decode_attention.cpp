@@ -20,6 +20,7 @@
 namespace {
 
 constexpr int64_t kMaxChunks = 8;  // head dims up to 128
+constexpr int64_t kPrefetchKeys = 8;  // keys (each Dh floats) prefetched ahead: across 4 KB pages too
 
 struct Head {
   const float* q;     // first query; queries q_row apart
@@ -29,6 +30,11 @@ struct Head {
   float* out;         // first query's output; out_row apart
   int64_t q_row, kv_row, mask_row, out_row, queries, keys, dh;
 };
+
+// The `chunks` 64-byte lines of one key or value row, ahead of use (past the slice's end: harmless, no fault).
+void prefetch(const float* row, int64_t chunks) {
+  for (int64_t c = 0; c < chunks; ++c) _mm_prefetch(reinterpret_cast<const char*>(row + c * 16), _MM_HINT_T0);
+}
 
 AVX512 void attend(const Head& a, float scale, float* scores) {
   const int64_t chunks = (a.dh + 15) / 16;
@@ -47,6 +53,7 @@ AVX512 void attend(const Head& a, float scale, float* scores) {
         continue;
       }
       const float* k = a.k + j * a.kv_row;
+      prefetch(k + kPrefetchKeys * a.kv_row, chunks);
       __m512 dot = _mm512_mul_ps(qv[0], _mm512_maskz_loadu_ps(lanes(0), k));
       for (int64_t c = 1; c < chunks; ++c) dot = _mm512_fmadd_ps(qv[c], _mm512_maskz_loadu_ps(lanes(c), k + c * 16), dot);
       scores[j] = _mm512_reduce_add_ps(dot);
@@ -71,6 +78,7 @@ AVX512 void attend(const Head& a, float scale, float* scores) {
       if (scores[j] == 0.f) continue;  // masked (or underflowed) keys
       const __m512 p = _mm512_set1_ps(scores[j]);
       const float* v = a.v + j * a.kv_row;
+      prefetch(v + kPrefetchKeys * a.kv_row, chunks);
       for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(lanes(c), v + c * 16), acc[c]);
     }
     const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
