@@ -336,10 +336,11 @@ def decode_head(head: nn.Module, x: torch.Tensor) -> torch.Tensor:
     plain = type(head) is nn.Linear and not head._forward_hooks and not head._forward_pre_hooks
     if kernels is None or not plain or head.weight.device.type != "cpu":
         return head(x)
-    if x.shape[0] > packed_weights.MAX_GEMV_ROWS and packed_weights.enabled() and not torch.is_grad_enabled():
+    batched = x.shape[0] > packed_weights.MAX_GEMV_ROWS and x.dtype == torch.float32 and not torch.is_grad_enabled()
+    if batched and packed_weights.enabled():
         panels = packed_weights.packed(kernels, head.weight)
         if panels is not None:
-            return kernels.packed_linear(x, panels, head.out_features, head.bias)
+            return kernels.packed_linear(x, panels, head.weight.shape[0], head.bias)
     return kernels.few_rows_linear(x, head.weight, head.bias)
 
 

@@ -6,8 +6,10 @@ only over a copy of the weight laid out in 32-column panels. :func:`packed` make
 a batched step needs it (so a service that only ever decodes one row per step spends no memory on it),
 keeps it beside the weight for as long as the weight lives, and makes it again when the weight changed
 since (an in-place change such as a LoRA merge bumps its version counter; re-laying it, as
-model/layout.py does, moves its data). The copy is as large as the weight: ``TSERVE_PACKED_WEIGHTS=off``
-keeps MKL on the weights as stored instead.
+model/layout.py does, moves its data). Changes made through ``weight.data`` in place bump no counter the
+Parameter shows and go unseen: change weights through the Parameter (under ``torch.no_grad``) or
+``load_state_dict``, as this project does. The copy is as large as the weight:
+``TSERVE_PACKED_WEIGHTS=off`` keeps MKL on the weights as stored instead.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@
 // 0.5 ms per step at d_model 512 / 6 layers (a fifth of a batch-1 step). Projections are float32 (weight,
 // bias) pairs (few_rows_linear.cpp: the same sums as F.linear in another order) or our int8 layers
 // (packed, scales, sums, bias: int8_vnni.cpp), plus LoRA deltas (lora_delta.cpp); attention is
-// decode_attention.cpp; LayerNorm, activations, residual adds and uniform cache writes are elementwise.cpp's. One new token per row; the caller has begun
-// the cache step.
+// decode_attention.cpp; LayerNorm, activations, residual adds and uniform cache writes are elementwise.cpp's.
+// Beyond a few rows the float32 projections take the weights' packed copies when given (packed_linear.cpp).
+// One new token per row; the caller has begun the cache step.
 #include <torch/extension.h>
 
 #include <vector>

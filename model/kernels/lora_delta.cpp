@@ -36,7 +36,8 @@ AVX512 void project_input_major(const float* x, const float* at, int64_t k, int6
   for (int64_t j = 0; j < c; j += 16) {
     const __mmask16 lanes = tserve::first_lanes(c - j);
     __m512 sum = _mm512_setzero_ps();
-    for (int64_t i = 0; i < k; ++i) sum = _mm512_fmadd_ps(_mm512_set1_ps(x[i]), _mm512_maskz_loadu_ps(lanes, at + i * c + j), sum);
+    for (int64_t i = 0; i < k; ++i)
+      sum = _mm512_fmadd_ps(_mm512_set1_ps(x[i]), _mm512_maskz_loadu_ps(lanes, at + i * c + j), sum);
     _mm512_mask_storeu_ps(h + j, lanes, sum);
   }
 }
@@ -54,7 +55,8 @@ AVX512 void add_input_major(const float* h, const float* bt, int64_t n, int64_t 
     const float* row = bt + j * n;
     for (int64_t i = 0; i < n; i += 16) {
       const __mmask16 k = tserve::first_lanes(n - i);
-      _mm512_mask_storeu_ps(y + i, k, _mm512_fmadd_ps(s, _mm512_maskz_loadu_ps(k, row + i), _mm512_maskz_loadu_ps(k, y + i)));
+      const __m512 sum = _mm512_fmadd_ps(s, _mm512_maskz_loadu_ps(k, row + i), _mm512_maskz_loadu_ps(k, y + i));
+      _mm512_mask_storeu_ps(y + i, k, sum);
     }
   }
 }
@@ -86,7 +88,8 @@ void lora_delta_add_(const torch::Tensor& y, const torch::Tensor& x, const torch
     y.view({rows, n}).addmm_(h, b.t());
     return;
   }
-  const float *xs = x.data_ptr<float>(), *as = a.data_ptr<float>(), *bs = b.data_ptr<float>(), *ss = scales.data_ptr<float>();
+  const float *xs = x.data_ptr<float>(), *as = a.data_ptr<float>(), *bs = b.data_ptr<float>();
+  const float* ss = scales.data_ptr<float>();
   float* ys = y.data_ptr<float>();
   at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
     std::vector<float> h(c);

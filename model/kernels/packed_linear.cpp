@@ -100,20 +100,23 @@ torch::Tensor pack_weight(const torch::Tensor& weight) {
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
                             const c10::optional<torch::Tensor>& bias) {
   static const bool avx512 = has_avx512();
-  const int64_t k = x.size(-1), rows = k ? x.numel() / k : 0;
+  const int64_t k = x.size(-1);
   TORCH_CHECK(packed.dim() == 3 && packed.size(0) == panels_for(n) && packed.size(1) == k && packed.size(2) == kPanel &&
-                  packed.is_contiguous() && packed.scalar_type() == at::kFloat,
+                  packed.is_contiguous() && packed.scalar_type() == at::kFloat && packed.device().is_cpu(),
               "packed_linear: packed weights must be pack_weight's (ceil(n / 32), K, 32) of an (n, K) weight");
-  TORCH_CHECK(!bias.has_value() || (bias->numel() == n && bias->is_contiguous() && bias->scalar_type() == at::kFloat),
-              "packed_linear: bias must be a contiguous float32 (n,) tensor");
+  TORCH_CHECK(!bias.has_value() || (bias->numel() == n && bias->scalar_type() == at::kFloat && bias->device().is_cpu()),
+              "packed_linear: bias must be a float32 CPU (n,) tensor");
   TORCH_CHECK(avx512 && x.scalar_type() == at::kFloat && x.device().is_cpu() && !at::GradMode::is_enabled(),
               "packed_linear: float32 CPU input without autograd on an AVX-512 CPU only");
-  const torch::Tensor input = x.is_contiguous() ? x : x.contiguous();
   auto sizes = x.sizes().vec();
   sizes.back() = n;
+  if (k == 0) return bias.has_value() ? bias->expand(sizes).contiguous() : at::zeros(sizes, x.options());
+  const int64_t rows = x.numel() / k;
   torch::Tensor y = at::empty(sizes, x.options());
   if (rows == 0) return y;
-  const Problem q{input.data_ptr<float>(), packed.data_ptr<float>(), bias.has_value() ? bias->data_ptr<float>() : nullptr,
+  const torch::Tensor input = x.is_contiguous() ? x : x.contiguous();
+  const torch::Tensor b = bias.has_value() ? bias->contiguous() : torch::Tensor();
+  const Problem q{input.data_ptr<float>(), packed.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr,
                   y.data_ptr<float>(), rows, k, n};
   const int64_t tiles = (rows + kMaxTileRows - 1) / kMaxTileRows, per_tile = (rows + tiles - 1) / tiles;  // even tiles
   at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {

@@ -8,7 +8,15 @@ import torch
 from model import attention
 from model.fast_step import plan_for, run_decoder
 from model.layout import use_input_major_weights
-from model.lora import LoRAConfig, LoRALinear, add_adapter, merge_adapter, use_adapters
+from model.lora import (
+    LoRAConfig,
+    LoRALinear,
+    add_adapter,
+    delete_adapter,
+    merge_adapter,
+    unmerge_adapter,
+    use_adapters,
+)
 from model.quantize import quantize_int8
 from tests.model.conftest import random_ids, tiny_causal_lm, tiny_seq2seq
 from tests.model.test_fast_step import causal_cache, decode, seq2seq_cache
@@ -144,28 +152,48 @@ def test_native_step_adds_the_adapter_deltas_of_the_python_replay(selection, mer
     assert (adapted[-1] - base[-1]).abs().max() > 1e-3  # the deltas were added
 
 
+def _assert_native_equals_the_loop(model, cache, tokens):
+    """The native step (deltas kept by LoRALinear.row_deltas between steps) against the per-group loop that
+    autograd mode takes (nothing stacked, nothing kept)."""
+    native = decode(model, run_decoder, tokens, copy.deepcopy(cache))
+    with torch.enable_grad():
+        loop = decode(model, run_decoder, tokens, copy.deepcopy(cache))
+    torch.testing.assert_close(native[-1], loop[-1], atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("selection", list(SELECTIONS.values())[:2], ids=list(SELECTIONS)[:2])
 def test_deltas_kept_between_steps_follow_in_place_changes_and_new_adapters(selection):
-    """LoRALinear.row_deltas keeps its answer per routing object; checked against the per-group loop that
-    autograd mode takes (nothing stacked, nothing kept)."""
     lm = _with_adapters(tiny_causal_lm())
     cache = causal_cache(lm, False)
     tokens = [random_ids(3, 1, seed=s)[:, 0] for s in range(2)]
-
-    def assert_native_equals_the_loop():
-        native = decode(lm, run_decoder, tokens, copy.deepcopy(cache))
-        with torch.enable_grad():
-            loop = decode(lm, run_decoder, tokens, copy.deepcopy(cache))
-        torch.testing.assert_close(native[-1], loop[-1], atol=1e-5, rtol=0)
-
     with use_adapters(lm, selection):  # one routing object throughout
-        assert_native_equals_the_loop()
+        _assert_native_equals_the_loop(lm, cache, tokens)
         for module in lm.modules():
             if type(module) is LoRALinear:
                 module.lora_B["x"].weight.mul_(3.0)  # in place: the same Parameter, a new version
-        assert_native_equals_the_loop()
+        _assert_native_equals_the_loop(lm, cache, tokens)
         add_adapter(lm, "z", LoRAConfig(r=4, target_modules=("q_proj", "fc2")), seed=2)
-        assert_native_equals_the_loop()
+        _assert_native_equals_the_loop(lm, cache, tokens)
+        merge_adapter(lm, "y")
+        _assert_native_equals_the_loop(lm, cache, tokens)
+        unmerge_adapter(lm)
+        _assert_native_equals_the_loop(lm, cache, tokens)
+
+
+def test_an_adapter_removed_and_added_again_under_its_name_is_not_taken_for_the_old_one():
+    """Fresh tensors start at version 0 again: the stacked adapters must still be rebuilt."""
+    lm = _with_adapters(tiny_causal_lm())
+    cache = causal_cache(lm, False)
+    tokens = [random_ids(3, 1, seed=s)[:, 0] for s in range(2)]
+    with use_adapters(lm, ["x", None, "y"]):
+        _assert_native_equals_the_loop(lm, cache, tokens)
+    delete_adapter(lm, "y")  # the last adapter: added again, it takes the same place among them
+    add_adapter(lm, "y", LoRAConfig(r=3, lora_alpha=6, target_modules=("q_proj", "fc2")), seed=7)
+    for module in lm.modules():
+        if type(module) is LoRALinear:
+            module.lora_B["y"].weight.normal_(0, 0.5)
+    with use_adapters(lm, ["x", None, "y"]):
+        _assert_native_equals_the_loop(lm, cache, tokens)
 
 
 def test_native_step_adds_deltas_on_every_projection_of_a_seq2seq_decoder():

@@ -47,6 +47,14 @@ def test_leading_dims_strided_inputs_and_either_weight_layout():
     assert torch.equal(kernel.pack_weight(weight), kernel.pack_weight(input_major(weight)))
 
 
+def test_no_inputs_features_give_the_bias():
+    weight, bias = _weights(40, 0)
+    panels = kernel.pack_weight(weight)
+    with torch.no_grad():
+        torch.testing.assert_close(kernel.packed_linear(torch.randn(6, 0), panels, 40, bias), bias.expand(6, 40))
+        assert kernel.packed_linear(torch.randn(6, 0), panels, 40, None).eq(0).all()
+
+
 @pytest.mark.parametrize("broken", ["inner", "columns", "bias", "grad"])
 def test_what_does_not_fit_raises(broken):
     weight, bias = _weights(64, 16)
