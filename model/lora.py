@@ -109,6 +109,15 @@ def _linear_from(weight: torch.Tensor) -> nn.Linear:
     return layer
 
 
+class _KeptDeltas(NamedTuple):
+    """LoRALinear.row_deltas' last answer and what it was computed under."""
+
+    routing: Routing
+    state: tuple  # (merged adapter, adapter revision)
+    stacked: _Stacked | None  # the stacked adapters it used (None: one adapter's own weights, or no delta)
+    deltas: RowDeltas | None
+
+
 class LoRALinear(nn.Module):
     """nn.Linear plus any number of named low-rank adapters: y = W x + b + sum_selected (alpha/r) * B(A(dropout(x)))."""
 
@@ -123,8 +132,7 @@ class LoRALinear(nn.Module):
         self.routing = Routing()
         self._stacked: _Stacked | None = None  # see _stack
         self._revision = 0  # bumped when an adapter is added or removed
-        # row_deltas' last answer: (routing, (merged, revision), the _Stacked it used or None, the deltas)
-        self._last_deltas: tuple[Routing, tuple, _Stacked | None, RowDeltas | None] | None = None
+        self._kept: _KeptDeltas | None = None  # see row_deltas
         self.train(base.training)  # a wrapper made after model.eval() must not switch dropout on
 
     def add(self, name: str, config: LoRAConfig, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -205,12 +213,13 @@ class LoRALinear(nn.Module):
         if routing.groups is not None and rows != routing.rows:
             raise AdapterError(f"per-row adapters were set for {routing.rows} rows but the input has {rows}")
         state = (self.merged, self._revision)
-        last = self._last_deltas
-        kept = last is not None and last[0] is routing and last[1] == state
-        if kept and (last[2] is None or last[2] is self._stacked):  # stackable()'s _stack() rebuilt it if changed
-            return last[3]
+        kept = self._kept
+        if kept is not None and kept.routing is routing and kept.state == state and (
+            kept.stacked is None or kept.stacked is self._stacked  # stackable()'s _stack() rebuilt it if changed
+        ):
+            return kept.deltas
         stacked, deltas = self._current_deltas()
-        self._last_deltas = (routing, state, stacked, deltas)
+        self._kept = _KeptDeltas(routing, state, stacked, deltas)
         return deltas
 
     def _current_deltas(self) -> tuple[_Stacked | None, RowDeltas | None]:

@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "kernels.h"
 #include "simd_math.h"
 
 #include <algorithm>

@@ -12,19 +12,7 @@
 
 #include <vector>
 
-torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale,
-                          const torch::Tensor& w_sum, const c10::optional<torch::Tensor>& bias);
-torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                               const c10::optional<torch::Tensor>& mask);
-torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias);
-torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
-                            const c10::optional<torch::Tensor>& bias);
-torch::Tensor rows_layer_norm(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias, double eps);
-torch::Tensor rows_activate_(torch::Tensor h, int64_t activation);
-torch::Tensor rows_add_(torch::Tensor y, const torch::Tensor& x);
-void rows_cache_write(const torch::Tensor& cache, int64_t position, const torch::Tensor& src);
-void lora_delta_add_(const torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& b,
-                     const torch::Tensor& scales);
+#include "kernels.h"
 
 namespace {
 

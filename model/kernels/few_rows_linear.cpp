@@ -11,13 +11,13 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "kernels.h"
+
 #include <algorithm>
 #include <cstring>
 #include <vector>
 
 #define AVX512 __attribute__((target("avx512f")))
-
-bool has_avx512();
 
 namespace {
 

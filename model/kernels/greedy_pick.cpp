@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "kernels.h"
 #include "simd_math.h"
 
 #include <algorithm>
@@ -16,8 +17,6 @@
 #include <vector>
 
 #define AVX512 __attribute__((target("avx512f")))
-
-bool has_avx512();
 
 namespace {
 

@@ -13,6 +13,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "kernels.h"
+
 #include <algorithm>
 #include <cmath>
 

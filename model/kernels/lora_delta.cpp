@@ -10,13 +10,12 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "kernels.h"
 #include "simd_math.h"
 
 #include <vector>
 
 #define AVX512 __attribute__((target("avx512f")))
-
-bool has_avx512();
 
 namespace {
 

@@ -14,13 +14,12 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "kernels.h"
 #include "simd_math.h"
 
 #include <algorithm>
 
 #define AVX512 __attribute__((target("avx512f")))
-
-bool has_avx512();
 
 namespace {
 
