@@ -68,7 +68,13 @@ class Tokenizer:
         _check_special_tokens(backend)
         backend.encode_special_tokens = True  # literal "[MASK]" in text stays plain text
         self._backend = backend
-        self._added_ids = frozenset(backend.get_added_tokens_decoder())
+        added = backend.get_added_tokens_decoder()
+        self._added_ids = frozenset(added)
+        # Byte-level pieces are one character per byte; added tokens are stored as raw text.
+        self._max_token_bytes = max(
+            [len(piece) for piece in backend.get_vocab(with_added_tokens=False)]
+            + [len(token.content.encode("utf-8")) for token in added.values()]
+        )
 
     @classmethod
     def train(
@@ -158,6 +164,12 @@ class Tokenizer:
     def backend(self) -> tokenizers.Tokenizer:
         """The wrapped `tokenizers.Tokenizer` (for export to Hugging Face)."""
         return self._backend
+
+    @property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes of text one token covers. Byte-level BPE without a normalizer is lossless, so a
+        text of n bytes needs at least n / max_token_bytes tokens: a length bound known before encoding."""
+        return self._max_token_bytes
 
     @property
     def vocab_size(self) -> int:

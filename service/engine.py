@@ -1,8 +1,11 @@
 """The serving engine: one ``ModelWorker`` per checkpoint, gathered by ``Engine``. Torch only, no HTTP.
 
-A ModelWorker validates and encodes requests on the event loop (raising InvalidRequest / NotFound /
-QueueFull at once), hands them to its scheduler's worker thread (service/scheduler.py) and awaits
-the result. Text encoding, the one place the service decides how text becomes model input:
+A ModelWorker validates requests on the event loop, encodes their text on its tokenizer pool (raising
+InvalidRequest / NotFound / QueueFull before anything is queued), hands them to its scheduler's worker thread
+(service/scheduler.py), which also decodes, and awaits the result. An input is first held to the bytes its
+token limit allows (``Tokenizer.max_token_bytes``), so no text costs more to encode than one that fits, and
+encoding never runs on the event loop. Text encoding, the one place the service decides how text becomes
+model input:
 
 - causal_lm prompt: ``<s>`` + text (so an empty prompt is valid); stop strings end the text;
 - seq2seq source: text + ``</s>``; the decoder starts from ``<s>``;
@@ -14,9 +17,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -26,6 +30,7 @@ from model.decoding import GenerationConfig
 from model.generation import generate_seq2seq
 from model.layout import use_input_major_weights
 from model.quantize import mode_for, quantize
+from model.tokenizer import Tokenizer
 from service.adapters import AdapterRegistry, check_name
 from service.errors import InvalidRequest, NotFound, NotReady, ServiceError
 from service.jobs import DEADLINE_GRACE_S, CallJob, GenerationJob, Job, PoolingJob, StreamText
@@ -47,6 +52,8 @@ logger = logging.getLogger(__name__)
 
 STRATEGIES = ("greedy", "beam", "sample")
 GENERATIVE = ("causal_lm", "seq2seq")
+TOKENIZER_THREADS = 2  # per model: encoding is bounded per input, so two threads keep requests from queueing
+T = TypeVar("T")
 
 
 class ModelWorker:
@@ -66,6 +73,7 @@ class ModelWorker:
         model_limit = {"causal_lm": c.max_len - 1, "seq2seq": getattr(c, "max_src_len", 0), "classifier": c.max_len}
         self.max_input_tokens = min(model_limit[self.family], settings.max_input_tokens or model_limit[self.family])
         self.max_new_tokens = min(settings.max_new_tokens, c.max_len - 1) if self.family in GENERATIVE else 0
+        self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix=f"tokenize-{name}")
         self.scheduler: Scheduler
         if self.family in GENERATIVE:
             self.scheduler = GenerationScheduler(name, self.model, self.family, checkpoint.tokenizer, settings,
@@ -112,11 +120,11 @@ class ModelWorker:
     # ---- requests ---------------------------------------------------------------------------------
 
     async def generate(self, inputs: list[str], params: GenerateParams, request_id: str) -> list[GenerateOutput]:
-        job = self._generation_job(inputs, params, request_id, stream=False)
+        job = await self._generation_job(inputs, params, request_id, stream=False)
         self._submit(job)
         return await job.wait()
 
-    def stream(self, text: str, params: GenerateParams, request_id: str) -> AsyncIterator[StreamEvent]:
+    async def stream(self, text: str, params: GenerateParams, request_id: str) -> AsyncIterator[StreamEvent]:
         """Events as tokens come (validation errors raise here, before any event).
 
         Greedy and sample (num_return_sequences 1) stream token by token; beam search streams its
@@ -125,7 +133,7 @@ class ModelWorker:
         if params.strategy != "beam" and params.num_return_sequences != 1:
             raise InvalidRequest(f"num_return_sequences: streaming returns one sequence, got "
                                  f"{params.num_return_sequences}")
-        job = self._generation_job([text], params, request_id, stream=True)
+        job = await self._generation_job([text], params, request_id, stream=True)
         self._submit(job)
         return self._events(job)
 
@@ -155,7 +163,8 @@ class ModelWorker:
         self._check_count(inputs)
         if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
             raise InvalidRequest(f"top_k: must be an integer >= 1, got {top_k!r}")
-        encoded = []
+        tok = self.checkpoint.tokenizer
+        pairs = []
         for i, item in enumerate(inputs):
             if isinstance(item, str):
                 pair = (item, None)
@@ -163,7 +172,11 @@ class ModelWorker:
                 pair = (item[0], item[1])
             else:
                 raise InvalidRequest(f"inputs[{i}]: expected a string or a pair of strings")
-            encoded.append(self._check_length(i, self.checkpoint.tokenizer.encode_pair(*pair)))
+            for text in filter(None, pair):
+                self._check_size(f"inputs[{i}]", text, tok, self.max_input_tokens)
+            pairs.append(pair)
+        encoded = await self._tokenize(lambda: [self._check_length(i, tok.encode_pair(*pair))
+                                                for i, pair in enumerate(pairs)])
         job = PoolingJob(request_id, self.settings.request_timeout_s, "classify", encoded,
                          adapter=self._acquire(adapter), top_k=top_k)
         self._submit(job)
@@ -174,8 +187,10 @@ class ModelWorker:
         self._check_count(inputs)
         if pooling not in POOLINGS:
             raise InvalidRequest(f"pooling: must be one of {list(POOLINGS)}, got {pooling!r}")
-        encoded = [self._check_length(i, self.checkpoint.tokenizer.encode_pair(self._text(i, t)))
-                   for i, t in enumerate(inputs)]
+        tok = self.checkpoint.tokenizer
+        texts = [self._check_size(f"inputs[{i}]", self._text(i, t), tok, self.max_input_tokens)
+                 for i, t in enumerate(inputs)]
+        encoded = await self._tokenize(lambda: [self._check_length(i, tok.encode_pair(t)) for i, t in enumerate(texts)])
         job = PoolingJob(request_id, self.settings.request_timeout_s, "embed", encoded, pooling=pooling)
         self._submit(job)
         return await job.wait()
@@ -187,11 +202,14 @@ class ModelWorker:
         "encoder_self", "decoder_self", "cross" with decoder queries ``<s>`` + target; causal_lm
         "self" over prompt + target (source_tokens = prompt tokens incl. ``<s>``, target_tokens = target's).
         """
-        text = self._text(0, text)
-        if target is not None and not isinstance(target, str):
-            raise InvalidRequest("target: expected a string")
-        fn = {"classifier": self._classifier_attention, "seq2seq": self._seq2seq_attention,
-              "causal_lm": self._causal_attention}[self.family](text, target)
+        text = self._check_size("inputs[0]", self._text(0, text), self._prompt_tokenizer, self.max_input_tokens)
+        if target is not None:
+            if not isinstance(target, str):
+                raise InvalidRequest("target: expected a string")
+            self._check_size("target", target, self.checkpoint.tokenizer, self.config.max_len)
+        prepare = {"classifier": self._classifier_attention, "seq2seq": self._seq2seq_attention,
+                   "causal_lm": self._causal_attention}[self.family]
+        fn = await self._tokenize(lambda: prepare(text, target))
         job = CallJob(request_id, self.settings.request_timeout_s, fn, "attention")
         self._submit(job)
         return await job.wait()
@@ -215,6 +233,18 @@ class ModelWorker:
 
     async def _on_worker(self, fn: Any) -> Any:
         return await asyncio.wrap_future(self.scheduler.call(fn))
+
+    async def _tokenize(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` (encoding) on the tokenizer pool: no input stalls the event loop while it is encoded."""
+        try:
+            encoding = asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn)
+        except RuntimeError:  # the pool is shut down: the engine has stopped
+            raise NotReady(f"model {self.name!r} is not accepting requests (shut down)") from None
+        return await encoding
+
+    def close(self) -> None:
+        """Stop the tokenizer pool (after the scheduler has stopped)."""
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     def _submit(self, job: Job) -> None:
         try:
@@ -249,16 +279,33 @@ class ModelWorker:
             raise InvalidRequest(f"inputs[{i}]: expected a string, got {type(text).__name__}")
         return text
 
+    @staticmethod
+    def _check_size(field: str, text: str, tokenizer: Tokenizer, max_tokens: int) -> str:
+        """``text`` if its bytes could fit ``max_tokens`` tokens (checked before it is encoded)."""
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > max_tokens * tokenizer.max_token_bytes:
+            raise InvalidRequest(f"{field}: {size} bytes cannot fit in {max_tokens} tokens (max_input_tokens; one "
+                                 f"token of this model covers at most {tokenizer.max_token_bytes} bytes)")
+        return text
+
     def _check_length(self, i: int, encoded: Any) -> Any:
         ids = encoded[0] if isinstance(encoded, tuple) else encoded
         if len(ids) > self.max_input_tokens:
             raise InvalidRequest(f"inputs[{i}]: {len(ids)} tokens exceeds max_input_tokens={self.max_input_tokens}")
         return encoded
 
-    def _encode_prompt(self, text: str) -> list[int]:
+    @property
+    def _prompt_tokenizer(self) -> Tokenizer:
+        return self.checkpoint.src_tokenizer if self.family == "seq2seq" else self.checkpoint.tokenizer
+
+    def _encode_prompts(self, texts: list[str]) -> list[list[int]]:
         if self.family == "causal_lm":
-            return self.checkpoint.tokenizer.encode(text, add_bos=True)
-        return self.checkpoint.src_tokenizer.encode(text, add_eos=True)
+            return self.checkpoint.tokenizer.encode_batch(texts, add_bos=True)
+        return self.checkpoint.src_tokenizer.encode_batch(texts, add_eos=True)
+
+    async def prompt_tokens(self, texts: list[str]) -> int:
+        """Input tokens of ``texts`` as generate counts them (prompts already accepted by it)."""
+        return sum(map(len, await self._tokenize(lambda: self._encode_prompts(texts))))
 
     def _generation_config(self, params: GenerateParams) -> GenerationConfig:
         s = self.settings
@@ -287,14 +334,16 @@ class ModelWorker:
         except (ValueError, TypeError) as exc:
             raise InvalidRequest(str(exc)) from None
 
-    def _generation_job(self, inputs: list[str], params: GenerateParams, request_id: str,
-                        stream: bool) -> GenerationJob:
+    async def _generation_job(self, inputs: list[str], params: GenerateParams, request_id: str,
+                              stream: bool) -> GenerationJob:
         self._require("generate", GENERATIVE)
         self._check_count(inputs)
         config = self._generation_config(params)
+        texts = [self._check_size(f"inputs[{i}]", self._text(i, t), self._prompt_tokenizer, self.max_input_tokens)
+                 for i, t in enumerate(inputs)]
         prompts = []
-        for i, text in enumerate(inputs):
-            ids = self._check_length(i, self._encode_prompt(self._text(i, text)))
+        for i, ids in enumerate(await self._tokenize(lambda: self._encode_prompts(texts))):
+            self._check_length(i, ids)
             if self.family == "causal_lm" and len(ids) + config.max_new_tokens > self.config.max_len:
                 raise InvalidRequest(f"inputs[{i}]: {len(ids)} tokens + max_new_tokens={config.max_new_tokens} "
                                      f"exceeds the model's max_len={self.config.max_len}")
@@ -319,7 +368,7 @@ class ModelWorker:
         return run
 
     def _seq2seq_attention(self, text: str, target: str | None):
-        src = self._check_length(0, self._encode_prompt(text))
+        src = self._check_length(0, self._encode_prompts([text])[0])
         tgt = self.checkpoint.tokenizer.encode(target) if target is not None else None
         if tgt is not None and len(tgt) + 1 > self.config.max_len:
             raise InvalidRequest(f"target: {len(tgt)} tokens exceeds the model's max_len={self.config.max_len} - 1")
@@ -343,7 +392,7 @@ class ModelWorker:
 
     def _causal_attention(self, text: str, target: str | None):
         tok = self.checkpoint.tokenizer
-        prompt = self._check_length(0, self._encode_prompt(text))
+        prompt = self._check_length(0, self._encode_prompts([text])[0])
         tgt = tok.encode(target) if target is not None else []
         if len(prompt) + len(tgt) > self.config.max_len:
             raise InvalidRequest(f"target: prompt + target ({len(prompt) + len(tgt)} tokens) exceeds the model's "
@@ -428,6 +477,8 @@ class Engine:
             await asyncio.sleep(0.01)
         reason = NotReady("the engine stopped before this request finished (drain timeout)")
         await asyncio.gather(*(asyncio.to_thread(w.scheduler.stop, reason, 10.0) for w in workers))
+        for worker in workers:
+            worker.close()
 
 
 __all__ = ["Engine", "ModelWorker"]

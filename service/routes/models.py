@@ -93,7 +93,7 @@ async def generate(
     if req.stream:
         if len(req.inputs) != 1:
             raise invalid("inputs", f"streaming takes exactly one input, got {len(req.inputs)}")
-        return await sse_response(worker.stream(req.inputs[0], params, rid), stream_event, rid)
+        return await sse_response(await worker.stream(req.inputs[0], params, rid), stream_event, rid)
     outputs = await worker.generate(req.inputs, params, rid)
     return GenerateResponse(outputs=[generate_output(o, req.num_return_sequences > 1) for o in outputs])
 

@@ -78,12 +78,6 @@ def openai_names(exc: InvalidRequest) -> InvalidRequest:
     return invalid(renamed, str(exc).removeprefix(field).lstrip(": "))
 
 
-def prompt_tokens(worker: ModelWorker, prompts: list[str]) -> int:
-    """Input tokens as the engine counts them for a causal_lm: <s> + text."""
-    tokenizer = worker.checkpoint.tokenizer
-    return sum(len(tokenizer.encode(p, add_bos=True)) for p in prompts)
-
-
 def finish_reason(reason: str | None) -> str | None:
     """Ours (eos, stop, length) to OpenAI's (stop, length)."""
     if reason is None:
@@ -147,7 +141,7 @@ async def completions(
             reason = finish_reason(seq.finish_reason)
             choices.append(CompletionChoice(text=seq.text, index=i * req.n + j, finish_reason=reason))
             completion_tokens += len(seq.tokens)
-    prompt = prompt_tokens(worker, prompts)
+    prompt = await worker.prompt_tokens(prompts)
     usage = Usage(prompt_tokens=prompt, completion_tokens=completion_tokens, total_tokens=prompt + completion_tokens)
     return CompletionResponse(**head, choices=choices, usage=usage)
 
@@ -165,16 +159,17 @@ async def _stream(
     Stream k samples with seed + k, so with n = 1 each prompt draws what it draws unstreamed (seed + i);
     with n > 1 the samples differ from the unstreamed ones (equally valid draws).
     """
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
     streams: list[AsyncIterator[StreamEvent]] = []
     try:
         for k, prompt in enumerate(p for p in prompts for _ in range(req.n)):
             seed = None if params.seed is None else params.seed + k
-            streams.append(worker.stream(prompt, dataclasses.replace(params, seed=seed), rid))
+            streams.append(await worker.stream(prompt, dataclasses.replace(params, seed=seed), rid))
+        prompt_count = await worker.prompt_tokens(prompts) if include_usage else 0  # once each, as unstreamed
     except BaseException:
         _discard(streams)
         raise
     generated = [0] * len(streams)
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
     def chunk(item: tuple[int, StreamEvent]) -> dict[str, Any]:
         index, e = item
@@ -185,8 +180,9 @@ async def _stream(
     def usage_chunk() -> list[dict[str, Any]]:
         if not include_usage:
             return []
-        prompt, completion = prompt_tokens(worker, prompts), sum(generated)  # prompts count once, as unstreamed
-        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        completion = sum(generated)
+        usage = {"prompt_tokens": prompt_count, "completion_tokens": completion,
+                 "total_tokens": prompt_count + completion}
         return [{**head, "choices": [], "usage": usage}]
 
     return await sse_response(merge(streams), chunk, rid, after=usage_chunk)

@@ -79,6 +79,15 @@ def test_encode_batch_matches_encode(tok: Tokenizer) -> None:
     assert tok.decode_batch(tok.encode_batch(TRICKY)) == TRICKY
 
 
+def test_max_token_bytes_bounds_the_tokens_a_text_needs(tok: Tokenizer) -> None:
+    """The longest piece sets how many bytes a token covers: the service refuses texts by size before encoding
+    them, which is exact only if no text of n bytes encodes in fewer than n / max_token_bytes tokens."""
+    texts = [tok.decode([i], skip_special_tokens=False) for i in range(tok.vocab_size)]
+    assert max(len(t.encode()) for t in texts if "\ufffd" not in t) == tok.max_token_bytes  # whole characters
+    for text in TRICKY + CORPUS + [p * 40 for p in PLACEHOLDER_PATTERN.findall(" ".join(CORPUS))]:
+        assert len(text.encode()) <= len(tok.encode(text)) * tok.max_token_bytes
+
+
 def test_decode_drops_out_of_vocab_ids(tok: Tokenizer) -> None:
     ids = tok.encode("the cat")
     assert tok.decode([*ids, tok.vocab_size + 5, -1]) == "the cat"

@@ -81,7 +81,7 @@ def test_validation_names_field_and_limit(models_dir, adapters_dir):
                 with pytest.raises(InvalidRequest, match=message):
                     await call()
             with pytest.raises(InvalidRequest, match="num_return_sequences: streaming"):
-                lm.stream("a", p(strategy="sample", num_return_sequences=2), "r")
+                await lm.stream("a", p(strategy="sample", num_return_sequences=2), "r")
             with pytest.raises(NotFound, match="adapter 'nope' not found for model 'tiny-cls'"):
                 await cls.classify(["a"], "nope", None, "r")
             with pytest.raises(NotFound, match="model 'nope' not found"):

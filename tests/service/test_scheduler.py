@@ -123,8 +123,9 @@ def test_stream_events_add_up_to_generate(models_dir):
     async def main():
         async with running_engine(models_dir, None) as engine:
             worker = engine.get(LM)
-            events = [e async for e in worker.stream("hello world", params, "st")]
-            beam = [e async for e in worker.stream("gold", GenerateParams(strategy="beam", max_new_tokens=6), "sb")]
+            events = [e async for e in await worker.stream("hello world", params, "st")]
+            beam_params = GenerateParams(strategy="beam", max_new_tokens=6)
+            beam = [e async for e in await worker.stream("gold", beam_params, "sb")]
             full = await worker.generate(["hello world"], params, "gen")
             return events, beam, full[0]
 
@@ -183,7 +184,7 @@ def test_cancelled_requests_free_their_rows(models_dir):
             await wait_until(lambda: worker.scheduler.num_rows == 1)
             task.cancel()
             await wait_until(lambda: worker.scheduler.num_rows == 0)
-            stream = worker.stream("hello", long, "gone-stream")
+            stream = await worker.stream("hello", long, "gone-stream")
             await anext(stream)
             await stream.aclose()  # the client disconnected
             await wait_until(lambda: worker.scheduler.num_rows == 0)
