@@ -32,6 +32,7 @@ from model.layout import use_input_major_weights
 from model.quantize import mode_for, quantize
 from model.tokenizer import Tokenizer
 from service.adapters import AdapterRegistry, check_name
+from service.attention import ALL_MAPS, MapSelection
 from service.errors import InvalidRequest, NotFound, NotReady, ServiceError
 from service.jobs import DEADLINE_GRACE_S, CallJob, GenerationJob, Job, PoolingJob, StreamText
 from service.metrics import Metrics
@@ -195,8 +196,10 @@ class ModelWorker:
         self._submit(job)
         return await job.wait()
 
-    async def attention(self, text: str, target: str | None, request_id: str) -> AttentionOutput:
-        """Attention maps of one input (seq2seq without ``target``: of its greedy translation).
+    async def attention(self, text: str, target: str | None, request_id: str,
+                        selection: MapSelection = ALL_MAPS) -> AttentionOutput:
+        """Attention maps of one input (seq2seq without ``target``: of its greedy translation), of the layers
+        and heads ``selection`` names (service.attention caps their size).
 
         Kinds: classifier "encoder_self" (target, when given, is the pair's second text); seq2seq
         "encoder_self", "decoder_self", "cross" with decoder queries ``<s>`` + target; causal_lm
@@ -207,9 +210,10 @@ class ModelWorker:
             if not isinstance(target, str):
                 raise InvalidRequest("target: expected a string")
             self._check_size("target", target, self.checkpoint.tokenizer, self.config.max_len)
+        selection.check_heads(self.config.n_heads)
         prepare = {"classifier": self._classifier_attention, "seq2seq": self._seq2seq_attention,
                    "causal_lm": self._causal_attention}[self.family]
-        fn = await self._tokenize(lambda: prepare(text, target))
+        fn = await self._tokenize(lambda: prepare(text, target, selection))
         job = CallJob(request_id, self.settings.request_timeout_s, fn, "attention")
         self._submit(job)
         return await job.wait()
@@ -355,7 +359,7 @@ class ModelWorker:
 
     # ---- attention (run on the worker thread) ----------------------------------------------------------
 
-    def _classifier_attention(self, text: str, target: str | None):
+    def _classifier_attention(self, text: str, target: str | None, selection: MapSelection):
         tok = self.checkpoint.tokenizer
         ids, segments = self._check_length(0, tok.encode_pair(text, target))
 
@@ -363,11 +367,11 @@ class ModelWorker:
             device = next(self.model.parameters()).device
             _, maps = self.model.encode(torch.tensor([ids], device=device), torch.tensor([segments], device=device),
                                         attention_weights=True)
-            return AttentionOutput(tok.token_strings(ids), None, {"encoder_self": _maps(maps, "self")})
+            return AttentionOutput(tok.token_strings(ids), None, selection.apply({"encoder_self": _maps(maps, "self")}))
 
         return run
 
-    def _seq2seq_attention(self, text: str, target: str | None):
+    def _seq2seq_attention(self, text: str, target: str | None, selection: MapSelection):
         src = self._check_length(0, self._encode_prompts([text])[0])
         tgt = self.checkpoint.tokenizer.encode(target) if target is not None else None
         if tgt is not None and len(tgt) + 1 > self.config.max_len:
@@ -384,13 +388,14 @@ class ModelWorker:
                                                         torch.tensor([tgt_in], device=device))
             return AttentionOutput(
                 self.checkpoint.src_tokenizer.token_strings(src), self.checkpoint.tokenizer.token_strings(tgt_in),
-                {"encoder_self": _maps(maps["encoder"], "self"), "decoder_self": _maps(maps["decoder"], "self"),
-                 "cross": _maps(maps["decoder"], "cross")},
+                selection.apply({"encoder_self": _maps(maps["encoder"], "self"),
+                                 "decoder_self": _maps(maps["decoder"], "self"),
+                                 "cross": _maps(maps["decoder"], "cross")}),
             )
 
         return run
 
-    def _causal_attention(self, text: str, target: str | None):
+    def _causal_attention(self, text: str, target: str | None, selection: MapSelection):
         tok = self.checkpoint.tokenizer
         prompt = self._check_length(0, self._encode_prompts([text])[0])
         tgt = tok.encode(target) if target is not None else []
@@ -402,14 +407,14 @@ class ModelWorker:
             device = next(self.model.parameters()).device
             _, maps = self.model.forward_with_attention(torch.tensor([prompt + tgt], device=device))
             return AttentionOutput(tok.token_strings(prompt), tok.token_strings(tgt) if target is not None else None,
-                                   {"self": _maps(maps, "self")})
+                                   selection.apply({"self": _maps(maps, "self")}))
 
         return run
 
 
-def _maps(layers: list[dict[str, torch.Tensor]], kind: str) -> list:
-    """[layer][head][query][key] floats from per-layer (1, H, Tq, Tk) weights."""
-    return [layer[kind][0].float().tolist() for layer in layers]
+def _maps(layers: list[dict[str, torch.Tensor]], kind: str) -> list[torch.Tensor]:
+    """Per-layer (1, H, Tq, Tk) weights of one kind."""
+    return [layer[kind] for layer in layers]
 
 
 class Engine:

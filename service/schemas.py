@@ -12,6 +12,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
+from service.attention import MAX_ATTENTION_VALUES
+
 NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$"  # model and adapter names (no '/', no '..' prefix)
 DEFAULT_NEW_TOKENS = 64  # generate's max_new_tokens when not given
 DEFAULT_MAX_TOKENS = 16  # /v1/completions' max_tokens when not given (OpenAI's default)
@@ -193,9 +195,14 @@ class EmbedResponse(BaseModel):
     dimensions: int
 
 
+Indices = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=64)]
+
+
 class AttentionRequest(RequestModel):
     input: Text = Field(description="The text (seq2seq: the source sentence).")
     target: Text | None = Field(None, description="seq2seq only: the target sentence the decoder reads.")
+    layers: Indices | None = Field(None, description="Layers to return (0-based, in this order); default all.")
+    heads: Indices | None = Field(None, description="Heads to return (0-based, in this order); default all.")
 
 
 AttentionKind = Literal["encoder_self", "decoder_self", "cross", "self"]
@@ -205,8 +212,9 @@ class AttentionResponse(BaseModel):
     source_tokens: list[str]
     target_tokens: list[str] | None = None
     maps: dict[AttentionKind, list[list[list[list[float]]]]] = Field(
-        description="kind -> [layer][head][query][key] weights; kinds: encoder_self, decoder_self, cross "
-        "(seq2seq) or self (classifier, causal_lm)."
+        description="kind -> [layer][head][query][key] weights of the selected layers and heads; kinds: "
+        "encoder_self, decoder_self, cross (seq2seq) or self (classifier, causal_lm). At most "
+        f"{MAX_ATTENTION_VALUES:,} weights in all: a larger selection is a 422."
     )
 
 

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
+from service.attention import MapSelection
 from service.auth import require_key
 from service.deps import get_engine, get_worker, request_id
 from service.engine import Engine, ModelWorker
@@ -118,5 +119,6 @@ async def embed(req: EmbedRequest, worker: Worker, rid: RequestId) -> EmbedRespo
 @router.post("/{model}/attention", name="attention", response_model=AttentionResponse, responses=errors(*_COMMON))
 async def attention(req: AttentionRequest, worker: Worker, rid: RequestId) -> AttentionResponse:
     """Tokens and attention weights per layer and head, for introspection (not batched for speed)."""
-    out = await worker.attention(req.input, req.target, rid)
+    selection = MapSelection(tuple(req.layers) if req.layers else None, tuple(req.heads) if req.heads else None)
+    out = await worker.attention(req.input, req.target, rid, selection)
     return AttentionResponse(source_tokens=out.source_tokens, target_tokens=out.target_tokens, maps=out.maps)

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from model.checkpoint import load_checkpoint
+from service.attention import MAX_ATTENTION_VALUES
 from tests.service.fixtures import CLS, LM, MT
 from tests.service.server import running_server
 
@@ -36,6 +37,12 @@ def _health_latencies(client: httpx.Client, count: int) -> list[float]:
     return latencies
 
 
+@pytest.fixture(scope="module")
+def big_body_client(models_dir):
+    with running_server(models_dir, TSERVE_MAX_BODY_BYTES=str(4 << 20)) as server, server.client() as client:
+        yield client
+
+
 @pytest.mark.parametrize(
     ("path", "body", "field"),
     [
@@ -55,12 +62,6 @@ def test_an_input_too_long_for_its_token_limit_is_refused_by_its_size(big_body_c
     assert response.status_code == 422, response.text
     error = response.json()["error"]
     assert error["field"] == field and f"{len(HUGE_TOKEN.encode())} bytes cannot fit in" in error["message"]
-
-
-@pytest.fixture(scope="module")
-def big_body_client(models_dir):
-    with running_server(models_dir, TSERVE_MAX_BODY_BYTES=str(4 << 20)) as server, server.client() as client:
-        yield client
 
 
 def test_health_stays_fast_while_one_user_sends_huge_single_token_prompts(models_dir):
@@ -99,3 +100,26 @@ def test_health_stays_fast_while_one_user_sends_huge_single_token_prompts(models
     assert statuses == [422] * CLIENTS * REQUESTS_PER_CLIENT
     assert _p99(during) < bound, (f"/health p99 {_p99(during):.3f} s during the attack, bound {bound:.3f} s "
                                   f"(idle p99 {_p99(idle):.3f} s, one encoding {one_encoding:.3f} s)")
+
+
+def test_attention_maps_are_selected_by_layer_and_head_and_capped(big_body_client):
+    """A short request cannot ask for megabytes: maps hold at most MAX_ATTENTION_VALUES weights (422 above,
+    saying how many were asked for); layers and heads select what is returned, in the order given."""
+    url = f"/v1/models/{LM}/attention"
+    text, target = "def f(x):", " x" * 30
+    full = big_body_client.post(url, json={"input": text, "target": target})
+    assert full.status_code == 200, full.text
+    maps = full.json()["maps"]["self"]
+    picked = big_body_client.post(url, json={"input": text, "target": target, "layers": [1], "heads": [3, 0]})
+    assert picked.status_code == 200 and picked.json()["maps"]["self"] == [[maps[1][3], maps[1][0]]]
+    positions = len(maps[0][0])
+    asked = {"layers": [0, 1] * 32, "heads": [0, 1, 2, 3] * 4}  # 64 x 16 maps of positions x positions
+    assert 64 * 16 * positions**2 > MAX_ATTENTION_VALUES
+    over = big_body_client.post(url, json={"input": text, "target": target, **asked})
+    assert over.status_code == 422 and over.json()["error"]["field"] == "layers"
+    assert f"hold {64 * 16 * positions**2} weights" in over.json()["error"]["message"]
+    assert f"limit of {MAX_ATTENTION_VALUES}" in over.json()["error"]["message"]
+    assert len(over.content) < 1000
+    for field, value in (("layers", [2]), ("heads", [4])):
+        bad = big_body_client.post(url, json={"input": text, field: value})
+        assert bad.status_code == 422 and bad.json()["error"]["field"] == field, bad.text
