@@ -123,8 +123,8 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, watch_send)
         finally:
-            if status == 500 and scope.get("state", {}).get("client_disconnected"):
-                status = CLIENT_CLOSED  # no response was sent: the client left first
+            if scope.get("state", {}).get("client_disconnected"):
+                status = CLIENT_CLOSED  # the client left before its response was complete (none, or a cut stream)
             try:
                 self._record(scope, status)
             except Exception:  # metrics must never fail a request

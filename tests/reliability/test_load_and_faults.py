@@ -167,8 +167,9 @@ def test_client_disconnect_stops_its_generation(models_dir, stream):
         generated = tokens() - before
         time.sleep(0.3)
         assert tokens() - before == generated < 120  # decoding stopped early and stays stopped
-        if not stream:  # no response was sent: recorded as "client closed request"
-            assert s.metric("tserve_requests_total", model=LM, endpoint="generate", status="499") == 1
+        # The response never completed (none sent, or a stream cut short): recorded as "client closed request".
+        assert wait_until(lambda: s.metric("tserve_requests_total", model=LM, endpoint="generate", status="499") == 1)
+        assert s.metric("tserve_requests_total", model=LM, endpoint="generate", status="200") == 0
         worker.scheduler.fault_hook = None
         with s.client() as c:
             assert generate(c, LM, inputs=["hello"], max_new_tokens=4)["outputs"]
