@@ -16,7 +16,9 @@ import sys
 from collections.abc import Mapping, Sequence
 
 import uvicorn
+from starlette.types import ASGIApp
 
+from service.connections import ConnectionLimits, guarded_protocol
 from service.settings import Settings, SettingsError, setting_fields
 
 # uvicorn's own deadline, a backstop after the engine's drain: at it, uvicorn cancels what is left (bare 500s).
@@ -55,6 +57,25 @@ class NoQueryStrings(logging.Filter):
             client, method, path, version, status = record.args
             record.args = (client, method, str(path).split("?", 1)[0], version, status)
         return True
+
+
+def server_config(app: ASGIApp, settings: Settings) -> uvicorn.Config:
+    """uvicorn's configuration for ``app`` under ``settings``: address, logging, shutdown deadline and the
+    connection limits (the one place both ``python -m service`` and the in-process test server build it)."""
+    limits = ConnectionLimits(
+        header_timeout_s=settings.header_timeout_s,
+        body_timeout_s=settings.body_timeout_s,
+        max_connections=settings.max_connections,
+    )
+    return uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=math.ceil(settings.drain_timeout_s + BACKSTOP_S),
+        lifespan="on",
+        http=guarded_protocol(limits),
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,14 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(settings.threads)
     from service.app import create_app
 
-    config = uvicorn.Config(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        timeout_graceful_shutdown=math.ceil(settings.drain_timeout_s + BACKSTOP_S),
-        lifespan="on",
-    )
+    config = server_config(create_app(settings), settings)
     logging.getLogger("uvicorn.access").addFilter(NoQueryStrings())  # after Config, which configures logging
     # uvicorn re-raises a caught SIGTERM/SIGINT once it has shut down, under the handlers it found: with
     # Python's defaults that kills the process (status -15 after a clean drain). Handlers that do nothing

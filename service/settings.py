@@ -108,6 +108,27 @@ class Settings:
     drain_timeout_s: float = _setting(
         30.0, "TSERVE_DRAIN_TIMEOUT_S", "on shutdown, how long in-flight requests may finish", float
     )
+    header_timeout_s: float = _setting(
+        10.0,
+        "TSERVE_HEADER_TIMEOUT_S",
+        "time a client has to send a request's line and headers, from connecting or the previous response "
+        "(408 and closed after it)",
+        float,
+    )
+    body_timeout_s: float = _setting(
+        30.0,
+        "TSERVE_BODY_TIMEOUT_S",
+        "longest pause between reads of a request body (408 and closed after it; a slow upload that keeps "
+        "sending passes)",
+        float,
+    )
+    max_connections: int = _setting(
+        512,
+        "TSERVE_MAX_CONNECTIONS",
+        "most open client connections (one more is answered 503 and closed); keep it under the open-file "
+        "limit (ulimit -n)",
+        int,
+    )
     log_level: str = _setting("info", "TSERVE_LOG_LEVEL", "logging level: " + ", ".join(LOG_LEVELS), str)
     warmup: bool = _setting(True, "TSERVE_WARMUP", "run one tiny request per model before reporting ready", _bool)
     quantize: str = _setting(
@@ -130,13 +151,18 @@ class Settings:
             "max_resident_adapters",
             "max_body_bytes",
             "max_adapter_upload_bytes",
+            "max_connections",
         )
         for name in positive:
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} ({_env(name)}) must be >= 1, got {getattr(self, name)}")
-        for name in ("max_wait_ms", "request_timeout_s", "drain_timeout_s"):
+        for name in ("max_wait_ms", "drain_timeout_s"):
             value = getattr(self, name)
-            if not math.isfinite(value) or value < 0 or (name == "request_timeout_s" and value == 0):
+            if not math.isfinite(value) or value < 0:
+                raise SettingsError(f"{name} ({_env(name)}) must be a finite number >= 0, got {value}")
+        for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value <= 0:
                 raise SettingsError(f"{name} ({_env(name)}) must be a finite number > 0, got {value}")
         for name in ("max_input_tokens", "threads"):
             if getattr(self, name) is not None and getattr(self, name) < 1:

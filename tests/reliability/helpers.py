@@ -24,6 +24,7 @@ from fastapi import FastAPI
 from safetensors.torch import load_file, save_file
 
 from model.lora_io import CONFIG_FILE, WEIGHTS_FILE
+from service.__main__ import server_config
 from service.app import create_app
 from service.engine import Engine
 from service.settings import Settings
@@ -51,11 +52,14 @@ class InProcessServer:
 @contextmanager
 def inprocess_server(models_dir: Path, adapters_dir: Path | None = None, **settings) -> Iterator[InProcessServer]:
     """``python -m service``'s app and uvicorn, in a thread of this process (CPU, no warm-up by default)."""
-    app = create_app(
-        Settings(models=models_dir, adapters=adapters_dir, **{"device": "cpu", "warmup": False, **settings})
-    )
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    service_settings = Settings(
+        models=models_dir,
+        adapters=adapters_dir,
+        **{"device": "cpu", "warmup": False, "host": "127.0.0.1", "port": port, "log_level": "warning", **settings},
+    )
+    app = create_app(service_settings)
+    server = uvicorn.Server(server_config(app, service_settings))
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

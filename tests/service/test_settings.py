@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from service.__main__ import parse_settings
+from service.__main__ import parse_settings, server_config
+from service.connections import ConnectionLimits, GuardedH11Protocol
 from service.settings import Settings, SettingsError, settings_table
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,6 +35,9 @@ ENV_VARS = [
     "TSERVE_ADMIN_KEYS",
     "TSERVE_THREADS",
     "TSERVE_DRAIN_TIMEOUT_S",
+    "TSERVE_HEADER_TIMEOUT_S",
+    "TSERVE_BODY_TIMEOUT_S",
+    "TSERVE_MAX_CONNECTIONS",
     "TSERVE_LOG_LEVEL",
 ]
 
@@ -55,6 +59,10 @@ def test_precedence_default_env_flag():
         ({"TSERVE_PORT": "70000"}, "TSERVE_PORT"),
         ({"TSERVE_MAX_QUEUE": "0"}, "TSERVE_MAX_QUEUE"),
         ({"TSERVE_REQUEST_TIMEOUT_S": "nan"}, "TSERVE_REQUEST_TIMEOUT_S"),
+        ({"TSERVE_HEADER_TIMEOUT_S": "0"}, "TSERVE_HEADER_TIMEOUT_S"),
+        ({"TSERVE_BODY_TIMEOUT_S": "inf"}, "TSERVE_BODY_TIMEOUT_S"),
+        ({"TSERVE_MAX_CONNECTIONS": "0"}, "TSERVE_MAX_CONNECTIONS"),
+        ({"TSERVE_DRAIN_TIMEOUT_S": "-1"}, "TSERVE_DRAIN_TIMEOUT_S"),
         ({"TSERVE_LOG_LEVEL": "loud"}, "TSERVE_LOG_LEVEL"),
         ({"TSERVE_WARMUP": "maybe"}, "TSERVE_WARMUP"),
         ({"TSERVE_API_KEYS": "has space"}, "printable ASCII"),
@@ -75,3 +83,12 @@ def test_table_and_help_list_every_setting():
     for var in ENV_VARS:
         assert f"`{var}`" in table and var in out, var
     assert "| `--max-body-bytes` | `TSERVE_MAX_BODY_BYTES` | `1048576` |" in table
+
+
+def test_server_config_carries_the_connection_limits():
+    env = {"TSERVE_HEADER_TIMEOUT_S": "2.5", "TSERVE_BODY_TIMEOUT_S": "7", "TSERVE_MAX_CONNECTIONS": "9"}
+    s = parse_settings([], env)
+    config = server_config(object(), s)
+    assert issubclass(config.http, GuardedH11Protocol)
+    assert config.http.limits == ConnectionLimits(header_timeout_s=2.5, body_timeout_s=7.0, max_connections=9)
+    assert (config.host, config.port, config.timeout_graceful_shutdown) == (s.host, s.port, 35)
