@@ -6,17 +6,36 @@ adapter_config.json.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
 # PEFT options that change the math when set (truthy); rejected rather than silently ignored.
 _UNSUPPORTED = ("fan_in_fan_out", "use_dora", "use_rslora", "lora_bias", "rank_pattern", "alpha_pattern",
                 "modules_to_save", "layers_to_transform")
+# Bounds on an adapter_config.json, checked before its contents are used. PEFT writes ~1 KB, nested 2 deep.
+MAX_CONFIG_BYTES = 64 * 1024
+MAX_CONFIG_DEPTH = 16  # objects/arrays within each other (a deeper file is refused before anything recurses on it)
+MAX_RANK = 65536  # far above any layer width; keeps shapes and messages small (the shape check is exact)
+QUOTE_CHARS = 64  # user-supplied names and values are quoted in errors up to this many characters
+
 
 class AdapterError(ValueError):
     """A user-facing LoRA failure; the message names the adapter, file or tensor involved."""
+
+
+def quote(value: object) -> str:
+    """``repr(value)`` cut to :data:`QUOTE_CHARS` characters (then "…"): user-supplied text in error messages."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int of more than sys.get_int_max_str_digits() digits
+        text = f"<{type(value).__name__} too large to print>"
+    return text if len(text) <= QUOTE_CHARS else text[:QUOTE_CHARS] + "…"
 
 
 def _is_int(v: Any) -> bool:
@@ -24,7 +43,12 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_real(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    if not isinstance(v, int | float) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int beyond float's range
+        return False
 
 
 @dataclass
@@ -42,7 +66,7 @@ class LoRAConfig:
     def __post_init__(self) -> None:
         targets = self.target_modules
         checks = {
-            "r": _is_int(self.r) and self.r >= 1,
+            "r": _is_int(self.r) and 1 <= self.r <= MAX_RANK,
             "lora_alpha": _is_real(self.lora_alpha) and self.lora_alpha > 0,
             "lora_dropout": _is_real(self.lora_dropout) and 0 <= self.lora_dropout < 1,
             "target_modules": isinstance(targets, list | tuple) and len(targets) > 0
@@ -54,9 +78,9 @@ class LoRAConfig:
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
-            got = ", ".join(f"{k}={getattr(self, k)!r}" for k in bad)
-            raise AdapterError(f"invalid LoRAConfig: {got} (r int >= 1, lora_alpha > 0, 0 <= lora_dropout < 1, "
-                               "non-empty target_modules of names, bias 'none')")
+            got = ", ".join(f"{k}={quote(getattr(self, k))}" for k in bad)
+            raise AdapterError(f"invalid LoRAConfig: {got} (r int in 1..{MAX_RANK}, finite lora_alpha > 0, "
+                               "0 <= lora_dropout < 1, non-empty target_modules of names, bias 'none')")
         self.target_modules = tuple(targets)
         self.lora_alpha = float(self.lora_alpha)
         self.lora_dropout = float(self.lora_dropout)
@@ -83,11 +107,44 @@ class LoRAConfig:
         if not isinstance(d, Mapping):
             raise AdapterError(f"adapter config must be a JSON object, got {type(d).__name__}")
         if d.get("peft_type", "LORA") != "LORA":
-            raise AdapterError(f"peft_type must be 'LORA', got {d.get('peft_type')!r}")
+            raise AdapterError(f"peft_type must be 'LORA', got {quote(d.get('peft_type'))}")
         unsupported = {k: d[k] for k in _UNSUPPORTED if d.get(k)}
         if unsupported:
-            raise AdapterError(f"unsupported PEFT options {unsupported}")
+            raise AdapterError(f"unsupported PEFT options {quote(unsupported)}")
         if isinstance(d.get("target_modules"), str):
             raise AdapterError(f"target_modules must be a list of module names, got the string "
-                               f"{d['target_modules']!r} (regex/'all-linear' are not supported)")
+                               f"{quote(d['target_modules'])} (regex/'all-linear' are not supported)")
         return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+
+    @classmethod
+    def from_json(cls, raw: bytes, source: str = CONFIG_FILE) -> LoRAConfig:
+        """Parse adapter_config.json's bytes within :data:`MAX_CONFIG_BYTES` and :data:`MAX_CONFIG_DEPTH`;
+        errors name ``source`` (the file)."""
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise AdapterError(f"cannot read {source}: over {MAX_CONFIG_BYTES} bytes")
+        too_deep = AdapterError(f"cannot read {source}: nested more than {MAX_CONFIG_DEPTH} levels deep")
+        try:
+            d = json.loads(raw.decode("utf-8"))
+        except RecursionError:
+            raise too_deep from None
+        except ValueError as e:  # invalid UTF-8 or JSON, or an integer of more than 4300 digits
+            reason = str(e).split(";")[0]  # not Python's advice (after ';') on raising the digit limit
+            raise AdapterError(f"cannot read {source}: not valid JSON: {reason}") from None
+        if _depth_over(d, MAX_CONFIG_DEPTH):
+            raise too_deep
+        try:
+            return cls.from_peft_dict(d)
+        except AdapterError as e:
+            raise AdapterError(f"{source}: {e}") from None
+
+
+def _depth_over(value: Any, limit: int) -> bool:
+    """Whether JSON ``value`` nests objects/arrays more than ``limit`` deep (iterative: no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth > limit:
+                return True
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return False

@@ -2,7 +2,7 @@
 
 Saving writes PEFT's keys (``base_model.model.<module path>.lora_{A,B}.weight``) atomically; loading
 reads only those two files (never pickle) and validates every tensor against the model's target
-Linears before the model is touched.
+Linears before the model is touched (:func:`check_adapter` does only that).
 """
 
 from __future__ import annotations
@@ -31,14 +31,17 @@ from model.lora import (
     layers_with,
     wrap_targets,
 )
+from model.lora_config import CONFIG_FILE, MAX_CONFIG_BYTES, WEIGHTS_FILE, quote
 
 logger = logging.getLogger(__name__)
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILE = "adapter_model.bin"
 KEY_PREFIX = "base_model.model."
 _KEY_RE = re.compile(r"base_model\.model\.(.+)\.lora_([AB])\.weight")
+# An adapter's update scaling * B @ A may reach at most this many times its layer's largest weight. Trained
+# adapters stay well under 10x (the test suite's deliberately overtrained ones: 2-3x); far beyond,
+# activations leave float range and every output is NaN (lora_alpha 1e30 or 1e300 with r 4).
+MAX_UPDATE_RATIO = 1e3
 
 
 def lora_state_dict(model: nn.Module, name: str) -> dict[str, torch.Tensor]:
@@ -77,15 +80,18 @@ def save_adapter(
     logger.info("saved LoRA adapter %r to %s", name, target)
 
 
-def _read_config(path: Path, name: str) -> LoRAConfig:
+def read_config(directory: str | os.PathLike, name: str) -> LoRAConfig:
+    """``directory``'s adapter_config.json, parsed within model.lora_config's size and depth limits."""
+    path = Path(directory) / CONFIG_FILE
     try:
-        raw = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as e:
         raise AdapterError(f"adapter {name!r}: cannot read {path}: {e}") from e
     try:
-        return LoRAConfig.from_peft_dict(raw)
+        return LoRAConfig.from_json(raw, source=str(path))
     except AdapterError as e:
-        raise AdapterError(f"adapter {name!r}: {path}: {e}") from None
+        raise AdapterError(f"adapter {name!r}: {e}") from None
 
 
 def _read_tensors(path: Path, name: str, device: str | torch.device | None) -> dict[str, torch.Tensor]:
@@ -100,14 +106,15 @@ def _validate(
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Check loaded tensors against the model's target Linears; returns module path -> (A, B)."""
     if not found:
-        raise AdapterError(f"{where}: the model has no nn.Linear named any of {list(config.target_modules)}")
+        raise AdapterError(f"{where}: the model has no nn.Linear named any of {quote(list(config.target_modules))}")
     for key in tensors:
         match = _KEY_RE.fullmatch(key)
         if match is None:
-            raise AdapterError(f"{where}: unexpected tensor {key!r}; expected {KEY_PREFIX}<module>.lora_A/B.weight")
+            raise AdapterError(f"{where}: unexpected tensor {quote(key)}; expected "
+                               f"{KEY_PREFIX}<module>.lora_A/B.weight")
         if match[1] not in found:
-            raise AdapterError(f"{where}: tensor {key!r} names module {match[1]!r}, not a target nn.Linear "
-                               f"of this model (targets: {list(config.target_modules)})")
+            raise AdapterError(f"{where}: tensor {quote(key)} names module {quote(match[1])}, not a target "
+                               f"nn.Linear of this model (targets: {quote(list(config.target_modules))})")
     weights = {}
     for path, module in found.items():
         base = module.base if isinstance(module, LoRALinear) else module
@@ -126,8 +133,40 @@ def _validate(
             if not torch.isfinite(t).all():
                 raise AdapterError(f"{where}: tensor {key!r} has non-finite values")
             pair.append(t)
+        _check_update(where, path, config, base, pair[0], pair[1])
         weights[path] = (pair[0], pair[1])
     return weights
+
+
+def _check_update(where: str, path: str, config: LoRAConfig, base: nn.Module, a: torch.Tensor, b: torch.Tensor
+                  ) -> None:
+    """Refuse an update scaling * B @ A out of all proportion to the layer's weights (lora_alpha 1e300: NaN outputs)."""
+    peak = float((b.float() @ a.float()).abs().max()) * config.scaling  # a Python float: inf, not an overflow
+    base_peak = float(base.weight.detach().float().abs().max())
+    if not peak <= MAX_UPDATE_RATIO * base_peak:  # also refuses inf and NaN
+        raise AdapterError(f"{where}: lora_alpha / r = {config.scaling:.3g} makes the update of {path!r} reach "
+                           f"{peak:.3g}, over {MAX_UPDATE_RATIO:g} times the layer's largest weight ({base_peak:.3g})")
+
+
+def _read(
+    model: nn.Module, directory: Path, name: str, device: str | torch.device | None
+) -> tuple[LoRAConfig, dict[str, nn.Module], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """Config, target modules and validated (A, B) per module path; reads the model, changes nothing."""
+    weights_path = directory / WEIGHTS_FILE
+    if not weights_path.is_file():
+        if (directory / PICKLE_FILE).exists():
+            raise AdapterError(f"adapter {name!r}: {directory} has only {PICKLE_FILE}; pickle files are not "
+                               f"loaded, convert it to {WEIGHTS_FILE}")
+        raise AdapterError(f"adapter {name!r}: {weights_path} not found")
+    config = read_config(directory, name)
+    tensors = _read_tensors(weights_path, name, device)
+    found = find_targets(model, config.target_modules)
+    return config, found, _validate(f"adapter {name!r} ({weights_path})", config, found, tensors)
+
+
+def check_adapter(model: nn.Module, directory: str | os.PathLike, name: str) -> LoRAConfig:
+    """Everything :func:`load_adapter` checks of ``directory``'s files, without changing the model."""
+    return _read(model, Path(directory), name, None)[0]
 
 
 def load_adapter(
@@ -140,17 +179,7 @@ def load_adapter(
     """
     check_new_name(model, name)
     directory = Path(directory)
-    weights_path = directory / WEIGHTS_FILE
-    if not weights_path.is_file():
-        if (directory / PICKLE_FILE).exists():
-            raise AdapterError(f"adapter {name!r}: {directory} has only {PICKLE_FILE}; pickle files are not "
-                               f"loaded, convert it to {WEIGHTS_FILE}")
-        raise AdapterError(f"adapter {name!r}: {weights_path} not found")
-    config_path = directory / CONFIG_FILE
-    config = _read_config(config_path, name)
-    tensors = _read_tensors(weights_path, name, device)
-    found = find_targets(model, config.target_modules)
-    weights = _validate(f"adapter {name!r} ({weights_path})", config, found, tensors)
+    config, found, weights = _read(model, directory, name, device)
     layers = wrap_targets(model, found)
     for path, (a, b) in weights.items():
         layers[path].add(name, config, a, b)

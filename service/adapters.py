@@ -10,17 +10,20 @@ Like vLLM's LRU adapter manager, with hot swapping:
   used *idle* one (it stays known and is reloaded from disk on its next use); when every resident
   adapter is in use, the load is refused with ``QueueFull`` (retry later) rather than evicting a busy one.
 - Adapters are only read from inside the configured adapters directory (paths resolved, symlinks
-  leading outside refused).
+  leading outside refused). What the API sees (``AdapterInfo.path``, error messages) names paths
+  relative to it.
+- At start-up (``discover``) what killed uploads left is cleared first (service.adapter_store), and a
+  directory whose files are unusable is skipped alone, logged.
 
 Threads: ``acquire``/``release``/``infos`` may run on any thread (one lock guards the bookkeeping);
-everything that touches the model (``ensure_resident``, ``load``, ``unload``, ``collect``) runs on
-the model's worker thread, between steps.
+everything that touches the model (``check``, ``ensure_resident``, ``load``, ``unload``, ``collect``)
+runs on the model's worker thread, between steps.
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import os
 import re
 import threading
 import time
@@ -30,6 +33,8 @@ from pathlib import Path
 from torch import nn
 
 from model import lora, lora_io
+from model.lora_config import quote
+from service import adapter_store
 from service.errors import InvalidRequest, NotFound, QueueFull
 from service.metrics import Metrics
 from service.types import AdapterInfo
@@ -63,19 +68,8 @@ class _Entry:
 
 def check_name(name: object) -> str:
     if not isinstance(name, str) or not NAME_RE.fullmatch(name) or name in (".", ".."):
-        raise InvalidRequest(f"adapter name {name!r} is invalid: use 1-64 of [A-Za-z0-9_.-], not '.' or '..'")
+        raise InvalidRequest(f"adapter name {quote(name)} is invalid: use 1-64 of [A-Za-z0-9_.-], not '.' or '..'")
     return name
-
-
-def read_config(directory: Path) -> lora.LoRAConfig:
-    """adapter_config.json of ``directory`` (InvalidRequest with model.lora's message when unusable)."""
-    path = directory / lora_io.CONFIG_FILE
-    try:
-        return lora.LoRAConfig.from_peft_dict(json.loads(path.read_text(encoding="utf-8")))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidRequest(f"adapter directory {directory}: cannot read {lora_io.CONFIG_FILE}: {exc}") from None
-    except (lora.AdapterError, TypeError) as exc:
-        raise InvalidRequest(f"adapter directory {directory}: {path.name}: {exc}") from None
 
 
 class AdapterRegistry:
@@ -127,27 +121,45 @@ class AdapterRegistry:
         """``directory`` resolved, if it and its files lie inside the adapters directory."""
         if self.root is None:
             raise InvalidRequest("directory: adapter loading is disabled (no adapters directory is configured)")
-        resolved = Path(directory).resolve()
-        if not resolved.is_relative_to(self.root):
-            raise InvalidRequest(f"directory {directory} is outside the adapters directory {self.root}")
-        if not resolved.is_dir():
-            raise InvalidRequest(f"directory {directory} is not a directory")
-        for name in (lora_io.CONFIG_FILE, lora_io.WEIGHTS_FILE):
-            if (resolved / name).exists() and not (resolved / name).resolve().is_relative_to(self.root):
-                raise InvalidRequest(f"{directory / name} links outside the adapters directory {self.root}")
+        shown = self._shown(directory)
+        try:
+            resolved = Path(directory).resolve()
+            if not resolved.is_relative_to(self.root):
+                raise InvalidRequest(f"adapter directory {shown} is outside the adapters directory")
+            if not resolved.is_dir():
+                raise InvalidRequest(f"adapter directory {shown} is not a directory")
+            for name in (lora_io.CONFIG_FILE, lora_io.WEIGHTS_FILE):
+                if (resolved / name).exists() and not (resolved / name).resolve().is_relative_to(self.root):
+                    raise InvalidRequest(f"{shown}/{name} links outside the adapters directory")
+        except (OSError, RuntimeError) as exc:  # a symlink loop, a permission
+            raise InvalidRequest(f"adapter directory {shown}: {exc.strerror or exc}") from None
         return resolved
+
+    def check(self, name: str, directory: Path) -> lora.LoRAConfig:
+        """Everything ``load`` checks of ``directory`` (config, tensors against the model), the model unchanged."""
+        check_name(name)
+        path = self.check_directory(directory)
+        try:
+            return lora_io.check_adapter(self.model, path, name)
+        except lora.AdapterError as exc:
+            raise InvalidRequest(self._public(str(exc))) from None
 
     def discover(self) -> list[str]:
         """Register ``<root>/<model>/<adapter>/`` directories (not loaded); returns their names, sorted."""
         base = self.root / self.model_name if self.root is not None else None
         if base is None or not base.is_dir():
             return []
+        try:
+            for done in adapter_store.recover(base):
+                logger.warning("model %r: adapters directory %s: %s", self.model_name, base, done)
+        except OSError as exc:
+            logger.error("model %r: cannot clear interrupted uploads in %s: %s", self.model_name, base, exc)
         found = []
         for directory in sorted(p for p in base.iterdir() if p.is_dir() and not p.name.startswith(".")):
             try:
                 check_name(directory.name)
                 path = self.check_directory(directory)
-                config = read_config(path)
+                config = self._config(directory.name, path)
             except InvalidRequest as exc:
                 logger.warning("model %r: skipping adapter directory %s: %s", self.model_name, directory, exc)
                 continue
@@ -172,7 +184,7 @@ class AdapterRegistry:
                 entry = self._entries.get(version.public)
                 if entry is not None and entry.current is version:
                     entry.current = None
-            raise InvalidRequest(str(exc)) from None
+            raise InvalidRequest(self._public(str(exc))) from None
         with self._lock:
             version.loaded_at = time.time()
             entry = self._entries.get(version.public)
@@ -199,7 +211,7 @@ class AdapterRegistry:
         """Load ``directory`` as ``name``; an existing version of ``name`` is retired (removed once idle)."""
         check_name(name)
         path = self.check_directory(directory)
-        config = read_config(path)
+        config = self._config(name, path)
         with self._lock:
             version = self._new_version(name, path)
             victims = self._make_room(exclude=name)
@@ -207,7 +219,7 @@ class AdapterRegistry:
         try:
             lora_io.load_adapter(self.model, path, version.internal)
         except lora.AdapterError as exc:
-            raise InvalidRequest(str(exc)) from None
+            raise InvalidRequest(self._public(str(exc))) from None
         with self._lock:
             version.loaded_at = time.time()
             entry = self._entries.get(name)
@@ -249,10 +261,26 @@ class AdapterRegistry:
 
     # ---- helpers (the caller holds the lock where noted) -----------------------------------------
 
+    def _config(self, name: str, directory: Path) -> lora.LoRAConfig:
+        try:
+            return lora_io.read_config(directory, name)
+        except lora.AdapterError as exc:
+            raise InvalidRequest(self._public(str(exc))) from None
+
+    def _shown(self, path: Path) -> str:
+        """``path`` relative to the adapters directory, or its last component when it lies outside."""
+        absolute = Path(os.path.abspath(path))
+        assert self.root is not None
+        return str(absolute.relative_to(self.root)) if absolute.is_relative_to(self.root) else absolute.name
+
+    def _public(self, message: str) -> str:
+        """``message`` with the adapters directory's paths made relative to it."""
+        return message.replace(f"{self.root}{os.sep}", "") if self.root is not None else message
+
     def _entry(self, name: str) -> _Entry:
         entry = self._entries.get(name) if isinstance(name, str) else None
         if entry is None:
-            raise NotFound(f"adapter {name!r} not found for model {self.model_name!r}; "
+            raise NotFound(f"adapter {quote(name)} not found for model {self.model_name!r}; "
                            f"available: {sorted(self._entries)}")
         return entry
 
@@ -311,7 +339,7 @@ class AdapterRegistry:
             rank=entry.config.r,
             alpha=entry.config.lora_alpha,
             target_modules=list(entry.config.target_modules),
-            path=str(entry.path),
+            path=self._shown(entry.path),
             loaded_at=current.loaded_at if resident else None,
             last_used=entry.last_used,
             in_flight=in_flight,

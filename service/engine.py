@@ -229,6 +229,10 @@ class ModelWorker:
         self.registry.check_directory(directory)
         return await self._on_worker(lambda: self.registry.load(name, Path(directory)))
 
+    async def check_adapter(self, name: str, directory: Path) -> None:
+        """Everything loading ``directory`` as ``name`` checks (InvalidRequest), without loading it."""
+        await self._on_worker(lambda: self.registry.check(name, Path(directory)))
+
     async def unload_adapter(self, name: str) -> None:
         self.registry.info(name)  # NotFound before queueing
         await self._on_worker(lambda: self.registry.unload(name))

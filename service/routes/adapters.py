@@ -1,4 +1,9 @@
-"""/v1/models/{model}/adapters: list, load (from the adapter directory or an uploaded archive), unload."""
+"""/v1/models/{model}/adapters: list, load (from the adapter directory or an uploaded archive), unload.
+
+An upload is parsed in a child process (service.archive_sandbox) into an upload directory beside its
+target, checked against the model in full, and only then swapped in atomically (service.adapter_store)
+and loaded; parsing and checking happen outside the adapter lock, so a slow upload holds up no one.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +15,15 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi import Path as PathParam
+from fastapi.routing import APIRoute
 
-from service import archive
+from service import adapter_store, archive_sandbox
+from service.archive import ArchiveError
 from service.auth import require_admin, require_key
 from service.deps import get_settings, get_worker
 from service.engine import ModelWorker
 from service.errors import Conflict, NotFound
-from service.http_errors import errors
+from service.http_errors import errors, invalid
 from service.schemas import NAME_PATTERN, AdapterInfoSchema, AdapterList
 from service.settings import Settings
 from service.types import AdapterInfo
@@ -32,6 +39,7 @@ ARCHIVE_TYPES = (
     "application/x-zip-compressed",
     "application/octet-stream",
 )
+HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH")  # RFC 9110, 5789
 _UPLOAD_BODY = {
     "required": False,
     "description": "Optional PEFT-layout archive (.tar.gz or .zip) holding adapter_config.json and "
@@ -62,17 +70,18 @@ async def load_adapter(
     request.state.adapter = name
     data = await request.body()  # bounded by the body-limit middleware (max_adapter_upload_bytes)
     model = worker.info.name
-    async with request.app.state.adapter_lock:  # one load/unload at a time: uploads swap directories
-        if not data:
-            directory = _adapter_dir(settings, model, name)
-            if directory is None or not directory.is_dir():
-                raise NotFound(f"adapter {name!r}: no directory {model}/{name}/ in the adapter directory")
-            return adapter_schema(await worker.load_adapter(name, directory))
+    if data:
         _check_content_type(request)
         target = _adapter_dir(settings, model, name)
         if target is None:
             raise Conflict("this server has no adapter directory (setting adapters) to store uploads in")
-        return adapter_schema(await _install(worker, name, data, target, settings.max_adapter_upload_bytes))
+        lock = request.app.state.adapter_lock
+        return adapter_schema(await _install(worker, lock, name, data, target, settings.max_adapter_upload_bytes))
+    async with request.app.state.adapter_lock:  # one load/unload at a time: uploads swap directories
+        directory = _adapter_dir(settings, model, name)
+        if directory is None or not directory.is_dir():
+            raise NotFound(f"adapter {name!r}: no directory {model}/{name}/ in the adapter directory")
+        return adapter_schema(await worker.load_adapter(name, directory))
 
 
 @router.delete(
@@ -105,20 +114,43 @@ def _check_content_type(request: Request) -> None:
         )
 
 
-async def _install(worker: ModelWorker, name: str, data: bytes, target: Path, limit: int) -> AdapterInfo:
-    """Extract into a temp dir beside ``target``, swap it in, load; on failure put the old files back."""
-    files = await asyncio.to_thread(archive.read_adapter_archive, data, limit)
-    tmp = await asyncio.to_thread(archive.write_temp_dir, files, target.parent)
+async def _install(
+    worker: ModelWorker, lock: asyncio.Lock, name: str, data: bytes, target: Path, limit: int
+) -> AdapterInfo:
+    """Parse into an upload directory beside ``target`` and check it; then, holding ``lock``, swap it in
+    and load it (on failure the previous files go back)."""
+    upload = await asyncio.to_thread(adapter_store.new_upload_dir, target.parent)
     try:
-        old = await asyncio.to_thread(archive.swap_in, tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    try:
-        info = await worker.load_adapter(name, target)
-    except BaseException:
-        await asyncio.to_thread(archive.restore, target, old)
-        raise
-    if old is not None:
-        await asyncio.to_thread(shutil.rmtree, old, True)
-    return info
+        try:
+            await archive_sandbox.extract(data, limit, upload)
+        except ArchiveError as exc:
+            raise invalid("body", f"adapter archive rejected: {exc}") from None
+        await worker.check_adapter(name, upload)
+        async with lock:  # one load/unload at a time: uploads swap directories
+            old = await asyncio.to_thread(adapter_store.swap_in, upload, target)
+            try:
+                info = await worker.load_adapter(name, target)
+            except BaseException:
+                await asyncio.to_thread(adapter_store.restore, target, old)
+                raise
+        if old is not None:
+            await asyncio.to_thread(shutil.rmtree, old, True)
+        return info
+    finally:
+        await asyncio.to_thread(shutil.rmtree, upload, True)  # what a refused upload left (gone once swapped in)
+
+
+def _answer_other_methods(path: str) -> None:
+    """A 405 listing every method of ``path``'s routes for the other methods (Starlette names only the first
+    route's, e.g. ``Allow: PUT`` where DELETE is allowed too). Added after those routes."""
+    allowed = sorted({m for r in router.routes if isinstance(r, APIRoute) and r.path == router.prefix + path
+                      for m in r.methods})
+
+    async def method_not_allowed() -> None:
+        raise HTTPException(405, headers={"Allow": ", ".join(allowed)})
+
+    others = [m for m in HTTP_METHODS if m not in allowed]
+    router.add_api_route(path, method_not_allowed, methods=others, include_in_schema=False)
+
+
+_answer_other_methods("/{name}")

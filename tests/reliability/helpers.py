@@ -107,3 +107,13 @@ def wait_until(condition, timeout_s: float = 10.0, interval_s: float = 0.02) -> 
             return True
         time.sleep(interval_s)
     return condition()
+
+
+def health_latencies(client: httpx.Client, count: int) -> list[float]:
+    """Seconds each of ``count`` sequential GET /health calls took (each must answer 200)."""
+    latencies = []
+    for _ in range(count):
+        start = time.perf_counter()
+        assert client.get("/health").status_code == 200
+        latencies.append(time.perf_counter() - start)
+    return latencies

@@ -9,11 +9,11 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 
-import httpx
 import pytest
 
 from model.checkpoint import load_checkpoint
 from service.attention import MAX_ATTENTION_VALUES
+from tests.reliability.helpers import health_latencies
 from tests.service.fixtures import CLS, LM, MT
 from tests.service.server import running_server
 
@@ -26,15 +26,6 @@ REQUESTS_PER_CLIENT = 4
 def _p99(samples: list[float]) -> float:
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-
-
-def _health_latencies(client: httpx.Client, count: int) -> list[float]:
-    latencies = []
-    for _ in range(count):
-        start = time.perf_counter()
-        assert client.get("/health").status_code == 200
-        latencies.append(time.perf_counter() - start)
-    return latencies
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +68,7 @@ def test_health_stays_fast_while_one_user_sends_huge_single_token_prompts(models
     one_encoding = time.perf_counter() - start
     body = {"inputs": [HUGE_TOKEN], "max_new_tokens": 1}
     with running_server(models_dir, TSERVE_MAX_BODY_BYTES=str(2 << 20)) as server, server.client() as probe:
-        idle = _health_latencies(probe, 40)
+        idle = health_latencies(probe, 40)
         done = threading.Event()
         statuses = []
 
@@ -91,7 +82,7 @@ def test_health_stays_fast_while_one_user_sends_huge_single_token_prompts(models
             threading.Thread(target=lambda: (wait(attackers), done.set()), daemon=True).start()
             during = []
             while not done.is_set() or len(during) < 20:
-                during += _health_latencies(probe, 1)
+                during += health_latencies(probe, 1)
             for f in attackers:
                 f.result()
     bound = _p99(idle) + one_encoding / 4

@@ -13,8 +13,7 @@ import httpx
 import pytest
 
 from service.app import create_app
-from service.archive import read_adapter_archive
-from service.errors import InvalidRequest
+from service.archive import ArchiveError, read_adapter_archive
 from service.settings import Settings
 from tests.service.conftest import ADAPTERS, CLS, LM, MT
 from tests.service.server import running_server
@@ -239,7 +238,7 @@ def test_archive_rules(data, says):
     if says is None:
         assert set(read_adapter_archive(data, limit=4096)) == {"adapter_config.json", "adapter_model.safetensors"}
         return
-    with pytest.raises(InvalidRequest, match=says):
+    with pytest.raises(ArchiveError, match=says):
         read_adapter_archive(data, limit=4096)
 
 
