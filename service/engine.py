@@ -209,7 +209,7 @@ class ModelWorker:
         if target is not None:
             if not isinstance(target, str):
                 raise InvalidRequest("target: expected a string")
-            self._check_size("target", target, self.checkpoint.tokenizer, self.config.max_len)
+            self._check_size("target", target, self.checkpoint.tokenizer, self.config.max_len, "the model's max_len")
         selection.check_heads(self.config.n_heads)
         prepare = {"classifier": self._classifier_attention, "seq2seq": self._seq2seq_attention,
                    "causal_lm": self._causal_attention}[self.family]
@@ -288,12 +288,14 @@ class ModelWorker:
         return text
 
     @staticmethod
-    def _check_size(field: str, text: str, tokenizer: Tokenizer, max_tokens: int) -> str:
-        """``text`` if its bytes could fit ``max_tokens`` tokens (checked before it is encoded)."""
+    def _check_size(field: str, text: str, tokenizer: Tokenizer, max_tokens: int,
+                    limit: str = "max_input_tokens") -> str:
+        """``text`` if its bytes could fit ``max_tokens`` tokens (the setting or field ``limit``), checked before
+        it is encoded."""
         size = len(text.encode("utf-8", "surrogatepass"))
         if size > max_tokens * tokenizer.max_token_bytes:
-            raise InvalidRequest(f"{field}: {size} bytes cannot fit in {max_tokens} tokens (max_input_tokens; one "
-                                 f"token of this model covers at most {tokenizer.max_token_bytes} bytes)")
+            raise InvalidRequest(f"{field}: {size} bytes cannot fit in {max_tokens} tokens ({limit}; one token "
+                                 f"of this model covers at most {tokenizer.max_token_bytes} bytes)")
         return text
 
     def _check_length(self, i: int, encoded: Any) -> Any:
