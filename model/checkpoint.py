@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,12 @@ MODELS: dict[str, type[nn.Module]] = {
 logger = logging.getLogger(__name__)
 
 
+# How each generative family's input text becomes token ids, as (add_bos, add_eos): causal_lm prompts are
+# ``<s> text`` and seq2seq sources ``text </s>``, as training builds them. The service encodes with it and the
+# Hugging Face export writes it as the tokenizer's template, so ``tokenizer(text)`` there feeds the same ids.
+PROMPT_SPECIALS = {"causal_lm": (True, False), "seq2seq": (False, True)}
+
+
 class CheckpointError(ValueError):
     """A checkpoint file is missing, unreadable or does not match its config."""
 
@@ -68,6 +75,16 @@ class Checkpoint:
     @property
     def src_tokenizer(self) -> Tokenizer:
         return self.source_tokenizer or self.tokenizer
+
+    @property
+    def prompt_tokenizer(self) -> Tokenizer:
+        """The tokenizer of the model's input text: the source side of a seq2seq, else the only one."""
+        return self.src_tokenizer if self.family == "seq2seq" else self.tokenizer
+
+    def encode_prompts(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of a generative model's input texts, wrapped as PROMPT_SPECIALS says."""
+        add_bos, add_eos = PROMPT_SPECIALS[self.family]
+        return self.prompt_tokenizer.encode_batch(texts, add_bos=add_bos, add_eos=add_eos)
 
 
 def build_model(config: TransformerConfig) -> nn.Module:

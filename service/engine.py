@@ -4,8 +4,8 @@ A ModelWorker validates requests on the event loop, encodes their text on its to
 InvalidRequest / NotFound / QueueFull before anything is queued), hands them to its scheduler's worker thread
 (service/scheduler.py), which also decodes, and awaits the result. An input is first held to the bytes its
 token limit allows (``Tokenizer.max_token_bytes``), so no text costs more to encode than one that fits, and
-encoding never runs on the event loop. Text encoding, the one place the service decides how text becomes
-model input:
+encoding never runs on the event loop. Text encoding (generative families: ``Checkpoint.encode_prompts``,
+shared with the Hugging Face export):
 
 - causal_lm prompt: ``<s>`` + text (so an empty prompt is valid); stop strings end the text;
 - seq2seq source: text + ``</s>``; the decoder starts from ``<s>``;
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -205,7 +206,8 @@ class ModelWorker:
         "encoder_self", "decoder_self", "cross" with decoder queries ``<s>`` + target; causal_lm
         "self" over prompt + target (source_tokens = prompt tokens incl. ``<s>``, target_tokens = target's).
         """
-        text = self._check_size("inputs[0]", self._text(0, text), self._prompt_tokenizer, self.max_input_tokens)
+        tokenizer = self.checkpoint.prompt_tokenizer
+        text = self._check_size("inputs[0]", self._text(0, text), tokenizer, self.max_input_tokens)
         if target is not None:
             if not isinstance(target, str):
                 raise InvalidRequest("target: expected a string")
@@ -304,18 +306,9 @@ class ModelWorker:
             raise InvalidRequest(f"inputs[{i}]: {len(ids)} tokens exceeds max_input_tokens={self.max_input_tokens}")
         return encoded
 
-    @property
-    def _prompt_tokenizer(self) -> Tokenizer:
-        return self.checkpoint.src_tokenizer if self.family == "seq2seq" else self.checkpoint.tokenizer
-
-    def _encode_prompts(self, texts: list[str]) -> list[list[int]]:
-        if self.family == "causal_lm":
-            return self.checkpoint.tokenizer.encode_batch(texts, add_bos=True)
-        return self.checkpoint.src_tokenizer.encode_batch(texts, add_eos=True)
-
     async def prompt_tokens(self, texts: list[str]) -> int:
         """Input tokens of ``texts`` as generate counts them (prompts already accepted by it)."""
-        return sum(map(len, await self._tokenize(lambda: self._encode_prompts(texts))))
+        return sum(map(len, await self._tokenize(lambda: self.checkpoint.encode_prompts(texts))))
 
     def _generation_config(self, params: GenerateParams) -> GenerationConfig:
         s = self.settings
@@ -349,10 +342,11 @@ class ModelWorker:
         self._require("generate", GENERATIVE)
         self._check_count(inputs)
         config = self._generation_config(params)
-        texts = [self._check_size(f"inputs[{i}]", self._text(i, t), self._prompt_tokenizer, self.max_input_tokens)
+        tokenizer = self.checkpoint.prompt_tokenizer
+        texts = [self._check_size(f"inputs[{i}]", self._text(i, t), tokenizer, self.max_input_tokens)
                  for i, t in enumerate(inputs)]
         prompts = []
-        for i, ids in enumerate(await self._tokenize(lambda: self._encode_prompts(texts))):
+        for i, ids in enumerate(await self._tokenize(lambda: self.checkpoint.encode_prompts(texts))):
             self._check_length(i, ids)
             if self.family == "causal_lm" and len(ids) + config.max_new_tokens > self.config.max_len:
                 raise InvalidRequest(f"inputs[{i}]: {len(ids)} tokens + max_new_tokens={config.max_new_tokens} "
@@ -378,7 +372,7 @@ class ModelWorker:
         return run
 
     def _seq2seq_attention(self, text: str, target: str | None, selection: MapSelection):
-        src = self._check_length(0, self._encode_prompts([text])[0])
+        src = self._check_length(0, self.checkpoint.encode_prompts([text])[0])
         tgt = self.checkpoint.tokenizer.encode(target) if target is not None else None
         if tgt is not None and len(tgt) + 1 > self.config.max_len:
             raise InvalidRequest(f"target: {len(tgt)} tokens exceeds the model's max_len={self.config.max_len} - 1")
@@ -403,7 +397,7 @@ class ModelWorker:
 
     def _causal_attention(self, text: str, target: str | None, selection: MapSelection):
         tok = self.checkpoint.tokenizer
-        prompt = self._check_length(0, self._encode_prompts([text])[0])
+        prompt = self._check_length(0, self.checkpoint.encode_prompts([text])[0])
         tgt = tok.encode(target) if target is not None else []
         if len(prompt) + len(tgt) > self.config.max_len:
             raise InvalidRequest(f"target: prompt + target ({len(prompt) + len(tgt)} tokens) exceeds the model's "
@@ -423,6 +417,10 @@ def _maps(layers: list[dict[str, torch.Tensor]], kind: str) -> list[torch.Tensor
     return [layer[kind] for layer in layers]
 
 
+class NoModelsLoaded(RuntimeError):
+    """Start-up found nothing to serve: no model directory, or none that loaded (the message says why)."""
+
+
 class Engine:
     """Every model under ``models_dir``, served under its directory name."""
 
@@ -436,16 +434,21 @@ class Engine:
         self._workers: dict[str, ModelWorker] = {}
 
     async def start(self) -> None:
-        """Load every checkpoint (a failing one is logged, skipped and reported in load_errors), warm up."""
+        """Load every checkpoint and warm it up; a failing one is logged, skipped and reported in load_errors.
+
+        Raises NoModelsLoaded, naming each model and its reason, when none loads (the models directory is
+        missing, holds no model directories, or every one failed): a server with nothing to serve never reports
+        ready.
+        """
         if not self.models_dir.is_dir():
-            self.load_errors[str(self.models_dir)] = "models directory not found"
-            logger.error("models directory %s not found", self.models_dir)
-        dirs = sorted(p for p in self.models_dir.iterdir() if p.is_dir() and not p.name.startswith(".")) \
-            if self.models_dir.is_dir() else []
+            raise NoModelsLoaded(f"models directory {self.models_dir} not found")
+        dirs = sorted(p for p in self.models_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
         # A checkpoint whose save was killed between its two renames is only at .<name>.old: load_checkpoint
         # reads it from there, so list it under its name.
         interrupted = [self.models_dir / p.name[1:-4] for p in self.models_dir.glob(".?*.old") if p.is_dir()]
         dirs = sorted({*dirs, *(d for d in interrupted if not d.exists())})
+        if not dirs:
+            raise NoModelsLoaded(f"models directory {self.models_dir} holds no model directories")
         for directory in dirs:
             name = directory.name
             start = time.perf_counter()
@@ -461,12 +464,22 @@ class Engine:
                     await worker.warmup()
             except Exception as exc:
                 logger.exception("model %r (%s) failed to load; skipped", name, directory)
-                self.load_errors[name] = f"{type(exc).__name__}: {exc}"
+                self.load_errors[name] = self._public(f"{type(exc).__name__}: {exc}")
                 continue
             self._workers[name] = worker
             logger.info("model %r (%s) ready in %.2fs: %s", name, checkpoint.family, time.perf_counter() - start,
                         worker.info)
+        if not self._workers:
+            reasons = "".join(f"\n  {name}: {error}" for name, error in self.load_errors.items())
+            raise NoModelsLoaded(f"no model in {self.models_dir} loaded:{reasons}")
         self.ready = True
+
+    def _public(self, message: str) -> str:
+        """``message`` with the models directory's paths made relative to it (no server paths in answers)."""
+        roots = {str(self.models_dir), os.path.abspath(self.models_dir), os.path.realpath(self.models_dir)}
+        for root in sorted(roots, key=len, reverse=True):
+            message = message.replace(f"{root}{os.sep}", "")
+        return message
 
     def get(self, model: str) -> ModelWorker:
         worker = self._workers.get(model)
@@ -492,4 +505,4 @@ class Engine:
             worker.close()
 
 
-__all__ = ["Engine", "ModelWorker"]
+__all__ = ["Engine", "ModelWorker", "NoModelsLoaded"]

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from model.causal_lm import CausalLM
-from model.checkpoint import save_checkpoint
+from model.checkpoint import load_checkpoint, save_checkpoint
 from model.classifier import TransformerClassifier
 from model.config import CausalLMConfig, ClassifierConfig, Seq2SeqConfig
 from model.decoding import GenerationConfig
@@ -66,7 +66,7 @@ def fit_reversal(model: Seq2SeqTransformer, tokenizer: Tokenizer, steps: int = 6
 
     (Random post-LN encoder-decoders with tied embeddings repeat one token forever.)
     """
-    sources = tokenizer.encode_batch(SOURCES)
+    sources = tokenizer.encode_batch(SOURCES, add_eos=True)  # served (and trained) sources end in </s>
     targets = tokenizer.encode_batch([" ".join(s.split()[::-1]) for s in SOURCES])
     src, _ = pad_batch(sources, tokenizer.pad_id)
     tgt_in, _ = pad_batch([[tokenizer.bos_id, *t] for t in targets], tokenizer.pad_id)
@@ -107,7 +107,7 @@ def seq2seq(tokenizer, tmp_path_factory):
 def causal(tokenizer, tmp_path_factory):
     root = tmp_path_factory.mktemp("causal")
     config = CausalLMConfig(vocab_size=tokenizer.vocab_size, n_layers=2, layer_norm_eps=1e-6, **SIZES, **GPT2)
-    model = randomize(CausalLM(config), seed=0, eos_boost=2.5)
+    model = randomize(CausalLM(config), seed=0, eos_boost=1.5)  # varied lengths after "<s>" prompts
     ckpt = _save(root, "ckpt", model, tokenizer)
     return model, ckpt, export_hf(ckpt, root / "hf")
 
@@ -182,12 +182,13 @@ def test_marian_logits_match(seq2seq, tokenizer):
 
 @pytest.mark.parametrize("strategy", ["greedy", "beam"])
 def test_marian_generate_matches(seq2seq, tokenizer, strategy):
-    model, _, out = seq2seq
+    """transformers' plain path, tokenizer(text) + generate(), gives what the service gives (sources + </s>)."""
+    model, ckpt, out = seq2seq
     hf = _hf("MarianMTModel", out)
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     ours_config, hf_kwargs = _decoding(strategy)
     texts = [*SOURCES, "new words: zebra quartz"]
-    ours = _ours(generate_seq2seq(model, tokenizer.encode_batch(texts), ours_config))
+    ours = _ours(generate_seq2seq(model, load_checkpoint(ckpt).encode_prompts(texts), ours_config))
     batch = hf_tok(texts, padding=True, return_tensors="pt")
     with torch.no_grad():
         theirs = hf.generate(**batch, **hf_kwargs).tolist()
@@ -200,10 +201,10 @@ def test_ctranslate2_greedy_matches(seq2seq, tokenizer, tmp_path):
     ctranslate2 = pytest.importorskip("ctranslate2")
     from ctranslate2.converters import TransformersConverter
 
-    model, _, out = seq2seq
+    model, ckpt, out = seq2seq
     converted = TransformersConverter(str(out)).convert(str(tmp_path / "ct2"))
     translator = ctranslate2.Translator(converted, device="cpu", compute_type="float32")
-    sources = tokenizer.encode_batch([*SOURCES, "new words: zebra quartz"])
+    sources = load_checkpoint(ckpt).encode_prompts([*SOURCES, "new words: zebra quartz"])  # as the service does
     ours = _ours(generate_seq2seq(model, sources, GenerationConfig(max_new_tokens=MAX_NEW)))
     pieces = [[tokenizer.backend.id_to_token(i) for i in ids] for ids in sources]
     results = translator.translate_batch(pieces, beam_size=1, max_decoding_length=MAX_NEW)
@@ -228,11 +229,12 @@ def test_gpt2_logits_match(causal, tokenizer):
 
 @pytest.mark.parametrize("strategy", ["greedy", "beam"])
 def test_gpt2_generate_matches(causal, tokenizer, strategy):
-    model, _, out = causal
+    """transformers' plain path, tokenizer(text) + generate(), gives what the service gives (<s> + prompt)."""
+    model, ckpt, out = causal
     hf = _hf("GPT2LMHeadModel", out)
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     ours_config, hf_kwargs = _decoding(strategy)
-    ours = _ours(generate_causal(model, tokenizer.encode_batch(TEXTS), ours_config))
+    ours = _ours(generate_causal(model, load_checkpoint(ckpt).encode_prompts(TEXTS), ours_config))
     batch = hf_tok(TEXTS, padding=True, return_tensors="pt")  # left-padded, as the export asks
     assert hf_tok.padding_side == "left" and set(batch) == {"input_ids", "attention_mask"}
     with torch.no_grad():
@@ -309,9 +311,12 @@ def test_hf_tokenizer_encodes_and_decodes_like_ours(family, tokenizer, request):
     out = request.getfixturevalue(family)[2]
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     assert (hf_tok.pad_token_id, hf_tok.bos_token_id, hf_tok.eos_token_id, hf_tok.unk_token_id) == (0, 1, 2, 3)
+    served = load_checkpoint(request.getfixturevalue(family)[1])
     for text in [*TEXTS, "  spaces  and\ttabs\n", "100% done, {0} left"]:
         ids = tokenizer.encode(text)
         assert hf_tok(text, add_special_tokens=False)["input_ids"] == ids
+        wanted = served.encode_prompts([text])[0] if family != "classifier" else tokenizer.encode_pair(text)[0]
+        assert hf_tok(text)["input_ids"] == wanted  # the template: what the service feeds the model
         assert hf_tok.decode(ids) == tokenizer.decode(ids) == text
         with_specials = [tokenizer.bos_id, *ids, tokenizer.eos_id]
         assert hf_tok.decode(with_specials, skip_special_tokens=True) == tokenizer.decode(with_specials)

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import processors
 
-from model.checkpoint import Checkpoint, CheckpointError, load_checkpoint
+from model.checkpoint import PROMPT_SPECIALS, Checkpoint, CheckpointError, load_checkpoint
 from model.config import TransformerConfig
 from model.tokenizer import SPECIAL_TOKENS, Tokenizer
 from training.export import bert, gpt2, marian
@@ -59,9 +59,9 @@ def export_hf(checkpoint: str | Path, out: str | Path, overwrite: bool = False) 
 def tokenizer_files(ckpt: Checkpoint) -> dict[str, str]:
     """tokenizer.json, tokenizer_config.json and special_tokens_map.json for PreTrainedTokenizerFast.
 
-    Our pipelines encode sources and prompts without special tokens and classifier inputs as
-    ``[CLS] a [SEP] (b [SEP])``; the classifier's tokenizer.json gets that template so
-    ``tokenizer(a, b)`` gives the ids and token_type_ids the model was trained on.
+    tokenizer.json's template is the service's: seq2seq sources ``a </s>`` and causal prompts ``<s> a``
+    (model.checkpoint.PROMPT_SPECIALS), classifier inputs ``[CLS] a [SEP] (b [SEP])``, so ``tokenizer(a)``
+    (or ``tokenizer(a, b)``) gives the ids and token_type_ids the model was trained on and is served with.
     """
     c = ckpt.config
     backend = BackendTokenizer.from_str(ckpt.tokenizer.backend.to_str())  # a copy: ours stays untouched
@@ -76,6 +76,13 @@ def tokenizer_files(ckpt: Checkpoint) -> dict[str, str]:
             single=f"{cls} $A {sep}",
             pair=f"{cls} $A {sep} $B:1 {sep}:1",
             special_tokens=[(cls, Tokenizer.cls_id), (sep, Tokenizer.sep_id)],
+        )
+    else:
+        add_bos, add_eos = PROMPT_SPECIALS[c.family]
+        bos, eos = names["bos"], names["eos"]
+        backend.post_processor = processors.TemplateProcessing(
+            single=" ".join([bos] * add_bos + ["$A"] + [eos] * add_eos),
+            special_tokens=[(bos, Tokenizer.bos_id), (eos, Tokenizer.eos_id)],
         )
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
