@@ -103,6 +103,12 @@ class Scheduler:
         return future
 
     @property
+    def num_waiting(self) -> int:
+        """Jobs queued and not yet taken by the worker thread."""
+        with self._cond:
+            return len(self._waiting)
+
+    @property
     def busy(self) -> bool:
         """Jobs waiting or running."""
         with self._cond:
