@@ -2,7 +2,8 @@
 
 Every flag also reads from its ``TSERVE_*`` environment variable; a flag given wins. SIGTERM or
 Ctrl-C stops accepting connections, lets in-flight requests finish for up to drain_timeout_s, answers
-what is left with 503 (not_ready), stops the engine and exits with status 0.
+what is left with 503 (not_ready), stops the engine and exits with status 0. When start-up fails, e.g. no
+configured model loads (the log names each and why), it exits with status 3 without ever reporting ready.
 """
 
 from __future__ import annotations

@@ -51,10 +51,10 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await engine.start()
+        await engine.start()  # NoModelsLoaded fails start-up: uvicorn logs it, python -m service exits 3
         if engine.load_errors:
             logger.warning("models that failed to load: %s", engine.load_errors)
-        logger.info("ready: %s", ", ".join(m.name for m in engine.models()) or "no models")
+        logger.info("ready: %s", ", ".join(m.name for m in engine.models()))
         try:
             yield
         finally:

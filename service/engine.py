@@ -452,6 +452,7 @@ class Engine:
         for directory in dirs:
             name = directory.name
             start = time.perf_counter()
+            worker = None
             try:
                 checkpoint = await asyncio.to_thread(load_checkpoint, directory, self.settings.device,
                                                      self.settings.dtype)
@@ -465,6 +466,10 @@ class Engine:
             except Exception as exc:
                 logger.exception("model %r (%s) failed to load; skipped", name, directory)
                 self.load_errors[name] = self._public(f"{type(exc).__name__}: {exc}")
+                if worker is not None:  # started, then failed (its warm-up): its threads stop too
+                    worker.scheduler.close()
+                    await asyncio.to_thread(worker.scheduler.stop, NotReady(f"model {name!r} failed to load"), 10.0)
+                    worker.close()
                 continue
             self._workers[name] = worker
             logger.info("model %r (%s) ready in %.2fs: %s", name, checkpoint.family, time.perf_counter() - start,

@@ -105,9 +105,17 @@ class ModelInfoSchema(BaseModel):
     adapters: list[str] = Field(description="LoRA adapters this model can use.")
 
 
+class ModelLoadFailure(BaseModel):
+    name: str = Field(description="The model directory's name.")
+    error: str = Field(description="Why it did not load (paths relative to the models directory).")
+
+
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelInfoSchema]
+    failed: list[ModelLoadFailure] = Field(
+        description="Configured models that failed to load at start-up, and why (not served)."
+    )
 
 
 # ---- generate ------------------------------------------------------------------------------------

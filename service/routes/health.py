@@ -25,7 +25,8 @@ async def health() -> HealthResponse:
 
 @router.get("/ready", name="ready", response_model=ReadyResponse, responses=errors(503))
 async def ready(engine: Annotated[Engine, Depends(get_engine)]) -> ReadyResponse:
-    """Readiness: 200 once every model is loaded (and warmed up); 503 before, and while shutting down."""
+    """Readiness: 200 once the models are loaded and warmed up (GET /v1/models lists any that failed, and why);
+    503 before, and while shutting down. With none loaded the server does not start."""
     if not engine.ready:
         raise NotReady("models are not loaded yet (or the server is shutting down)")
     return ReadyResponse(models=[m.name for m in engine.models()])

@@ -29,6 +29,7 @@ from service.schemas import (
     GenerateResponse,
     ModelInfoSchema,
     ModelList,
+    ModelLoadFailure,
 )
 from service.types import GenerateParams, ModelInfo
 
@@ -45,9 +46,13 @@ def model_schema(info: ModelInfo, created: int) -> ModelInfoSchema:
 
 @router.get("", name="list_models", response_model=ModelList, responses=errors(401, 503))
 async def list_models(request: Request, engine: Annotated[Engine, Depends(get_engine)]) -> ModelList:
-    """Every loaded model with its family, device, dtype, size, limits and resident adapters."""
+    """Every loaded model with its family, device, dtype, size, limits and resident adapters; under `failed`,
+    the configured models that did not load, and why."""
     created = request.app.state.started_at
-    return ModelList(data=[model_schema(m, created) for m in engine.models()])
+    return ModelList(
+        data=[model_schema(m, created) for m in engine.models()],
+        failed=[ModelLoadFailure(name=name, error=error) for name, error in engine.load_errors.items()],
+    )
 
 
 def generate_params(req: GenerateRequest, worker: ModelWorker) -> GenerateParams:

@@ -2,7 +2,8 @@
 
 Each test runs ``python -m service`` (tests/service/server.py) with small limits and talks to it over
 raw sockets, which can stop half-way through a request as a slow or hostile client does. The server
-serves an empty models directory: these rules act on connections, before any model is involved.
+serves the tiny models without warm-up (it needs one to start): these rules act on connections, before any
+model is involved.
 Outcomes are events (a response, EOF); the socket time-out is only the failure bound, and the
 latency check compares /health with slow clients open against /health idle, measured in the same test.
 """
@@ -14,7 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
@@ -31,15 +32,15 @@ HEALTH = b"GET /health HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
 PARTIAL_HEADERS = b"GET /health HTTP/1.1\r\nHost: t\r\nX-Slow: "
 
 
-@pytest.fixture(scope="module")
-def empty_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("models")
+def serving(models_dir: Path, **env: str) -> AbstractContextManager[Server]:
+    """``python -m service`` on the tiny models, without warm-up, with ``env`` added."""
+    return running_server(models_dir, TSERVE_WARMUP="false", **env)
 
 
 @pytest.fixture(scope="module")
-def quick_timeouts(empty_models: Path) -> Iterator[Server]:
+def quick_timeouts(models_dir: Path) -> Iterator[Server]:
     """A server that cuts headers after 1 s and bodies after 2 s without a read."""
-    with running_server(empty_models, TSERVE_HEADER_TIMEOUT_S="1", TSERVE_BODY_TIMEOUT_S="2") as server:
+    with serving(models_dir, TSERVE_HEADER_TIMEOUT_S="1", TSERVE_BODY_TIMEOUT_S="2") as server:
         yield server
 
 
@@ -183,8 +184,8 @@ def slow_header_clients(server: Server, count: int) -> Iterator[None]:
             assert status(read_to_eof(sock)) == 200
 
 
-def test_health_stays_fast_with_many_slow_clients_open(empty_models):
-    with running_server(empty_models, TSERVE_HEADER_TIMEOUT_S="60", TSERVE_MAX_CONNECTIONS="1000") as server:
+def test_health_stays_fast_with_many_slow_clients_open(models_dir):
+    with serving(models_dir, TSERVE_HEADER_TIMEOUT_S="60", TSERVE_MAX_CONNECTIONS="1000") as server:
         health_latencies(server, 10)  # warm-up
         idle = health_latencies(server, 60)
         with slow_header_clients(server, 200):
@@ -196,9 +197,9 @@ def test_health_stays_fast_with_many_slow_clients_open(empty_models):
     assert p99(loaded) < bound, (p99(loaded), p99(idle))
 
 
-def test_connections_over_the_cap_get_503_while_the_held_ones_are_served(empty_models):
+def test_connections_over_the_cap_get_503_while_the_held_ones_are_served(models_dir):
     cap = 16
-    with running_server(empty_models, TSERVE_HEADER_TIMEOUT_S="60", TSERVE_MAX_CONNECTIONS=str(cap)) as server:
+    with serving(models_dir, TSERVE_HEADER_TIMEOUT_S="60", TSERVE_MAX_CONNECTIONS=str(cap)) as server:
         health_latencies(server, 1)  # a full request first: the readiness probe's connection is gone by now
         with ExitStack() as stack:
             held = [stack.enter_context(connect(server)) for _ in range(cap)]
