@@ -24,6 +24,7 @@ from model.generation import generate_causal, generate_seq2seq
 from model.layers import sinusoidal_table
 from model.seq2seq import Seq2SeqTransformer
 from model.tokenizer import Tokenizer, pad_batch
+from tests.hf_compare import ATOL, MAX_NEW, assert_varied, best_tokens, decoding, randomize, strip
 from training.export import ExportError, export_hf
 from training.export.marian import permutation
 
@@ -44,21 +45,6 @@ MARIAN = dict(positions="sinusoidal", norm="post", activation="relu", scale_embe
 GPT2 = dict(positions="learned", norm="pre", activation="gelu_tanh", scale_embeddings=False)
 BERT = dict(positions="learned", norm="post", activation="gelu", scale_embeddings=False, embedding_norm=True)
 LABELS = ["negative", "neutral", "positive"]
-MAX_NEW = 12
-ATOL = 1e-4
-
-
-def randomize(model: torch.nn.Module, seed: int, eos_id: int = 2, eos_boost: float = 1.0) -> torch.nn.Module:
-    """Every parameter random (LayerNorm gains around 1); the EOS row of the output embedding scaled up."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1 + 0.2 * noise if "norm" in name and name.endswith("weight") else 0.3 * noise)
-        head = getattr(model, "lm_head", None)
-        if head is not None:
-            head.weight[eos_id] *= eos_boost
-    return model.eval()
 
 
 def fit_reversal(model: Seq2SeqTransformer, tokenizer: Tokenizer, steps: int = 60) -> Seq2SeqTransformer:
@@ -129,32 +115,6 @@ def _hf(cls_name: str, path: Path) -> torch.nn.Module:
     return model.eval()
 
 
-def _strip(seq: list[int], start: int, eos: int = 2) -> list[int]:
-    """HF output after the prompt/decoder start, cut at the first EOS (padding follows it)."""
-    out = seq[start:]
-    return out[: out.index(eos)] if eos in out else out
-
-
-def _ours(hyps) -> list[list[int]]:
-    return [h[0].tokens for h in hyps]
-
-
-def _decoding(strategy: str) -> tuple[GenerationConfig, dict]:
-    ours = GenerationConfig(
-        strategy=strategy, max_new_tokens=MAX_NEW, num_beams=4, length_penalty=0.0, early_stopping=True
-    )
-    hf = dict(max_new_tokens=MAX_NEW, do_sample=False, num_beams=1)
-    if strategy == "beam":  # HF divides by len ** length_penalty, ours by GNMT's: 0 makes both the plain sum
-        hf |= dict(num_beams=4, length_penalty=0.0, early_stopping=True)
-    return ours, hf
-
-
-def _assert_varied(outputs: list[list[int]]) -> None:
-    """The inputs must exercise both endings: EOS before the limit, and the length limit."""
-    lengths = [len(o) for o in outputs]
-    assert min(lengths) < MAX_NEW and max(lengths) == MAX_NEW, lengths
-
-
 # ---- Marian -------------------------------------------------------------------------------------
 
 
@@ -186,15 +146,15 @@ def test_marian_generate_matches(seq2seq, tokenizer, strategy):
     model, ckpt, out = seq2seq
     hf = _hf("MarianMTModel", out)
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
-    ours_config, hf_kwargs = _decoding(strategy)
+    ours_config, hf_kwargs = decoding(strategy)
     texts = [*SOURCES, "new words: zebra quartz"]
-    ours = _ours(generate_seq2seq(model, load_checkpoint(ckpt).encode_prompts(texts), ours_config))
+    ours = best_tokens(generate_seq2seq(model, load_checkpoint(ckpt).encode_prompts(texts), ours_config))
     batch = hf_tok(texts, padding=True, return_tensors="pt")
     with torch.no_grad():
         theirs = hf.generate(**batch, **hf_kwargs).tolist()
-    assert [_strip(seq, 1) for seq in theirs] == ours
+    assert [strip(seq, 1) for seq in theirs] == ours
     assert all(seq[0] == tokenizer.bos_id for seq in theirs)
-    _assert_varied(ours)
+    assert_varied(ours)
 
 
 def test_ctranslate2_greedy_matches(seq2seq, tokenizer, tmp_path):
@@ -205,12 +165,12 @@ def test_ctranslate2_greedy_matches(seq2seq, tokenizer, tmp_path):
     converted = TransformersConverter(str(out)).convert(str(tmp_path / "ct2"))
     translator = ctranslate2.Translator(converted, device="cpu", compute_type="float32")
     sources = load_checkpoint(ckpt).encode_prompts([*SOURCES, "new words: zebra quartz"])  # as the service does
-    ours = _ours(generate_seq2seq(model, sources, GenerationConfig(max_new_tokens=MAX_NEW)))
+    ours = best_tokens(generate_seq2seq(model, sources, GenerationConfig(max_new_tokens=MAX_NEW)))
     pieces = [[tokenizer.backend.id_to_token(i) for i in ids] for ids in sources]
     results = translator.translate_batch(pieces, beam_size=1, max_decoding_length=MAX_NEW)
     theirs = [[tokenizer.backend.token_to_id(t) for t in r.hypotheses[0]] for r in results]
     assert theirs == ours
-    _assert_varied(ours)
+    assert_varied(ours)
 
 
 # ---- GPT-2 --------------------------------------------------------------------------------------
@@ -233,14 +193,14 @@ def test_gpt2_generate_matches(causal, tokenizer, strategy):
     model, ckpt, out = causal
     hf = _hf("GPT2LMHeadModel", out)
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
-    ours_config, hf_kwargs = _decoding(strategy)
-    ours = _ours(generate_causal(model, load_checkpoint(ckpt).encode_prompts(TEXTS), ours_config))
+    ours_config, hf_kwargs = decoding(strategy)
+    ours = best_tokens(generate_causal(model, load_checkpoint(ckpt).encode_prompts(TEXTS), ours_config))
     batch = hf_tok(TEXTS, padding=True, return_tensors="pt")  # left-padded, as the export asks
     assert hf_tok.padding_side == "left" and set(batch) == {"input_ids", "attention_mask"}
     with torch.no_grad():
         theirs = hf.generate(**batch, **hf_kwargs).tolist()
-    assert [_strip(seq, batch["input_ids"].shape[1]) for seq in theirs] == ours
-    _assert_varied(ours)
+    assert [strip(seq, batch["input_ids"].shape[1]) for seq in theirs] == ours
+    assert_varied(ours)
 
 
 # ---- BERT ---------------------------------------------------------------------------------------
@@ -307,7 +267,7 @@ def test_other_exact_configs_export(family, fields, tokenizer, tmp_path):
 
 
 @pytest.mark.parametrize("family", ["seq2seq", "causal", "classifier"])
-def test_hf_tokenizer_encodes_and_decodes_like_ours(family, tokenizer, request):
+def test_hf_tokenizer_encodes_and_decodes_likeours(family, tokenizer, request):
     out = request.getfixturevalue(family)[2]
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     assert (hf_tok.pad_token_id, hf_tok.bos_token_id, hf_tok.eos_token_id, hf_tok.unk_token_id) == (0, 1, 2, 3)

@@ -1,0 +1,123 @@
+"""What every Hugging Face importer shares: the error, reading config.json and the weights, config checks.
+
+Only ``config.json`` and ``*.safetensors`` are read: pickle weights (``.bin``, ``.pt``, ``.pth``) are never
+unpickled; the error names the file and says to convert it. A config field we cannot express is refused
+with its name, before any tensor is read.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+PICKLE_WEIGHTS = ("pytorch_model.bin", "model.bin", "model.pt", "model.pth")
+MAX_CONFIG_BYTES = 1 << 20  # HF configs are a few KB
+# HF activation names (transformers' ACT2FN) that our ACTIVATIONS compute exactly.
+ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+
+Tensors = dict[str, torch.Tensor]
+
+
+class HFImportError(ValueError):
+    """A Hugging Face directory cannot be loaded exactly; the message names the file or config field."""
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """A config field whose value changes the math in a way our families do not express."""
+
+    field: str
+    allowed: tuple[Any, ...]  # values that are fine (the field missing counts as its HF default, the first)
+    meaning: str
+
+
+def read_config(directory: Path) -> dict[str, Any]:
+    """config.json of ``directory`` as a dict (bounded size)."""
+    path = directory / CONFIG_FILE
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise HFImportError(f"{path.name}: cannot read it: {exc.strerror or exc}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise HFImportError(f"{path.name}: over {MAX_CONFIG_BYTES} bytes")
+    try:
+        config = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise HFImportError(f"{path.name}: not valid JSON: {str(exc)[:200]}") from None
+    if not isinstance(config, dict):
+        raise HFImportError(f"{path.name}: expected a JSON object")
+    return config
+
+
+def check_supported(config: Mapping[str, Any], rules: tuple[Unsupported, ...], architecture: str) -> None:
+    """Raise HFImportError naming the first field of ``config`` outside its allowed values."""
+    for rule in rules:
+        value = config.get(rule.field, rule.allowed[0])
+        if value not in rule.allowed:
+            raise HFImportError(f"{CONFIG_FILE}: {rule.field}={value!r} is not supported for {architecture} "
+                                f"({rule.meaning}; supported: {list(rule.allowed)})")
+
+
+def field(config: Mapping[str, Any], name: str, kind: type | tuple[type, ...] = int, default: Any = ...) -> Any:
+    """``config[name]``, checked to be a ``kind`` (bools are not ints); ``default`` when it is missing."""
+    if name not in config or config[name] is None:
+        if default is ...:
+            raise HFImportError(f"{CONFIG_FILE}: the field {name!r} is missing")
+        return default
+    value = config[name]
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise HFImportError(f"{CONFIG_FILE}: {name}={value!r} has the wrong type")
+    return value
+
+
+def activation(config: Mapping[str, Any], name: str, default: str) -> str:
+    """Our activation for HF's ``config[name]``."""
+    value = field(config, name, str, default)
+    if value not in ACTIVATIONS:
+        raise HFImportError(f"{CONFIG_FILE}: {name}={value!r} is not supported (supported: {sorted(ACTIVATIONS)})")
+    return ACTIVATIONS[value]
+
+
+def read_weights(directory: Path) -> Tensors:
+    """Every tensor of ``directory``'s model.safetensors (pickle files are refused, never opened)."""
+    path = directory / WEIGHTS_FILE
+    if not path.is_file():
+        pickled = [name for name in PICKLE_WEIGHTS if (directory / name).exists()]
+        if pickled:
+            raise HFImportError(f"{pickled[0]}: pickle weights are not loaded; convert them to {WEIGHTS_FILE} "
+                                "(e.g. save_pretrained(..., safe_serialization=True))")
+        if any(directory.glob("model-*-of-*.safetensors")):
+            raise HFImportError(f"sharded weights (model-*-of-*.safetensors) are not supported yet; save them "
+                                f"as one {WEIGHTS_FILE}")
+        raise HFImportError(f"{WEIGHTS_FILE}: not found")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise HFImportError(f"{WEIGHTS_FILE}: not a readable safetensors file: {str(exc)[:200]}") from None
+
+
+def take(tensors: Tensors, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """``tensors[name]`` as float, checked to have ``shape``."""
+    t = tensors.get(name)
+    if t is None:
+        raise HFImportError(f"{WEIGHTS_FILE}: the tensor {name!r} is missing")
+    if tuple(t.shape) != shape:
+        raise HFImportError(f"{WEIGHTS_FILE}: {name!r} has shape {tuple(t.shape)}, expected {shape}")
+    if not t.is_floating_point():
+        raise HFImportError(f"{WEIGHTS_FILE}: {name!r} has dtype {t.dtype}, expected a floating dtype")
+    return t
+
+
+def strip_prefix(tensors: Tensors, prefix: str) -> Tensors:
+    """``tensors`` with ``prefix`` removed from the names that have it (a base model saved alone has none)."""
+    return {k.removeprefix(prefix): v for k, v in tensors.items()}

@@ -1,0 +1,82 @@
+"""GPT2LMHeadModel (and GPT2Model, whose head is the tied embedding) -> our causal_lm.
+
+GPT-2 is pre-LN with a final LayerNorm, learned positions, unscaled embeddings and tanh-approximated GELU.
+Its projections are Conv1D: the weight is stored (in, out), nn.Linear's transposed, and ``c_attn`` holds
+q, k and v side by side in its output dimension.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from model.config import CausalLMConfig
+from model.hf.common import HFImportError, Tensors, Unsupported, activation, check_supported, field, strip_prefix, take
+
+ARCHITECTURES = ("GPT2LMHeadModel", "GPT2Model")
+RULES = (
+    Unsupported("scale_attn_weights", (True,), "attention scores unscaled by 1/sqrt(head_dim)"),
+    Unsupported("scale_attn_by_inverse_layer_idx", (False,), "attention scores scaled per layer"),
+    Unsupported("add_cross_attention", (False,), "cross-attention layers"),
+)
+
+
+def to_config(hf: Mapping[str, Any]) -> CausalLMConfig:
+    """Our config for GPT-2's config.json (HFImportError naming a field we cannot express)."""
+    check_supported(hf, RULES, "GPT-2")
+    d_model = field(hf, "n_embd", default=768)
+    vocab = field(hf, "vocab_size", default=50257)
+    eos = field(hf, "eos_token_id", default=50256)
+    ids = {"eos_token_id": eos, "bos_token_id": field(hf, "bos_token_id", default=50256),
+           "pad_token_id": field(hf, "pad_token_id", default=eos)}  # GPT-2 has no pad token: rows end at eos
+    for name, value in ids.items():
+        if not 0 <= value < vocab:
+            raise HFImportError(f"config.json: {name}={value} is outside the vocabulary (vocab_size={vocab})")
+    return CausalLMConfig(
+        vocab_size=vocab,
+        d_model=d_model,
+        n_heads=field(hf, "n_head", default=12),
+        d_ff=field(hf, "n_inner", default=4 * d_model),
+        dropout=0.0,
+        max_len=field(hf, "n_positions", default=1024),
+        positions="learned",
+        norm="pre",
+        activation=activation(hf, "activation_function", "gelu_new"),
+        bias=True,
+        scale_embeddings=False,
+        tie_embeddings=field(hf, "tie_word_embeddings", bool, True),
+        final_norm=True,
+        layer_norm_eps=field(hf, "layer_norm_epsilon", float, 1e-5),
+        pad_id=ids["pad_token_id"],
+        n_layers=field(hf, "n_layer", default=12),
+        bos_id=ids["bos_token_id"],
+        eos_id=eos,
+    )
+
+
+def state_dict(c: CausalLMConfig, tensors: Tensors) -> Tensors:
+    """Our CausalLM's state dict from GPT-2's tensors (shapes checked)."""
+    t = strip_prefix(tensors, "transformer.")
+    d, ff = c.d_model, c.d_ff
+    embed = take(t, "wte.weight", (c.vocab_size, d))
+    ours = {"embed.tokens.weight": embed, "embed.positions.weight": take(t, "wpe.weight", (c.max_len, d))}
+    for i in range(c.n_layers):
+        p, q = f"h.{i}.", f"decoder.layers.{i}."
+        qkv, qkv_bias = take(t, f"{p}attn.c_attn.weight", (d, 3 * d)).T, take(t, f"{p}attn.c_attn.bias", (3 * d,))
+        for j, name in enumerate(("q_proj", "k_proj", "v_proj")):
+            ours[f"{q}self_attn.{name}.weight"] = qkv[j * d : (j + 1) * d]
+            ours[f"{q}self_attn.{name}.bias"] = qkv_bias[j * d : (j + 1) * d]
+        conv1d = {"self_attn.out_proj": ("attn.c_proj", d, d), "ffn.fc1": ("mlp.c_fc", d, ff),
+                  "ffn.fc2": ("mlp.c_proj", ff, d)}
+        for name, (theirs, n_in, n_out) in conv1d.items():
+            ours[f"{q}{name}.weight"] = take(t, f"{p}{theirs}.weight", (n_in, n_out)).T
+            ours[f"{q}{name}.bias"] = take(t, f"{p}{theirs}.bias", (n_out,))
+        for name, theirs in (("self_attn_norm", "ln_1"), ("ffn_norm", "ln_2")):
+            ours |= _norm(t, f"{p}{theirs}.", f"{q}{name}.", d)
+    ours |= _norm(t, "ln_f.", "decoder.final_norm.", d)
+    ours["lm_head.weight"] = embed if c.tie_embeddings else take(t, "lm_head.weight", (c.vocab_size, d))
+    return ours
+
+
+def _norm(t: Tensors, theirs: str, ours: str, d: int) -> Tensors:
+    return {f"{ours}weight": take(t, f"{theirs}weight", (d,)), f"{ours}bias": take(t, f"{theirs}bias", (d,))}

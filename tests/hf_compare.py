@@ -1,0 +1,53 @@
+"""Comparing our models with `transformers`: random weights that make outputs differ, matching decoding settings.
+
+Shared by the export tests (ours -> HF) and the import tests (HF -> ours).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model.decoding import GenerationConfig
+
+MAX_NEW = 12
+ATOL = 1e-4
+
+
+def randomize(model: torch.nn.Module, seed: int, eos_id: int = 2, eos_boost: float = 1.0) -> torch.nn.Module:
+    """Every parameter random (LayerNorm gains around 1); the EOS row of the output embedding scaled up."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.2 * noise if "norm" in name and name.endswith("weight") else 0.3 * noise)
+        head = getattr(model, "lm_head", None)
+        if head is not None:
+            head.weight[eos_id] *= eos_boost
+    return model.eval()
+
+
+def strip(seq: list[int], start: int, eos: int = 2) -> list[int]:
+    """HF output after the prompt/decoder start, cut at the first EOS (padding follows it)."""
+    out = seq[start:]
+    return out[: out.index(eos)] if eos in out else out
+
+
+def best_tokens(hyps) -> list[list[int]]:
+    """The best hypothesis's tokens of each input."""
+    return [h[0].tokens for h in hyps]
+
+
+def decoding(strategy: str) -> tuple[GenerationConfig, dict]:
+    ours = GenerationConfig(
+        strategy=strategy, max_new_tokens=MAX_NEW, num_beams=4, length_penalty=0.0, early_stopping=True
+    )
+    hf = dict(max_new_tokens=MAX_NEW, do_sample=False, num_beams=1)
+    if strategy == "beam":  # HF divides by len ** length_penalty, ours by GNMT's: 0 makes both the plain sum
+        hf |= dict(num_beams=4, length_penalty=0.0, early_stopping=True)
+    return ours, hf
+
+
+def assert_varied(outputs: list[list[int]]) -> None:
+    """The inputs must exercise both endings: EOS before the limit, and the length limit."""
+    lengths = [len(o) for o in outputs]
+    assert min(lengths) < MAX_NEW and max(lengths) == MAX_NEW, lengths

@@ -1,0 +1,137 @@
+"""Hugging Face directories as our models (model/hf): GPT-2 built and saved by `transformers` itself.
+
+Random weights (tests.hf_compare.randomize: LayerNorms included, so a transposed or misplaced tensor shows),
+then logits equal to `transformers` in float32 and float64, greedy and beam-4 generation token for token on
+a padded batch, and the config fields we cannot express refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from model.generation import generate_causal
+from model.hf import HFImportError, is_hf_directory, load_hf_model
+from tests.hf_compare import ATOL, assert_varied, best_tokens, decoding, randomize, strip
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, EOS = 96, 2
+GPT2 = dict(vocab_size=VOCAB, n_positions=48, n_embd=32, n_layer=2, n_head=4, bos_token_id=1, eos_token_id=EOS,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+PROMPTS = [[5, 17, 33], [40, 41, 42, 43, 44, 45, 46], [7], [90, 3, 3, 12, 60], [11, 22]]
+GPT2_VARIANTS = {
+    "tied-gelu_new": {},
+    "untied-gelu-inner": {"tie_word_embeddings": False, "activation_function": "gelu", "n_inner": 40},
+    "relu-eps": {"activation_function": "relu", "layer_norm_epsilon": 1e-6},
+}
+
+
+def save_gpt2(directory: Path, seed: int = 0, eos_boost: float = 1.0, head: bool = True, **overrides) -> Path:
+    """A random GPT-2 saved by transformers' save_pretrained (safetensors)."""
+    config = transformers.GPT2Config(**{**GPT2, **overrides})
+    cls = transformers.GPT2LMHeadModel if head else transformers.GPT2Model
+    model = randomize(cls(config), seed=seed, eos_id=EOS, eos_boost=eos_boost)
+    model.save_pretrained(directory)
+    return directory
+
+
+def hf_model(directory: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval()
+
+
+@pytest.mark.parametrize("overrides", GPT2_VARIANTS.values(), ids=GPT2_VARIANTS.keys())
+def test_gpt2_logits_equal_transformers(tmp_path, overrides):
+    directory = save_gpt2(tmp_path / "gpt2", **overrides)
+    assert is_hf_directory(directory)
+    ids = torch.tensor([PROMPTS[1] * 6])  # 42 positions
+    for dtype, tolerance in ((torch.float32, ATOL), (torch.float64, 1e-9)):
+        ours, config = load_hf_model(directory, dtype)
+        with torch.no_grad():
+            diff = (ours(ids) - hf_model(directory, dtype)(input_ids=ids).logits).abs().max()
+        assert diff < tolerance, (dtype, float(diff))
+    assert (config.family, config.eos_id, config.max_len) == ("causal_lm", EOS, GPT2["n_positions"])
+
+
+def test_a_gpt2_base_model_saved_alone_loads_with_its_tied_head(tmp_path):
+    """GPT2Model has no lm_head and no "transformer." prefix; its head is the token embedding."""
+    directory = save_gpt2(tmp_path / "base", head=False)
+    ours, _ = load_hf_model(directory)
+    lm = transformers.GPT2LMHeadModel.from_pretrained(directory).eval()  # ties lm_head to wte as it loads
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        assert (ours(ids) - lm(input_ids=ids).logits).abs().max() < ATOL
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "beam"])
+def test_gpt2_generation_equals_transformers_on_a_padded_batch(tmp_path, strategy):
+    directory = save_gpt2(tmp_path / "gpt2", seed=5, eos_boost=2.5)  # both endings: EOS and the length limit
+    ours_config, hf_kwargs = decoding(strategy)
+    ours, _ = load_hf_model(directory)
+    mine = best_tokens(generate_causal(ours, PROMPTS, ours_config))
+    width = max(map(len, PROMPTS))
+    ids = torch.tensor([[EOS] * (width - len(p)) + p for p in PROMPTS])  # left padding, as generate() wants
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
+    with torch.no_grad():
+        theirs = hf_model(directory).generate(input_ids=ids, attention_mask=mask, pad_token_id=EOS, **hf_kwargs)
+    assert [strip(seq, width, EOS) for seq in theirs.tolist()] == mine
+    assert_varied(mine)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx=True is not supported"),
+        ({"scale_attn_weights": False}, "scale_attn_weights=False is not supported"),
+        ({"add_cross_attention": True}, "add_cross_attention=True is not supported"),
+        ({"activation_function": "silu"}, "activation_function='silu' is not supported"),
+        ({"eos_token_id": 500}, "eos_token_id=500 is outside the vocabulary"),
+    ],
+)
+def test_gpt2_config_fields_we_cannot_express_are_refused_by_name(tmp_path, overrides, says):
+    directory = save_gpt2(tmp_path / "gpt2")
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, **overrides}))
+    with pytest.raises(HFImportError, match=says.replace("(", r"\(").replace(")", r"\)")):
+        load_hf_model(directory)
+
+
+class _Payload:
+    """Unpickling this creates a file: proof that nobody unpickled it."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (self.marker, "unpickled"))
+
+
+def test_other_directories_are_refused_with_the_reason(tmp_path):
+    directory = save_gpt2(tmp_path / "gpt2")
+    config = json.loads((directory / "config.json").read_text())
+    cases = {
+        "model_type='llama' is not supported": {**config, "model_type": "llama"},
+        r"architectures=\['GPT2ForSequenceClassification'\] are not supported": {
+            **config, "architectures": ["GPT2ForSequenceClassification"]},
+    }
+    for says, changed in cases.items():
+        (directory / "config.json").write_text(json.dumps(changed))
+        with pytest.raises(HFImportError, match=says):
+            load_hf_model(directory)
+    (directory / "config.json").write_text(json.dumps(config))
+    marker = tmp_path / "marker"
+    (directory / "model.safetensors").unlink()
+    (directory / "pytorch_model.bin").write_bytes(pickle.dumps(_Payload(marker)))
+    with pytest.raises(HFImportError, match="pytorch_model.bin: pickle weights are not loaded; convert them"):
+        load_hf_model(directory)
+    assert not marker.exists()
+    (directory / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
+    with pytest.raises(HFImportError, match="model.safetensors"):
+        load_hf_model(directory)
+    (directory / "config.json").write_text("[" * 100_000)
+    with pytest.raises(HFImportError, match="config.json: not valid JSON"):
+        load_hf_model(directory)
