@@ -26,6 +26,7 @@ from torch import nn
 from model.causal_lm import CausalLM
 from model.classifier import TransformerClassifier
 from model.config import ConfigError, TransformerConfig
+from model.hf import is_hf_directory, load_hf_checkpoint
 from model.seq2seq import Seq2SeqTransformer
 from model.tokenizer import Tokenizer, TokenizerError
 
@@ -67,6 +68,7 @@ class Checkpoint:
     labels: list[str] | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
     path: Path | None = None
+    format: str = "tserve"  # "hf": a Hugging Face directory (model.hf), whose tokenizer brings its own template
 
     @property
     def family(self) -> str:
@@ -82,7 +84,10 @@ class Checkpoint:
         return self.src_tokenizer if self.family == "seq2seq" else self.tokenizer
 
     def encode_prompts(self, texts: Sequence[str]) -> list[list[int]]:
-        """Token ids of a generative model's input texts, wrapped as PROMPT_SPECIALS says."""
+        """Token ids of a generative model's input texts: wrapped as PROMPT_SPECIALS says for ours, by the
+        tokenizer's own template for a Hugging Face model (what ``tokenizer(text)`` gives there)."""
+        if self.format == "hf":
+            return self.prompt_tokenizer.encode_templated(texts)
         add_bos, add_eos = PROMPT_SPECIALS[self.family]
         return self.prompt_tokenizer.encode_batch(texts, add_bos=add_bos, add_eos=add_eos)
 
@@ -188,7 +193,8 @@ def load_config(directory: str | Path) -> TransformerConfig:
 def load_checkpoint(
     directory: str | Path, device: str | torch.device = "auto", dtype: str | torch.dtype | None = None
 ) -> Checkpoint:
-    """Load a checkpoint directory onto ``device`` ("auto": CUDA when available) in ``dtype``."""
+    """Load a checkpoint directory onto ``device`` ("auto": CUDA when available) in ``dtype``: ours, or a Hugging
+    Face model directory (model.hf)."""
     directory = Path(directory)
     if not directory.is_dir():
         old = old_sibling(directory)
@@ -196,6 +202,8 @@ def load_checkpoint(
             raise CheckpointError(f"{directory}: checkpoint directory not found")
         logger.warning("%s is missing: loading %s, which a save interrupted between its renames left", directory, old)
         directory = old
+    if is_hf_directory(directory):
+        return load_hf_checkpoint(directory, device, dtype)
     config = load_config(directory)
     model = build_model(config)
     load_weights(model, directory / WEIGHTS_FILE)

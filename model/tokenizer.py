@@ -1,13 +1,16 @@
 """Byte-level BPE tokenizer: a thin wrapper over the HF `tokenizers` library.
 
-Checkpoints store the native ``tokenizer.json`` (no pickle). Invariants, checked on every load:
-the seven ``SPECIAL_TOKENS`` hold ids 0..6 in order, so model code may rely on ``pad_id == 0``.
+Checkpoints store the native ``tokenizer.json`` (no pickle). Invariants, checked on every load: ours
+hold the seven ``SPECIAL_TOKENS`` at ids 0..6 in order (training relies on ``Tokenizer.pad_id == 0``);
+an imported one (model.hf: a Hugging Face GPT-2 ``tokenizer.json``) brings its own ``SpecialIds``, and
+model code reads the ids from the model config, never from this class.
 
 Special tokens in user text: a literal "[MASK]" or "<s>" inside a string is encoded as ordinary
 bytes, never as the special id (``encode_special_tokens = True`` on the backend), so untrusted
 input cannot forge control tokens. Special ids only enter a sequence through ``add_bos``,
-``add_eos`` and ``encode_pair``. That flag is runtime state and is not written to tokenizer.json,
-so a Hugging Face export of ``backend`` keeps the library's default matching behaviour.
+``add_eos``, ``encode_pair`` and an imported tokenizer's own template (``encode_templated``). That
+flag is runtime state and is not written to tokenizer.json, so a Hugging Face export of ``backend``
+keeps the library's default matching behaviour.
 
 Thread safety: encode/decode on a `tokenizers.Tokenizer` are safe to call from several threads;
 this wrapper never mutates its backend after ``__init__``.
@@ -22,8 +25,8 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
 
 import tokenizers
 import torch
@@ -50,22 +53,40 @@ class TokenizerError(ValueError):
     """A tokenizer file is missing or unreadable, not byte-level BPE, or has the wrong special tokens."""
 
 
+@dataclass(frozen=True)
+class SpecialIds:
+    """The ids of an imported tokenizer's special tokens (None where it has no such token)."""
+
+    pad: int
+    bos: int
+    eos: int
+    unk: int | None = None
+    cls: int | None = None
+    sep: int | None = None
+    mask: int | None = None
+
+
 class Tokenizer:
-    """Byte-level BPE tokenizer with the project's special tokens."""
+    """Byte-level BPE tokenizer: ours (the project's special tokens at ids 0..6), or an imported one whose
+    special ids are given (a Hugging Face GPT-2 tokenizer.json)."""
 
-    # Fixed by SPECIAL_TOKENS and verified in __init__.
-    pad_id: ClassVar[int] = 0
-    bos_id: ClassVar[int] = 1
-    eos_id: ClassVar[int] = 2
-    unk_id: ClassVar[int] = 3
-    cls_id: ClassVar[int] = 4
-    sep_id: ClassVar[int] = 5
-    mask_id: ClassVar[int] = 6
+    # Ours: fixed by SPECIAL_TOKENS and verified in __init__; an imported tokenizer sets its own.
+    pad_id: int | None = 0
+    bos_id: int | None = 1
+    eos_id: int | None = 2
+    unk_id: int | None = 3
+    cls_id: int | None = 4
+    sep_id: int | None = 5
+    mask_id: int | None = 6
 
-    def __init__(self, backend: tokenizers.Tokenizer) -> None:
-        """Wrap ``backend``; raises TokenizerError unless it is byte-level BPE with our specials."""
+    def __init__(self, backend: tokenizers.Tokenizer, specials: SpecialIds | None = None) -> None:
+        """Wrap ``backend``; raises TokenizerError unless it is byte-level BPE with our specials (or, with
+        ``specials``, with those ids inside its vocabulary)."""
         _check_byte_level(backend)
-        _check_special_tokens(backend)
+        if specials is None:
+            _check_special_tokens(backend)
+        else:
+            self._use_specials(backend, specials)
         backend.encode_special_tokens = True  # literal "[MASK]" in text stays plain text
         self._backend = backend
         added = backend.get_added_tokens_decoder()
@@ -160,6 +181,13 @@ class Tokenizer:
             raise
         logger.debug("saved tokenizer to %s", file)
 
+    def _use_specials(self, backend: tokenizers.Tokenizer, specials: SpecialIds) -> None:
+        size = backend.get_vocab_size(with_added_tokens=True)
+        for name, value in vars(specials).items():
+            if value is not None and not 0 <= value < size:
+                raise TokenizerError(f"the {name} token id {value} is outside the vocabulary (size {size})")
+            setattr(self, f"{name}_id", value)
+
     @property
     def backend(self) -> tokenizers.Tokenizer:
         """The wrapped `tokenizers.Tokenizer` (for export to Hugging Face)."""
@@ -187,6 +215,11 @@ class Tokenizer:
         """``encode`` over many texts (parallel in Rust)."""
         encodings = self._backend.encode_batch_fast(list(texts), add_special_tokens=False)
         return [self._wrap(e.ids, add_bos, add_eos) for e in encodings]
+
+    def encode_templated(self, texts: Sequence[str]) -> list[list[int]]:
+        """``encode`` over many texts with the special tokens the tokenizer's own template adds (Hugging Face's
+        ``tokenizer(text)``)."""
+        return [e.ids for e in self._backend.encode_batch_fast(list(texts), add_special_tokens=True)]
 
     def encode_pair(self, text_a: str, text_b: str | None = None) -> tuple[list[int], list[int]]:
         """BERT layout ``[CLS] a [SEP] (b [SEP])``; returns ``(ids, segment_ids)``, segment 1 for b."""

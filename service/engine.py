@@ -97,6 +97,7 @@ class ModelWorker:
             max_new_tokens=self.max_new_tokens,
             labels=list(self.checkpoint.labels) if self.checkpoint.labels else None,
             adapters=self.registry.names(),
+            format=self.checkpoint.format,
         )
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -348,6 +349,8 @@ class ModelWorker:
         prompts = []
         for i, ids in enumerate(await self._tokenize(lambda: self.checkpoint.encode_prompts(texts))):
             self._check_length(i, ids)
+            if not ids:  # an imported tokenizer may add nothing to a text that encodes to nothing
+                raise InvalidRequest(f"inputs[{i}]: the text encodes to no tokens; generation needs at least one")
             if self.family == "causal_lm" and len(ids) + config.max_new_tokens > self.config.max_len:
                 raise InvalidRequest(f"inputs[{i}]: {len(ids)} tokens + max_new_tokens={config.max_new_tokens} "
                                      f"exceeds the model's max_len={self.config.max_len}")

@@ -103,6 +103,9 @@ class ModelInfoSchema(BaseModel):
     max_new_tokens: int = Field(description="Cap on new tokens (0 for classifiers).")
     labels: list[str] | None = Field(None, description="Class labels (classifier).")
     adapters: list[str] = Field(description="LoRA adapters this model can use.")
+    format: Literal["tserve", "hf"] = Field(
+        description="tserve: a checkpoint of ours; hf: a Hugging Face model directory (config.json, model.safetensors)."
+    )
 
 
 class ModelLoadFailure(BaseModel):

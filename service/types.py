@@ -91,6 +91,7 @@ class ModelInfo:
     max_new_tokens: int  # cap on GenerateParams.max_new_tokens (0 for classifiers)
     labels: list[str] | None
     adapters: list[str]
+    format: str = "tserve"  # "hf": loaded from a Hugging Face directory
 
 
 @dataclass

@@ -3,31 +3,35 @@
 :func:`load_hf_model` reads the config, refuses what our families cannot express (naming the field), reads
 the weights (safetensors only) and maps them onto our module names. One module per architecture, each with
 ``ARCHITECTURES`` (the ``architectures`` names it takes), ``to_config`` (HF config -> ours) and ``state_dict``
-(HF tensors -> ours): gpt2.py (GPT2LMHeadModel).
+(HF tensors -> ours): gpt2.py (GPT2LMHeadModel, GPT2Model), bert.py, marian.py.
 """
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
-from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from model.config import TransformerConfig
-from model.hf import gpt2
 from model.hf.common import CONFIG_FILE, HFImportError, read_config, read_weights
+from model.hf.tokenizer import load_tokenizer
 
-IMPORTERS: dict[str, ModuleType] = {"gpt2": gpt2}  # config.json's model_type -> its importer
+if TYPE_CHECKING:
+    from model.checkpoint import Checkpoint
+
+# config.json's model_type -> the module of its importer (imported when a directory of that type loads)
+IMPORTERS = {"gpt2": "model.hf.gpt2", "bert": "model.hf.bert", "marian": "model.hf.marian"}
 
 
 def is_hf_directory(directory: str | Path) -> bool:
     """Whether ``directory`` is in the Hugging Face layout (a config.json naming a model_type)."""
-    path = Path(directory) / CONFIG_FILE
     try:
-        return path.is_file() and "model_type" in read_config(Path(directory))
-    except HFImportError:
-        return path.is_file()  # a broken HF config is still an HF directory: loading it says what is wrong
+        return "model_type" in read_config(Path(directory))
+    except HFImportError:  # unreadable: whichever loader reads it says what is wrong with it
+        return False
 
 
 def load_hf_model(directory: str | Path, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, TransformerConfig]:
@@ -37,10 +41,10 @@ def load_hf_model(directory: str | Path, dtype: torch.dtype = torch.float32) -> 
     directory = Path(directory)
     hf = read_config(directory)
     model_type = hf.get("model_type")
-    importer = IMPORTERS.get(model_type) if isinstance(model_type, str) else None
-    if importer is None:
+    if not isinstance(model_type, str) or model_type not in IMPORTERS:
         raise HFImportError(f"{CONFIG_FILE}: model_type={model_type!r} is not supported "
                             f"(supported: {sorted(IMPORTERS)})")
+    importer = importlib.import_module(IMPORTERS[model_type])
     architectures = hf.get("architectures") or importer.ARCHITECTURES[:1]
     unknown = [a for a in architectures if a not in importer.ARCHITECTURES]
     if unknown:
@@ -53,4 +57,18 @@ def load_hf_model(directory: str | Path, dtype: torch.dtype = torch.float32) -> 
     return model.to(dtype).eval(), config
 
 
-__all__ = ["HFImportError", "is_hf_directory", "load_hf_model"]
+def load_hf_checkpoint(
+    directory: str | Path, device: str | torch.device = "auto", dtype: str | torch.dtype | None = None
+) -> Checkpoint:
+    """An HF directory as a Checkpoint (format "hf"): the model on ``device`` in ``dtype``, its tokenizer."""
+    from model.checkpoint import Checkpoint, resolve_device, resolve_dtype
+
+    directory = Path(directory)
+    model, config = load_hf_model(directory)
+    tokenizer = load_tokenizer(directory, config)
+    torch_device = resolve_device(device)
+    model.to(device=torch_device, dtype=resolve_dtype(dtype, torch_device)).eval()
+    return Checkpoint(model, config, tokenizer, path=directory, format="hf")
+
+
+__all__ = ["HFImportError", "is_hf_directory", "load_hf_checkpoint", "load_hf_model"]

@@ -115,6 +115,8 @@ def take(tensors: Tensors, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         raise HFImportError(f"{WEIGHTS_FILE}: {name!r} has shape {tuple(t.shape)}, expected {shape}")
     if not t.is_floating_point():
         raise HFImportError(f"{WEIGHTS_FILE}: {name!r} has dtype {t.dtype}, expected a floating dtype")
+    if not torch.isfinite(t).all():
+        raise HFImportError(f"{WEIGHTS_FILE}: {name!r} has NaN or infinite values")
     return t
 
 
