@@ -27,6 +27,7 @@ from model.causal_lm import CausalLM
 from model.classifier import TransformerClassifier
 from model.config import ConfigError, TransformerConfig
 from model.hf import is_hf_directory, load_hf_checkpoint
+from model.lora_io import AdapterLayout
 from model.seq2seq import Seq2SeqTransformer
 from model.tokenizer import Tokenizer, TokenizerError
 
@@ -69,6 +70,7 @@ class Checkpoint:
     metrics: dict[str, Any] = field(default_factory=dict)
     path: Path | None = None
     format: str = "tserve"  # "hf": a Hugging Face directory (model.hf), whose tokenizer brings its own template
+    adapter_layout: AdapterLayout | None = None  # how PEFT adapters name its modules, when not as ours (HF)
 
     @property
     def family(self) -> str:

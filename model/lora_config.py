@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -16,8 +16,8 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
 # PEFT options that change the math when set (truthy); rejected rather than silently ignored.
-_UNSUPPORTED = ("fan_in_fan_out", "use_dora", "use_rslora", "lora_bias", "rank_pattern", "alpha_pattern",
-                "modules_to_save", "layers_to_transform")
+_UNSUPPORTED = ("fan_in_fan_out", "use_dora", "lora_bias", "rank_pattern", "alpha_pattern", "modules_to_save",
+                "layers_to_transform")
 # Bounds on an adapter_config.json, checked before its contents are used. PEFT writes ~1 KB, nested 2 deep.
 MAX_CONFIG_BYTES = 64 * 1024
 MAX_CONFIG_DEPTH = 16  # objects/arrays within each other (a deeper file is refused before anything recurses on it)
@@ -114,12 +114,17 @@ class LoRAConfig:
         if isinstance(d.get("target_modules"), str):
             raise AdapterError(f"target_modules must be a list of module names, got the string "
                                f"{quote(d['target_modules'])} (regex/'all-linear' are not supported)")
-        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+        config = cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+        if d.get("use_rslora"):  # rank-stabilised: scaling lora_alpha / sqrt(r), the same as this alpha over r
+            config.lora_alpha *= math.sqrt(config.r)
+        return config
 
     @classmethod
-    def from_json(cls, raw: bytes, source: str = CONFIG_FILE) -> LoRAConfig:
+    def from_json(cls, raw: bytes, source: str = CONFIG_FILE,
+                  rename: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> LoRAConfig:
         """Parse adapter_config.json's bytes within :data:`MAX_CONFIG_BYTES` and :data:`MAX_CONFIG_DEPTH`;
-        errors name ``source`` (the file)."""
+        errors name ``source`` (the file). ``rename`` maps the parsed dict onto our module names first (an
+        adapter trained on a Hugging Face model: model.lora_io.AdapterLayout)."""
         if len(raw) > MAX_CONFIG_BYTES:
             raise AdapterError(f"cannot read {source}: over {MAX_CONFIG_BYTES} bytes")
         too_deep = AdapterError(f"cannot read {source}: nested more than {MAX_CONFIG_DEPTH} levels deep")
@@ -133,7 +138,7 @@ class LoRAConfig:
         if _depth_over(d, MAX_CONFIG_DEPTH):
             raise too_deep
         try:
-            return cls.from_peft_dict(d)
+            return cls.from_peft_dict(rename(d) if rename is not None and isinstance(d, dict) else d)
         except AdapterError as e:
             raise AdapterError(f"{source}: {e}") from None
 

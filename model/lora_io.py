@@ -13,8 +13,10 @@ import os
 import re
 import shutil
 import tempfile
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -80,7 +82,16 @@ def save_adapter(
     logger.info("saved LoRA adapter %r to %s", name, target)
 
 
-def read_config(directory: str | os.PathLike, name: str) -> LoRAConfig:
+@dataclass(frozen=True)
+class AdapterLayout:
+    """How PEFT adapters of an imported Hugging Face model name its modules: maps their adapter_config.json
+    (``config``) and tensors (``tensors``) onto our module names (model.hf's importers provide one)."""
+
+    config: Callable[[dict[str, Any]], dict[str, Any]]
+    tensors: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+def read_config(directory: str | os.PathLike, name: str, layout: AdapterLayout | None = None) -> LoRAConfig:
     """``directory``'s adapter_config.json, parsed within model.lora_config's size and depth limits."""
     path = Path(directory) / CONFIG_FILE
     try:
@@ -89,7 +100,7 @@ def read_config(directory: str | os.PathLike, name: str) -> LoRAConfig:
     except OSError as e:
         raise AdapterError(f"adapter {name!r}: cannot read {path}: {e}") from e
     try:
-        return LoRAConfig.from_json(raw, source=str(path))
+        return LoRAConfig.from_json(raw, source=str(path), rename=layout.config if layout is not None else None)
     except AdapterError as e:
         raise AdapterError(f"adapter {name!r}: {e}") from None
 
@@ -149,7 +160,7 @@ def _check_update(where: str, path: str, config: LoRAConfig, base: nn.Module, a:
 
 
 def _read(
-    model: nn.Module, directory: Path, name: str, device: str | torch.device | None
+    model: nn.Module, directory: Path, name: str, device: str | torch.device | None, layout: AdapterLayout | None
 ) -> tuple[LoRAConfig, dict[str, nn.Module], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     """Config, target modules and validated (A, B) per module path; reads the model, changes nothing."""
     weights_path = directory / WEIGHTS_FILE
@@ -158,28 +169,37 @@ def _read(
             raise AdapterError(f"adapter {name!r}: {directory} has only {PICKLE_FILE}; pickle files are not "
                                f"loaded, convert it to {WEIGHTS_FILE}")
         raise AdapterError(f"adapter {name!r}: {weights_path} not found")
-    config = read_config(directory, name)
+    config = read_config(directory, name, layout)
     tensors = _read_tensors(weights_path, name, device)
+    if layout is not None:
+        tensors = layout.tensors(tensors)
     found = find_targets(model, config.target_modules)
     return config, found, _validate(f"adapter {name!r} ({weights_path})", config, found, tensors)
 
 
-def check_adapter(model: nn.Module, directory: str | os.PathLike, name: str) -> LoRAConfig:
+def check_adapter(
+    model: nn.Module, directory: str | os.PathLike, name: str, layout: AdapterLayout | None = None
+) -> LoRAConfig:
     """Everything :func:`load_adapter` checks of ``directory``'s files, without changing the model."""
-    return _read(model, Path(directory), name, None)[0]
+    return _read(model, Path(directory), name, None, layout)[0]
 
 
 def load_adapter(
-    model: nn.Module, directory: str | os.PathLike, name: str, device: str | torch.device | None = None
+    model: nn.Module,
+    directory: str | os.PathLike,
+    name: str,
+    device: str | torch.device | None = None,
+    layout: AdapterLayout | None = None,
 ) -> LoRAConfig:
     """Load a PEFT-layout adapter as `name`, fully validated before the model is touched.
 
     Only adapter_config.json and adapter_model.safetensors are read (never pickle). `device` is where
     the file is read to (default CPU); the adapter then lives on each base layer's device and dtype.
+    `layout` maps an adapter trained on a Hugging Face model onto our module names.
     """
     check_new_name(model, name)
     directory = Path(directory)
-    config, found, weights = _read(model, directory, name, device)
+    config, found, weights = _read(model, directory, name, device, layout)
     layers = wrap_targets(model, found)
     for path, (a, b) in weights.items():
         layers[path].add(name, config, a, b)

@@ -76,8 +76,9 @@ class AdapterRegistry:
     """Adapters of one model; see the module docstring for the rules."""
 
     def __init__(self, model: nn.Module, model_name: str, root: Path | None, max_resident: int,
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, layout: lora_io.AdapterLayout | None = None) -> None:
         self.model = model
+        self.layout = layout  # an imported HF model's: PEFT adapters trained on it name its modules otherwise
         self.model_name = model_name
         self.root = root.resolve() if root is not None else None
         self.max_resident = max_resident
@@ -140,7 +141,7 @@ class AdapterRegistry:
         check_name(name)
         path = self.check_directory(directory)
         try:
-            return lora_io.check_adapter(self.model, path, name)
+            return lora_io.check_adapter(self.model, path, name, self.layout)
         except lora.AdapterError as exc:
             raise InvalidRequest(self._public(str(exc))) from None
 
@@ -178,7 +179,7 @@ class AdapterRegistry:
             victims = self._make_room(exclude=version.public)
         self._remove(victims, evicted=True)
         try:
-            config = lora_io.load_adapter(self.model, version.path, version.internal)
+            config = lora_io.load_adapter(self.model, version.path, version.internal, layout=self.layout)
         except lora.AdapterError as exc:
             with self._lock:
                 entry = self._entries.get(version.public)
@@ -217,7 +218,7 @@ class AdapterRegistry:
             victims = self._make_room(exclude=name)
         self._remove(victims, evicted=True)
         try:
-            lora_io.load_adapter(self.model, path, version.internal)
+            lora_io.load_adapter(self.model, path, version.internal, layout=self.layout)
         except lora.AdapterError as exc:
             raise InvalidRequest(self._public(str(exc))) from None
         with self._lock:
@@ -263,7 +264,7 @@ class AdapterRegistry:
 
     def _config(self, name: str, directory: Path) -> lora.LoRAConfig:
         try:
-            return lora_io.read_config(directory, name)
+            return lora_io.read_config(directory, name, self.layout)
         except lora.AdapterError as exc:
             raise InvalidRequest(self._public(str(exc))) from None
 

@@ -70,7 +70,8 @@ class ModelWorker:
         self.family = checkpoint.family
         self.settings = settings
         self.metrics = metrics
-        self.registry = AdapterRegistry(self.model, name, adapters_dir, settings.max_resident_adapters, metrics)
+        self.registry = AdapterRegistry(self.model, name, adapters_dir, settings.max_resident_adapters, metrics,
+                                        checkpoint.adapter_layout)
         c = self.config
         model_limit = {"causal_lm": c.max_len - 1, "seq2seq": getattr(c, "max_src_len", 0), "classifier": c.max_len}
         self.max_input_tokens = min(model_limit[self.family], settings.max_input_tokens or model_limit[self.family])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,6 +35,14 @@ def is_hf_directory(directory: str | Path) -> bool:
         return False
 
 
+def _importer(hf: dict) -> ModuleType:
+    model_type = hf.get("model_type")
+    if not isinstance(model_type, str) or model_type not in IMPORTERS:
+        raise HFImportError(f"{CONFIG_FILE}: model_type={model_type!r} is not supported "
+                            f"(supported: {sorted(IMPORTERS)})")
+    return importlib.import_module(IMPORTERS[model_type])
+
+
 def load_hf_model(directory: str | Path, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, TransformerConfig]:
     """The model of HF directory ``directory`` as ours, in eval mode (HFImportError says what does not fit)."""
     from model.checkpoint import build_model  # model.checkpoint will import this package to detect HF layouts
@@ -41,10 +50,7 @@ def load_hf_model(directory: str | Path, dtype: torch.dtype = torch.float32) -> 
     directory = Path(directory)
     hf = read_config(directory)
     model_type = hf.get("model_type")
-    if not isinstance(model_type, str) or model_type not in IMPORTERS:
-        raise HFImportError(f"{CONFIG_FILE}: model_type={model_type!r} is not supported "
-                            f"(supported: {sorted(IMPORTERS)})")
-    importer = importlib.import_module(IMPORTERS[model_type])
+    importer = _importer(hf)
     architectures = hf.get("architectures") or importer.ARCHITECTURES[:1]
     unknown = [a for a in architectures if a not in importer.ARCHITECTURES]
     if unknown:
@@ -68,7 +74,8 @@ def load_hf_checkpoint(
     tokenizer = load_tokenizer(directory, config)
     torch_device = resolve_device(device)
     model.to(device=torch_device, dtype=resolve_dtype(dtype, torch_device)).eval()
-    return Checkpoint(model, config, tokenizer, path=directory, format="hf")
+    layout = getattr(_importer(read_config(directory)), "ADAPTER_LAYOUT", None)  # PEFT adapters' module names
+    return Checkpoint(model, config, tokenizer, path=directory, format="hf", adapter_layout=layout)
 
 
 __all__ = ["HFImportError", "is_hf_directory", "load_hf_checkpoint", "load_hf_model"]

@@ -1,17 +1,26 @@
-"""GPT2LMHeadModel (and GPT2Model, whose head is the tied embedding) -> our causal_lm.
+"""GPT2LMHeadModel (and GPT2Model, whose head is the tied embedding) -> our causal_lm, and its PEFT adapters.
 
 GPT-2 is pre-LN with a final LayerNorm, learned positions, unscaled embeddings and tanh-approximated GELU.
 Its projections are Conv1D: the weight is stored (in, out), nn.Linear's transposed, and ``c_attn`` holds
 q, k and v side by side in its output dimension.
+
+A PEFT LoRA adapter on GPT-2 targets ``c_attn``, ``c_proj`` and ``c_fc``. Its A and B are nn.Linear-shaped
+whatever the base (``fan_in_fan_out`` only orients a merge into Conv1D weights), so ``c_attn``'s update
+B A x splits by B's rows into q, k and v updates sharing A: ADAPTER_LAYOUT renames onto our modules.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from model.config import CausalLMConfig
 from model.hf.common import HFImportError, Tensors, Unsupported, activation, check_supported, field, strip_prefix, take
+from model.lora_config import AdapterError
+from model.lora_io import AdapterLayout
 
 ARCHITECTURES = ("GPT2LMHeadModel", "GPT2Model")
 RULES = (
@@ -80,3 +89,48 @@ def state_dict(c: CausalLMConfig, tensors: Tensors) -> Tensors:
 
 def _norm(t: Tensors, theirs: str, ours: str, d: int) -> Tensors:
     return {f"{ours}weight": take(t, f"{theirs}weight", (d,)), f"{ours}bias": take(t, f"{theirs}bias", (d,))}
+
+
+# PEFT's target names (a module name, or a suffix of its path) -> our modules' last names
+_ADAPTER_TARGETS = {
+    "c_attn": ("q_proj", "k_proj", "v_proj"), "attn.c_attn": ("q_proj", "k_proj", "v_proj"),
+    "c_proj": ("out_proj", "fc2"), "attn.c_proj": ("out_proj",), "mlp.c_proj": ("fc2",),
+    "c_fc": ("fc1",), "mlp.c_fc": ("fc1",),
+}
+_ADAPTER_KEY = re.compile(r"base_model\.model\.(?:transformer\.)?h\.(\d+)\."
+                          r"(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.lora_([AB])\.weight")
+_ADAPTER_MODULES = {"attn.c_proj": "self_attn.out_proj", "mlp.c_fc": "ffn.fc1", "mlp.c_proj": "ffn.fc2"}
+
+
+def _adapter_config(d: dict[str, Any]) -> dict[str, Any]:
+    targets = d.get("target_modules")
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise AdapterError(f"target_modules must be a list of GPT-2 module names ({sorted(_ADAPTER_TARGETS)})")
+    unknown = [t for t in targets if t not in _ADAPTER_TARGETS]
+    if unknown:
+        raise AdapterError(f"target_modules {unknown[:4]} are not GPT-2 projections we adapt "
+                           f"({sorted(_ADAPTER_TARGETS)})")
+    ours = sorted({name for t in targets for name in _ADAPTER_TARGETS[t]})
+    return {**d, "target_modules": ours, "fan_in_fan_out": False}
+
+
+def _adapter_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    ours = {}
+    for key, t in tensors.items():
+        match = _ADAPTER_KEY.fullmatch(key)
+        if match is None:  # left as it is: the adapter's validation names it
+            ours[key] = t
+            continue
+        layer, module, kind = match.groups()
+        prefix = f"base_model.model.decoder.layers.{layer}."
+        if module != "attn.c_attn":
+            ours[f"{prefix}{_ADAPTER_MODULES[module]}.lora_{kind}.weight"] = t
+            continue
+        parts = [t] * 3 if kind == "A" else list(t.chunk(3))  # B's rows: q, k, v (a wrong shape is named later)
+        for name, part in zip(("q_proj", "k_proj", "v_proj"), parts, strict=True):
+            ours[f"{prefix}self_attn.{name}.lora_{kind}.weight"] = part.contiguous()
+    return ours
+
+
+ADAPTER_LAYOUT = AdapterLayout(config=_adapter_config, tensors=_adapter_tensors)
+
