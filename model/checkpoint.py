@@ -218,7 +218,8 @@ def load_checkpoint(
     if source_tokenizer is not None:
         _check_vocab(source_path, source_tokenizer, getattr(config, "src_vocab_size", None) or config.vocab_size)
     labels = _read_json(directory / LABELS_FILE) if (directory / LABELS_FILE).exists() else None
-    if config.family == "classifier" and not (isinstance(labels, list) and len(labels) == config.num_labels):
+    if config.family == "classifier" and not (isinstance(labels, list) and len(labels) == config.num_labels
+                                              or labels is None and config.num_labels == 0):  # 0: an embedder
         raise CheckpointError(f"{directory / LABELS_FILE}: expected a list of {config.num_labels} label names")
     metrics = _read_json(directory / METRICS_FILE) if (directory / METRICS_FILE).exists() else {}
     return Checkpoint(model, config, tokenizer, source_tokenizer, labels, metrics, directory)

@@ -9,7 +9,7 @@ from torch import nn
 from model.config import ClassifierConfig
 from model.layers import Embeddings, LayerStack, init_weights, padding_mask
 
-POOLINGS = ("cls", "mean")
+POOLINGS = ("cls", "mean", "max")
 
 
 class MaskedLMHead(nn.Module):
@@ -37,7 +37,8 @@ class TransformerClassifier(nn.Module):
         self.encoder = LayerStack(config, config.n_layers)
         self.pooler = nn.Linear(config.d_model, config.d_model) if config.pooler else None
         self.dropout = nn.Dropout(config.dropout)
-        self.classifier = nn.Linear(config.d_model, config.num_labels)
+        # num_labels 0: an embedding model without a classification head
+        self.classifier = nn.Linear(config.d_model, config.num_labels) if config.num_labels else None
         self.mlm_head = MaskedLMHead(config, self.embed.tokens)
         self.order_head = nn.Linear(config.d_model, 2)  # sentence order / next sentence: 0 = in order
         init_weights(self)
@@ -66,7 +67,9 @@ class TransformerClassifier(nn.Module):
         return torch.tanh(self.pooler(cls)) if self.pooler is not None else cls
 
     def forward(self, ids: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
-        """Class logits (B, num_labels)."""
+        """Class logits (B, num_labels); ValueError for a model without a classification head."""
+        if self.classifier is None:
+            raise ValueError("this model has no classification head (num_labels=0): it computes embeddings only")
         hidden, _ = self.encode(ids, segments, cls_only=True)
         return self.classifier(self.dropout(self.pool(hidden)))
 
@@ -80,11 +83,14 @@ class TransformerClassifier(nn.Module):
     def embed_texts(
         self, ids: torch.Tensor, segments: torch.Tensor | None = None, pooling: str = "mean"
     ) -> torch.Tensor:
-        """Sentence embeddings (B, D): the [CLS] hidden state or the mean over non-pad tokens."""
+        """Sentence embeddings (B, D): the [CLS] hidden state, or the mean or max over non-pad tokens."""
         if pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
         hidden, _ = self.encode(ids, segments)
         if pooling == "cls":
             return hidden[:, 0]
-        keep = (ids != self.config.pad_id).unsqueeze(-1).to(hidden.dtype)
+        keep = (ids != self.config.pad_id).unsqueeze(-1)
+        if pooling == "max":
+            return hidden.masked_fill(~keep, float("-inf")).amax(1)
+        keep = keep.to(hidden.dtype)
         return (hidden * keep).sum(1) / keep.sum(1).clamp(min=1.0)

@@ -110,7 +110,7 @@ class ClassifierConfig(TransformerConfig):
     """BERT-style bidirectional encoder with [CLS] pooling and pre-training heads."""
 
     n_layers: int = 4
-    num_labels: int = 2
+    num_labels: int = 2  # 0: no classification head (an embedding model)
     type_vocab_size: int = 2  # segment embeddings for sentence pairs (0 = off)
     pooler: bool = True  # BERT's dense + tanh on the [CLS] state before the classification head
     cls_id: int = 4
@@ -120,7 +120,7 @@ class ClassifierConfig(TransformerConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         _check(self.n_layers > 0, "n_layers", "must be positive")
-        _check(self.num_labels >= 1, "num_labels", "must be at least 1")
+        _check(self.num_labels >= 0, "num_labels", "must be >= 0 (0 = no classification head)")
         _check(self.type_vocab_size >= 0, "type_vocab_size", "must be >= 0")
 
 

@@ -118,7 +118,8 @@ class ModelWorker:
         if self.family in GENERATIVE:
             await self.generate(["warm up"], GenerateParams(max_new_tokens=min(2, self.max_new_tokens)), request_id)
         else:
-            await self.classify(["warm up"], None, None, request_id)
+            if self.config.num_labels:
+                await self.classify(["warm up"], None, None, request_id)
             await self.embed(["warm up"], "mean", request_id)
 
     # ---- requests ---------------------------------------------------------------------------------
@@ -164,6 +165,8 @@ class ModelWorker:
     async def classify(self, inputs: list[str | tuple[str, str]], adapter: str | None, top_k: int | None,
                        request_id: str) -> list[ClassifyOutput]:
         self._require("classify", ("classifier",))
+        if not self.config.num_labels:
+            raise InvalidRequest(f"model {self.name!r} has no classification head (an embedding model); use /embed")
         self._check_count(inputs)
         if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
             raise InvalidRequest(f"top_k: must be an integer >= 1, got {top_k!r}")

@@ -198,7 +198,9 @@ class ClassifyResponse(BaseModel):
 
 class EmbedRequest(RequestModel):
     inputs: list[Text] = Field(min_length=1)
-    pooling: Literal["cls", "mean"] = "mean"
+    pooling: Literal["cls", "mean", "max"] = Field(
+        "mean", description="cls: the [CLS] state; mean / max: over the input's tokens (padding excluded)."
+    )
 
 
 class EmbedResponse(BaseModel):

@@ -124,5 +124,15 @@ def test_classifier_heads_and_pooling_shapes():
     hidden, _ = clf.encode(ids)
     assert torch.allclose(mean[1], hidden[1, :3].mean(0), atol=1e-6)
     assert torch.equal(clf.embed_texts(ids, pooling="cls"), hidden[:, 0])
+    assert torch.equal(clf.embed_texts(ids, pooling="max")[1], hidden[1, :3].amax(0))
     with pytest.raises(ValueError, match="pooling"):
-        clf.embed_texts(ids, pooling="max")
+        clf.embed_texts(ids, pooling="sum")
+
+
+def test_a_classifier_without_labels_has_no_head_and_still_embeds():
+    clf = tiny_classifier(num_labels=0)
+    ids = random_ids(2, 5)
+    assert clf.classifier is None and not any(name.startswith("classifier.") for name in clf.state_dict())
+    with pytest.raises(ValueError, match="no classification head"):
+        clf(ids)
+    assert clf.embed_texts(ids, pooling="max").shape == (2, 32)

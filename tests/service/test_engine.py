@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
 from prometheus_client import generate_latest
 
-from model.checkpoint import load_checkpoint
+from model.checkpoint import build_model, load_checkpoint, save_checkpoint
 from model.lora import set_adapters
 from model.lora_io import load_adapter
 from service.errors import EngineFailure, InvalidRequest, NotFound
@@ -75,7 +76,7 @@ def test_validation_names_field_and_limit(models_dir, adapters_dir):
                 (lambda: lm.generate(["a"], p(max_new_tokens=0), "r"), "max_new_tokens must be >= 1"),
                 (lambda: cls.classify(["a"], None, 0, "r"), "top_k: must be an integer >= 1"),
                 (lambda: cls.classify([("a", "b", "c")], None, None, "r"), r"inputs\[0\]: expected a string or a pair"),
-                (lambda: cls.embed(["a"], "max", "r"), "pooling: must be one of"),
+                (lambda: cls.embed(["a"], "sum", "r"), "pooling: must be one of"),
             ]
             for call, message in cases:
                 with pytest.raises(InvalidRequest, match=message):
@@ -236,3 +237,23 @@ def test_quantize_setting_makes_the_named_model_int8_with_adapters(models_dir, a
     config = GenerationConfig(max_new_tokens=8, eos_token_id=ckpt.config.eos_id)
     assert base == generate_seq2seq(ckpt.model, src, config)[0][0].tokens
     assert adapted == generate_seq2seq(ckpt.model, src, config, adapters="ref")[0][0].tokens
+
+
+def test_a_classifier_without_a_head_serves_embeddings_and_refuses_classify(models_dir, tmp_path):
+    """num_labels 0 (a Hugging Face BertModel is one): warm-up and /embed work, classify is a clear 422."""
+    source = load_checkpoint(models_dir / CLS, device="cpu")
+    config = dataclasses.replace(source.config, num_labels=0)
+    headless = build_model(config)
+    headless.load_state_dict({k: v for k, v in source.model.state_dict().items() if not k.startswith("classifier.")})
+    save_checkpoint(tmp_path / "models" / "embedder", headless, source.tokenizer)
+
+    async def main():
+        async with running_engine(tmp_path / "models", None, warmup=True) as engine:
+            worker = engine.get("embedder")
+            with pytest.raises(InvalidRequest, match="'embedder' has no classification head .*use /embed"):
+                await worker.classify(["a"], None, None, "r")
+            vectors = await worker.embed(["hello world", "a"], "max", "r")
+            want = source.model.embed_texts(torch.tensor([source.tokenizer.encode_pair("a")[0]]), pooling="max")
+            torch.testing.assert_close(torch.tensor(vectors[1]), want[0])
+
+    asyncio.run(main())

@@ -140,7 +140,7 @@ LONG = "word " * 400
         (f"{CLS}/classify", {"inputs": [["a", ""]]}, "inputs[0][1]", "at least 1 character"),
         (f"{CLS}/classify", {"inputs": [["a", "b", "c"]]}, "inputs[0]", "at most 2"),
         (f"{CLS}/classify", {"inputs": ["x"], "top_k": 0}, "top_k", "greater than or equal"),
-        (f"{CLS}/embed", {"inputs": ["x"], "pooling": "max"}, "pooling", "'cls' or 'mean'"),
+        (f"{CLS}/embed", {"inputs": ["x"], "pooling": "sum"}, "pooling", "'cls', 'mean' or 'max'"),
         (f"{LM}/embed", {"inputs": ["x"]}, None, "causal_lm"),
         (f"{MT}/attention", {"input": ""}, "input", "at least 1 character"),
         (f"{LM}/attention", {"input": LONG}, "inputs[0]", "max_input_tokens"),

@@ -31,6 +31,8 @@ def check_exportable(config: TransformerConfig) -> str:
     """The HF architecture for ``config``; raises ExportError naming the first field that does not fit."""
     exporter = EXPORTERS[config.family]
     check(config, exporter.ARCHITECTURE, exporter.NEEDS)
+    if config.family == "classifier" and not config.num_labels:
+        raise ExportError("num_labels=0 (no classification head) but BertForSequenceClassification needs one")
     if config.pad_id != Tokenizer.pad_id:
         raise ExportError(f"pad_id={config.pad_id} but the exported tokenizer pads with id {Tokenizer.pad_id}")
     return exporter.ARCHITECTURE
