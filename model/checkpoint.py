@@ -27,6 +27,7 @@ from model.causal_lm import CausalLM
 from model.classifier import TransformerClassifier
 from model.config import ConfigError, TransformerConfig
 from model.hf import is_hf_directory, load_hf_checkpoint
+from model.hf.sentence import EmbeddingDefaults
 from model.lora_io import AdapterLayout
 from model.seq2seq import Seq2SeqTransformer
 from model.tokenizer import Tokenizer, TokenizerError
@@ -71,6 +72,7 @@ class Checkpoint:
     path: Path | None = None
     format: str = "tserve"  # "hf": a Hugging Face directory (model.hf), whose tokenizer brings its own template
     adapter_layout: AdapterLayout | None = None  # how PEFT adapters name its modules, when not as ours (HF)
+    embedding: EmbeddingDefaults | None = None  # a sentence-transformers save's pooling and normalization
 
     @property
     def family(self) -> str:
@@ -88,7 +90,7 @@ class Checkpoint:
     def encode_prompts(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of a generative model's input texts: wrapped as PROMPT_SPECIALS says for ours, by the
         tokenizer's own template for a Hugging Face model (what ``tokenizer(text)`` gives there)."""
-        if self.format == "hf":
+        if self.prompt_tokenizer.uses_own_template:
             return self.prompt_tokenizer.encode_templated(texts)
         add_bos, add_eos = PROMPT_SPECIALS[self.family]
         return self.prompt_tokenizer.encode_batch(texts, add_bos=add_bos, add_eos=add_eos)

@@ -57,9 +57,9 @@ class TokenizerError(ValueError):
 class SpecialIds:
     """The ids of an imported tokenizer's special tokens (None where it has no such token)."""
 
-    pad: int
-    bos: int
-    eos: int
+    pad: int | None = None
+    bos: int | None = None
+    eos: int | None = None
     unk: int | None = None
     cls: int | None = None
     sep: int | None = None
@@ -67,8 +67,9 @@ class SpecialIds:
 
 
 class Tokenizer:
-    """Byte-level BPE tokenizer: ours (the project's special tokens at ids 0..6), or an imported one whose
-    special ids are given (a Hugging Face GPT-2 tokenizer.json)."""
+    """Ours: byte-level BPE with the project's special tokens at ids 0..6. Or an imported Hugging Face
+    tokenizer.json (GPT-2's byte-level BPE, BERT's WordPiece, ...) with its special ids given: it encodes
+    inputs by its own template (``uses_own_template``), as ``tokenizer(text)`` does in `transformers`."""
 
     # Ours: fixed by SPECIAL_TOKENS and verified in __init__; an imported tokenizer sets its own.
     pad_id: int | None = 0
@@ -81,21 +82,18 @@ class Tokenizer:
 
     def __init__(self, backend: tokenizers.Tokenizer, specials: SpecialIds | None = None) -> None:
         """Wrap ``backend``; raises TokenizerError unless it is byte-level BPE with our specials (or, with
-        ``specials``, with those ids inside its vocabulary)."""
-        _check_byte_level(backend)
+        ``specials``, an imported tokenizer with those ids inside its vocabulary)."""
         if specials is None:
+            _check_byte_level(backend)
             _check_special_tokens(backend)
         else:
             self._use_specials(backend, specials)
+        self.uses_own_template = specials is not None
         backend.encode_special_tokens = True  # literal "[MASK]" in text stays plain text
         self._backend = backend
         added = backend.get_added_tokens_decoder()
         self._added_ids = frozenset(added)
-        # Byte-level pieces are one character per byte; added tokens are stored as raw text.
-        self._max_token_bytes = max(
-            [len(piece) for piece in backend.get_vocab(with_added_tokens=False)]
-            + [len(token.content.encode("utf-8")) for token in added.values()]
-        )
+        self._max_token_bytes = _max_token_bytes(backend, added.values())
 
     @classmethod
     def train(
@@ -195,8 +193,9 @@ class Tokenizer:
 
     @property
     def max_token_bytes(self) -> int:
-        """The most UTF-8 bytes of text one token covers. Byte-level BPE without a normalizer is lossless, so a
-        text of n bytes needs at least n / max_token_bytes tokens: a length bound known before encoding."""
+        """The most UTF-8 bytes of text one token covers: a length bound known before encoding. Byte-level BPE
+        without a normalizer is lossless, so there a text of n bytes needs at least n / max_token_bytes tokens;
+        a tokenizer that drops text (WordPiece's whitespace) can fit more, and the bound is then a size cap."""
         return self._max_token_bytes
 
     @property
@@ -222,7 +221,11 @@ class Tokenizer:
         return [e.ids for e in self._backend.encode_batch_fast(list(texts), add_special_tokens=True)]
 
     def encode_pair(self, text_a: str, text_b: str | None = None) -> tuple[list[int], list[int]]:
-        """BERT layout ``[CLS] a [SEP] (b [SEP])``; returns ``(ids, segment_ids)``, segment 1 for b."""
+        """BERT layout ``[CLS] a [SEP] (b [SEP])`` (an imported tokenizer's own pair template); returns
+        ``(ids, segment_ids)``, segment 1 for b."""
+        if self.uses_own_template:
+            encoding = self._backend.encode(text_a, text_b, add_special_tokens=True)
+            return encoding.ids, encoding.type_ids
         ids = [self.cls_id, *self.encode(text_a), self.sep_id]
         segments = [0] * len(ids)
         if text_b is not None:
@@ -275,6 +278,18 @@ def _frequent_placeholders(texts: Iterable[str], min_frequency: int, limit: int)
     counts = Counter(m for text in texts for m in PLACEHOLDER_PATTERN.findall(text))
     ranked = sorted((p for p, n in counts.items() if n >= min_frequency), key=lambda p: (-counts[p], p))
     return ranked[:limit]
+
+
+def _max_token_bytes(backend: tokenizers.Tokenizer, added: Iterable[AddedToken]) -> int:
+    """The most UTF-8 bytes one token of ``backend`` covers (see ``Tokenizer.max_token_bytes``)."""
+    pieces = backend.get_vocab(with_added_tokens=False)
+    if isinstance(backend.pre_tokenizer, pre_tokenizers.ByteLevel):
+        longest = max(map(len, pieces))  # byte-level pieces are one character per byte
+    else:  # a prefix such as "##" or "▁" only makes this bound looser
+        longest = max(len(piece.encode("utf-8")) for piece in pieces)
+    if isinstance(backend.model, models.WordPiece):  # a longer word is one [UNK]
+        longest = max(longest, 4 * backend.model.max_input_chars_per_word)
+    return max([longest] + [len(token.content.encode("utf-8")) for token in added])
 
 
 def _check_byte_level(backend: tokenizers.Tokenizer) -> None:

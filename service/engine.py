@@ -29,6 +29,7 @@ from model.checkpoint import Checkpoint, load_checkpoint, parameter_count
 from model.classifier import POOLINGS
 from model.decoding import GenerationConfig
 from model.generation import generate_seq2seq
+from model.hf.sentence import EmbeddingDefaults
 from model.layout import use_input_major_weights
 from model.quantize import mode_for, quantize
 from model.tokenizer import Tokenizer
@@ -120,7 +121,7 @@ class ModelWorker:
         else:
             if self.config.num_labels:
                 await self.classify(["warm up"], None, None, request_id)
-            await self.embed(["warm up"], "mean", request_id)
+            await self.embed(["warm up"], None, request_id)
 
     # ---- requests ---------------------------------------------------------------------------------
 
@@ -189,16 +190,23 @@ class ModelWorker:
         self._submit(job)
         return await job.wait()
 
-    async def embed(self, inputs: list[str], pooling: str, request_id: str) -> list[list[float]]:
+    async def embed(self, inputs: list[str], pooling: str | None, request_id: str,
+                    normalize: bool | None = None) -> list[list[float]]:
+        """One vector per input; ``pooling`` and ``normalize`` default to the model's (a sentence-transformers
+        save's modules), else mean pooling, not normalized."""
         self._require("embed", ("classifier",))
         self._check_count(inputs)
+        defaults = self.checkpoint.embedding or EmbeddingDefaults()
+        pooling = defaults.pooling if pooling is None else pooling
+        normalize = defaults.normalize if normalize is None else normalize
         if pooling not in POOLINGS:
             raise InvalidRequest(f"pooling: must be one of {list(POOLINGS)}, got {pooling!r}")
         tok = self.checkpoint.tokenizer
         texts = [self._check_size(f"inputs[{i}]", self._text(i, t), tok, self.max_input_tokens)
                  for i, t in enumerate(inputs)]
         encoded = await self._tokenize(lambda: [self._check_length(i, tok.encode_pair(t)) for i, t in enumerate(texts)])
-        job = PoolingJob(request_id, self.settings.request_timeout_s, "embed", encoded, pooling=pooling)
+        job = PoolingJob(request_id, self.settings.request_timeout_s, "embed", encoded, pooling=pooling,
+                         normalize=normalize)
         self._submit(job)
         return await job.wait()
 
@@ -299,10 +307,10 @@ class ModelWorker:
                     limit: str = "max_input_tokens") -> str:
         """``text`` if its bytes could fit ``max_tokens`` tokens (the setting or field ``limit``), checked before
         it is encoded."""
-        size = len(text.encode("utf-8", "surrogatepass"))
-        if size > max_tokens * tokenizer.max_token_bytes:
-            raise InvalidRequest(f"{field}: {size} bytes cannot fit in {max_tokens} tokens ({limit}; one token "
-                                 f"of this model covers at most {tokenizer.max_token_bytes} bytes)")
+        size, allowed = len(text.encode("utf-8", "surrogatepass")), max_tokens * tokenizer.max_token_bytes
+        if size > allowed:
+            raise InvalidRequest(f"{field}: {size} bytes, over the {allowed} that {max_tokens} tokens ({limit}) "
+                                 f"allow: one token of this model covers at most {tokenizer.max_token_bytes} bytes")
         return text
 
     def _check_length(self, i: int, encoded: Any) -> Any:

@@ -114,11 +114,13 @@ class PoolingJob(Job):
     """Classification or embedding of several inputs, batched with other jobs' inputs."""
 
     def __init__(self, request_id: str, timeout_s: float, endpoint: str, inputs: list[tuple[list[int], list[int]]],
-                 adapter: AdapterVersion | None = None, pooling: str = "mean", top_k: int | None = None) -> None:
+                 adapter: AdapterVersion | None = None, pooling: str = "mean", top_k: int | None = None,
+                 normalize: bool = False) -> None:
         super().__init__(request_id, timeout_s, adapter)
         self.endpoint = endpoint  # "classify" | "embed"
         self.inputs = inputs  # (ids, segment ids) per input
         self.pooling = pooling
+        self.normalize = normalize  # embed: unit-length vectors
         self.top_k = top_k
 
     @property

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from model.tokenizer import pad_batch
@@ -49,8 +50,7 @@ class PoolingScheduler(Scheduler):
             self._run_group(classify, self._classify, self._classify_output)
         for pooling in sorted({j.pooling for j in jobs if j.endpoint == "embed"}):
             group = [j for j in jobs if j.endpoint == "embed" and j.pooling == pooling]
-            self._run_group(group, lambda ids, seg, p=pooling: self.model.embed_texts(ids, seg, p),
-                            lambda job, out: out.float().tolist())
+            self._run_group(group, lambda ids, seg, p=pooling: self.model.embed_texts(ids, seg, p), _vectors)
         self._taken = []
         self.metrics.running.labels(self.name).set(0)
 
@@ -98,3 +98,9 @@ class PoolingScheduler(Scheduler):
             top = ranked[: job.top_k] if job.top_k else ranked
             outputs.append(ClassifyOutput(ranked[0][0], ranked[0][1], dict(top)))
         return outputs
+
+
+def _vectors(job: PoolingJob, out: torch.Tensor) -> list[list[float]]:
+    """An embed job's vectors, unit length when it asks for it."""
+    out = out.float()
+    return (F.normalize(out, dim=-1) if job.normalize else out).tolist()

@@ -198,8 +198,13 @@ class ClassifyResponse(BaseModel):
 
 class EmbedRequest(RequestModel):
     inputs: list[Text] = Field(min_length=1)
-    pooling: Literal["cls", "mean", "max"] = Field(
-        "mean", description="cls: the [CLS] state; mean / max: over the input's tokens (padding excluded)."
+    pooling: Literal["cls", "mean", "max"] | None = Field(
+        None, description="cls: the [CLS] state; mean / max: over the input's tokens (padding excluded). Default: "
+        "the model's (a sentence-transformers model's Pooling module), else mean."
+    )
+    normalize: bool | None = Field(
+        None, description="Unit-length vectors. Default: the model's (a sentence-transformers Normalize module), "
+        "else false."
     )
 
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from model.config import TransformerConfig
 from model.hf.common import CONFIG_FILE, HFImportError, read_config, read_weights
+from model.hf.sentence import embedding_defaults
 from model.hf.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
@@ -74,8 +75,12 @@ def load_hf_checkpoint(
     tokenizer = load_tokenizer(directory, config)
     torch_device = resolve_device(device)
     model.to(device=torch_device, dtype=resolve_dtype(dtype, torch_device)).eval()
-    layout = getattr(_importer(read_config(directory)), "ADAPTER_LAYOUT", None)  # PEFT adapters' module names
-    return Checkpoint(model, config, tokenizer, path=directory, format="hf", adapter_layout=layout)
+    hf = read_config(directory)
+    importer = _importer(hf)
+    labels = importer.labels(hf) if hasattr(importer, "labels") else None
+    return Checkpoint(model, config, tokenizer, labels=labels, path=directory, format="hf",
+                      adapter_layout=getattr(importer, "ADAPTER_LAYOUT", None),  # PEFT adapters' module names
+                      embedding=embedding_defaults(directory))
 
 
 __all__ = ["HFImportError", "is_hf_directory", "load_hf_checkpoint", "load_hf_model"]

@@ -1,12 +1,16 @@
-"""A Hugging Face directory's ``tokenizer.json`` as our Tokenizer, with the model's own special ids.
+"""A Hugging Face directory's ``tokenizer.json`` as our Tokenizer, with the model's own special tokens.
 
-Byte-level BPE only for now (GPT-2's layout); WordPiece (BERT) and SentencePiece (Marian) tokenizers are
-refused with a message that says so. Nothing but tokenizer.json is read (no pickle, no vocab.txt merges).
+Any `tokenizers` file (GPT-2's byte-level BPE, BERT's WordPiece with its normalizer): it encodes inputs by
+its own template, as ``tokenizer(text)`` does in `transformers`. Special tokens: the ids config.json names
+(pad, bos, eos) win; the others come from tokenizer_config.json / special_tokens_map.json by their text.
+Only JSON is read (no pickle, no sentencepiece model files yet).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import tokenizers
 
@@ -15,31 +19,64 @@ from model.hf.common import HFImportError
 from model.tokenizer import SpecialIds, Tokenizer, TokenizerError
 
 TOKENIZER_FILE = "tokenizer.json"
+TOKEN_FILES = ("tokenizer_config.json", "special_tokens_map.json")  # the first that names a token wins
 MAX_TOKENIZER_BYTES = 64 << 20  # GPT-2's is 1.4 MB; multilingual vocabularies reach ~20 MB
+MAX_TOKEN_FILE_BYTES = 1 << 20
+ROLES = ("pad", "bos", "eos", "unk", "cls", "sep", "mask")
 
 
 def load_tokenizer(directory: Path, config: TransformerConfig) -> Tokenizer:
-    """``directory``'s tokenizer.json with the special ids of ``config`` (pad, bos, eos)."""
-    path = directory / TOKENIZER_FILE
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_TOKENIZER_BYTES + 1)
-    except OSError as exc:
-        raise HFImportError(f"{TOKENIZER_FILE}: cannot read it ({exc.strerror or exc}); a Hugging Face model "
-                            "directory needs its tokenizer.json beside config.json") from None
-    if len(raw) > MAX_TOKENIZER_BYTES:
-        raise HFImportError(f"{TOKENIZER_FILE}: over {MAX_TOKENIZER_BYTES} bytes")
+    """``directory``'s tokenizer.json with its special ids (see the module docstring)."""
+    raw = _read(directory / TOKENIZER_FILE, MAX_TOKENIZER_BYTES, "a Hugging Face model directory needs its "
+                "tokenizer.json beside config.json")
     try:
         backend = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
     except Exception as exc:  # tokenizers raises a bare Exception for bad JSON or schema
         raise HFImportError(f"{TOKENIZER_FILE}: not a tokenizers file: {str(exc)[:200]}") from None
-    specials = SpecialIds(pad=config.pad_id, bos=getattr(config, "bos_id", config.pad_id),
-                          eos=getattr(config, "eos_id", config.pad_id))
     try:
-        tokenizer = Tokenizer(backend, specials)
+        tokenizer = Tokenizer(backend, _special_ids(directory, backend, config))
     except TokenizerError as exc:
         raise HFImportError(f"{TOKENIZER_FILE}: {exc}") from None
     if tokenizer.vocab_size > config.vocab_size:
         raise HFImportError(f"{TOKENIZER_FILE}: {tokenizer.vocab_size} tokens, more than the model's vocab_size "
                             f"{config.vocab_size}")
     return tokenizer
+
+
+def _special_ids(directory: Path, backend: tokenizers.Tokenizer, config: TransformerConfig) -> SpecialIds:
+    named: dict[str, Any] = {}
+    for name in reversed(TOKEN_FILES):  # tokenizer_config.json's entries override special_tokens_map.json's
+        path = directory / name
+        if path.is_file():
+            named |= {k: v for k, v in _json(path).items() if k.endswith("_token")}
+    ids = {}
+    for role in ROLES:
+        token = named.get(f"{role}_token")
+        text = token.get("content") if isinstance(token, dict) else token  # an AddedToken's fields, or its text
+        ids[role] = backend.token_to_id(text) if isinstance(text, str) else None
+    ids["pad"] = config.pad_id
+    for role in ("bos", "eos"):  # the model's own start/end ids (generative families) win over the files'
+        ids[role] = getattr(config, f"{role}_id", ids[role])
+    return SpecialIds(**ids)
+
+
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(_read(path, MAX_TOKEN_FILE_BYTES, "").decode("utf-8"))
+    except (ValueError, RecursionError) as exc:
+        raise HFImportError(f"{path.name}: not valid JSON: {str(exc)[:200]}") from None
+    if not isinstance(data, dict):
+        raise HFImportError(f"{path.name}: expected a JSON object")
+    return data
+
+
+def _read(path: Path, limit: int, hint: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(limit + 1)
+    except OSError as exc:
+        raise HFImportError(f"{path.name}: cannot read it ({exc.strerror or exc}){'; ' + hint if hint else ''}") \
+            from None
+    if len(raw) > limit:
+        raise HFImportError(f"{path.name}: over {limit} bytes")
+    return raw

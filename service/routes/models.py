@@ -116,8 +116,8 @@ async def classify(req: ClassifyRequest, request: Request, worker: Worker, rid: 
 
 @router.post("/{model}/embed", name="embed", response_model=EmbedResponse, responses=errors(*_COMMON))
 async def embed(req: EmbedRequest, worker: Worker, rid: RequestId) -> EmbedResponse:
-    """One vector per input: the encoder's [CLS] state or the mean over tokens."""
-    vectors = await worker.embed(req.inputs, req.pooling, rid)
+    """One vector per input: the encoder's [CLS] state, or the mean or max over its tokens."""
+    vectors = await worker.embed(req.inputs, req.pooling, rid, req.normalize)
     return EmbedResponse(embeddings=vectors, dimensions=len(vectors[0]) if vectors else 0)
 
 

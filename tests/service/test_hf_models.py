@@ -4,7 +4,10 @@ The GPT-2 directory is what `transformers` writes: a random GPT2LMHeadModel and 
 here in GPT-2's layout (<|endoftext|> last), both through save_pretrained; its adapters are what `peft`
 writes (random non-zero A and B on c_attn / c_proj / c_fc, Conv1D's fan_in_fan_out, one rank-stabilised).
 The service must answer what `tokenizer(text)` + `generate()` in `transformers` (and `peft`) give, token
-for token, also with the adapters mixed in one batch.
+for token, also with the adapters mixed in one batch. The BERT directories hold a WordPiece tokenizer trained
+here (lower-casing, accents stripped, the [CLS] a [SEP] b [SEP] template): a BertForSequenceClassification
+whose probabilities must equal transformers', and a BertModel saved as sentence-transformers lays it out
+(max pooling, Normalize) whose /embed vectors must equal transformers' hidden states pooled that way.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from tests.hf_compare import randomize
 from tests.service.fixtures import LM
@@ -29,6 +32,11 @@ EOT = "<|endoftext|>"
 CORPUS = ["def add(x, y):\n    return x + y\n", "the quick brown fox jumps over the lazy dog", "print('hello')",
           "for i in range(10):\n    total += i\n"] * 20
 PROMPTS = ["def add(", "the quick", "for i in"]
+TEXTS = ["The quick brown fox", "Élan vital, déjà vu", "print('hello')"]
+PAIRS = [["the fox", "jumps over the dog"], ["Hello", "WORLD"]]
+LABELS = ["negative", "neutral", "positive"]
+BERT_SPECIALS = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]",
+                 "mask_token": "[MASK]"}
 NEW_TOKENS = 8
 ADAPTERS = {  # name -> PEFT LoraConfig fields
     "all-projections": dict(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj", "c_fc"]),
@@ -53,6 +61,43 @@ def gpt2_directory(directory: Path) -> Path:
     config = transformers.GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=2, n_head=4,
                                      bos_token_id=eot, eos_token_id=eot)
     randomize(transformers.GPT2LMHeadModel(config), seed=5, eos_id=eot, eos_boost=2.5).save_pretrained(directory)
+    return directory
+
+
+def bert_directory(directory: Path, head: bool) -> Path:
+    """A random BERT (BertForSequenceClassification, or a headless BertModel) with a WordPiece tokenizer."""
+    backend = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    backend.normalizer = normalizers.BertNormalizer(lowercase=True, strip_accents=True)
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece()
+    backend.train_from_iterator(CORPUS + TEXTS, trainers.WordPieceTrainer(
+        vocab_size=200, special_tokens=list(BERT_SPECIALS.values()), show_progress=False))
+    cls, sep = backend.token_to_id("[CLS]"), backend.token_to_id("[SEP]")
+    backend.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, model_input_names=["input_ids", "token_type_ids", "attention_mask"], **BERT_SPECIALS)
+    tokenizer.save_pretrained(directory)
+    config = transformers.BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, intermediate_size=48, max_position_embeddings=64,
+                                     pad_token_id=tokenizer.pad_token_id, id2label=dict(enumerate(LABELS)),
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = transformers.BertForSequenceClassification(config) if head else transformers.BertModel(config)
+    randomize(model, seed=7).save_pretrained(directory)
+    return directory
+
+
+def sentence_transformers_layout(directory: Path) -> Path:
+    """modules.json, 1_Pooling/config.json (max pooling) and 2_Normalize, as sentence-transformers saves them."""
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    (directory / "modules.json").write_text(json.dumps(modules))
+    (directory / "1_Pooling").mkdir()
+    (directory / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 32, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": False,
+         "pooling_mode_max_tokens": True, "pooling_mode_mean_sqrt_len_tokens": False}))
+    (directory / "2_Normalize").mkdir()
     return directory
 
 
@@ -91,6 +136,8 @@ def served(models_dir, tmp_path_factory):
     for seed, (name, fields) in enumerate(ADAPTERS.items()):
         peft_adapter(gpt2, root / "adapters" / "gpt2-hf" / name, seed, **fields)
     os.symlink(models_dir / LM, root / "models" / LM)
+    bert_directory(root / "models" / "bert-cls", head=True)
+    sentence_transformers_layout(bert_directory(root / "models" / "bert-embed", head=False))
     broken = root / "models" / "broken-hf"
     broken.mkdir()
     (broken / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
@@ -102,7 +149,8 @@ def test_an_hf_directory_is_listed_as_hf_beside_our_checkpoints(served):
     client, _, _ = served
     listing = client.get("/v1/models").json()
     formats = {m["name"]: (m["format"], m["family"]) for m in listing["data"]}
-    assert formats == {"gpt2-hf": ("hf", "causal_lm"), LM: ("tserve", "causal_lm")}
+    assert formats == {"gpt2-hf": ("hf", "causal_lm"), LM: ("tserve", "causal_lm"),
+                       "bert-cls": ("hf", "classifier"), "bert-embed": ("hf", "classifier")}
     (failed,) = listing["failed"]
     assert failed["name"] == "broken-hf" and "model_type='llama' is not supported" in failed["error"]
 
@@ -145,3 +193,37 @@ def test_peft_adapters_of_an_hf_gpt2_give_peft_outputs_mixed_in_one_batch(served
     with ThreadPoolExecutor(len(adapters_sent)) as pool:
         got = list(pool.map(generate, adapters_sent))
     assert got == [wanted[a] for a in adapters_sent]
+
+
+def test_an_hf_bert_classifier_gives_transformers_probabilities(served):
+    client, gpt2, _ = served
+    directory = gpt2.parent / "bert-cls"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    model = transformers.BertForSequenceClassification.from_pretrained(directory).eval()
+    response = client.post("/v1/models/bert-cls/classify", json={"inputs": [*TEXTS, *PAIRS]})
+    assert response.status_code == 200, response.text
+    for item, output in zip([*TEXTS, *PAIRS], response.json()["outputs"], strict=True):
+        batch = tokenizer(*([item] if isinstance(item, str) else item), return_tensors="pt")
+        with torch.no_grad():
+            probs = torch.softmax(model(**batch).logits[0], dim=-1)
+        assert list(output["probabilities"]) == sorted(LABELS, key=lambda name: -probs[LABELS.index(name)])
+        for name, p in output["probabilities"].items():
+            assert abs(p - float(probs[LABELS.index(name)])) < 1e-5, (item, name)
+
+
+def test_an_hf_sentence_transformers_embedder_pools_and_normalizes_as_configured(served):
+    client, gpt2, _ = served
+    directory = gpt2.parent / "bert-embed"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    model = transformers.BertModel.from_pretrained(directory).eval()
+    response = client.post("/v1/models/bert-embed/embed", json={"inputs": TEXTS})
+    assert response.status_code == 200, response.text
+    for text, vector in zip(TEXTS, response.json()["embeddings"], strict=True):
+        with torch.no_grad():
+            hidden = model(**tokenizer(text, return_tensors="pt")).last_hidden_state[0].double()
+        want = torch.nn.functional.normalize(hidden.amax(0), dim=0)  # max pooling, then Normalize
+        got = torch.tensor(vector, dtype=torch.float64)
+        assert torch.dot(got, want) / got.norm() > 0.99999 and abs(float(got.norm()) - 1) < 1e-5
+    refused = client.post("/v1/models/bert-embed/classify", json={"inputs": ["x"]})
+    assert refused.status_code == 422 and "no classification head" in refused.json()["error"]["message"]
+

@@ -1,0 +1,80 @@
+"""sentence-transformers' modules.json: which pooling an embedding model uses, and whether it normalizes.
+
+A directory saved by sentence-transformers holds the Transformer at its root, ``modules.json`` listing the
+modules in order, and ``1_Pooling/config.json`` naming the pooling (cls, mean or max here), then optionally
+a Normalize module (unit-length vectors). Modules that change the vectors otherwise (Dense, weighted-mean or
+last-token pooling) are refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from model.hf.common import HFImportError
+
+MODULES_FILE = "modules.json"
+MAX_FILE_BYTES = 1 << 16
+TRANSFORMER, POOLING, NORMALIZE = (f"sentence_transformers.models.{m}" for m in ("Transformer", "Pooling", "Normalize"))
+POOLING_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean", "pooling_mode_max_tokens": "max"}
+UNSUPPORTED_MODES = ("pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens",
+                     "pooling_mode_lasttoken")
+
+
+@dataclass(frozen=True)
+class EmbeddingDefaults:
+    """How an embedding model's vectors are made when a request does not say."""
+
+    pooling: str = "mean"  # model.classifier.POOLINGS
+    normalize: bool = False  # unit length (sentence-transformers' Normalize module)
+
+
+def embedding_defaults(directory: Path) -> EmbeddingDefaults | None:
+    """The defaults ``directory``'s modules.json names; None when it has none (not a sentence-transformers save)."""
+    if not (directory / MODULES_FILE).is_file():
+        return None
+    modules = _json(directory / MODULES_FILE)
+    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+        raise HFImportError(f"{MODULES_FILE}: expected a list of modules")
+    pooling, normalize = "mean", False
+    for module in modules:
+        kind = module.get("type")
+        if kind == POOLING:
+            pooling = _pooling(directory, module.get("path"))
+        elif kind == NORMALIZE:
+            normalize = True
+        elif kind != TRANSFORMER:
+            raise HFImportError(f"{MODULES_FILE}: module {str(kind)[:80]!r} is not supported (only Transformer, "
+                                "Pooling and Normalize)")
+    return EmbeddingDefaults(pooling, normalize)
+
+
+def _pooling(directory: Path, path: Any) -> str:
+    if not isinstance(path, str) or Path(path).is_absolute() or ".." in Path(path).parts:
+        raise HFImportError(f"{MODULES_FILE}: the Pooling module's path {str(path)[:80]!r} must lie in the directory")
+    config = _json(directory / path / "config.json")
+    if not isinstance(config, dict):
+        raise HFImportError(f"{path}/config.json: expected a JSON object")
+    used = [mode for mode in UNSUPPORTED_MODES if config.get(mode)]
+    if used:
+        raise HFImportError(f"{path}/config.json: {used[0]} is not supported (cls, mean or max pooling)")
+    chosen = [pooling for mode, pooling in POOLING_MODES.items() if config.get(mode)]
+    if len(chosen) != 1:
+        raise HFImportError(f"{path}/config.json: expected exactly one of {sorted(POOLING_MODES)}, got {chosen}")
+    return chosen[0]
+
+
+def _json(path: Path) -> Any:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise HFImportError(f"{path.name}: cannot read it ({exc.strerror or exc})") from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise HFImportError(f"{path.name}: over {MAX_FILE_BYTES} bytes")
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise HFImportError(f"{path.name}: not valid JSON: {str(exc)[:200]}") from None
