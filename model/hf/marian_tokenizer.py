@@ -1,0 +1,156 @@
+"""OPUS-MT's tokenizer files (source.spm, target.spm, vocab.json) as `transformers`' MarianTokenizer reads them.
+
+A text is split into SentencePiece pieces by source.spm (a leading ``>>xx<<`` language code is one token), the
+pieces are looked up in vocab.json (``<unk>`` for a piece it lacks: Marian's vocabulary is not the
+SentencePiece model's) and ``</s>`` is appended. Outputs are decoded with target.spm over the target
+vocabulary (``target_vocab.json`` when tokenizer_config.json says ``separate_vocabs``). The .spm files are
+SentencePiece protobufs and the vocabularies JSON: nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import sentencepiece
+
+from model.hf.common import HFImportError
+
+SOURCE_SPM, TARGET_SPM, VOCAB, TARGET_VOCAB = "source.spm", "target.spm", "vocab.json", "target_vocab.json"
+CONFIG = "tokenizer_config.json"
+MAX_FILE_BYTES = 64 << 20  # OPUS-MT's vocab.json is ~1.5 MB, each .spm ~0.8 MB
+MAX_UNKNOWN_BYTES = 4  # a character neither vocabulary knows is one <unk>: at most 4 UTF-8 bytes
+SPIECE_UNDERLINE = "\u2581"
+
+
+class MarianSideTokenizer:
+    """One side of an OPUS-MT tokenizer (source: encodes; target: decodes), with our Tokenizer's interface."""
+
+    uses_own_template = True  # inputs are pieces + </s>, as tokenizer(text) gives them in transformers
+    bos_id = cls_id = sep_id = mask_id = None
+
+    def __init__(self, spm: sentencepiece.SentencePieceProcessor, vocab: dict[str, int], tokens: dict[str, str]
+                 ) -> None:
+        self._spm = spm
+        self._vocab = vocab
+        self._pieces = {i: piece for piece, i in vocab.items()}
+        self.unk_id, self.eos_id, self.pad_id = (self._special(vocab, tokens, role) for role in ("unk", "eos", "pad"))
+        self._specials = frozenset(i for i in (self.unk_id, self.eos_id, self.pad_id) if i is not None)
+        self.max_token_bytes = max(MAX_UNKNOWN_BYTES, *(len(piece.encode("utf-8")) for piece in vocab))
+
+    @staticmethod
+    def _special(vocab: dict[str, int], tokens: dict[str, str], role: str) -> int:
+        text = tokens[role]
+        if text not in vocab:
+            raise HFImportError(f"{VOCAB}: the {role} token {text!r} is not in the vocabulary")
+        return vocab[text]
+
+    @property
+    def vocab_size(self) -> int:
+        return max(self._pieces) + 1
+
+    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        """Ids of ``text``'s pieces (``add_eos``: then ``</s>``; there is no start token)."""
+        if add_bos:
+            raise ValueError("an OPUS-MT tokenizer has no start token")
+        code = []
+        if text.startswith(">>") and (end := text.find("<<")) != -1:  # a target-language code: one token
+            code, text = [self._vocab.get(text[: end + 2], self.unk_id)], text[end + 2 :]
+        ids = code + [self._vocab.get(p, self.unk_id) for p in self._spm.encode(text, out_type=str)]
+        return ids + [self.eos_id] * add_eos
+
+    def encode_batch(self, texts: Sequence[str], add_bos: bool = False, add_eos: bool = False) -> list[list[int]]:
+        return [self.encode(t, add_bos, add_eos) for t in texts]
+
+    def encode_templated(self, texts: Sequence[str]) -> list[list[int]]:
+        """What MarianTokenizer's ``tokenizer(text)`` gives: the pieces' ids, then ``</s>``."""
+        return self.encode_batch(texts, add_eos=True)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids`` as MarianTokenizer decodes it (special tokens between pieces kept when not skipped)."""
+        out, run = "", []
+        for i in map(int, ids):
+            piece = self._pieces.get(i)
+            if piece is None or (skip_special_tokens and i in self._specials):
+                continue
+            if i in self._specials:
+                out += self._spm.decode_pieces(run) + piece + " "
+                run = []
+            else:
+                run.append(piece)
+        out += self._spm.decode_pieces(run)
+        return out.replace(SPIECE_UNDERLINE, " ").strip()
+
+    def decode_batch(self, seqs: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
+        return [self.decode(s, skip_special_tokens) for s in seqs]
+
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """Readable piece per id (the SentencePiece word mark shown as a space)."""
+        pieces = []
+        for i in map(int, ids):
+            if i not in self._pieces:
+                raise ValueError(f"token id {i} is outside the vocabulary (size {self.vocab_size})")
+            pieces.append(self._pieces[i].replace(SPIECE_UNDERLINE, " "))
+        return pieces
+
+
+def is_marian_tokenizer(directory: Path) -> bool:
+    return (directory / SOURCE_SPM).is_file()
+
+
+def load_marian_tokenizers(directory: Path) -> tuple[MarianSideTokenizer, MarianSideTokenizer]:
+    """(source side, target side) of ``directory``'s OPUS-MT tokenizer."""
+    config = _json(directory / CONFIG) if (directory / CONFIG).is_file() else {}
+    tokens = {role: _token(config.get(f"{role}_token"), default)
+              for role, default in (("unk", "<unk>"), ("eos", "</s>"), ("pad", "<pad>"))}
+    vocab = _vocab(directory / VOCAB)
+    target_vocab = _vocab(directory / TARGET_VOCAB) if config.get("separate_vocabs") else vocab
+    return (MarianSideTokenizer(_spm(directory / SOURCE_SPM), vocab, tokens),
+            MarianSideTokenizer(_spm(directory / TARGET_SPM), target_vocab, tokens))
+
+
+def _token(value: Any, default: str) -> str:
+    text = value.get("content") if isinstance(value, dict) else value  # an AddedToken's fields, or its text
+    return text if isinstance(text, str) else default
+
+
+def _read(path: Path) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise HFImportError(f"{path.name}: cannot read it ({exc.strerror or exc}); an OPUS-MT directory needs "
+                            f"{SOURCE_SPM}, {TARGET_SPM} and {VOCAB}") from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise HFImportError(f"{path.name}: over {MAX_FILE_BYTES} bytes")
+    return raw
+
+
+def _spm(path: Path) -> sentencepiece.SentencePieceProcessor:
+    processor = sentencepiece.SentencePieceProcessor()
+    try:
+        processor.LoadFromSerializedProto(_read(path))
+    except (RuntimeError, OSError, ValueError) as exc:
+        raise HFImportError(f"{path.name}: not a SentencePiece model: {str(exc)[:200]}") from None
+    return processor
+
+
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(_read(path))
+    except (ValueError, RecursionError) as exc:
+        raise HFImportError(f"{path.name}: not valid JSON: {str(exc)[:200]}") from None
+    if not isinstance(data, dict):
+        raise HFImportError(f"{path.name}: expected a JSON object")
+    return data
+
+
+def _vocab(path: Path) -> dict[str, int]:
+    vocab = _json(path)
+    ids = list(vocab.values())
+    if not vocab or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids) \
+            or len(set(ids)) != len(ids):
+        raise HFImportError(f"{path.name}: expected distinct non-negative integer ids")
+    return vocab
