@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 POSITIONS = ("sinusoidal", "learned")
 NORMS = ("pre", "post")
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
 
 
 class ConfigError(ValueError):
@@ -34,7 +34,7 @@ class TransformerConfig:
     max_len: int = 512  # longest sequence the positional encoding covers
     positions: str = "sinusoidal"  # "sinusoidal" (the paper) or "learned" (GPT-2, BERT)
     norm: str = "pre"  # "pre": x + f(LN(x)); "post" (the paper): LN(x + f(x))
-    activation: str = "relu"  # "relu" (the paper), "gelu" (BERT), "gelu_tanh" (GPT-2)
+    activation: str = "relu"  # "relu" (the paper), "gelu" (BERT), "gelu_tanh" (GPT-2), "silu" (OPUS-MT's swish)
     bias: bool = True  # biases in the attention and feed-forward projections
     scale_embeddings: bool = True  # multiply token embeddings by sqrt(d_model) (the paper)
     tie_embeddings: bool = True  # output projection shares the token embedding matrix
@@ -94,6 +94,7 @@ class Seq2SeqConfig(TransformerConfig):
     max_src_len: int = 256  # longest accepted source, in tokens
     bos_id: int = 1  # decoder start token
     eos_id: int = 2
+    head_bias: bool = False  # a bias on the output logits (Marian's final_logits_bias)
 
     family: ClassVar[str] = "seq2seq"
 

@@ -166,7 +166,7 @@ def _watched(stack: LayerStack) -> list[tuple[dict, str, object]]:
     return watched
 
 
-_ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_tanh": 2}  # decode_step.cpp's Activation
+_ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}  # elementwise.cpp's Activation
 _ABSENT = torch.empty(0)  # decode_step.cpp's "no tensor here" (a missing bias, mask or norm)
 
 

@@ -72,9 +72,11 @@ class FeedForward(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def activate(self, h: torch.Tensor) -> torch.Tensor:
-        """The configured nonlinearity: ReLU, GELU, or GELU's tanh approximation."""
+        """The configured nonlinearity: ReLU, GELU, GELU's tanh approximation, or SiLU (swish)."""
         if self.activation == "relu":
             return F.relu(h)
+        if self.activation == "silu":
+            return F.silu(h)
         return F.gelu(h, approximate="tanh" if self.activation == "gelu_tanh" else "none")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

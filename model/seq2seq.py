@@ -22,7 +22,7 @@ class Seq2SeqTransformer(nn.Module):
         self.src_embed = self.tgt_embed if shared else Embeddings(config, config.src_vocab_size)
         self.encoder = LayerStack(config, config.n_encoder_layers)
         self.decoder = LayerStack(config, config.n_decoder_layers, cross_attention=True)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=config.head_bias)
         init_weights(self)
         if config.scale_embeddings:
             for embed in {id(self.tgt_embed): self.tgt_embed, id(self.src_embed): self.src_embed}.values():

@@ -22,7 +22,8 @@ WEIGHTS_FILE = "model.safetensors"
 PICKLE_WEIGHTS = ("pytorch_model.bin", "model.bin", "model.pt", "model.pth")
 MAX_CONFIG_BYTES = 1 << 20  # HF configs are a few KB
 # HF activation names (transformers' ACT2FN) that our ACTIVATIONS compute exactly.
-ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
+               "silu": "silu", "swish": "silu"}
 
 Tensors = dict[str, torch.Tensor]
 
@@ -106,8 +107,9 @@ def read_weights(directory: Path) -> Tensors:
         raise HFImportError(f"{WEIGHTS_FILE}: not a readable safetensors file: {str(exc)[:200]}") from None
 
 
-def take(tensors: Tensors, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """``tensors[name]`` as float, checked to have ``shape``."""
+def take(tensors: Tensors, name: str, shape: tuple[int, ...], minus_inf: bool = False) -> torch.Tensor:
+    """``tensors[name]`` as float, checked to have ``shape`` and finite values (``minus_inf``: or -inf, as a
+    logit bias that rules a token out)."""
     t = tensors.get(name)
     if t is None:
         raise HFImportError(f"{WEIGHTS_FILE}: the tensor {name!r} is missing")
@@ -115,8 +117,8 @@ def take(tensors: Tensors, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         raise HFImportError(f"{WEIGHTS_FILE}: {name!r} has shape {tuple(t.shape)}, expected {shape}")
     if not t.is_floating_point():
         raise HFImportError(f"{WEIGHTS_FILE}: {name!r} has dtype {t.dtype}, expected a floating dtype")
-    if not torch.isfinite(t).all():
-        raise HFImportError(f"{WEIGHTS_FILE}: {name!r} has NaN or infinite values")
+    if not (torch.isfinite(t) | (minus_inf & torch.isneginf(t))).all():
+        raise HFImportError(f"{WEIGHTS_FILE}: {name!r} has NaN or {'+' if minus_inf else ''}infinite values")
     return t
 
 

@@ -19,7 +19,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              release());
   module.def("greedy_pick", &greedy_pick, "greedy choice per row: (first argmax outside banned, its log-prob)", release());
   module.def("rows_layer_norm", &rows_layer_norm, "LayerNorm over the last dim (the native step's)", release());
-  module.def("rows_activate_", &rows_activate_, "ReLU (0), GELU (1), GELU tanh (2) in place", release());
+  module.def("rows_activate_", &rows_activate_, "ReLU (0), GELU (1), GELU tanh (2), SiLU (3) in place", release());
   module.def("rows_add_", &rows_add_, "y += x in place", release());
   module.def("rows_cache_write", &rows_cache_write, "cache[:, :, position] = src (B, H, 1, Dh)", release());
   module.def("lora_delta_add_", &lora_delta_add_, "y += ((x A^T) * scales) B^T in place (LoRA deltas)", release());

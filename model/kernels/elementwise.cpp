@@ -79,7 +79,7 @@ AVX512 __m512 tanh_approx(__m512 u) {
                                              _mm512_and_si512(_mm512_castps_si512(u), _mm512_set1_epi32(INT32_MIN))));
 }
 
-enum Activation { kRelu, kGelu, kGeluTanh };  // fast_step._ACTIVATIONS
+enum Activation { kRelu, kGelu, kGeluTanh, kSilu };  // fast_step._ACTIVATIONS
 
 AVX512 void activate_row(float* y, int64_t n, int64_t activation) {
   const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.f);
@@ -91,6 +91,11 @@ AVX512 void activate_row(float* y, int64_t n, int64_t activation) {
       out = _mm512_max_ps(x, _mm512_setzero_ps());
     } else if (activation == kGelu) {  // x/2 (1 + erf(x / sqrt 2))
       out = _mm512_mul_ps(_mm512_mul_ps(half, x), _mm512_add_ps(one, erf_approx(_mm512_mul_ps(x, _mm512_set1_ps(0.7071067811865476f)))));
+    } else if (activation == kSilu) {  // x sigmoid(x), with e = exp(-|x|): sigmoid = 1/(1+e) for x >= 0, e/(1+e) below
+      const __m512 e = tserve::exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+      const __m512 inverse = _mm512_div_ps(one, _mm512_add_ps(one, e));
+      const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+      out = _mm512_mul_ps(x, _mm512_mask_mul_ps(inverse, negative, inverse, e));
     } else {  // x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
       const __m512 inner = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
                                          _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), x), _mm512_mul_ps(x, x), x));
@@ -127,10 +132,11 @@ torch::Tensor rows_layer_norm(const torch::Tensor& x, const torch::Tensor& weigh
   return y;
 }
 
-// h = activation(h) in place (h freshly computed by the caller); returns h. 0 ReLU, 1 GELU (erf), 2 GELU (tanh).
+// h = activation(h) in place (h freshly computed by the caller); returns h. 0 ReLU, 1 GELU (erf), 2 GELU (tanh), 3 SiLU.
 torch::Tensor rows_activate_(torch::Tensor h, int64_t activation) {
   if (!fits(h)) {
     if (activation == kRelu) return at::relu(h);
+    if (activation == kSilu) return at::silu(h);
     return at::gelu(h, activation == kGeluTanh ? "tanh" : "none");
   }
   const int64_t n = h.size(-1);

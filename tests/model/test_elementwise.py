@@ -23,7 +23,7 @@ def test_layer_norm_equals_the_float64_reference(rows, d, affine):
 
 
 @pytest.mark.parametrize(("activation", "reference"), [(0, F.relu), (1, F.gelu),
-                                                        (2, lambda x: F.gelu(x, approximate="tanh"))])
+                                                        (2, lambda x: F.gelu(x, approximate="tanh")), (3, F.silu)])
 @pytest.mark.parametrize("rows", [1, 40])
 def test_activations_equal_the_float64_reference_in_place(activation, reference, rows):
     x = torch.linspace(-12, 12, rows * 2051).view(rows, 2051)  # both tails, zero, odd widths
@@ -49,6 +49,7 @@ def test_what_they_do_not_run_goes_to_aten():
     strided = torch.randn(4, 16)[:, ::2]
     assert not strided.is_contiguous()
     torch.testing.assert_close(kernel.rows_activate_(strided, 1), F.gelu(strided))
+    torch.testing.assert_close(kernel.rows_activate_(strided, 3), F.silu(strided))
     torch.testing.assert_close(kernel.rows_add_(torch.ones(2, 3), torch.ones(3)), torch.full((2, 3), 2.0))
 
 

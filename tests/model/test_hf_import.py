@@ -88,7 +88,7 @@ def test_gpt2_generation_equals_transformers_on_a_padded_batch(tmp_path, strateg
         ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx=True is not supported"),
         ({"scale_attn_weights": False}, "scale_attn_weights=False is not supported"),
         ({"add_cross_attention": True}, "add_cross_attention=True is not supported"),
-        ({"activation_function": "silu"}, "activation_function='silu' is not supported"),
+        ({"activation_function": "quick_gelu"}, "activation_function='quick_gelu' is not supported"),
         ({"eos_token_id": 500}, "eos_token_id=500 is outside the vocabulary"),
     ],
 )

@@ -84,6 +84,12 @@ def test_native_step_equals_the_python_replay(norm, ragged):
     _assert_equal(mt, seq2seq_cache(mt, ragged))
 
 
+def test_native_step_runs_silu():
+    """OPUS-MT's swish: elementwise.cpp's SiLU in the C++ step."""
+    mt = tiny_seq2seq(norm="post", activation="silu")
+    _assert_equal(mt, seq2seq_cache(mt, True))
+
+
 def test_native_step_over_input_major_weights_equals_the_python_replay():
     """The service's weight layout: the native step's projections of up to 4 rows run on the few-rows GEMV
     (the same sums as the replay's F.linear, in another order)."""

@@ -225,6 +225,7 @@ def test_bert_logits_match(classifier, tokenizer):
 
 VARIANTS = [
     ("seq2seq", {**MARIAN, "tie_embeddings": False, "scale_embeddings": False, "bias": False, "activation": "gelu"}),
+    ("seq2seq", {**MARIAN, "activation": "silu", "head_bias": True}),  # lm_head.bias -> final_logits_bias
     ("causal_lm", {**GPT2, "tie_embeddings": False, "bias": False, "activation": "relu"}),
     ("classifier", {**BERT, "bias": False, "activation": "gelu_tanh", "type_vocab_size": 0}),  # zero type row
 ]
@@ -246,7 +247,8 @@ def _both_logits(family: str, model: torch.nn.Module, hf: torch.nn.Module, token
 
 @pytest.mark.parametrize(("family", "fields"), VARIANTS, ids=[f for f, _ in VARIANTS])
 def test_other_exact_configs_export(family, fields, tokenizer, tmp_path):
-    """Fields the architecture can express another way: untied heads, no biases (zeros), other activations."""
+    """Fields the architecture can express another way: untied heads, no biases (zeros), other activations,
+    a head bias."""
     fields = {**SIZES, **fields, "vocab_size": tokenizer.vocab_size}
     if family == "seq2seq":
         model = Seq2SeqTransformer(Seq2SeqConfig(n_encoder_layers=1, n_decoder_layers=2, max_src_len=64, **fields))

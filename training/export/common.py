@@ -12,7 +12,7 @@ from model.config import TransformerConfig
 from training.errors import UserError
 
 Tensors = dict[str, torch.Tensor]
-HF_ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_tanh": "gelu_new"}  # ACT2FN names, all exact
+HF_ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_tanh": "gelu_new", "silu": "silu"}  # ACT2FN names, all exact
 
 
 class ExportError(UserError):

@@ -14,7 +14,7 @@ the export (1) appends a row that is never produced (zero embedding, final_logit
 first decoder layer takes the shift back (q/k/v biases + W s, out_proj bias + s, s = scale * e_bos:
 post-LN adds the input to the residual before any LayerNorm). The encoder embedding and lm_head keep
 the original rows, so the three are written untied (share_encoder_decoder_embeddings and
-tie_word_embeddings false); the logits are unchanged.
+tie_word_embeddings false); the logits are unchanged. A head bias (``head_bias``) is final_logits_bias.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from model.checkpoint import Checkpoint
+from model.hf.marian import permutation
 from model.layers import TransformerLayer
 from training.export.common import HF_ACTIVATIONS, Need, Tensors, bias, linear, norm
 
@@ -37,11 +38,6 @@ NEEDS = (
     Need("layer_norm_eps", 1e-5, "LayerNorm eps 1e-5"),  # nn.LayerNorm's default, hard-coded by Marian
     Need("src_vocab_size", None, "one vocabulary shared by source and target"),
 )
-
-
-def permutation(d_model: int) -> torch.Tensor:
-    """perm with HF Marian's positional dim k = our dim perm[k]: the sin dims (even) first, then the cos dims."""
-    return torch.cat([torch.arange(0, d_model, 2), torch.arange(1, d_model, 2)])
 
 
 def _attention(prefix: str, attn: nn.Module, perm: torch.Tensor, shift: torch.Tensor | None) -> Tensors:
@@ -80,7 +76,7 @@ def build(ckpt: Checkpoint) -> tuple[dict[str, Any], Tensors]:
         "model.encoder.embed_tokens.weight": rows(embed),
         "model.decoder.embed_tokens.weight": rows(embed - embed[c.bos_id]),  # BOS -> the zero vector
         "lm_head.weight": rows(model.lm_head.weight),
-        "final_logits_bias": torch.cat([torch.zeros(1, c.vocab_size), torch.full((1, 1), float("-inf"))], dim=1),
+        "final_logits_bias": torch.cat([bias(model.lm_head), torch.tensor([float("-inf")])])[None],
     }
     for side, stack in (("encoder", model.encoder), ("decoder", model.decoder)):
         for i, layer in enumerate(stack.layers):

@@ -1,0 +1,164 @@
+"""MarianMTModel (the OPUS-MT layout) -> our seq2seq.
+
+Marian is post-LN with sinusoidal positions, biased projections, LayerNorm eps 1e-5 and no final LayerNorm;
+OPUS-MT models scale their embeddings, use swish, start the decoder from the pad id and add
+``final_logits_bias`` (our ``head_bias``: ``lm_head.bias``, on every logits path) to the logits.
+
+Positions: transformers' table puts sin in the first half of the dimensions and cos in the second, where
+ours interleaves them. HF dim k is our dim ``permutation(d)[k]``; every tensor indexed by the model dimension
+is read back through the inverse (embedding columns, q/k/v/fc1 input columns, out_proj/fc2 output rows and
+biases, LayerNorms), so the model is a plain sinusoidal seq2seq: every kernel runs it and
+training/export/marian.py writes it back. Every operation is equivariant under the permutation (head and
+FFN dims are not permuted); only float sums run in another order.
+
+transformers ignores the BART-era flags old OPUS-MT configs carry (``normalize_before``,
+``normalize_embedding``/``layernorm_embedding``, ``add_final_layer_norm``, ``static_position_embeddings``) and
+always computes the above: a value claiming other math is refused by name rather than served as transformers
+would run it. final_logits_bias may hold -inf (a token ruled out, as training/export/marian.py writes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from model.config import Seq2SeqConfig
+from model.hf.common import HFImportError, Tensors, Unsupported, activation, check_supported, field, take
+from model.layers import sinusoidal_table
+
+ARCHITECTURES = ("MarianMTModel",)
+_IGNORED = "transformers' Marian ignores the flag and runs plain Marian, which weights trained that way do not fit"
+RULES = (
+    Unsupported("normalize_before", (False,), f"pre-LN: {_IGNORED}"),
+    Unsupported("normalize_embedding", (False,), f"an embedding LayerNorm: {_IGNORED}"),
+    Unsupported("layernorm_embedding", (False,), f"an embedding LayerNorm: {_IGNORED}"),
+    Unsupported("add_final_layer_norm", (False,), f"a final LayerNorm: {_IGNORED}"),
+    Unsupported("static_position_embeddings", (True,), f"learned positions: {_IGNORED}"),
+)
+SHARED, ENCODER, DECODER, HEAD, BIAS = ("model.shared.weight", "model.encoder.embed_tokens.weight",
+                                        "model.decoder.embed_tokens.weight", "lm_head.weight", "final_logits_bias")
+
+
+def permutation(d_model: int) -> torch.Tensor:
+    """perm with HF Marian's positional dim k = our dim perm[k]: the sin dims (even) first, then the cos dims."""
+    return torch.cat([torch.arange(0, d_model, 2), torch.arange(1, d_model, 2)])
+
+
+def to_config(hf: Mapping[str, Any]) -> Seq2SeqConfig:
+    """Our config for Marian's config.json (HFImportError naming a field we cannot express)."""
+    check_supported(hf, RULES, "Marian")
+    vocab = field(hf, "vocab_size", default=58101)
+    share = field(hf, "share_encoder_decoder_embeddings", bool, True)
+    tie = field(hf, "tie_word_embeddings", bool, True)
+    decoder_vocab = field(hf, "decoder_vocab_size", default=vocab)
+    if share and decoder_vocab != vocab:
+        raise HFImportError(f"config.json: decoder_vocab_size={decoder_vocab} differs from vocab_size={vocab} with "
+                            "share_encoder_decoder_embeddings=True")
+    sizes = {}
+    for name, default in (("attention_heads", 16), ("ffn_dim", 4096)):
+        sizes[name] = field(hf, f"encoder_{name}", default=default)
+        decoder = field(hf, f"decoder_{name}", default=default)
+        if decoder != sizes[name]:
+            raise HFImportError(f"config.json: decoder_{name}={decoder} differs from encoder_{name}={sizes[name]}; "
+                                "our encoder and decoder share one value")
+    ids = {"pad_token_id": field(hf, "pad_token_id", default=58100),
+           "eos_token_id": field(hf, "eos_token_id", default=0),
+           "decoder_start_token_id": field(hf, "decoder_start_token_id", default=58100)}
+    for name, value in ids.items():  # the pad id also pads (and embeds) sources
+        limit = min(vocab, decoder_vocab) if name == "pad_token_id" else decoder_vocab
+        if not 0 <= value < limit:
+            raise HFImportError(f"config.json: {name}={value} is outside the vocabulary (size {limit})")
+    max_len = field(hf, "max_position_embeddings", default=1024)
+    return Seq2SeqConfig(
+        vocab_size=decoder_vocab,
+        src_vocab_size=None if share and tie else vocab,  # transformers unties everything without tie_word_embeddings
+        d_model=field(hf, "d_model", default=1024),
+        n_heads=sizes["attention_heads"],
+        d_ff=sizes["ffn_dim"],
+        dropout=0.0,
+        max_len=max_len,
+        max_src_len=max_len,
+        positions="sinusoidal",
+        norm="post",
+        activation=activation(hf, "activation_function", "gelu"),
+        bias=True,
+        scale_embeddings=field(hf, "scale_embedding", bool, False),
+        tie_embeddings=tie,
+        embedding_norm=False,
+        final_norm=False,
+        layer_norm_eps=1e-5,  # nn.LayerNorm's default, hard-coded by Marian
+        pad_id=ids["pad_token_id"],
+        n_encoder_layers=field(hf, "encoder_layers", default=12),
+        n_decoder_layers=field(hf, "decoder_layers", default=12),
+        bos_id=ids["decoder_start_token_id"],
+        eos_id=ids["eos_token_id"],
+        head_bias=True,
+    )
+
+
+def state_dict(c: Seq2SeqConfig, t: Tensors) -> Tensors:
+    """Our Seq2SeqTransformer's state dict from Marian's tensors (shapes checked, the model dim un-permuted)."""
+    d = c.d_model
+    perm = permutation(d)
+    order = torch.argsort(perm)  # our dim j is HF dim order[j]
+    table = sinusoidal_table(c.max_len, d)[:, perm]
+    for side in ("encoder", "decoder"):  # old saves hold the table, which transformers then adds as stored
+        name = f"model.{side}.embed_positions.weight"
+        if name in t and not torch.equal(take(t, name, (c.max_len, d)), table.to(t[name].dtype)):  # fp16: rounded
+            raise HFImportError(f"model.safetensors: {name!r} is not Marian's sinusoidal table")
+    src, tgt, head = _embeddings(c, t)
+    ours = {"src_embed.tokens.weight": src[:, order], "tgt_embed.tokens.weight": tgt[:, order],
+            "lm_head.weight": head[:, order]}
+    bias = take(t, BIAS, (1, c.vocab_size), minus_inf=True)[0] if BIAS in t else torch.zeros(c.vocab_size)
+    ours["lm_head.bias"] = bias  # absent: transformers initialises it to zeros
+    for side, n_layers in (("encoder", c.n_encoder_layers), ("decoder", c.n_decoder_layers)):
+        for i in range(n_layers):
+            p, q = f"model.{side}.layers.{i}.", f"{side}.layers.{i}."
+            ours |= _attention(t, f"{p}self_attn.", f"{q}self_attn.", d, order)
+            ours |= _norm(t, f"{p}self_attn_layer_norm.", f"{q}self_attn_norm.", d, order)
+            if side == "decoder":
+                ours |= _attention(t, f"{p}encoder_attn.", f"{q}cross_attn.", d, order)
+                ours |= _norm(t, f"{p}encoder_attn_layer_norm.", f"{q}cross_attn_norm.", d, order)
+            ours[f"{q}ffn.fc1.weight"] = take(t, f"{p}fc1.weight", (c.d_ff, d))[:, order]
+            ours[f"{q}ffn.fc1.bias"] = take(t, f"{p}fc1.bias", (c.d_ff,))
+            ours[f"{q}ffn.fc2.weight"] = take(t, f"{p}fc2.weight", (d, c.d_ff))[order]
+            ours[f"{q}ffn.fc2.bias"] = take(t, f"{p}fc2.bias", (d,))[order]
+            ours |= _norm(t, f"{p}final_layer_norm.", f"{q}ffn_norm.", d, order)
+    return ours
+
+
+def _embeddings(c: Seq2SeqConfig, t: Tensors) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(source, target, output) embeddings as transformers resolves them: a missing token embedding is
+    model.shared's, a missing tied head the target embedding's; tied copies saved side by side must agree."""
+    d = c.d_model
+
+    def first(name: str, alias: str, rows: int) -> torch.Tensor:
+        return take(t, name if name in t or alias not in t else alias, (rows, d))
+
+    src = first(ENCODER, SHARED, c.src_vocab_size or c.vocab_size)
+    tgt = first(DECODER, SHARED, c.vocab_size)
+    head = take(t, HEAD, (c.vocab_size, d)) if HEAD in t or not c.tie_embeddings else tgt
+    if c.tie_embeddings and not torch.equal(head, tgt):
+        raise HFImportError(f"model.safetensors: {HEAD!r} differs from the decoder's token embedding, which "
+                            "tie_word_embeddings=True ties it to")
+    if c.src_vocab_size is None and not torch.equal(src, tgt):
+        raise HFImportError(f"model.safetensors: {ENCODER!r} differs from the decoder's token embedding, which "
+                            "share_encoder_decoder_embeddings=True ties it to")
+    return src, tgt, head
+
+
+def _attention(t: Tensors, theirs: str, ours: str, d: int, order: torch.Tensor) -> Tensors:
+    """q/k/v read the model dim (input columns), out_proj writes it (output rows and bias)."""
+    tensors = {}
+    for name in ("q_proj", "k_proj", "v_proj"):
+        tensors[f"{ours}{name}.weight"] = take(t, f"{theirs}{name}.weight", (d, d))[:, order]
+        tensors[f"{ours}{name}.bias"] = take(t, f"{theirs}{name}.bias", (d,))
+    tensors[f"{ours}out_proj.weight"] = take(t, f"{theirs}out_proj.weight", (d, d))[order]
+    tensors[f"{ours}out_proj.bias"] = take(t, f"{theirs}out_proj.bias", (d,))[order]
+    return tensors
+
+
+def _norm(t: Tensors, theirs: str, ours: str, d: int, order: torch.Tensor) -> Tensors:
+    return {f"{ours}{k}": take(t, f"{theirs}{k}", (d,))[order] for k in ("weight", "bias")}

@@ -1,0 +1,179 @@
+"""MarianMTModel directories (the OPUS-MT layout) as our seq2seq (model/hf/marian.py), built and saved by
+`transformers` itself.
+
+Random weights (tests.hf_compare.randomize, plus a random final_logits_bias), OPUS-MT's ids (EOS 0, the pad
+id last and the decoder start), then logits equal to `transformers` in float32 and float64 on a right-padded
+batch, greedy and beam-4 generation token for token, and the config fields we cannot express refused by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from model import attention
+from model.fast_step import plan_for
+from model.generation import generate_seq2seq
+from model.hf import HFImportError, load_hf_model
+from model.hf.marian import permutation
+from model.layers import sinusoidal_table
+from model.quantize import quantize_int8
+from tests.hf_compare import ATOL, assert_varied, best_tokens, decoding, randomize, strip
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, EOS, PAD = 96, 0, 95
+MARIAN = dict(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+              decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=48,
+              activation_function="swish", scale_embedding=True, pad_token_id=PAD, eos_token_id=EOS,
+              decoder_start_token_id=PAD, forced_eos_token_id=None, dropout=0.0, attention_dropout=0.0,
+              activation_dropout=0.0)
+VARIANTS = {  # OPUS-MT's is the first
+    "swish-scaled-shared": {},
+    "gelu-unscaled-untied": {"activation_function": "gelu", "scale_embedding": False, "tie_word_embeddings": False},
+    "relu-separate-vocabularies": {"activation_function": "relu", "share_encoder_decoder_embeddings": False,
+                                   "decoder_vocab_size": 112},
+    "silu-shared-untied": {"activation_function": "silu", "tie_word_embeddings": False},
+}
+SOURCES = [[5, 17, 33, EOS], [40, 41, 42, 43, 44, 45, 46, EOS], [7, EOS], [90, 3, 3, 12, 60, EOS], [11, 22, EOS]]
+
+
+def save_marian(directory: Path, seed: int = 0, eos_boost: float = 1.0, **overrides) -> Path:
+    """A random MarianMTModel with a random final_logits_bias (-inf for token 1, ruled out as our export's
+    appended row is), saved by transformers' save_pretrained."""
+    model = randomize(transformers.MarianMTModel(transformers.MarianConfig(**{**MARIAN, **overrides})), seed=seed,
+                      eos_id=EOS, eos_boost=eos_boost)
+    with torch.no_grad():
+        model.final_logits_bias.normal_(0, 0.5, generator=torch.Generator().manual_seed(seed))
+        model.final_logits_bias[0, 1] = float("-inf")
+    model.save_pretrained(directory)
+    return directory
+
+
+def hf_model(directory: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    return transformers.MarianMTModel.from_pretrained(directory, dtype=dtype).eval()
+
+
+def padded_sources() -> tuple[torch.Tensor, torch.Tensor]:
+    """SOURCES right-padded with PAD, and their attention mask."""
+    width = max(map(len, SOURCES))
+    ids = torch.tensor([s + [PAD] * (width - len(s)) for s in SOURCES])
+    return ids, (ids != PAD).long()
+
+
+def _max_diff(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    assert torch.equal(ours.isneginf(), theirs.isneginf())  # a -inf bias rules the same tokens out
+    finite = ours.isfinite()
+    return float((ours[finite] - theirs[finite]).abs().max())
+
+
+def _kernels() -> bool:
+    """Whether our C++ kernels (the native decoding step, int8) run here."""
+    return attention._decode_kernel() is not None
+
+
+@pytest.mark.parametrize("overrides", VARIANTS.values(), ids=VARIANTS.keys())
+def test_marian_logits_equal_transformers(tmp_path, overrides):
+    directory = save_marian(tmp_path / "marian", **overrides)
+    src, mask = padded_sources()
+    vocab = overrides.get("decoder_vocab_size", VOCAB)
+    tokens = torch.randint(1, vocab - 1, (len(SOURCES), 9), generator=torch.Generator().manual_seed(0))
+    tgt = torch.cat([torch.full((len(SOURCES), 1), PAD), tokens], dim=1)  # the decoder starts from the pad id
+    for dtype, tolerance in ((torch.float32, ATOL), (torch.float64, 1e-9)):
+        ours, config = load_hf_model(directory, dtype)
+        with torch.no_grad():
+            theirs = hf_model(directory, dtype)(input_ids=src, attention_mask=mask, decoder_input_ids=tgt).logits
+            diff = _max_diff(ours(src, tgt), theirs)
+        assert diff < tolerance, (dtype, diff)
+    assert (config.family, config.bos_id, config.eos_id, config.pad_id) == ("seq2seq", PAD, EOS, PAD)
+    assert config.src_vocab_size == (None if not overrides else VOCAB)  # one embedding only when shared and tied
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "beam"])
+def test_marian_generation_equals_transformers_on_a_padded_batch(tmp_path, strategy):
+    """OPUS-MT's variant (swish: the native decoding step's SiLU; the head bias in decode_head)."""
+    directory = save_marian(tmp_path / "marian", seed=10, eos_boost=2.5)  # both endings: EOS and the length limit
+    ours_config, hf_kwargs = decoding(strategy)
+    ours, _ = load_hf_model(directory)
+    assert plan_for(ours.decoder).native is not None or not _kernels()
+    mine = best_tokens(generate_seq2seq(ours, SOURCES, dataclasses.replace(ours_config, eos_token_id=EOS)))
+    src, mask = padded_sources()
+    with torch.no_grad():
+        theirs = hf_model(directory).generate(input_ids=src, attention_mask=mask, **hf_kwargs)
+    assert all(seq[0] == PAD for seq in theirs.tolist())  # the decoder starts from the pad id
+    assert [strip(seq, 1, EOS) for seq in theirs.tolist()] == mine
+    assert_varied(mine)
+
+
+def test_the_head_bias_is_in_every_logits_path(tmp_path):
+    """decode_step's head (the few-rows GEMV at 1 row, the packed GEMM beyond 4) and the int8 head add it."""
+    directory = save_marian(tmp_path / "marian")
+    ours, config = load_hf_model(directory)
+    assert config.head_bias and ours.lm_head.bias.isneginf().sum() == 1
+    src, _ = padded_sources()
+    for rows in (src[:1], src):
+        with torch.no_grad():
+            first, _ = ours.start(rows, capacity=4)
+            forward = ours(rows, torch.full((len(rows), 1), PAD))[:, 0]
+        assert _max_diff(first, forward) < 1e-5
+    if not _kernels():
+        return
+    unbiased, _ = load_hf_model(directory)
+    bias = unbiased.lm_head.bias.detach().clone()
+    with torch.no_grad():
+        unbiased.lm_head.bias.zero_()
+    for model in (ours, unbiased):  # the same int8 weights: only the bias differs
+        quantize_int8(model)
+    for rows in (src[:1], src):
+        with torch.no_grad():
+            biased, plain = (model.start(rows, capacity=4)[0] for model in (ours, unbiased))
+        assert _max_diff(biased, plain + bias) < 1e-5
+
+
+def test_stored_position_tables_load_when_they_are_marians(tmp_path):
+    """Old saves hold the sinusoidal tables, which transformers then adds as stored."""
+    directory = save_marian(tmp_path / "marian")
+    tensors = load_file(directory / "model.safetensors")
+    d, n = MARIAN["d_model"], MARIAN["max_position_embeddings"]
+    table = sinusoidal_table(n, d)[:, permutation(d)]
+    for side in ("encoder", "decoder"):
+        tensors[f"model.{side}.embed_positions.weight"] = table.clone()
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    load_hf_model(directory)
+    tensors["model.decoder.embed_positions.weight"] = table.roll(1, dims=0)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(HFImportError, match="'model.decoder.embed_positions.weight' is not Marian's sinusoidal"):
+        load_hf_model(directory)
+
+
+def test_tied_copies_that_differ_are_refused(tmp_path):
+    directory = save_marian(tmp_path / "marian", share_encoder_decoder_embeddings=False)
+    tensors = load_file(directory / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.decoder.embed_tokens.weight"] + 1
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(HFImportError, match="'lm_head.weight' differs from the decoder's token embedding"):
+        load_hf_model(directory)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        ({"normalize_before": True}, "normalize_before=True is not supported for Marian (pre-LN: transformers"),
+        ({"static_position_embeddings": False}, "static_position_embeddings=False is not supported"),
+        ({"decoder_ffn_dim": 48}, "decoder_ffn_dim=48 differs from encoder_ffn_dim=64"),
+        ({"decoder_vocab_size": 80}, "decoder_vocab_size=80 differs from vocab_size=96"),
+        ({"activation_function": "quick_gelu"}, "activation_function='quick_gelu' is not supported"),
+        ({"decoder_start_token_id": 500}, "decoder_start_token_id=500 is outside the vocabulary"),
+    ],
+)
+def test_marian_config_fields_we_cannot_express_are_refused_by_name(tmp_path, overrides, says):
+    directory = save_marian(tmp_path / "marian")
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, **overrides}))
+    with pytest.raises(HFImportError, match=says.replace("(", r"\(").replace(")", r"\)")):
+        load_hf_model(directory)
