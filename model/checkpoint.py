@@ -27,6 +27,7 @@ from model.causal_lm import CausalLM
 from model.classifier import TransformerClassifier
 from model.config import ConfigError, TransformerConfig
 from model.hf import is_hf_directory, load_hf_checkpoint
+from model.hf.generation import GenerationRules
 from model.hf.sentence import EmbeddingDefaults
 from model.lora_io import AdapterLayout
 from model.seq2seq import Seq2SeqTransformer
@@ -73,6 +74,7 @@ class Checkpoint:
     format: str = "tserve"  # "hf": a Hugging Face directory (model.hf), whose tokenizer brings its own template
     adapter_layout: AdapterLayout | None = None  # how PEFT adapters name its modules, when not as ours (HF)
     embedding: EmbeddingDefaults | None = None  # a sentence-transformers save's pooling and normalization
+    generation: GenerationRules | None = None  # an HF generation_config.json's banned tokens and forced EOS
 
     @property
     def family(self) -> str:

@@ -31,7 +31,7 @@ from model.logits import (
     gumbel_argmax,
     length_penalty,
     log_probs,
-    min_length_mask,
+    mask_banned,
     sampling_logits,
     top_k,
 )
@@ -66,9 +66,12 @@ class GenerationConfig:
     seed: int | None = None  # sample: per-input generators seeded seed + input index
     eos_token_id: int = 2
     stop_token_ids: tuple[int, ...] = ()  # end a sequence with finish_reason "stop"; not kept in tokens
+    banned_token_ids: tuple[int, ...] = ()  # never generated (HF's single-token bad_words_ids: Marian's pad)
+    forced_eos: bool = False  # the last allowed token is EOS, with log-prob 0 (HF's forced_eos_token_id)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "banned_token_ids", tuple(self.banned_token_ids))
         _require(self.strategy in ("greedy", "beam", "sample"),
                  f"strategy must be 'greedy', 'beam' or 'sample', got {self.strategy!r}")
         for name in ("max_new_tokens", "min_new_tokens", "num_beams", "num_return_sequences", "top_k"):
@@ -99,8 +102,10 @@ class GenerationConfig:
                  f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
         _require(isinstance(self.eos_token_id, int) and self.eos_token_id >= 0,
                  f"eos_token_id must be an int >= 0, got {self.eos_token_id!r}")
-        _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-                 f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
+        for name in ("stop_token_ids", "banned_token_ids"):
+            ids = getattr(self, name)
+            _require(all(isinstance(t, int) and t >= 0 for t in ids), f"{name} must be ints >= 0, got {ids!r}")
+        _require(self.eos_token_id not in self.banned_token_ids, "eos_token_id cannot be banned")
 
     @property
     def finish_token_ids(self) -> tuple[int, ...]:
@@ -343,7 +348,7 @@ class BeamSearch(Search):
             self._history = torch.zeros(self.num_inputs, 0, dtype=torch.long, device=device)
             self._finish_ids = torch.tensor(self.config.finish_token_ids, device=device)
         sentences, width = self._scores.shape
-        logprobs = min_length_mask(log_probs(logits), self.step, self.config, inplace=True)
+        logprobs = mask_banned(log_probs(logits), self.step, self.config, inplace=True)
         flat = logprobs.view(sentences, width, vocab).add_(self._scores[:, :, None]).view(sentences, -1)
         # Enough candidates that `beams` live ones remain even if every beam's EOS/stop tokens rank first.
         count = min(beams * (1 + len(self.config.finish_token_ids)), width * vocab)

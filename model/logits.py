@@ -20,18 +20,30 @@ def log_probs(logits: torch.Tensor) -> torch.Tensor:
 
 
 def greedy_choice(logits: torch.Tensor, step: int, config: GenerationConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy tokens (rows,) under the min-length mask, and their log-probs (rows,) in the unmasked distribution.
+    """Greedy tokens (rows,) under the bans, and their log-probs (rows,) in the unbanned distribution.
 
     float32 CPU logits go through one C++ pass per row (model/kernels/greedy_pick.cpp) where torch makes
     three and two (rows, V) tensors; the first maximal column wins either way, as ``argmax`` does.
     """
+    if forces_eos(step, config):
+        tokens = torch.full((logits.size(0),), config.eos_token_id, dtype=torch.long, device=logits.device)
+        return tokens, log_probs(logits).select(1, config.eos_token_id)
     kernels = attention._decode_kernel()
     if kernels is not None and logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.stride(1) == 1:
-        banned = config.finish_token_ids if step < config.min_new_tokens else ()
-        return kernels.greedy_pick(logits, list(banned))
+        return kernels.greedy_pick(logits, list(banned_ids(step, config)))
     # max(dim) gives the first maximal index, as argmax does, and is 2-3x faster on CPU.
-    chosen, tokens = min_length_mask(log_probs(logits), step, config, inplace=True).max(dim=-1)
+    chosen, tokens = mask_tokens(log_probs(logits), banned_ids(step, config), inplace=True).max(dim=-1)
     return tokens, chosen
+
+
+def forces_eos(step: int, config: GenerationConfig) -> bool:
+    """Whether step ``step`` may only produce EOS (``forced_eos`` at the last allowed step)."""
+    return config.forced_eos and step == config.max_new_tokens - 1
+
+
+def banned_ids(step: int, config: GenerationConfig) -> tuple[int, ...]:
+    """Tokens step ``step`` may not produce: the banned ones, and EOS/stop tokens before ``min_new_tokens``."""
+    return config.banned_token_ids + (config.finish_token_ids if step < config.min_new_tokens else ())
 
 
 def mask_tokens(scores: torch.Tensor, token_ids: tuple[int, ...], inplace: bool = False) -> torch.Tensor:
@@ -46,9 +58,13 @@ def mask_tokens(scores: torch.Tensor, token_ids: tuple[int, ...], inplace: bool 
     return scores
 
 
-def min_length_mask(scores: torch.Tensor, step: int, config: GenerationConfig, inplace: bool = False) -> torch.Tensor:
-    """Forbid EOS and stop tokens while fewer than `min_new_tokens` tokens are generated."""
-    return mask_tokens(scores, config.finish_token_ids, inplace) if step < config.min_new_tokens else scores
+def mask_banned(scores: torch.Tensor, step: int, config: GenerationConfig, inplace: bool = False) -> torch.Tensor:
+    """``scores`` (log-probs) without what step ``step`` may not produce (``banned_ids``); at a forced EOS,
+    only EOS, scored 0 as Hugging Face's ForcedEOSTokenLogitsProcessor does."""
+    if forces_eos(step, config):
+        scores = scores if inplace else scores.clone()
+        return scores.fill_(NEG_INF).index_fill_(1, torch.tensor([config.eos_token_id], device=scores.device), 0.0)
+    return mask_tokens(scores, banned_ids(step, config), inplace)
 
 
 def top_k(scores: torch.Tensor, k: int, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,8 +108,8 @@ def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
 
 
 def sampling_logits(logits: torch.Tensor, step: int, config: GenerationConfig) -> torch.Tensor:
-    """Min-length mask, temperature, top-k and top-p, in that order, in float32."""
-    scores = min_length_mask(logits.float(), step, config) / config.temperature
+    """Bans (and a forced EOS), temperature, top-k and top-p, in that order, in float32."""
+    scores = mask_banned(logits.float(), step, config) / config.temperature
     return apply_top_p(apply_top_k(scores, config.top_k), config.top_p)
 
 

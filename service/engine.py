@@ -15,6 +15,7 @@ shared with the Hugging Face export):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -29,6 +30,7 @@ from model.checkpoint import Checkpoint, load_checkpoint, parameter_count
 from model.classifier import POOLINGS
 from model.decoding import GenerationConfig
 from model.generation import generate_seq2seq
+from model.hf.generation import GenerationRules
 from model.hf.sentence import EmbeddingDefaults
 from model.layout import use_input_major_weights
 from model.quantize import mode_for, quantize
@@ -323,6 +325,12 @@ class ModelWorker:
         """Input tokens of ``texts`` as generate counts them (prompts already accepted by it)."""
         return sum(map(len, await self._tokenize(lambda: self.checkpoint.encode_prompts(texts))))
 
+    @property
+    def _rules(self) -> dict[str, Any]:
+        """What the model's own generation config imposes on every search (an HF model's banned tokens, forced
+        EOS): GenerationConfig fields."""
+        return dataclasses.asdict(self.checkpoint.generation or GenerationRules())
+
     def _generation_config(self, params: GenerateParams) -> GenerationConfig:
         s = self.settings
         if params.strategy not in STRATEGIES:
@@ -345,7 +353,7 @@ class ModelWorker:
                 num_beams=params.num_beams if params.strategy == "beam" else 1,
                 length_penalty=params.length_penalty, num_return_sequences=params.num_return_sequences,
                 temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=params.seed,
-                eos_token_id=self.config.eos_id,
+                eos_token_id=self.config.eos_id, **self._rules,
             )
         except (ValueError, TypeError) as exc:
             raise InvalidRequest(str(exc)) from None
@@ -396,7 +404,8 @@ class ModelWorker:
             device = next(self.model.parameters()).device
             out = tgt
             if out is None:  # attend over the model's own greedy translation
-                config = GenerationConfig(max_new_tokens=self.max_new_tokens, eos_token_id=self.config.eos_id)
+                config = GenerationConfig(max_new_tokens=self.max_new_tokens, eos_token_id=self.config.eos_id,
+                                          **self._rules)
                 out = generate_seq2seq(self.model, [src], config)[0][0].tokens
             tgt_in = [self.config.bos_id, *out]
             _, maps = self.model.forward_with_attention(torch.tensor([src], device=device),

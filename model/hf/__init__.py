@@ -18,6 +18,8 @@ from torch import nn
 
 from model.config import TransformerConfig
 from model.hf.common import CONFIG_FILE, HFImportError, read_config, read_weights
+from model.hf.generation import generation_rules
+from model.hf.marian_tokenizer import is_marian_tokenizer, load_marian_tokenizers
 from model.hf.sentence import embedding_defaults
 from model.hf.tokenizer import load_tokenizer
 
@@ -72,15 +74,31 @@ def load_hf_checkpoint(
 
     directory = Path(directory)
     model, config = load_hf_model(directory)
-    tokenizer = load_tokenizer(directory, config)
+    if is_marian_tokenizer(directory):
+        source_tokenizer, tokenizer = load_marian_tokenizers(directory)
+    else:
+        source_tokenizer, tokenizer = None, load_tokenizer(directory, config)
+    _check_vocabularies(config, source_tokenizer, tokenizer)
     torch_device = resolve_device(device)
     model.to(device=torch_device, dtype=resolve_dtype(dtype, torch_device)).eval()
     hf = read_config(directory)
     importer = _importer(hf)
     labels = importer.labels(hf) if hasattr(importer, "labels") else None
-    return Checkpoint(model, config, tokenizer, labels=labels, path=directory, format="hf",
+    return Checkpoint(model, config, tokenizer, source_tokenizer, labels, path=directory, format="hf",
                       adapter_layout=getattr(importer, "ADAPTER_LAYOUT", None),  # PEFT adapters' module names
-                      embedding=embedding_defaults(directory))
+                      embedding=embedding_defaults(directory),
+                      generation=generation_rules(directory, config) if config.family != "classifier" else None)
+
+
+def _check_vocabularies(config: TransformerConfig, source: object | None, target: object) -> None:
+    """Every id a tokenizer gives must index the model's embeddings."""
+    sides = [("target", target, config.vocab_size)]
+    if source is not None:
+        sides.append(("source", source, getattr(config, "src_vocab_size", None) or config.vocab_size))
+    for side, tokenizer, size in sides:
+        if tokenizer.vocab_size > size:
+            raise HFImportError(f"the {side} tokenizer has {tokenizer.vocab_size} tokens, more than the model's "
+                                f"{size}")
 
 
 __all__ = ["HFImportError", "is_hf_directory", "load_hf_checkpoint", "load_hf_model"]

@@ -37,9 +37,6 @@ def load_tokenizer(directory: Path, config: TransformerConfig) -> Tokenizer:
         tokenizer = Tokenizer(backend, _special_ids(directory, backend, config))
     except TokenizerError as exc:
         raise HFImportError(f"{TOKENIZER_FILE}: {exc}") from None
-    if tokenizer.vocab_size > config.vocab_size:
-        raise HFImportError(f"{TOKENIZER_FILE}: {tokenizer.vocab_size} tokens, more than the model's vocab_size "
-                            f"{config.vocab_size}")
     return tokenizer
 
 

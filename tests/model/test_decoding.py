@@ -403,3 +403,18 @@ def test_config_accepts_list_stop_ids_and_is_hashable():
     config = GenerationConfig(strategy="sample", num_return_sequences=3, stop_token_ids=[5, 4])
     assert config.stop_token_ids == (5, 4) and hash(config)
     assert isinstance(Hypothesis([], 0.0, 0.0, "eos"), Hypothesis)
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "beam", "sample"])
+def test_banned_tokens_are_never_generated_and_a_forced_eos_ends_at_the_limit(strategy):
+    """banned_token_ids (HF's single-token bad_words_ids) never appear; forced_eos makes the last allowed token
+    EOS, so no row runs to the length limit (HF's forced_eos_token_id)."""
+    model, prompts = ToyLM(vocab=8, eos_slope=0.0), list(range(8))
+    plain = GenerationConfig(strategy=strategy, max_new_tokens=6, num_beams=3, seed=1, eos_token_id=EOS)
+    common = Counter(t for hyps in generate(model, prompts, plain) for h in hyps for t in h.tokens).most_common(1)
+    banned = common[0][0]
+    config = GenerationConfig(strategy=strategy, max_new_tokens=6, num_beams=3, seed=1, eos_token_id=EOS,
+                              banned_token_ids=(banned,), forced_eos=True)
+    results = [h for hyps in generate(model, prompts, config) for h in hyps]
+    assert all(banned not in h.tokens and len(h.tokens) <= 5 and h.finish_reason == "eos" for h in results)
+    assert any(len(h.tokens) == 5 for h in results)  # some rows reached the forced EOS

@@ -177,3 +177,22 @@ def test_marian_config_fields_we_cannot_express_are_refused_by_name(tmp_path, ov
     (directory / "config.json").write_text(json.dumps({**config, **overrides}))
     with pytest.raises(HFImportError, match=says.replace("(", r"\(").replace(")", r"\)")):
         load_hf_model(directory)
+
+
+def test_generation_config_rules_we_cannot_apply_are_refused_by_name(tmp_path):
+    """bad_words_ids of one token each and a forced EOS equal to the model's EOS are applied (model/hf/generation.py);
+    longer bad words, another forced token or no_repeat_ngram_size are refused, naming the field."""
+    from model.hf.generation import GENERATION_FILE, generation_rules
+
+    directory = save_marian(tmp_path / "marian")
+    _, config = load_hf_model(directory)
+    rules = {"bad_words_ids": [[PAD], [EOS]], "forced_eos_token_id": EOS}
+    (directory / GENERATION_FILE).write_text(json.dumps(rules))
+    applied = generation_rules(directory, config)
+    assert applied.banned_token_ids == (PAD,) and applied.forced_eos  # EOS itself is never banned
+    for bad, says in [({"bad_words_ids": [[5, 6]]}, "bad_words_ids must be single tokens"),
+                      ({"forced_eos_token_id": 3}, "forced_eos_token_id=3 differs"),
+                      ({"no_repeat_ngram_size": 3}, "no_repeat_ngram_size=3 is not supported")]:
+        (directory / GENERATION_FILE).write_text(json.dumps(bad))
+        with pytest.raises(HFImportError, match=f"{GENERATION_FILE}: {says}"):
+            generation_rules(directory, config)

@@ -55,7 +55,8 @@ def opus_mt_tokenizer(directory: Path, separate_vocabs: bool = False) -> Path:
         spm = sentencepiece.SentencePieceProcessor(model_proto=proto)
         pieces = [spm.id_to_piece(i) for i in range(3, spm.get_piece_size())][::drop_every]  # some pieces missing
         ordered = {piece: i for i, piece in enumerate(dict.fromkeys(["</s>", "<unk>", ">>es<<", *pieces]))}
-        return ordered | {"<pad>": PAD}  # one pad id for both sides, as a Marian config has one pad_token_id
+        fillers = {f"\u2581filler{i}": i for i in range(len(ordered), PAD)}  # ids without gaps, as OPUS-MT's
+        return ordered | fillers | {"<pad>": PAD}  # one pad id for both sides, as a Marian config has one
 
     (directory / "vocab.json").write_text(json.dumps(vocab(sides["source.spm"], 1 if not separate_vocabs else 2)))
     config = {"separate_vocabs": separate_vocabs, "unk_token": "<unk>", "eos_token": "</s>", "pad_token": "<pad>"}

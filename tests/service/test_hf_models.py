@@ -8,6 +8,8 @@ for token, also with the adapters mixed in one batch. The BERT directories hold 
 here (lower-casing, accents stripped, the [CLS] a [SEP] b [SEP] template): a BertForSequenceClassification
 whose probabilities must equal transformers', and a BertModel saved as sentence-transformers lays it out
 (max pooling, Normalize) whose /embed vectors must equal transformers' hidden states pooled that way.
+The OPUS-MT directory holds a random MarianMTModel, SentencePiece models and vocab.json, and a
+generation_config.json that bans the pad token and forces EOS at the limit, as OPUS-MT's do.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from tests.hf_compare import randomize
+from tests.model.test_hf_marian_tokenizer import PAD as MARIAN_PAD
+from tests.model.test_hf_marian_tokenizer import opus_mt_tokenizer
 from tests.service.fixtures import LM
 from tests.service.server import running_server
 
@@ -101,6 +105,23 @@ def sentence_transformers_layout(directory: Path) -> Path:
     return directory
 
 
+def opus_mt_directory(directory: Path) -> Path:
+    """A random OPUS-MT-like translator: EOS 0, the pad id also the decoder start, a final_logits_bias."""
+    opus_mt_tokenizer(directory)
+    config = transformers.MarianConfig(
+        vocab_size=MARIAN_PAD + 1, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+        pad_token_id=MARIAN_PAD, eos_token_id=0, decoder_start_token_id=MARIAN_PAD, dropout=0.0)
+    model = randomize(transformers.MarianMTModel(config), seed=2, eos_id=0, eos_boost=2.0)
+    with torch.no_grad():
+        model.final_logits_bias.normal_(0, 0.5, generator=torch.Generator().manual_seed(2))
+    model.save_pretrained(directory)
+    (directory / "generation_config.json").write_text(json.dumps(
+        {"bad_words_ids": [[MARIAN_PAD]], "forced_eos_token_id": 0, "decoder_start_token_id": MARIAN_PAD,
+         "eos_token_id": 0, "pad_token_id": MARIAN_PAD, "max_length": 64, "num_beams": 4}))
+    return directory
+
+
 def peft_adapter(base: Path, directory: Path, seed: int, **fields) -> Path:
     """A PEFT LoRA adapter on the GPT-2 at ``base``, with random non-zero A and B, saved by peft."""
     model = transformers.GPT2LMHeadModel.from_pretrained(base)
@@ -138,6 +159,7 @@ def served(models_dir, tmp_path_factory):
     os.symlink(models_dir / LM, root / "models" / LM)
     bert_directory(root / "models" / "bert-cls", head=True)
     sentence_transformers_layout(bert_directory(root / "models" / "bert-embed", head=False))
+    opus_mt_directory(root / "models" / "opus-mt")
     broken = root / "models" / "broken-hf"
     broken.mkdir()
     (broken / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
@@ -150,7 +172,8 @@ def test_an_hf_directory_is_listed_as_hf_beside_our_checkpoints(served):
     listing = client.get("/v1/models").json()
     formats = {m["name"]: (m["format"], m["family"]) for m in listing["data"]}
     assert formats == {"gpt2-hf": ("hf", "causal_lm"), LM: ("tserve", "causal_lm"),
-                       "bert-cls": ("hf", "classifier"), "bert-embed": ("hf", "classifier")}
+                       "bert-cls": ("hf", "classifier"), "bert-embed": ("hf", "classifier"),
+                       "opus-mt": ("hf", "seq2seq")}
     (failed,) = listing["failed"]
     assert failed["name"] == "broken-hf" and "model_type='llama' is not supported" in failed["error"]
 
@@ -226,4 +249,30 @@ def test_an_hf_sentence_transformers_embedder_pools_and_normalizes_as_configured
         assert torch.dot(got, want) / got.norm() > 0.99999 and abs(float(got.norm()) - 1) < 1e-5
     refused = client.post("/v1/models/bert-embed/classify", json={"inputs": ["x"]})
     assert refused.status_code == 422 and "no classification head" in refused.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "beam"])
+def test_an_hf_opus_mt_translates_as_transformers_does(served, strategy):
+    """Sources get </s>, the decoder starts from the pad id, the pad token is never produced and EOS is forced
+    at the limit: token for token what MarianTokenizer + generate() give with the directory's generation config."""
+    client, gpt2, _ = served
+    directory = gpt2.parent / "opus-mt"
+    body = {"inputs": TEXTS, "max_new_tokens": NEW_TOKENS, "strategy": strategy}
+    beam = dict(num_beams=4, length_penalty=0.0, early_stopping=True) if strategy == "beam" else dict(num_beams=1)
+    if strategy == "beam":
+        body |= {"num_beams": 4, "length_penalty": 0.0}
+    response = client.post("/v1/models/opus-mt/generate", json=body)
+    assert response.status_code == 200, response.text
+    tokenizer = transformers.MarianTokenizer(*(str(directory / f) for f in ("source.spm", "target.spm", "vocab.json")))
+    model = transformers.MarianMTModel.from_pretrained(directory).eval()
+    outputs = response.json()["outputs"]
+    for text, output in zip(TEXTS, outputs, strict=True):
+        with torch.no_grad():
+            new = model.generate(**tokenizer(text, return_tensors="pt"), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                 **beam)[0, 1:].tolist()  # after the decoder start
+        new = new[: new.index(0)] if 0 in new else new
+        assert output["tokens"] == new, text
+        assert output["text"] == tokenizer.decode(new, skip_special_tokens=True)
+    assert all(len(o["tokens"]) < NEW_TOKENS and o["finish_reason"] == "eos" for o in outputs)  # EOS at the latest
+    assert all(MARIAN_PAD not in o["tokens"] for o in outputs)
 
