@@ -1,4 +1,4 @@
-"""The attention endpoint's maps: the layers and heads a request selects, within a cap on their size.
+"""The attention endpoint's maps: computed per family, the layers and heads a request selects, within a cap.
 
 Every map is layers x heads x queries x keys floats: a short request for a long input would otherwise be
 answered with megabytes (7.2 MB for 531 bytes at the default models' max_len). A response holds at most
@@ -9,10 +9,13 @@ so the client selects fewer layers or heads.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
 
 from service.errors import InvalidRequest
+from service.types import AttentionOutput
 
 MAX_ATTENTION_VALUES = 1 << 18  # weights in one response (about 5 MB of JSON)
 
@@ -50,3 +53,38 @@ def _check_indices(field: str, indices: tuple[int, ...] | None, count: int, what
     bad = [i for i in indices or () if not 0 <= i < count]
     if bad:
         raise InvalidRequest(f"{field}: {bad} out of range; this model has {count} {what} (0-{count - 1})")
+
+
+def classifier_maps(model: nn.Module, tokenizer: Any, ids: list[int], segments: list[int],
+                    selection: MapSelection) -> AttentionOutput:
+    """A classifier's "encoder_self" maps of one (pair) input."""
+    device = next(model.parameters()).device
+    _, maps = model.encode(torch.tensor([ids], device=device), torch.tensor([segments], device=device),
+                           attention_weights=True)
+    return AttentionOutput(tokenizer.token_strings(ids), None, selection.apply({"encoder_self": _of(maps, "self")}))
+
+
+def seq2seq_maps(model: nn.Module, checkpoint: Any, src: list[int], tgt_in: list[int],
+                 selection: MapSelection) -> AttentionOutput:
+    """A translator's "encoder_self", "decoder_self" and "cross" maps, decoder queries ``tgt_in``."""
+    device = next(model.parameters()).device
+    _, maps = model.forward_with_attention(torch.tensor([src], device=device), torch.tensor([tgt_in], device=device))
+    kinds = {"encoder_self": _of(maps["encoder"], "self"), "decoder_self": _of(maps["decoder"], "self"),
+             "cross": _of(maps["decoder"], "cross")}
+    return AttentionOutput(checkpoint.src_tokenizer.token_strings(src), checkpoint.tokenizer.token_strings(tgt_in),
+                           selection.apply(kinds))
+
+
+def causal_maps(model: nn.Module, tokenizer: Any, prompt: list[int], target: list[int] | None,
+                selection: MapSelection) -> AttentionOutput:
+    """A language model's "self" maps over prompt + target (target tokens listed only when given)."""
+    device = next(model.parameters()).device
+    _, maps = model.forward_with_attention(torch.tensor([prompt + (target or [])], device=device))
+    shown = tokenizer.token_strings(target) if target is not None else None
+    return AttentionOutput(tokenizer.token_strings(prompt), shown, selection.apply({"self": _of(maps, "self")}))
+
+
+def _of(layers: list[dict[str, torch.Tensor]], kind: str) -> list[torch.Tensor]:
+    """Per-layer (1, H, Tq, Tk) weights of one kind."""
+    return [layer[kind] for layer in layers]
+

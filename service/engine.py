@@ -24,8 +24,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-import torch
-
 from model.checkpoint import Checkpoint, load_checkpoint, parameter_count
 from model.classifier import POOLINGS
 from model.decoding import GenerationConfig
@@ -36,7 +34,7 @@ from model.layout import use_input_major_weights
 from model.quantize import mode_for, quantize
 from model.tokenizer import Tokenizer
 from service.adapters import AdapterRegistry, check_name
-from service.attention import ALL_MAPS, MapSelection
+from service.attention import ALL_MAPS, MapSelection, causal_maps, classifier_maps, seq2seq_maps
 from service.errors import InvalidRequest, NotFound, NotReady, ServiceError
 from service.jobs import DEADLINE_GRACE_S, CallJob, GenerationJob, Job, PoolingJob, StreamText
 from service.metrics import Metrics
@@ -380,19 +378,11 @@ class ModelWorker:
         return GenerationJob(request_id, self.settings.request_timeout_s, prompts, config, stops,
                              adapter=self._acquire(params.adapter), stream=text_stream)
 
-    # ---- attention (run on the worker thread) ----------------------------------------------------------
+    # ---- attention: prepared here, run on the worker thread (service.attention) ----------------------------
 
     def _classifier_attention(self, text: str, target: str | None, selection: MapSelection):
-        tok = self.checkpoint.tokenizer
-        ids, segments = self._check_length(0, tok.encode_pair(text, target))
-
-        def run() -> AttentionOutput:
-            device = next(self.model.parameters()).device
-            _, maps = self.model.encode(torch.tensor([ids], device=device), torch.tensor([segments], device=device),
-                                        attention_weights=True)
-            return AttentionOutput(tok.token_strings(ids), None, selection.apply({"encoder_self": _maps(maps, "self")}))
-
-        return run
+        ids, segments = self._check_length(0, self.checkpoint.tokenizer.encode_pair(text, target))
+        return lambda: classifier_maps(self.model, self.checkpoint.tokenizer, ids, segments, selection)
 
     def _seq2seq_attention(self, text: str, target: str | None, selection: MapSelection):
         src = self._check_length(0, self.checkpoint.encode_prompts([text])[0])
@@ -401,44 +391,22 @@ class ModelWorker:
             raise InvalidRequest(f"target: {len(tgt)} tokens exceeds the model's max_len={self.config.max_len} - 1")
 
         def run() -> AttentionOutput:
-            device = next(self.model.parameters()).device
             out = tgt
             if out is None:  # attend over the model's own greedy translation
                 config = GenerationConfig(max_new_tokens=self.max_new_tokens, eos_token_id=self.config.eos_id,
                                           **self._rules)
                 out = generate_seq2seq(self.model, [src], config)[0][0].tokens
-            tgt_in = [self.config.bos_id, *out]
-            _, maps = self.model.forward_with_attention(torch.tensor([src], device=device),
-                                                        torch.tensor([tgt_in], device=device))
-            return AttentionOutput(
-                self.checkpoint.src_tokenizer.token_strings(src), self.checkpoint.tokenizer.token_strings(tgt_in),
-                selection.apply({"encoder_self": _maps(maps["encoder"], "self"),
-                                 "decoder_self": _maps(maps["decoder"], "self"),
-                                 "cross": _maps(maps["decoder"], "cross")}),
-            )
+            return seq2seq_maps(self.model, self.checkpoint, src, [self.config.bos_id, *out], selection)
 
         return run
 
     def _causal_attention(self, text: str, target: str | None, selection: MapSelection):
-        tok = self.checkpoint.tokenizer
         prompt = self._check_length(0, self.checkpoint.encode_prompts([text])[0])
-        tgt = tok.encode(target) if target is not None else []
-        if len(prompt) + len(tgt) > self.config.max_len:
-            raise InvalidRequest(f"target: prompt + target ({len(prompt) + len(tgt)} tokens) exceeds the model's "
-                                 f"max_len={self.config.max_len}")
-
-        def run() -> AttentionOutput:
-            device = next(self.model.parameters()).device
-            _, maps = self.model.forward_with_attention(torch.tensor([prompt + tgt], device=device))
-            return AttentionOutput(tok.token_strings(prompt), tok.token_strings(tgt) if target is not None else None,
-                                   selection.apply({"self": _maps(maps, "self")}))
-
-        return run
-
-
-def _maps(layers: list[dict[str, torch.Tensor]], kind: str) -> list[torch.Tensor]:
-    """Per-layer (1, H, Tq, Tk) weights of one kind."""
-    return [layer[kind] for layer in layers]
+        tgt = self.checkpoint.tokenizer.encode(target) if target is not None else None
+        if len(prompt) + len(tgt or []) > self.config.max_len:
+            raise InvalidRequest(f"target: prompt + target ({len(prompt) + len(tgt or [])} tokens) exceeds the "
+                                 f"model's max_len={self.config.max_len}")
+        return lambda: causal_maps(self.model, self.checkpoint.tokenizer, prompt, tgt, selection)
 
 
 class NoModelsLoaded(RuntimeError):
