@@ -16,8 +16,7 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
 # PEFT options that change the math when set (truthy); rejected rather than silently ignored.
-_UNSUPPORTED = ("fan_in_fan_out", "use_dora", "lora_bias", "rank_pattern", "alpha_pattern", "modules_to_save",
-                "layers_to_transform")
+_UNSUPPORTED = ("fan_in_fan_out", "use_dora", "lora_bias", "rank_pattern", "alpha_pattern", "layers_to_transform")
 # Bounds on an adapter_config.json, checked before its contents are used. PEFT writes ~1 KB, nested 2 deep.
 MAX_CONFIG_BYTES = 64 * 1024
 MAX_CONFIG_DEPTH = 16  # objects/arrays within each other (a deeper file is refused before anything recurses on it)
@@ -108,6 +107,10 @@ class LoRAConfig:
             raise AdapterError(f"adapter config must be a JSON object, got {type(d).__name__}")
         if d.get("peft_type", "LORA") != "LORA":
             raise AdapterError(f"peft_type must be 'LORA', got {quote(d.get('peft_type'))}")
+        if d.get("modules_to_save"):  # PEFT's SEQ_CLS and TOKEN_CLS task types add the classifier themselves
+            raise AdapterError(f"modules_to_save={quote(d['modules_to_save'])}: the adapter carries its own copies "
+                               "of these modules (such as a classification head); per-adapter heads are not "
+                               "supported yet")
         unsupported = {k: d[k] for k in _UNSUPPORTED if d.get(k)}
         if unsupported:
             raise AdapterError(f"unsupported PEFT options {quote(unsupported)}")

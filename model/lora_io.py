@@ -13,7 +13,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -85,10 +85,41 @@ def save_adapter(
 @dataclass(frozen=True)
 class AdapterLayout:
     """How PEFT adapters of an imported Hugging Face model name its modules: maps their adapter_config.json
-    (``config``) and tensors (``tensors``) onto our module names (model.hf's importers provide one)."""
+    (``config``) and tensors (``tensors``, AdapterError for one it cannot map) onto our module names (model.hf's
+    importers provide one). A loaded adapter's targets are the modules its mapped tensors name, so ``config``
+    only has to make the file parseable: :func:`peft_targets`."""
 
     config: Callable[[dict[str, Any]], dict[str, Any]]
     tensors: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+def peft_targets(d: dict[str, Any], names: Mapping[str, tuple[str, ...]], model: str) -> dict[str, Any]:
+    """``d`` with target_modules as our module names: each PEFT target (a module name or a suffix of its path,
+    as PEFT matches them) by the longest key of ``names`` it ends with; a regex string provisionally as all of
+    them. ``model`` names the architecture in errors."""
+    targets = d.get("target_modules")
+    if isinstance(targets, str):
+        return {**d, "target_modules": sorted({n for ours in names.values() for n in ours})}
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise AdapterError(f"target_modules must be a list of {model} module names or a regex, got {quote(targets)}")
+    ours: set[str] = set()
+    unknown = []
+    for target in targets:
+        suffixes = [k for k in names if target == k or target.endswith(f".{k}")]
+        if suffixes:
+            ours.update(names[max(suffixes, key=len)])
+        else:
+            unknown.append(target)
+    if unknown:
+        raise AdapterError(f"target_modules {quote(unknown)} are not {model} projections we adapt "
+                           f"({', '.join(sorted(names))})")
+    return {**d, "target_modules": sorted(ours)}
+
+
+def unmapped_tensor(key: str, model: str, names: Iterable[str]) -> AdapterError:
+    """The error of an AdapterLayout's ``tensors`` for a tensor of no ``model`` projection in ``names``."""
+    return AdapterError(f"tensor {quote(key)} is not a LoRA tensor of a {model} projection we adapt "
+                        f"({', '.join(sorted(names))})")
 
 
 def read_config(directory: str | os.PathLike, name: str, layout: AdapterLayout | None = None) -> LoRAConfig:
@@ -169,12 +200,22 @@ def _read(
             raise AdapterError(f"adapter {name!r}: {directory} has only {PICKLE_FILE}; pickle files are not "
                                f"loaded, convert it to {WEIGHTS_FILE}")
         raise AdapterError(f"adapter {name!r}: {weights_path} not found")
+    where = f"adapter {name!r} ({weights_path})"
     config = read_config(directory, name, layout)
     tensors = _read_tensors(weights_path, name, device)
+    adapted: set[str] = set()  # with a layout: the module paths its mapped tensors name
     if layout is not None:
-        tensors = layout.tensors(tensors)
+        try:
+            tensors = layout.tensors(tensors)
+        except AdapterError as e:
+            raise AdapterError(f"{where}: {e}") from None
+        adapted = {match[1] for key in tensors if (match := _KEY_RE.fullmatch(key))}
+    if adapted:  # PEFT's target names and regexes may match some of our modules of a name only
+        config = replace(config, target_modules=tuple(sorted({path.rpartition(".")[2] for path in adapted})))
     found = find_targets(model, config.target_modules)
-    return config, found, _validate(f"adapter {name!r} ({weights_path})", config, found, tensors)
+    if adapted:
+        found = {path: module for path, module in found.items() if path in adapted}
+    return config, found, _validate(where, config, found, tensors)
 
 
 def check_adapter(

@@ -6,12 +6,16 @@ head. A BertModel saved with ``add_pooling_layer=False`` has no pooler weights, 
 say: :func:`state_dict` sets ``pooler`` from the tensors. BERT's [CLS] id lives in the tokenizer, not in
 config.json, so ``cls_id`` keeps our default here.
 
+A PEFT LoRA adapter (on query, key, value, the dense Linears of a layer, pooler.dense) maps onto the same
+modules (ADAPTER_LAYOUT); one that saves its own classification head (modules_to_save) is refused.
+
 Neither architecture saves pre-training heads; ours (``mlm_head``, ``order_head``) load as zeros (uniform
 predictions; the MLM decoder stays tied to the token embedding).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,6 +33,7 @@ from model.hf.common import (
     strip_prefix,
     take,
 )
+from model.lora_io import AdapterLayout, peft_targets, unmapped_tensor
 
 HEAD = "BertForSequenceClassification"
 ARCHITECTURES = (HEAD, "BertModel")
@@ -40,6 +45,10 @@ RULES = (
 HEAD_RULES = (
     Unsupported("problem_type", (None, "single_label_classification"), "sigmoid (multi-label) or regression outputs"),
 )
+# A layer's Linears: ours -> BERT's (under encoder.layers.N. / encoder.layer.N.)
+LINEARS = {"self_attn.q_proj": "attention.self.query", "self_attn.k_proj": "attention.self.key",
+           "self_attn.v_proj": "attention.self.value", "self_attn.out_proj": "attention.output.dense",
+           "ffn.fc1": "intermediate.dense", "ffn.fc2": "output.dense"}
 # Checkpoints converted from TensorFlow name LayerNorm parameters gamma / beta (transformers renames them too).
 LEGACY_NORM_NAMES = {"LayerNorm.gamma": "LayerNorm.weight", "LayerNorm.beta": "LayerNorm.bias"}
 
@@ -116,12 +125,9 @@ def state_dict(c: ClassifierConfig, tensors: Tensors) -> Tensors:
     }
     for i in range(c.n_layers):
         p, q = f"encoder.layer.{i}.", f"encoder.layers.{i}."
-        linears = {"self_attn.q_proj": ("attention.self.query", d, d), "self_attn.k_proj": ("attention.self.key", d, d),
-                   "self_attn.v_proj": ("attention.self.value", d, d),
-                   "self_attn.out_proj": ("attention.output.dense", d, d),
-                   "ffn.fc1": ("intermediate.dense", d, ff), "ffn.fc2": ("output.dense", ff, d)}
-        for name, (theirs, n_in, n_out) in linears.items():
-            ours |= _weight_bias(t, f"{p}{theirs}.", f"{q}{name}.", (n_out, n_in))
+        for name, theirs in LINEARS.items():
+            shape = {"ffn.fc1": (ff, d), "ffn.fc2": (d, ff)}.get(name, (d, d))
+            ours |= _weight_bias(t, f"{p}{theirs}.", f"{q}{name}.", shape)
         ours |= _weight_bias(t, f"{p}attention.output.LayerNorm.", f"{q}self_attn_norm.", (d,))
         ours |= _weight_bias(t, f"{p}output.LayerNorm.", f"{q}ffn_norm.", (d,))
     if c.num_labels == 0:
@@ -154,3 +160,32 @@ def _untrained_heads(c: ClassifierConfig, embed: torch.Tensor) -> Tensors:
         "mlm_head.decoder.weight": embed, "mlm_head.decoder.bias": torch.zeros(c.vocab_size),
         "order_head.weight": torch.zeros(2, d), "order_head.bias": torch.zeros(2),
     }
+
+
+# PEFT's target names (a module name, or a suffix of its path: "dense" is four Linears) -> our modules' last names
+_ADAPTER_TARGETS = {"query": ("q_proj",), "key": ("k_proj",), "value": ("v_proj",),
+                    "dense": ("out_proj", "fc1", "fc2", "pooler"), "attention.output.dense": ("out_proj",),
+                    "output.dense": ("out_proj", "fc2"), "intermediate.dense": ("fc1",), "pooler.dense": ("pooler",)}
+_ADAPTER_MODULES = {theirs: ours for ours, theirs in LINEARS.items()}
+_LAYER_LINEAR = "|".join(map(re.escape, _ADAPTER_MODULES))
+_ADAPTER_KEY = re.compile(rf"base_model\.model\.(?:bert\.)?(?:encoder\.layer\.(\d+)\.({_LAYER_LINEAR})|pooler\.dense)"
+                          r"\.lora_([AB])\.weight")
+
+
+def _adapter_config(d: dict[str, Any]) -> dict[str, Any]:
+    return peft_targets(d, _ADAPTER_TARGETS, "BERT")
+
+
+def _adapter_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    ours = {}
+    for key, t in tensors.items():
+        match = _ADAPTER_KEY.fullmatch(key)
+        if match is None:
+            raise unmapped_tensor(key, "BERT", _ADAPTER_TARGETS)
+        layer, module, kind = match.groups()
+        path = "pooler" if layer is None else f"encoder.layers.{layer}.{_ADAPTER_MODULES[module]}"
+        ours[f"base_model.model.{path}.lora_{kind}.weight"] = t
+    return ours
+
+
+ADAPTER_LAYOUT = AdapterLayout(config=_adapter_config, tensors=_adapter_tensors)

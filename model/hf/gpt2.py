@@ -19,8 +19,7 @@ import torch
 
 from model.config import CausalLMConfig
 from model.hf.common import HFImportError, Tensors, Unsupported, activation, check_supported, field, strip_prefix, take
-from model.lora_config import AdapterError
-from model.lora_io import AdapterLayout
+from model.lora_io import AdapterLayout, peft_targets, unmapped_tensor
 
 ARCHITECTURES = ("GPT2LMHeadModel", "GPT2Model")
 RULES = (
@@ -103,24 +102,15 @@ _ADAPTER_MODULES = {"attn.c_proj": "self_attn.out_proj", "mlp.c_fc": "ffn.fc1", 
 
 
 def _adapter_config(d: dict[str, Any]) -> dict[str, Any]:
-    targets = d.get("target_modules")
-    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
-        raise AdapterError(f"target_modules must be a list of GPT-2 module names ({sorted(_ADAPTER_TARGETS)})")
-    unknown = [t for t in targets if t not in _ADAPTER_TARGETS]
-    if unknown:
-        raise AdapterError(f"target_modules {unknown[:4]} are not GPT-2 projections we adapt "
-                           f"({sorted(_ADAPTER_TARGETS)})")
-    ours = sorted({name for t in targets for name in _ADAPTER_TARGETS[t]})
-    return {**d, "target_modules": ours, "fan_in_fan_out": False}
+    return {**peft_targets(d, _ADAPTER_TARGETS, "GPT-2"), "fan_in_fan_out": False}
 
 
 def _adapter_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     ours = {}
     for key, t in tensors.items():
         match = _ADAPTER_KEY.fullmatch(key)
-        if match is None:  # left as it is: the adapter's validation names it
-            ours[key] = t
-            continue
+        if match is None:
+            raise unmapped_tensor(key, "GPT-2", _ADAPTER_TARGETS)
         layer, module, kind = match.groups()
         prefix = f"base_model.model.decoder.layers.{layer}."
         if module != "attn.c_attn":

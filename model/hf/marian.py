@@ -11,6 +11,10 @@ biases, LayerNorms), so the model is a plain sinusoidal seq2seq: every kernel ru
 training/export/marian.py writes it back. Every operation is equivariant under the permutation (head and
 FFN dims are not permuted); only float sums run in another order.
 
+A PEFT LoRA adapter (on q_proj, k_proj, v_proj, out_proj of self- and cross-attention, fc1, fc2) maps onto
+the same modules with the same permutation: an update B A reads or writes the model dim where its Linear
+does, so A's input columns or B's output rows are read back through it (ADAPTER_LAYOUT).
+
 transformers ignores the BART-era flags old OPUS-MT configs carry (``normalize_before``,
 ``normalize_embedding``/``layernorm_embedding``, ``add_final_layer_norm``, ``static_position_embeddings``) and
 always computes the above: a value claiming other math is refused by name rather than served as transformers
@@ -19,6 +23,7 @@ would run it. final_logits_bias may hold -inf (a token ruled out, as training/ex
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,6 +32,7 @@ import torch
 from model.config import Seq2SeqConfig
 from model.hf.common import HFImportError, Tensors, Unsupported, activation, check_supported, field, take
 from model.layers import sinusoidal_table
+from model.lora_io import AdapterLayout, peft_targets, unmapped_tensor
 
 ARCHITECTURES = ("MarianMTModel",)
 _IGNORED = "transformers' Marian ignores the flag and runs plain Marian, which weights trained that way do not fit"
@@ -37,6 +43,8 @@ RULES = (
     Unsupported("add_final_layer_norm", (False,), f"a final LayerNorm: {_IGNORED}"),
     Unsupported("static_position_embeddings", (True,), f"learned positions: {_IGNORED}"),
 )
+# Linears whose input is the model dimension; the others (out_proj, fc2) write it
+READS_MODEL_DIM = ("q_proj", "k_proj", "v_proj", "fc1")
 SHARED, ENCODER, DECODER, HEAD, BIAS = ("model.shared.weight", "model.encoder.embed_tokens.weight",
                                         "model.decoder.embed_tokens.weight", "lm_head.weight", "final_logits_bias")
 
@@ -44,6 +52,11 @@ SHARED, ENCODER, DECODER, HEAD, BIAS = ("model.shared.weight", "model.encoder.em
 def permutation(d_model: int) -> torch.Tensor:
     """perm with HF Marian's positional dim k = our dim perm[k]: the sin dims (even) first, then the cos dims."""
     return torch.cat([torch.arange(0, d_model, 2), torch.arange(1, d_model, 2)])
+
+
+def _order(d_model: int) -> torch.Tensor:
+    """Our dim j is HF dim order[j]."""
+    return torch.argsort(permutation(d_model))
 
 
 def to_config(hf: Mapping[str, Any]) -> Seq2SeqConfig:
@@ -101,9 +114,8 @@ def to_config(hf: Mapping[str, Any]) -> Seq2SeqConfig:
 def state_dict(c: Seq2SeqConfig, t: Tensors) -> Tensors:
     """Our Seq2SeqTransformer's state dict from Marian's tensors (shapes checked, the model dim un-permuted)."""
     d = c.d_model
-    perm = permutation(d)
-    order = torch.argsort(perm)  # our dim j is HF dim order[j]
-    table = sinusoidal_table(c.max_len, d)[:, perm]
+    order = _order(d)
+    table = sinusoidal_table(c.max_len, d)[:, permutation(d)]
     for side in ("encoder", "decoder"):  # old saves hold the table, which transformers then adds as stored
         name = f"model.{side}.embed_positions.weight"
         if name in t and not torch.equal(take(t, name, (c.max_len, d)), table.to(t[name].dtype)):  # fp16: rounded
@@ -121,10 +133,8 @@ def state_dict(c: Seq2SeqConfig, t: Tensors) -> Tensors:
             if side == "decoder":
                 ours |= _attention(t, f"{p}encoder_attn.", f"{q}cross_attn.", d, order)
                 ours |= _norm(t, f"{p}encoder_attn_layer_norm.", f"{q}cross_attn_norm.", d, order)
-            ours[f"{q}ffn.fc1.weight"] = take(t, f"{p}fc1.weight", (c.d_ff, d))[:, order]
-            ours[f"{q}ffn.fc1.bias"] = take(t, f"{p}fc1.bias", (c.d_ff,))
-            ours[f"{q}ffn.fc2.weight"] = take(t, f"{p}fc2.weight", (d, c.d_ff))[order]
-            ours[f"{q}ffn.fc2.bias"] = take(t, f"{p}fc2.bias", (d,))[order]
+            ours |= _linear(t, f"{p}fc1", f"{q}ffn.fc1", (c.d_ff, d), order)
+            ours |= _linear(t, f"{p}fc2", f"{q}ffn.fc2", (d, c.d_ff), order)
             ours |= _norm(t, f"{p}final_layer_norm.", f"{q}ffn_norm.", d, order)
     return ours
 
@@ -150,15 +160,50 @@ def _embeddings(c: Seq2SeqConfig, t: Tensors) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _attention(t: Tensors, theirs: str, ours: str, d: int, order: torch.Tensor) -> Tensors:
-    """q/k/v read the model dim (input columns), out_proj writes it (output rows and bias)."""
     tensors = {}
-    for name in ("q_proj", "k_proj", "v_proj"):
-        tensors[f"{ours}{name}.weight"] = take(t, f"{theirs}{name}.weight", (d, d))[:, order]
-        tensors[f"{ours}{name}.bias"] = take(t, f"{theirs}{name}.bias", (d,))
-    tensors[f"{ours}out_proj.weight"] = take(t, f"{theirs}out_proj.weight", (d, d))[order]
-    tensors[f"{ours}out_proj.bias"] = take(t, f"{theirs}out_proj.bias", (d,))[order]
+    for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+        tensors |= _linear(t, f"{theirs}{name}", f"{ours}{name}", (d, d), order)
     return tensors
+
+
+def _linear(t: Tensors, theirs: str, ours: str, shape: tuple[int, int], order: torch.Tensor) -> Tensors:
+    """A Linear with the model dim un-permuted: its input columns (READS_MODEL_DIM) or its output rows and bias."""
+    weight, bias = take(t, f"{theirs}.weight", shape), take(t, f"{theirs}.bias", shape[:1])
+    if ours.rpartition(".")[2] in READS_MODEL_DIM:
+        return {f"{ours}.weight": weight[:, order], f"{ours}.bias": bias}
+    return {f"{ours}.weight": weight[order], f"{ours}.bias": bias[order]}
 
 
 def _norm(t: Tensors, theirs: str, ours: str, d: int, order: torch.Tensor) -> Tensors:
     return {f"{ours}{k}": take(t, f"{theirs}{k}", (d,))[order] for k in ("weight", "bias")}
+
+
+# PEFT's target names (a module name, or a suffix of its path) -> our modules' last names
+_ADAPTER_TARGETS = {name: (name,) for name in ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")}
+# model.: MarianMTModel's (a prefix our Seq2SeqTransformer lacks: our own adapters' names never match)
+_ADAPTER_KEY = re.compile(r"base_model\.model\.model\.((?:en|de)coder\.layers\.\d+\.)"
+                          r"(self_attn\.|encoder_attn\.)?([qkv]_proj|out_proj|fc[12])\.lora_([AB])\.weight")
+_ADAPTER_MODULES = {"self_attn.": "self_attn.", "encoder_attn.": "cross_attn.", None: "ffn."}
+
+
+def _adapter_config(d: dict[str, Any]) -> dict[str, Any]:
+    return peft_targets(d, _ADAPTER_TARGETS, "Marian")
+
+
+def _adapter_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our names, and the model dim un-permuted as state_dict does: A's input columns where the Linear reads it,
+    B's output rows where it writes it (B A's columns / rows are then those of the Linear's weight)."""
+    ours = {}
+    for key, t in tensors.items():
+        match = _ADAPTER_KEY.fullmatch(key)
+        if match is None or (match[2] is None) != match[3].startswith("fc"):  # fc1/fc2 alone, the others in one
+            raise unmapped_tensor(key, "Marian", _ADAPTER_TARGETS)
+        layer, attention, name, kind = match.groups()
+        if t.dim() == 2 and (kind == "A") == (name in READS_MODEL_DIM):  # another shape is named later
+            dim = 1 if kind == "A" else 0
+            t = t.index_select(dim, _order(t.shape[dim]))
+        ours[f"base_model.model.{layer}{_ADAPTER_MODULES[attention]}{name}.lora_{kind}.weight"] = t
+    return ours
+
+
+ADAPTER_LAYOUT = AdapterLayout(config=_adapter_config, tensors=_adapter_tensors)
