@@ -5,6 +5,8 @@ Shared by the export tests (ours -> HF) and the import tests (HF -> ours).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from model.decoding import GenerationConfig
@@ -51,3 +53,17 @@ def assert_varied(outputs: list[list[int]]) -> None:
     """The inputs must exercise both endings: EOS before the limit, and the length limit."""
     lengths = [len(o) for o in outputs]
     assert min(lengths) < MAX_NEW and max(lengths) == MAX_NEW, lengths
+
+
+def peft_adapter(base: torch.nn.Module, directory: Path, seed: int, **fields) -> Path:
+    """A PEFT LoRA adapter on HF model ``base`` (LoraConfig ``fields``), random non-zero A and B, saved by peft."""
+    import peft  # test-only, and only for the tests that make adapters
+
+    adapted = peft.get_peft_model(base, peft.LoraConfig(**fields))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    adapted.save_pretrained(directory)
+    return directory

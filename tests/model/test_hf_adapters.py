@@ -22,7 +22,7 @@ from torch import nn
 from model.hf import load_hf_checkpoint
 from model.lora import AdapterError, adapter_names, layers_with, use_adapters
 from model.lora_io import check_adapter, load_adapter
-from tests.hf_compare import ATOL
+from tests.hf_compare import ATOL, peft_adapter
 from tests.model import test_hf_bert as hf_bert
 from tests.model import test_hf_import as hf_gpt2
 from tests.model import test_hf_marian as hf_marian
@@ -50,18 +50,6 @@ def with_tokenizer(directory: Path, vocab_size: int) -> Path:
     """A word-level tokenizer.json over the model's ids, which load_hf_checkpoint needs beside the weights."""
     Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w1")).save(
         str(directory / "tokenizer.json"))
-    return directory
-
-
-def peft_adapter(base: nn.Module, directory: Path, seed: int, **fields) -> Path:
-    """A PEFT LoRA adapter on HF model ``base``, with random non-zero A and B, saved by peft."""
-    adapted = peft.get_peft_model(base, peft.LoraConfig(**fields))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in adapted.named_parameters():
-            if "lora_" in name:
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
-    adapted.save_pretrained(directory)
     return directory
 
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from tests.hf_compare import randomize
+from tests.hf_compare import peft_adapter, randomize
 from tests.model.test_hf_marian_tokenizer import PAD as MARIAN_PAD
 from tests.model.test_hf_marian_tokenizer import opus_mt_tokenizer
 from tests.service.fixtures import LM
@@ -122,19 +122,6 @@ def opus_mt_directory(directory: Path) -> Path:
     return directory
 
 
-def peft_adapter(base: Path, directory: Path, seed: int, **fields) -> Path:
-    """A PEFT LoRA adapter on the GPT-2 at ``base``, with random non-zero A and B, saved by peft."""
-    model = transformers.GPT2LMHeadModel.from_pretrained(base)
-    adapted = peft.get_peft_model(model, peft.LoraConfig(fan_in_fan_out=True, **fields))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in adapted.named_parameters():
-            if "lora_" in name:
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
-    adapted.save_pretrained(directory)
-    return directory
-
-
 def hf_generate(directory: Path, adapter: Path | None, prompt: str, **kwargs) -> list[int]:
     """transformers' (and peft's) greedy or beam continuation of ``prompt``, cut at EOS."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
@@ -155,7 +142,8 @@ def served(models_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("hf-models")
     gpt2 = gpt2_directory(root / "models" / "gpt2-hf")
     for seed, (name, fields) in enumerate(ADAPTERS.items()):
-        peft_adapter(gpt2, root / "adapters" / "gpt2-hf" / name, seed, **fields)
+        peft_adapter(transformers.GPT2LMHeadModel.from_pretrained(gpt2), root / "adapters" / "gpt2-hf" / name, seed,
+                     fan_in_fan_out=True, **fields)
     os.symlink(models_dir / LM, root / "models" / LM)
     bert_directory(root / "models" / "bert-cls", head=True)
     sentence_transformers_layout(bert_directory(root / "models" / "bert-embed", head=False))
