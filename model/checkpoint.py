@@ -1,5 +1,9 @@
 """Checkpoints: a directory of config.json + model.safetensors + tokenizer.json (+ labels.json, metrics.json).
 
+A checkpoint imported from Hugging Face (``python -m training import``) keeps that model's tokenizer and
+settings files under ``hf/`` instead of tokenizer.json and labels.json; a Hugging Face model directory
+itself loads too (model.hf).
+
 No pickle anywhere: tensors go through safetensors, everything else is JSON. Writes are atomic
 (a temporary sibling directory renamed into place; replacing an existing checkpoint moves it aside
 to ``.<name>.old`` first, and a load finds it there if a crash fell between the two renames); loads
@@ -26,7 +30,7 @@ from torch import nn
 from model.causal_lm import CausalLM
 from model.classifier import TransformerClassifier
 from model.config import ConfigError, TransformerConfig
-from model.hf import is_hf_directory, load_hf_checkpoint
+from model.hf import hf_companions, is_hf_directory, load_hf_checkpoint
 from model.hf.generation import GenerationRules
 from model.hf.sentence import EmbeddingDefaults
 from model.lora_io import AdapterLayout
@@ -39,6 +43,7 @@ WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 SOURCE_TOKENIZER_FILE = "source_tokenizer.json"
 LABELS_FILE = "labels.json"
+HF_DIR = "hf"  # an imported checkpoint's Hugging Face companion files (tokenizer, generation config, ...)
 METRICS_FILE = "metrics.json"
 
 MODELS: dict[str, type[nn.Module]] = {
@@ -147,14 +152,15 @@ def tied_aliases(model: nn.Module) -> dict[str, str]:
 def save_checkpoint(
     directory: str | Path,
     model: nn.Module,
-    tokenizer: Tokenizer,
+    tokenizer: Tokenizer | None,
     *,
     source_tokenizer: Tokenizer | None = None,
     labels: list[str] | None = None,
     metrics: dict[str, Any] | None = None,
     extra_files: dict[str, bytes] | None = None,
 ) -> Path:
-    """Write the checkpoint directory atomically and return its path."""
+    """Write the checkpoint directory atomically and return its path. ``tokenizer`` None: ``extra_files`` bring
+    one (an imported checkpoint's ``hf/`` files); their names may hold subdirectories."""
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
@@ -164,7 +170,8 @@ def save_checkpoint(
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format_version": str(FORMAT_VERSION)})
         config = {"format_version": FORMAT_VERSION, **model.config.to_dict()}
         _write_json(tmp / CONFIG_FILE, config)
-        tokenizer.save(tmp / TOKENIZER_FILE)
+        if tokenizer is not None:
+            tokenizer.save(tmp / TOKENIZER_FILE)
         if source_tokenizer is not None:
             source_tokenizer.save(tmp / SOURCE_TOKENIZER_FILE)
         if labels is not None:
@@ -172,6 +179,7 @@ def save_checkpoint(
         if metrics is not None:
             _write_json(tmp / METRICS_FILE, metrics)
         for name, data in (extra_files or {}).items():
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
             (tmp / name).write_bytes(data)
         _fsync_dir(tmp)
         _replace_dir(tmp, directory)
@@ -215,6 +223,9 @@ def load_checkpoint(
     load_weights(model, directory / WEIGHTS_FILE)
     torch_device = resolve_device(device)
     model.to(device=torch_device, dtype=resolve_dtype(dtype, torch_device)).eval()
+    metrics = _read_json(directory / METRICS_FILE) if (directory / METRICS_FILE).exists() else {}
+    if (directory / HF_DIR).is_dir():  # imported (python -m training import): its HF tokenizer and settings
+        return Checkpoint(model, config, metrics=metrics, path=directory, **hf_companions(directory / HF_DIR, config))
     tokenizer = _load_tokenizer(directory / TOKENIZER_FILE)
     source_path = directory / SOURCE_TOKENIZER_FILE
     source_tokenizer = _load_tokenizer(source_path) if source_path.exists() else None
@@ -225,7 +236,6 @@ def load_checkpoint(
     if config.family == "classifier" and not (isinstance(labels, list) and len(labels) == config.num_labels
                                               or labels is None and config.num_labels == 0):  # 0: an embedder
         raise CheckpointError(f"{directory / LABELS_FILE}: expected a list of {config.num_labels} label names")
-    metrics = _read_json(directory / METRICS_FILE) if (directory / METRICS_FILE).exists() else {}
     return Checkpoint(model, config, tokenizer, source_tokenizer, labels, metrics, directory)
 
 
@@ -291,9 +301,11 @@ def _write_json(path: Path, data: Any) -> None:
 
 
 def _fsync_dir(directory: Path) -> None:
-    for p in directory.iterdir():
-        with open(p, "rb") as f:
-            os.fsync(f.fileno())
+    """Flush every file under ``directory`` (subdirectories included) to disk."""
+    for p in directory.rglob("*"):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
 
 
 def old_sibling(directory: Path) -> Path:

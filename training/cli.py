@@ -13,11 +13,11 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from training import baselines_cmd, evaluate_cmd, export_cmd, lora_cmd, prepare, recipe_cmd, train_cmd
+from training import baselines_cmd, evaluate_cmd, export_cmd, import_cmd, lora_cmd, prepare, recipe_cmd, train_cmd
 from training.errors import UserError
 
 # Commands in the order `--help` lists them; extend with train, lora, evaluate, export.
-COMMANDS = (prepare, train_cmd, lora_cmd, evaluate_cmd, export_cmd, baselines_cmd, recipe_cmd)
+COMMANDS = (prepare, train_cmd, lora_cmd, evaluate_cmd, export_cmd, import_cmd, baselines_cmd, recipe_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,17 +11,17 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from model.config import TransformerConfig
 from model.hf.common import CONFIG_FILE, HFImportError, read_config, read_weights
-from model.hf.generation import generation_rules
-from model.hf.marian_tokenizer import is_marian_tokenizer, load_marian_tokenizers
-from model.hf.sentence import embedding_defaults
-from model.hf.tokenizer import load_tokenizer
+from model.hf.generation import GENERATION_FILE, generation_rules
+from model.hf.marian_tokenizer import MARIAN_FILES, is_marian_tokenizer, load_marian_tokenizers
+from model.hf.sentence import embedding_defaults, sentence_files
+from model.hf.tokenizer import TOKENIZER_FILES, load_tokenizer
 
 if TYPE_CHECKING:
     from model.checkpoint import Checkpoint
@@ -74,20 +74,37 @@ def load_hf_checkpoint(
 
     directory = Path(directory)
     model, config = load_hf_model(directory)
+    torch_device = resolve_device(device)
+    model.to(device=torch_device, dtype=resolve_dtype(dtype, torch_device)).eval()
+    return Checkpoint(model, config, path=directory, format="hf", **hf_companions(directory, config))
+
+
+def hf_companions(directory: Path, config: TransformerConfig) -> dict[str, Any]:
+    """Everything but the weights that an HF directory brings, as Checkpoint fields: the tokenizers, labels,
+    the PEFT adapter layout, sentence-transformers' embedding defaults and generation rules. ``directory`` is
+    an HF model directory, or the copy of its files (``companion_files``) an imported checkpoint keeps."""
     if is_marian_tokenizer(directory):
         source_tokenizer, tokenizer = load_marian_tokenizers(directory)
     else:
         source_tokenizer, tokenizer = None, load_tokenizer(directory, config)
     _check_vocabularies(config, source_tokenizer, tokenizer)
-    torch_device = resolve_device(device)
-    model.to(device=torch_device, dtype=resolve_dtype(dtype, torch_device)).eval()
     hf = read_config(directory)
     importer = _importer(hf)
-    labels = importer.labels(hf) if hasattr(importer, "labels") else None
-    return Checkpoint(model, config, tokenizer, source_tokenizer, labels, path=directory, format="hf",
-                      adapter_layout=getattr(importer, "ADAPTER_LAYOUT", None),  # PEFT adapters' module names
-                      embedding=embedding_defaults(directory),
-                      generation=generation_rules(directory, config) if config.family != "classifier" else None)
+    return {
+        "tokenizer": tokenizer,
+        "source_tokenizer": source_tokenizer,
+        "labels": importer.labels(hf) if hasattr(importer, "labels") else None,
+        "adapter_layout": getattr(importer, "ADAPTER_LAYOUT", None),  # PEFT adapters' module names
+        "embedding": embedding_defaults(directory),
+        "generation": generation_rules(directory, config) if config.family != "classifier" else None,
+    }
+
+
+def companion_files(directory: Path) -> dict[str, bytes]:
+    """The files :func:`hf_companions` reads in ``directory`` (relative name -> bytes), to keep beside an
+    imported checkpoint: config.json, the tokenizer's files, generation_config.json, sentence-transformers'."""
+    names = [CONFIG_FILE, GENERATION_FILE, *TOKENIZER_FILES, *MARIAN_FILES, *sentence_files(directory)]
+    return {name: (directory / name).read_bytes() for name in dict.fromkeys(names) if (directory / name).is_file()}
 
 
 def _check_vocabularies(config: TransformerConfig, source: object | None, target: object) -> None:
@@ -101,4 +118,5 @@ def _check_vocabularies(config: TransformerConfig, source: object | None, target
                                 f"{size}")
 
 
-__all__ = ["HFImportError", "is_hf_directory", "load_hf_checkpoint", "load_hf_model"]
+__all__ = ["HFImportError", "companion_files", "hf_companions", "is_hf_directory", "load_hf_checkpoint",
+           "load_hf_model"]

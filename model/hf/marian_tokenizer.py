@@ -20,6 +20,7 @@ from model.hf.common import HFImportError
 
 SOURCE_SPM, TARGET_SPM, VOCAB, TARGET_VOCAB = "source.spm", "target.spm", "vocab.json", "target_vocab.json"
 CONFIG = "tokenizer_config.json"
+MARIAN_FILES = (SOURCE_SPM, TARGET_SPM, VOCAB, TARGET_VOCAB, CONFIG)  # everything this module reads
 MAX_FILE_BYTES = 64 << 20  # OPUS-MT's vocab.json is ~1.5 MB, each .spm ~0.8 MB
 MAX_UNKNOWN_BYTES = 4  # a character neither vocabulary knows is one <unk>: at most 4 UTF-8 bytes
 SPIECE_UNDERLINE = "\u2581"

@@ -51,6 +51,18 @@ def embedding_defaults(directory: Path) -> EmbeddingDefaults | None:
     return EmbeddingDefaults(pooling, normalize)
 
 
+def sentence_files(directory: Path) -> list[str]:
+    """The files :func:`embedding_defaults` reads in ``directory`` (relative names; none without modules.json)."""
+    if not (directory / MODULES_FILE).is_file():
+        return []
+    modules = _json(directory / MODULES_FILE)
+    pooling = [m.get("path") for m in modules if isinstance(m, dict) and m.get("type") == POOLING] \
+        if isinstance(modules, list) else []
+    inside = [p for p in pooling if isinstance(p, str) and p and not Path(p).is_absolute()
+              and ".." not in Path(p).parts]
+    return [MODULES_FILE, *(f"{path}/config.json" for path in inside)]
+
+
 def _pooling(directory: Path, path: Any) -> str:
     if not isinstance(path, str) or Path(path).is_absolute() or ".." in Path(path).parts:
         raise HFImportError(f"{MODULES_FILE}: the Pooling module's path {str(path)[:80]!r} must lie in the directory")

@@ -20,6 +20,7 @@ from model.tokenizer import SpecialIds, Tokenizer, TokenizerError
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKEN_FILES = ("tokenizer_config.json", "special_tokens_map.json")  # the first that names a token wins
+TOKENIZER_FILES = (TOKENIZER_FILE, *TOKEN_FILES)  # everything this module reads
 MAX_TOKENIZER_BYTES = 64 << 20  # GPT-2's is 1.4 MB; multilingual vocabularies reach ~20 MB
 MAX_TOKEN_FILE_BYTES = 1 << 20
 ROLES = ("pad", "bos", "eos", "unk", "cls", "sep", "mask")

@@ -16,8 +16,9 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import processors
 
-from model.checkpoint import PROMPT_SPECIALS, Checkpoint, CheckpointError, load_checkpoint
+from model.checkpoint import HF_DIR, PROMPT_SPECIALS, Checkpoint, CheckpointError, load_checkpoint
 from model.config import TransformerConfig
+from model.hf import companion_files
 from model.tokenizer import SPECIAL_TOKENS, Tokenizer
 from training.export import bert, gpt2, marian
 from training.export.common import ExportError, Tensors, check
@@ -27,13 +28,14 @@ logger = logging.getLogger(__name__)
 EXPORTERS: dict[str, ModuleType] = {"seq2seq": marian, "causal_lm": gpt2, "classifier": bert}
 
 
-def check_exportable(config: TransformerConfig) -> str:
-    """The HF architecture for ``config``; raises ExportError naming the first field that does not fit."""
+def check_exportable(config: TransformerConfig, own_tokenizer: bool = True) -> str:
+    """The HF architecture for ``config``; raises ExportError naming the first field that does not fit.
+    ``own_tokenizer`` False: the checkpoint brings its Hugging Face tokenizer (imported), whose ids are its own."""
     exporter = EXPORTERS[config.family]
     check(config, exporter.ARCHITECTURE, exporter.NEEDS)
     if config.family == "classifier" and not config.num_labels:
         raise ExportError("num_labels=0 (no classification head) but BertForSequenceClassification needs one")
-    if config.pad_id != Tokenizer.pad_id:
+    if own_tokenizer and config.pad_id != Tokenizer.pad_id:
         raise ExportError(f"pad_id={config.pad_id} but the exported tokenizer pads with id {Tokenizer.pad_id}")
     return exporter.ARCHITECTURE
 
@@ -44,14 +46,23 @@ def export_hf(checkpoint: str | Path, out: str | Path, overwrite: bool = False) 
         ckpt = load_checkpoint(checkpoint, device="cpu", dtype=torch.float32)
     except CheckpointError as exc:
         raise ExportError(str(exc)) from exc
-    architecture = check_exportable(ckpt.config)
-    if ckpt.source_tokenizer is not None:
-        raise ExportError(f"{architecture} export needs one tokenizer; the checkpoint has a separate source tokenizer")
+    imported = Path(checkpoint, HF_DIR)  # an imported checkpoint's own tokenizer and settings files
+    architecture = check_exportable(ckpt.config, own_tokenizer=not imported.is_dir())
+    if imported.is_dir():
+        if ckpt.family == "seq2seq":
+            raise ExportError("an imported MarianMTModel is exported by copying its directory: the export "
+                              "rewrites Marian for CTranslate2 (an extra vocabulary row, a start token of ours)")
+        kept = companion_files(imported).items()
+        files = {name: data.decode("utf-8") for name, data in kept if name != "config.json"}
+    else:
+        if ckpt.source_tokenizer is not None:
+            raise ExportError(f"{architecture} export needs one tokenizer; the checkpoint has a separate source "
+                              "tokenizer")
+        files = tokenizer_files(ckpt)
+        if ckpt.family != "classifier":
+            files["generation_config.json"] = _json(generation_config(ckpt.config))
     config, tensors = EXPORTERS[ckpt.family].build(ckpt)
-    files = {"config.json": _json({"architectures": [architecture], "dtype": "float32", **config})}
-    files |= tokenizer_files(ckpt)
-    if ckpt.family != "classifier":
-        files["generation_config.json"] = _json(generation_config(ckpt.config))
+    files["config.json"] = _json({"architectures": [architecture], "dtype": "float32", **config})
     out = Path(out)
     _write_dir(out, files, tensors, overwrite)
     logger.info("exported %s checkpoint %s as %s to %s", ckpt.family, checkpoint, architecture, out)
@@ -123,6 +134,7 @@ def _write_dir(out: Path, files: dict[str, str], tensors: Tensors, overwrite: bo
         weights = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in tensors.items()}
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         for name, text in files.items():
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)  # sentence-transformers' 1_Pooling/, ...
             (tmp / name).write_text(text, encoding="utf-8")
         tmp.chmod(0o755)  # mkdtemp creates 0700
         if out.exists():

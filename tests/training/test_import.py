@@ -1,0 +1,79 @@
+"""`python -m training import --from hf`: a Hugging Face directory as our checkpoint, and back with export.
+
+The directories are the ones the service tests build with `transformers` (tests/service/test_hf_models.py):
+a GPT-2, a BERT classifier and an OPUS-MT translator with their tokenizer files. The imported checkpoint
+must compute what the directory computes and encode as it does; exporting an imported GPT-2 or BERT gives
+back the same tensors and a tokenizer that gives the same ids.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from model.checkpoint import HF_DIR, load_checkpoint
+from tests.service.fixtures import run_training
+from tests.service.test_hf_models import PAIRS, TEXTS, bert_directory, gpt2_directory, opus_mt_directory
+from training.errors import UserError
+
+transformers = pytest.importorskip("transformers")
+
+BUILDERS = {"gpt2": gpt2_directory, "bert": lambda d: bert_directory(d, head=True), "opus-mt": opus_mt_directory}
+
+
+@pytest.fixture(scope="module", params=list(BUILDERS))
+def imported(request, tmp_path_factory) -> tuple[str, Path, Path]:
+    """(name, HF directory, our imported checkpoint)."""
+    root = tmp_path_factory.mktemp(request.param)
+    source = BUILDERS[request.param](root / "hf")
+    run_training("import", "--from", "hf", str(source), "--out", str(root / "ckpt"))
+    return request.param, source, root / "ckpt"
+
+
+def test_an_imported_checkpoint_computes_and_encodes_as_its_directory(imported):
+    name, source, ckpt = imported
+    theirs, ours = load_checkpoint(source, device="cpu"), load_checkpoint(ckpt, device="cpu")
+    assert (theirs.format, ours.format) == ("hf", "tserve") and (ckpt / HF_DIR).is_dir()
+    assert not (ckpt / "tokenizer.json").exists()  # the HF tokenizer is the one under hf/
+    if name == "bert":
+        assert ours.labels == theirs.labels and ours.tokenizer.encode_pair(*PAIRS[0]) == theirs.tokenizer.encode_pair(
+            *PAIRS[0])
+        ids, segments = (torch.tensor([x]) for x in ours.tokenizer.encode_pair(*PAIRS[0]))
+        assert torch.equal(ours.model(ids, segments), theirs.model(ids, segments))
+        return
+    prompts = ours.encode_prompts(TEXTS)
+    assert prompts == theirs.encode_prompts(TEXTS) and ours.generation == theirs.generation
+    ids = torch.tensor([prompts[0]])
+    if name == "gpt2":
+        assert torch.equal(ours.model(ids), theirs.model(ids))
+    else:
+        start = torch.tensor([[ours.config.bos_id]])
+        assert torch.equal(ours.model(ids, start), theirs.model(ids, start))
+
+
+def test_export_of_an_imported_checkpoint_gives_back_the_directory(imported, tmp_path):
+    name, source, ckpt = imported
+    if name == "opus-mt":
+        with pytest.raises(UserError, match="imported MarianMTModel is exported by copying its directory"):
+            run_training("export", "--model", str(ckpt), "--to", "hf", "--out", str(tmp_path / "out"))
+        return
+    run_training("export", "--model", str(ckpt), "--to", "hf", "--out", str(tmp_path / "out"))
+    original, exported = (load_file(str(d / "model.safetensors")) for d in (source, tmp_path / "out"))
+    assert original.keys() == exported.keys()
+    assert all(torch.equal(original[k], exported[k]) for k in original)
+    tokenizers = [transformers.AutoTokenizer.from_pretrained(d) for d in (source, tmp_path / "out")]
+    assert [tokenizers[0](t)["input_ids"] for t in TEXTS] == [tokenizers[1](t)["input_ids"] for t in TEXTS]
+
+
+def test_import_refuses_what_it_cannot_read_and_an_existing_output(tmp_path):
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(UserError, match="model_type='llama' is not supported"):
+        run_training("import", "--from", "hf", str(tmp_path / "broken"), "--out", str(tmp_path / "out"))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep").write_text("x")
+    with pytest.raises(UserError, match="already exists"):
+        run_training("import", "--from", "hf", str(tmp_path / "broken"), "--out", str(tmp_path / "out"))
