@@ -95,12 +95,17 @@ class Checkpoint:
         return self.src_tokenizer if self.family == "seq2seq" else self.tokenizer
 
     def encode_prompts(self, texts: Sequence[str]) -> list[list[int]]:
-        """Token ids of a generative model's input texts: wrapped as PROMPT_SPECIALS says for ours, by the
-        tokenizer's own template for a Hugging Face model (what ``tokenizer(text)`` gives there)."""
-        if self.prompt_tokenizer.uses_own_template:
-            return self.prompt_tokenizer.encode_templated(texts)
-        add_bos, add_eos = PROMPT_SPECIALS[self.family]
-        return self.prompt_tokenizer.encode_batch(texts, add_bos=add_bos, add_eos=add_eos)
+        """Token ids of a generative model's input texts (:func:`encode_prompts`)."""
+        return encode_prompts(self.prompt_tokenizer, self.family, texts)
+
+
+def encode_prompts(tokenizer: Tokenizer, family: str, texts: Sequence[str]) -> list[list[int]]:
+    """Input ids of a generative ``family``: wrapped as PROMPT_SPECIALS says by our tokenizers, by its own
+    template by an imported one (what ``tokenizer(text)`` gives in `transformers`)."""
+    if tokenizer.uses_own_template:
+        return tokenizer.encode_templated(texts)
+    add_bos, add_eos = PROMPT_SPECIALS[family]
+    return tokenizer.encode_batch(texts, add_bos=add_bos, add_eos=add_eos)
 
 
 def build_model(config: TransformerConfig) -> nn.Module:

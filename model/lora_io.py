@@ -1,6 +1,7 @@
 """PEFT-layout adapter files: ``adapter_config.json`` + ``adapter_model.safetensors``.
 
-Saving writes PEFT's keys (``base_model.model.<module path>.lora_{A,B}.weight``) atomically; loading
+Saving writes PEFT's keys (``base_model.model.<module path>.lora_{A,B}.weight``) atomically, in the module
+names of the Hugging Face model ours was imported from when given its :class:`AdapterLayout`; loading
 reads only those two files (never pickle) and validates every tensor against the model's target
 Linears before the model is touched (:func:`check_adapter` does only that).
 """
@@ -23,6 +24,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from model.config import TransformerConfig
 from model.lora import (
     AdapterError,
     LoRAConfig,
@@ -56,18 +58,27 @@ def lora_state_dict(model: nn.Module, name: str) -> dict[str, torch.Tensor]:
 
 
 def save_adapter(
-    model: nn.Module, name: str, directory: str | os.PathLike, base_model_name_or_path: str | None = None
+    model: nn.Module,
+    name: str,
+    directory: str | os.PathLike,
+    base_model_name_or_path: str | None = None,
+    layout: AdapterLayout | None = None,
 ) -> None:
-    """Write PEFT's layout into `directory`: built in a temp dir beside it, then renamed into place."""
+    """Write PEFT's layout into `directory`: built in a temp dir beside it, then renamed into place. With the
+    `layout` of the Hugging Face model `model` was imported from: in that model's module names, as PEFT loads it
+    there (:attr:`AdapterLayout.to_peft`)."""
     config = get_adapter_config(model, name)
     if base_model_name_or_path is not None:
         config = replace(config, base_model_name_or_path=base_model_name_or_path)
-    tensors = {k: v.cpu().contiguous() for k, v in lora_state_dict(model, name).items()}
+    peft_config, tensors = config.to_peft_dict(), {k: v.cpu() for k, v in lora_state_dict(model, name).items()}
+    if layout is not None:
+        peft_config, tensors = layout.to_peft(config, tensors, model.config)
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
     target = Path(directory)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        (tmp / CONFIG_FILE).write_text(json.dumps(config.to_peft_dict(), indent=2) + "\n")
+        (tmp / CONFIG_FILE).write_text(json.dumps(peft_config, indent=2) + "\n")
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         if target.exists():  # a directory cannot be renamed over a non-empty one: swap via a side name
             old = tmp.with_name(tmp.name + ".old")
@@ -82,15 +93,20 @@ def save_adapter(
     logger.info("saved LoRA adapter %r to %s", name, target)
 
 
+PeftFiles = tuple[dict[str, Any], dict[str, torch.Tensor]]  # adapter_config.json's contents, the tensors
+
+
 @dataclass(frozen=True)
 class AdapterLayout:
     """How PEFT adapters of an imported Hugging Face model name its modules: maps their adapter_config.json
     (``config``) and tensors (``tensors``, AdapterError for one it cannot map) onto our module names (model.hf's
     importers provide one). A loaded adapter's targets are the modules its mapped tensors name, so ``config``
-    only has to make the file parseable: :func:`peft_targets`."""
+    only has to make the file parseable: :func:`peft_targets`. ``to_peft`` goes the other way: our adapter's
+    config and tensors (on the model imported, whose config it is given) as PEFT's files for the HF model."""
 
     config: Callable[[dict[str, Any]], dict[str, Any]]
     tensors: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+    to_peft: Callable[[LoRAConfig, dict[str, torch.Tensor], TransformerConfig], PeftFiles]
 
 
 def peft_targets(d: dict[str, Any], names: Mapping[str, tuple[str, ...]], model: str) -> dict[str, Any]:
@@ -114,6 +130,15 @@ def peft_targets(d: dict[str, Any], names: Mapping[str, tuple[str, ...]], model:
         raise AdapterError(f"target_modules {quote(unknown)} are not {model} projections we adapt "
                            f"({', '.join(sorted(names))})")
     return {**d, "target_modules": sorted(ours)}
+
+
+def peft_files(config: LoRAConfig, tensors: dict[str, torch.Tensor], task_type: str | None, **fields: Any
+               ) -> PeftFiles:
+    """PEFT's files of an adapter whose ``tensors`` name a Hugging Face model's modules: target_modules are the
+    full paths of those modules (PEFT then adapts no other module, whatever their names share), task_type and
+    ``fields`` override ``config``'s."""
+    modules = sorted({match[1] for key in tensors if (match := _KEY_RE.fullmatch(key))})
+    return {**config.to_peft_dict(), "task_type": task_type, "target_modules": modules, **fields}, tensors
 
 
 def unmapped_tensor(key: str, model: str, names: Iterable[str]) -> AdapterError:

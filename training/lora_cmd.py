@@ -30,9 +30,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "lora",
         help="train a LoRA adapter on a frozen checkpoint",
         description="Train only a LoRA adapter on a frozen base checkpoint (its tokenizer is reused) and "
-        "save it in the PEFT layout, with metrics.json comparing adapter and base on the valid split.",
+        "save it in the PEFT layout, with metrics.json comparing adapter and base on the valid split. On a "
+        "Hugging Face base (GPT-2, a BERT classifier, OPUS-MT) the adapter is written in that model's module "
+        "names: peft.PeftModel.from_pretrained loads it on the model (GPT-2's q/k/v adapters become one "
+        "rank-3r LoRA on c_attn).",
     )
-    p.add_argument("--base", required=True, metavar="DIR", help="base checkpoint directory")
+    p.add_argument("--base", required=True, metavar="DIR",
+                   help="base checkpoint directory: ours, or a Hugging Face model directory")
     add_io_options(p, "adapter directory (PEFT layout); the resume state goes to <out>.state/")
     g = p.add_argument_group("adapter")
     g.add_argument("--rank", type=positive_int, metavar="N", default=8, help="LoRA rank r (default %(default)s)")

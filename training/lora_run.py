@@ -3,6 +3,10 @@
 The adapter directory ``--out`` holds the best adapter by validation metric (adapter_config.json +
 adapter_model.safetensors, base_model_name_or_path set to the base checkpoint) and a metrics.json
 comparing it with the base model on the valid split; ``<out>.state/`` holds the resume state.
+
+The base may be a Hugging Face directory (model.hf: GPT-2, BERT classifier, OPUS-MT): data is encoded with
+its tokenizer(s) and special ids as the service encodes inputs, and the adapter is written in the HF model's
+module names (its AdapterLayout), so ``peft.PeftModel.from_pretrained`` loads it on that model.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +23,7 @@ from torch import nn
 
 from model.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from model.lora import AdapterError, LoRAConfig, add_adapter, mark_only_lora_trainable, use_adapters
-from model.lora_io import save_adapter
+from model.lora_io import AdapterLayout, save_adapter
 from training import distributed
 from training.distributed import DistContext
 from training.errors import UserError
@@ -35,6 +40,7 @@ from training.session import (
 )
 from training.state import write_bytes_atomic, write_json
 from training.tasks import TASKS
+from training.tasks.base import TokenIds
 from training.trainer import Evaluation, Hooks, LossFn
 
 logger = logging.getLogger(__name__)
@@ -82,9 +88,11 @@ def save_best_adapter(
     evaluation: Evaluation,
     summary: dict[str, Any],
     info: dict[str, Any],
+    layout: AdapterLayout | None,
 ) -> None:
-    """Write the adapter (PEFT layout) with metrics.json (adapter vs base) and the log so far."""
-    save_adapter(model, ADAPTER, out, base_model_name_or_path=info["base_model"])
+    """Write the adapter (PEFT layout; ``layout``: in an imported HF model's module names) with metrics.json
+    (adapter vs base) and the log so far."""
+    save_adapter(model, ADAPTER, out, base_model_name_or_path=info["base_model"], layout=layout)
     write_json(
         out / "metrics.json",
         {**info, **evaluation.metrics(), "best_step": summary["step"], **summary, "base": base_metrics},
@@ -110,13 +118,17 @@ def _lora(args: argparse.Namespace, ctx: DistContext) -> None:
     state = store.load() if args.resume else None
     seed_everything(args.seed)
     base = load_base(args.base, ctx.device)
+    if base.family == "classifier" and not base.labels:
+        raise UserError(f"{args.base}: the classifier has no classification head (an embedding model): a LoRA "
+                        "classifier adapter needs labelled data for a head")
     base_path = str(Path(args.base).resolve())
     model, tokenizer = base.model, base.tokenizer
-    task = TASKS[base.family](task_options(args, base.family))
+    task = TASKS[base.family](replace(task_options(args, base.family), ids=TokenIds.of(base.config)))
     encoded = {}
     for split in ("train", "valid"):
         path = Path(getattr(args, split))
-        encoded[split] = task.encode(task.read(path).records, tokenizer, base.config, base.labels, path)
+        records = task.read(path).records
+        encoded[split] = task.encode(records, tokenizer, base.config, base.labels, path, base.source_tokenizer)
     config = lora_config(args, base.family, base_path)
     try:
         add_adapter(model, ADAPTER, config, seed=args.seed)
@@ -136,7 +148,7 @@ def _lora(args: argparse.Namespace, ctx: DistContext) -> None:
     hooks = Hooks(
         evaluate=lambda: task.validate(model, encoded["valid"], tokenizer, adapters=ADAPTER),
         on_best=lambda evaluation, summary: save_best_adapter(
-            out, store.directory, model, base_metrics, evaluation, summary, info
+            out, store.directory, model, base_metrics, evaluation, summary, info, base.adapter_layout
         ),
         state_files=lambda: {"adapter_config.json": json.dumps(config.to_peft_dict(), indent=2).encode()},
     )

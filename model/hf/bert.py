@@ -7,7 +7,8 @@ say: :func:`state_dict` sets ``pooler`` from the tensors. BERT's [CLS] id lives 
 config.json, so ``cls_id`` keeps our default here.
 
 A PEFT LoRA adapter (on query, key, value, the dense Linears of a layer, pooler.dense) maps onto the same
-modules (ADAPTER_LAYOUT); one that saves its own classification head (modules_to_save) is refused.
+modules (ADAPTER_LAYOUT); one that saves its own classification head (modules_to_save) is refused. Ours go
+back onto the same modules (``_to_peft``).
 
 Neither architecture saves pre-training heads; ours (``mlm_head``, ``order_head``) load as zeros (uniform
 predictions; the MLM decoder stays tied to the token embedding).
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from model.config import ClassifierConfig
+from model.config import ClassifierConfig, TransformerConfig
 from model.hf.common import (
     CONFIG_FILE,
     HFImportError,
@@ -33,7 +34,8 @@ from model.hf.common import (
     strip_prefix,
     take,
 )
-from model.lora_io import AdapterLayout, peft_targets, unmapped_tensor
+from model.lora_config import LoRAConfig
+from model.lora_io import KEY_PREFIX, AdapterLayout, PeftFiles, peft_files, peft_targets, unmapped_tensor
 
 HEAD = "BertForSequenceClassification"
 ARCHITECTURES = (HEAD, "BertModel")
@@ -188,4 +190,23 @@ def _adapter_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return ours
 
 
-ADAPTER_LAYOUT = AdapterLayout(config=_adapter_config, tensors=_adapter_tensors)
+_OUR_KEY = re.compile(rf"base_model\.model\.(?:encoder\.layers\.(\d+)\.({'|'.join(map(re.escape, LINEARS))})|pooler)"
+                      r"\.lora_([AB])\.weight")
+
+
+def _to_peft(config: LoRAConfig, tensors: dict[str, torch.Tensor], model: TransformerConfig) -> PeftFiles:
+    """Our adapter as PEFT's on BertForSequenceClassification (``bert.`` paths), or on a BertModel (no head).
+    task_type stays None: PEFT's SEQ_CLS would expect the adapter to carry its own classification head."""
+    prefix = "bert." if getattr(model, "num_labels", 0) else ""
+    theirs = {}
+    for key, t in tensors.items():
+        match = _OUR_KEY.fullmatch(key)
+        if match is None:
+            raise unmapped_tensor(key, "BERT", [*LINEARS, "pooler"])
+        layer, module, kind = match.groups()
+        path = "pooler.dense" if layer is None else f"encoder.layer.{layer}.{LINEARS[module]}"
+        theirs[f"{KEY_PREFIX}{prefix}{path}.lora_{kind}.weight"] = t
+    return peft_files(config, theirs, None)
+
+
+ADAPTER_LAYOUT = AdapterLayout(config=_adapter_config, tensors=_adapter_tensors, to_peft=_to_peft)

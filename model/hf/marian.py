@@ -13,7 +13,8 @@ FFN dims are not permuted); only float sums run in another order.
 
 A PEFT LoRA adapter (on q_proj, k_proj, v_proj, out_proj of self- and cross-attention, fc1, fc2) maps onto
 the same modules with the same permutation: an update B A reads or writes the model dim where its Linear
-does, so A's input columns or B's output rows are read back through it (ADAPTER_LAYOUT).
+does, so A's input columns or B's output rows are read back through it (ADAPTER_LAYOUT), and ours are
+written back through its inverse (``_to_peft``).
 
 transformers ignores the BART-era flags old OPUS-MT configs carry (``normalize_before``,
 ``normalize_embedding``/``layernorm_embedding``, ``add_final_layer_norm``, ``static_position_embeddings``) and
@@ -29,10 +30,11 @@ from typing import Any
 
 import torch
 
-from model.config import Seq2SeqConfig
+from model.config import Seq2SeqConfig, TransformerConfig
 from model.hf.common import HFImportError, Tensors, Unsupported, activation, check_supported, field, take
 from model.layers import sinusoidal_table
-from model.lora_io import AdapterLayout, peft_targets, unmapped_tensor
+from model.lora_config import LoRAConfig
+from model.lora_io import KEY_PREFIX, AdapterLayout, PeftFiles, peft_files, peft_targets, unmapped_tensor
 
 ARCHITECTURES = ("MarianMTModel",)
 _IGNORED = "transformers' Marian ignores the flag and runs plain Marian, which weights trained that way do not fit"
@@ -206,4 +208,25 @@ def _adapter_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return ours
 
 
-ADAPTER_LAYOUT = AdapterLayout(config=_adapter_config, tensors=_adapter_tensors)
+_HF_BLOCKS = {ours: theirs or "" for theirs, ours in _ADAPTER_MODULES.items()}  # our block -> Marian's
+_OUR_KEY = re.compile(r"base_model\.model\.((?:en|de)coder\.layers\.\d+\.)(self_attn\.|cross_attn\.|ffn\.)"
+                      r"([qkv]_proj|out_proj|fc[12])\.lora_([AB])\.weight")
+
+
+def _to_peft(config: LoRAConfig, tensors: dict[str, torch.Tensor], model: TransformerConfig) -> PeftFiles:
+    """Our adapter as PEFT's on MarianMTModel: Marian's names, and A's input columns / B's output rows permuted
+    back into Marian's model dim (the inverse of ``_adapter_tensors``)."""
+    theirs = {}
+    for key, t in tensors.items():
+        match = _OUR_KEY.fullmatch(key)
+        if match is None or (match[2] == "ffn.") != match[3].startswith("fc"):
+            raise unmapped_tensor(key, "Marian", _ADAPTER_TARGETS)
+        layer, block, name, kind = match.groups()
+        if (kind == "A") == (name in READS_MODEL_DIM):
+            dim = 1 if kind == "A" else 0
+            t = t.index_select(dim, permutation(t.shape[dim]))
+        theirs[f"{KEY_PREFIX}model.{layer}{_HF_BLOCKS[block]}{name}.lora_{kind}.weight"] = t
+    return peft_files(config, theirs, "SEQ_2_SEQ_LM")
+
+
+ADAPTER_LAYOUT = AdapterLayout(config=_adapter_config, tensors=_adapter_tensors, to_peft=_to_peft)

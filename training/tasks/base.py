@@ -24,6 +24,21 @@ Adapters = str | None
 
 
 @dataclass(frozen=True)
+class TokenIds:
+    """The special ids a model's batches are built with: ours (model.tokenizer.SPECIAL_TOKENS) by default, an
+    imported Hugging Face model's (GPT-2 pads with its EOS; Marian's EOS is 0) from its config."""
+
+    pad: int = 0  # also what the model masks out of attention (config.pad_id)
+    bos: int = 1  # a seq2seq decoder's start
+    eos: int = 2
+
+    @classmethod
+    def of(cls, config: TransformerConfig) -> TokenIds:
+        """The ids of ``config`` (a classifier has no bos / eos: ours stay)."""
+        return cls(config.pad_id, getattr(config, "bos_id", cls.bos), getattr(config, "eos_id", cls.eos))
+
+
+@dataclass(frozen=True)
 class TaskOptions:
     """Settings shared by the family tasks."""
 
@@ -33,6 +48,7 @@ class TaskOptions:
     valid_examples: int = 200  # cap on the examples a generation metric decodes during training
     beams: int = 1  # beam size of generation metrics (1 = greedy)
     max_new_tokens: int = 128  # cap on generated tokens (further capped by the model's max_len)
+    ids: TokenIds = TokenIds()  # the model's special ids
 
 
 class Task(ABC):
@@ -68,8 +84,10 @@ class Task(ABC):
         config: TransformerConfig,
         labels: list[str] | None,
         path: Path,
+        source_tokenizer: Tokenizer | None = None,
     ) -> list[Any]:
-        """Examples with a ``length`` attribute (the bucketing key), truncated to the model's limits."""
+        """Examples with a ``length`` attribute (the bucketing key), truncated to the model's limits.
+        ``source_tokenizer``: a seq2seq's input side where it has its own (an OPUS-MT model's source.spm)."""
 
     @abstractmethod
     def collate(self, examples: Sequence[Any], generator: torch.Generator) -> Batch:

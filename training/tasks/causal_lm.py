@@ -1,5 +1,6 @@
 """Language modelling: documents joined into one token stream (each as ``<s> text </s>``, the service
-prompts with a leading ``<s>``), cut into blocks.
+prompts with a leading ``<s>``; with an imported model's tokenizer, ``text </s>`` as its own template encodes
+``text``, as the service prompts it there), cut into blocks.
 
 A block holds ``max_len + 1`` tokens and the next block starts at its last token, so every token
 but the stream's first is predicted exactly once, from at most ``max_len`` tokens of context.
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from model.checkpoint import encode_prompts
 from model.config import CausalLMConfig
 from model.tokenizer import Tokenizer
 from training.data import Document, ReadResult, read_documents
@@ -68,14 +70,14 @@ class CausalLMTask(Task):
         config: CausalLMConfig,
         labels: list[str] | None,
         path: Path,
+        source_tokenizer: Tokenizer | None = None,
     ) -> list[Block]:
-        stream: list[int] = []
-        for ids in tokenizer.encode_batch([d.text for d in records], add_bos=True, add_eos=True):
-            stream.extend(ids)
+        prompts = encode_prompts(tokenizer, config.family, [d.text for d in records])  # as the service encodes them
+        stream = [token for ids in prompts for token in (*ids, self.options.ids.eos)]
         return blocks(stream, config.max_len)
 
     def collate(self, examples: Sequence[Block], generator: torch.Generator) -> BlockBatch:
-        ids = pad([b.tokens[:-1] for b in examples], Tokenizer.pad_id)
+        ids = pad([b.tokens[:-1] for b in examples], self.options.ids.pad)
         targets = pad([b.tokens[1:] for b in examples], IGNORE_INDEX)
         count = int((targets != IGNORE_INDEX).sum())
         return BlockBatch(ids, targets, count, count)
@@ -87,7 +89,7 @@ class CausalLMTask(Task):
         self, model: nn.Module, examples: Sequence[Block], tokenizer: Tokenizer, adapters: Adapters, limit: int | None
     ) -> dict[str, float]:
         chosen = list(examples[:limit])
-        plain = CausalLMTask(TaskOptions(batch_tokens=self.options.batch_tokens))  # no label smoothing
+        plain = CausalLMTask(TaskOptions(batch_tokens=self.options.batch_tokens, ids=self.options.ids))  # no smoothing
         nll = plain.mean_loss(model, chosen, adapters)
         return {"perplexity": perplexity(nll), "nll": nll, "tokens": float(sum(b.length for b in chosen))}
 

@@ -75,6 +75,7 @@ class ClassifierTask(Task):
         config: ClassifierConfig,
         labels: list[str] | None,
         path: Path,
+        source_tokenizer: Tokenizer | None = None,
     ) -> list[ClassificationExample]:
         assert labels is not None
         index = {name: i for i, name in enumerate(labels)}
@@ -90,10 +91,11 @@ class ClassifierTask(Task):
         return examples
 
     def collate(self, examples: Sequence[ClassificationExample], generator: torch.Generator) -> ClassificationBatch:
-        ids = pad([e.ids for e in examples], Tokenizer.pad_id)
+        pad_id = self.options.ids.pad
+        ids = pad([e.ids for e in examples], pad_id)
         segments = pad([e.segments for e in examples], 0)
         labels = torch.tensor([e.label for e in examples], dtype=torch.long)
-        return ClassificationBatch(ids, segments, labels, len(examples), int((ids != Tokenizer.pad_id).sum()))
+        return ClassificationBatch(ids, segments, labels, len(examples), int((ids != pad_id).sum()))
 
     def loss(self, model: nn.Module, batch: ClassificationBatch) -> torch.Tensor:
         return cross_entropy_sum(model(batch.ids, batch.segments), batch.labels, self.options.label_smoothing)

@@ -1,7 +1,9 @@
 """Translation: source/target pairs, label-smoothed teacher forcing, BLEU and chrF of decoded output.
 
-Sources are encoded as ``source </s>`` (as the service encodes them); targets are fed as
-``<s> target`` and predicted as ``target </s>`` (the decoder starts from BOS, as model.generation does).
+Sources are encoded as ``source </s>`` (as the service encodes them, by the source side's tokenizer where
+the model has its own); targets are fed as ``<s> target`` and predicted as ``target </s>`` (the decoder
+starts from BOS, as model.generation does). The special ids are the model's (``TaskOptions.ids``: an OPUS-MT
+model starts from its pad id and ends with id 0).
 """
 
 from __future__ import annotations
@@ -70,9 +72,15 @@ class Seq2SeqTask(Task):
             yield pair.target
 
     def encode(
-        self, records: Sequence[Pair], tokenizer: Tokenizer, config: Seq2SeqConfig, labels: list[str] | None, path: Path
+        self,
+        records: Sequence[Pair],
+        tokenizer: Tokenizer,
+        config: Seq2SeqConfig,
+        labels: list[str] | None,
+        path: Path,
+        source_tokenizer: Tokenizer | None = None,
     ) -> list[TranslationExample]:
-        sources = tokenizer.encode_batch([p.source for p in records])
+        sources = (source_tokenizer or tokenizer).encode_batch([p.source for p in records])
         targets = tokenizer.encode_batch([p.target for p in records])
         truncated = sum(
             len(s) >= config.max_src_len or len(t) >= config.max_len for s, t in zip(sources, targets, strict=True)
@@ -80,16 +88,17 @@ class Seq2SeqTask(Task):
         if truncated:
             logger.warning("%s: %d pair(s) truncated to --max-len %d", path, truncated, config.max_len)
         return [
-            TranslationExample([*s[: config.max_src_len - 1], tokenizer.eos_id], t[: config.max_len - 1], p.target)
+            TranslationExample([*s[: config.max_src_len - 1], self.options.ids.eos], t[: config.max_len - 1], p.target)
             for s, t, p in zip(sources, targets, records, strict=True)
         ]
 
     def collate(self, examples: Sequence[TranslationExample], generator: torch.Generator) -> TranslationBatch:
-        src = pad([e.source for e in examples], Tokenizer.pad_id)
-        tgt_in = pad([[Tokenizer.bos_id, *e.target] for e in examples], Tokenizer.pad_id)
-        tgt_out = pad([[*e.target, Tokenizer.eos_id] for e in examples], IGNORE_INDEX)
+        ids = self.options.ids
+        src = pad([e.source for e in examples], ids.pad)
+        tgt_in = pad([[ids.bos, *e.target] for e in examples], ids.pad)
+        tgt_out = pad([[*e.target, ids.eos] for e in examples], IGNORE_INDEX)
         count = int((tgt_out != IGNORE_INDEX).sum())
-        return TranslationBatch(src, tgt_in, tgt_out, count, count + int((src != Tokenizer.pad_id).sum()))
+        return TranslationBatch(src, tgt_in, tgt_out, count, count + int((src != ids.pad).sum()))
 
     def loss(self, model: nn.Module, batch: TranslationBatch) -> torch.Tensor:
         logits = model(batch.src, batch.tgt_in)  # (B, T, V)
@@ -122,7 +131,7 @@ class Seq2SeqTask(Task):
             for start in range(0, len(order), DECODE_BATCH):
                 rows = order[start : start + DECODE_BATCH]
                 longest = max(len(sources[i]) for i in rows)
-                config = self._generation_config(min(cap, MAX_LEN_A * longest + MAX_LEN_B), tokenizer.eos_id)
+                config = self._generation_config(min(cap, MAX_LEN_A * longest + MAX_LEN_B), self.options.ids.eos)
                 results = generate_seq2seq(model, [sources[i] for i in rows], config, adapters)
                 decoded = tokenizer.decode_batch([hyps[0].tokens for hyps in results])
                 texts.update(zip(rows, decoded, strict=True))
