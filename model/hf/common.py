@@ -43,21 +43,32 @@ class Unsupported:
 
 def read_config(directory: Path) -> dict[str, Any]:
     """config.json of ``directory`` as a dict (bounded size)."""
-    path = directory / CONFIG_FILE
+    return read_json(directory / CONFIG_FILE, MAX_CONFIG_BYTES)
+
+
+def read_bytes(path: Path, limit: int, hint: str = "") -> bytes:
+    """The bytes of ``path``, at most ``limit`` of them (HFImportError naming the file; ``hint`` says what to do
+    when it cannot be read)."""
     try:
         with open(path, "rb") as f:
-            raw = f.read(MAX_CONFIG_BYTES + 1)
+            raw = f.read(limit + 1)
     except OSError as exc:
-        raise HFImportError(f"{path.name}: cannot read it: {exc.strerror or exc}") from None
-    if len(raw) > MAX_CONFIG_BYTES:
-        raise HFImportError(f"{path.name}: over {MAX_CONFIG_BYTES} bytes")
+        raise HFImportError(f"{path.name}: cannot read it ({exc.strerror or exc}){'; ' + hint if hint else ''}") \
+            from None
+    if len(raw) > limit:
+        raise HFImportError(f"{path.name}: over {limit} bytes")
+    return raw
+
+
+def read_json(path: Path, limit: int, kind: type = dict, hint: str = "") -> Any:
+    """The JSON value of ``path`` (at most ``limit`` bytes), which must be a ``kind``."""
     try:
-        config = json.loads(raw)
+        value = json.loads(read_bytes(path, limit, hint))
     except (ValueError, RecursionError) as exc:
         raise HFImportError(f"{path.name}: not valid JSON: {str(exc)[:200]}") from None
-    if not isinstance(config, dict):
-        raise HFImportError(f"{path.name}: expected a JSON object")
-    return config
+    if not isinstance(value, kind):
+        raise HFImportError(f"{path.name}: expected a JSON {'object' if kind is dict else kind.__name__}")
+    return value
 
 
 def check_supported(config: Mapping[str, Any], rules: tuple[Unsupported, ...], architecture: str) -> None:

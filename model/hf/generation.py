@@ -7,13 +7,11 @@ we cannot apply exactly are refused by name; older configs keep these fields in 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from model.config import TransformerConfig
-from model.hf.common import HFImportError, read_config
+from model.hf.common import HFImportError, read_config, read_json
 
 GENERATION_FILE = "generation_config.json"
 MAX_FILE_BYTES = 1 << 16
@@ -27,8 +25,9 @@ class GenerationRules:
 
 def generation_rules(directory: Path, config: TransformerConfig) -> GenerationRules:
     """The rules of ``directory``'s generation_config.json (else config.json) for model ``config``."""
-    source = _generation_config(directory) if (directory / GENERATION_FILE).is_file() else read_config(directory)
-    name = GENERATION_FILE if (directory / GENERATION_FILE).is_file() else "config.json"
+    has_file = (directory / GENERATION_FILE).is_file()
+    source = read_json(directory / GENERATION_FILE, MAX_FILE_BYTES) if has_file else read_config(directory)
+    name = GENERATION_FILE if has_file else "config.json"
     if source.get("no_repeat_ngram_size"):
         raise HFImportError(f"{name}: no_repeat_ngram_size={source['no_repeat_ngram_size']!r} is not supported")
     bad = source.get("bad_words_ids") or []
@@ -41,18 +40,3 @@ def generation_rules(directory: Path, config: TransformerConfig) -> GenerationRu
     if forced is not None and forced != eos:
         raise HFImportError(f"{name}: forced_eos_token_id={forced!r} differs from the model's eos_token_id={eos}")
     return GenerationRules(tuple(sorted({w[0] for w in bad} - {eos})), forced is not None)
-
-
-def _generation_config(directory: Path) -> dict[str, Any]:
-    path = directory / GENERATION_FILE
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_FILE_BYTES + 1)
-        data = json.loads(raw) if len(raw) <= MAX_FILE_BYTES else None
-    except OSError as exc:
-        raise HFImportError(f"{GENERATION_FILE}: cannot read it ({exc.strerror or exc})") from None
-    except (ValueError, RecursionError) as exc:
-        raise HFImportError(f"{GENERATION_FILE}: not valid JSON: {str(exc)[:200]}") from None
-    if not isinstance(data, dict):
-        raise HFImportError(f"{GENERATION_FILE}: expected a JSON object of at most {MAX_FILE_BYTES} bytes")
-    return data

@@ -9,19 +9,19 @@ SentencePiece protobufs and the vocabularies JSON: nothing is unpickled.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import sentencepiece
 
-from model.hf.common import HFImportError
+from model.hf.common import HFImportError, read_bytes, read_json
 
 SOURCE_SPM, TARGET_SPM, VOCAB, TARGET_VOCAB = "source.spm", "target.spm", "vocab.json", "target_vocab.json"
 CONFIG = "tokenizer_config.json"
 MARIAN_FILES = (SOURCE_SPM, TARGET_SPM, VOCAB, TARGET_VOCAB, CONFIG)  # everything this module reads
 MAX_FILE_BYTES = 64 << 20  # OPUS-MT's vocab.json is ~1.5 MB, each .spm ~0.8 MB
+HINT = f"an OPUS-MT directory needs {SOURCE_SPM}, {TARGET_SPM} and {VOCAB}"
 MAX_UNKNOWN_BYTES = 4  # a character neither vocabulary knows is one <unk>: at most 4 UTF-8 bytes
 SPIECE_UNDERLINE = "\u2581"
 
@@ -103,7 +103,7 @@ def is_marian_tokenizer(directory: Path) -> bool:
 
 def load_marian_tokenizers(directory: Path) -> tuple[MarianSideTokenizer, MarianSideTokenizer]:
     """(source side, target side) of ``directory``'s OPUS-MT tokenizer."""
-    config = _json(directory / CONFIG) if (directory / CONFIG).is_file() else {}
+    config = read_json(directory / CONFIG, MAX_FILE_BYTES) if (directory / CONFIG).is_file() else {}
     tokens = {role: _token(config.get(f"{role}_token"), default)
               for role, default in (("unk", "<unk>"), ("eos", "</s>"), ("pad", "<pad>"))}
     vocab = _vocab(directory / VOCAB)
@@ -117,39 +117,17 @@ def _token(value: Any, default: str) -> str:
     return text if isinstance(text, str) else default
 
 
-def _read(path: Path) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_FILE_BYTES + 1)
-    except OSError as exc:
-        raise HFImportError(f"{path.name}: cannot read it ({exc.strerror or exc}); an OPUS-MT directory needs "
-                            f"{SOURCE_SPM}, {TARGET_SPM} and {VOCAB}") from None
-    if len(raw) > MAX_FILE_BYTES:
-        raise HFImportError(f"{path.name}: over {MAX_FILE_BYTES} bytes")
-    return raw
-
-
 def _spm(path: Path) -> sentencepiece.SentencePieceProcessor:
     processor = sentencepiece.SentencePieceProcessor()
     try:
-        processor.LoadFromSerializedProto(_read(path))
+        processor.LoadFromSerializedProto(read_bytes(path, MAX_FILE_BYTES, HINT))
     except (RuntimeError, OSError, ValueError) as exc:
         raise HFImportError(f"{path.name}: not a SentencePiece model: {str(exc)[:200]}") from None
     return processor
 
 
-def _json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(_read(path))
-    except (ValueError, RecursionError) as exc:
-        raise HFImportError(f"{path.name}: not valid JSON: {str(exc)[:200]}") from None
-    if not isinstance(data, dict):
-        raise HFImportError(f"{path.name}: expected a JSON object")
-    return data
-
-
 def _vocab(path: Path) -> dict[str, int]:
-    vocab = _json(path)
+    vocab = read_json(path, MAX_FILE_BYTES, hint=HINT)
     ids = list(vocab.values())
     if not vocab or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids) \
             or len(set(ids)) != len(ids):

@@ -8,12 +8,11 @@ last-token pooling) are refused by name.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from model.hf.common import HFImportError
+from model.hf.common import HFImportError, read_json
 
 MODULES_FILE = "modules.json"
 MAX_FILE_BYTES = 1 << 16
@@ -35,7 +34,7 @@ def embedding_defaults(directory: Path) -> EmbeddingDefaults | None:
     """The defaults ``directory``'s modules.json names; None when it has none (not a sentence-transformers save)."""
     if not (directory / MODULES_FILE).is_file():
         return None
-    modules = _json(directory / MODULES_FILE)
+    modules = read_json(directory / MODULES_FILE, MAX_FILE_BYTES, list)
     if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
         raise HFImportError(f"{MODULES_FILE}: expected a list of modules")
     pooling, normalize = "mean", False
@@ -55,7 +54,7 @@ def sentence_files(directory: Path) -> list[str]:
     """The files :func:`embedding_defaults` reads in ``directory`` (relative names; none without modules.json)."""
     if not (directory / MODULES_FILE).is_file():
         return []
-    modules = _json(directory / MODULES_FILE)
+    modules = read_json(directory / MODULES_FILE, MAX_FILE_BYTES, list)
     pooling = [m.get("path") for m in modules if isinstance(m, dict) and m.get("type") == POOLING] \
         if isinstance(modules, list) else []
     inside = [p for p in pooling if isinstance(p, str) and p and not Path(p).is_absolute()
@@ -66,9 +65,7 @@ def sentence_files(directory: Path) -> list[str]:
 def _pooling(directory: Path, path: Any) -> str:
     if not isinstance(path, str) or Path(path).is_absolute() or ".." in Path(path).parts:
         raise HFImportError(f"{MODULES_FILE}: the Pooling module's path {str(path)[:80]!r} must lie in the directory")
-    config = _json(directory / path / "config.json")
-    if not isinstance(config, dict):
-        raise HFImportError(f"{path}/config.json: expected a JSON object")
+    config = read_json(directory / path / "config.json", MAX_FILE_BYTES)
     used = [mode for mode in UNSUPPORTED_MODES if config.get(mode)]
     if used:
         raise HFImportError(f"{path}/config.json: {used[0]} is not supported (cls, mean or max pooling)")
@@ -76,17 +73,3 @@ def _pooling(directory: Path, path: Any) -> str:
     if len(chosen) != 1:
         raise HFImportError(f"{path}/config.json: expected exactly one of {sorted(POOLING_MODES)}, got {chosen}")
     return chosen[0]
-
-
-def _json(path: Path) -> Any:
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_FILE_BYTES + 1)
-    except OSError as exc:
-        raise HFImportError(f"{path.name}: cannot read it ({exc.strerror or exc})") from None
-    if len(raw) > MAX_FILE_BYTES:
-        raise HFImportError(f"{path.name}: over {MAX_FILE_BYTES} bytes")
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise HFImportError(f"{path.name}: not valid JSON: {str(exc)[:200]}") from None

@@ -8,14 +8,13 @@ Only JSON is read (no pickle, no sentencepiece model files yet).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import tokenizers
 
 from model.config import TransformerConfig
-from model.hf.common import HFImportError
+from model.hf.common import HFImportError, read_bytes, read_json
 from model.tokenizer import SpecialIds, Tokenizer, TokenizerError
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -28,8 +27,8 @@ ROLES = ("pad", "bos", "eos", "unk", "cls", "sep", "mask")
 
 def load_tokenizer(directory: Path, config: TransformerConfig) -> Tokenizer:
     """``directory``'s tokenizer.json with its special ids (see the module docstring)."""
-    raw = _read(directory / TOKENIZER_FILE, MAX_TOKENIZER_BYTES, "a Hugging Face model directory needs its "
-                "tokenizer.json beside config.json")
+    raw = read_bytes(directory / TOKENIZER_FILE, MAX_TOKENIZER_BYTES, "a Hugging Face model directory needs its "
+                     "tokenizer.json beside config.json")
     try:
         backend = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
     except Exception as exc:  # tokenizers raises a bare Exception for bad JSON or schema
@@ -46,7 +45,7 @@ def _special_ids(directory: Path, backend: tokenizers.Tokenizer, config: Transfo
     for name in reversed(TOKEN_FILES):  # tokenizer_config.json's entries override special_tokens_map.json's
         path = directory / name
         if path.is_file():
-            named |= {k: v for k, v in _json(path).items() if k.endswith("_token")}
+            named |= {k: v for k, v in read_json(path, MAX_TOKEN_FILE_BYTES).items() if k.endswith("_token")}
     ids = {}
     for role in ROLES:
         token = named.get(f"{role}_token")
@@ -56,25 +55,3 @@ def _special_ids(directory: Path, backend: tokenizers.Tokenizer, config: Transfo
     for role in ("bos", "eos"):  # the model's own start/end ids (generative families) win over the files'
         ids[role] = getattr(config, f"{role}_id", ids[role])
     return SpecialIds(**ids)
-
-
-def _json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(_read(path, MAX_TOKEN_FILE_BYTES, "").decode("utf-8"))
-    except (ValueError, RecursionError) as exc:
-        raise HFImportError(f"{path.name}: not valid JSON: {str(exc)[:200]}") from None
-    if not isinstance(data, dict):
-        raise HFImportError(f"{path.name}: expected a JSON object")
-    return data
-
-
-def _read(path: Path, limit: int, hint: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(limit + 1)
-    except OSError as exc:
-        raise HFImportError(f"{path.name}: cannot read it ({exc.strerror or exc}){'; ' + hint if hint else ''}") \
-            from None
-    if len(raw) > limit:
-        raise HFImportError(f"{path.name}: over {limit} bytes")
-    return raw
