@@ -1,4 +1,8 @@
-"""`evaluate`: a checkpoint (optionally with a LoRA adapter) on a test file; metrics.json is merged."""
+"""`evaluate`: a checkpoint (optionally with a LoRA adapter) on a test file; metrics.json is merged.
+
+A Hugging Face directory (model.hf) is evaluated with its tokenizer(s) and special ids, and a PEFT adapter
+trained on it is read in its module names (the checkpoint's AdapterLayout).
+"""
 
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from training.distributed import user_device
 from training.errors import UserError
 from training.session import merge_metrics
 from training.tasks import TASKS, TaskOptions
+from training.tasks.base import TokenIds
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +42,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     adapters = None
     if args.adapter:
         try:
-            config = load_adapter(ckpt.model, args.adapter, ADAPTER)
+            config = load_adapter(ckpt.model, args.adapter, ADAPTER, layout=ckpt.adapter_layout)
         except AdapterError as e:
             raise UserError(f"--adapter: {e}") from e
         base = config.base_model_name_or_path
@@ -56,11 +61,12 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
             batch_tokens=args.batch_tokens,
             beams=args.beams,
             max_new_tokens=args.max_new_tokens,
+            ids=TokenIds.of(ckpt.config),
         )
     )
     test = Path(args.test)
     read = task.read(test)
-    examples = task.encode(read.records, ckpt.tokenizer, ckpt.config, ckpt.labels, test)
+    examples = task.encode(read.records, ckpt.tokenizer, ckpt.config, ckpt.labels, test, ckpt.source_tokenizer)
     examples = examples[: args.max_examples]
     with torch.no_grad():
         metrics = task.metric(ckpt.model, examples, ckpt.tokenizer, adapters, None)

@@ -118,12 +118,13 @@ class StateStore:
         try:
             save_file({k: v.detach().cpu().contiguous() for k, v in trainable.items()}, str(tmp / TRAINABLE_FILE))
             save_file({k: v.detach().cpu().contiguous() for k, v in optimizer.items()}, str(tmp / OPTIMIZER_FILE))
-            for file_name, data in files.items():
+            for file_name, data in files.items():  # names may hold subdirectories (an HF model's hf/)
+                (tmp / file_name).parent.mkdir(parents=True, exist_ok=True)
                 (tmp / file_name).write_bytes(data)
             (tmp / STATE_FILE).write_text(
                 json.dumps({"format_version": FORMAT_VERSION, "step": step, **meta}, indent=2, allow_nan=False)
             )
-            for p in tmp.iterdir():
+            for p in (p for p in tmp.rglob("*") if p.is_file()):
                 with open(p, "rb") as f:
                     os.fsync(f.fileno())
             target = self.directory / name

@@ -32,6 +32,14 @@ def _run(args: argparse.Namespace) -> None:
 def _model_options(parser: argparse.ArgumentParser, family: str) -> None:
     g = parser.add_argument_group("model")
     g.add_argument(
+        "--init-from",
+        default=None,
+        metavar="DIR",
+        help="fine-tune every parameter of this checkpoint (ours, an imported one or a Hugging Face directory) "
+        "instead of a new model: its config, tokenizer and labels are kept, so the other model flags are ignored "
+        "and --tokenizer / --pretrain-mlm are refused; a --resume continues from the state, not from DIR",
+    )
+    g.add_argument(
         "--arch",
         choices=ARCHES,
         default="default",

@@ -1,4 +1,9 @@
-"""`train`: build (or resume) a model of one family and train it; see training.session for the layout."""
+"""`train`: build (or resume) a model of one family and train it; see training.session for the layout.
+
+``--init-from DIR`` fine-tunes every parameter of a checkpoint instead (ours, an imported one or a Hugging
+Face directory, model.hf): its config, tokenizer(s), labels and special ids are kept; an HF model's tokenizer
+and settings files go under ``hf/`` of the checkpoint and of the resume state, as ``import`` saves them.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,7 @@ import argparse
 import itertools
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +19,21 @@ import tokenizers
 import torch
 from torch import nn
 
-from model.checkpoint import CONFIG_FILE, FORMAT_VERSION, build_model, load_config, parameter_count, save_checkpoint
+from model.checkpoint import (
+    CONFIG_FILE,
+    FORMAT_VERSION,
+    HF_DIR,
+    SOURCE_TOKENIZER_FILE,
+    Checkpoint,
+    CheckpointError,
+    build_model,
+    load_checkpoint,
+    load_config,
+    parameter_count,
+    save_checkpoint,
+)
 from model.config import TransformerConfig
+from model.hf import companion_files, hf_companions, is_hf_directory
 from model.tokenizer import TOKENIZER_FILE, Tokenizer, TokenizerError
 from training import distributed
 from training.arch import ModelSizes, describe
@@ -34,6 +52,7 @@ from training.session import (
 )
 from training.state import StateStore, TrainState
 from training.tasks import TASKS, Task
+from training.tasks.base import TokenIds
 from training.tasks.pretrain import Pretraining, read_segments, segment_pairs
 from training.trainer import Evaluation, Hooks
 
@@ -50,21 +69,53 @@ class Setup:
     tokenizer: Tokenizer
     config: TransformerConfig
     labels: list[str] | None
+    source_tokenizer: Tokenizer | None = None
+    hf_files: dict[str, bytes] | None = None  # an HF model's tokenizer and settings ("hf/<name>"): they hold the rest
 
     def files(self) -> dict[str, bytes]:
         files = {
-            CONFIG_FILE: json.dumps({"format_version": FORMAT_VERSION, **self.config.to_dict()}, indent=2).encode(),
-            TOKENIZER_FILE: self.tokenizer.backend.to_str(pretty=True).encode(),
+            CONFIG_FILE: json.dumps({"format_version": FORMAT_VERSION, **self.config.to_dict()}, indent=2).encode()
         }
+        if self.hf_files is not None:
+            return {**files, **self.hf_files}
+        files[TOKENIZER_FILE] = self.tokenizer.backend.to_str(pretty=True).encode()
+        if self.source_tokenizer is not None:
+            files[SOURCE_TOKENIZER_FILE] = self.source_tokenizer.backend.to_str(pretty=True).encode()
         if self.labels is not None:
             files[LABELS_FILE] = json.dumps(self.labels).encode()
         return files
 
+    def checkpoint_files(self) -> dict[str, Any]:
+        """save_checkpoint's arguments for what defines the model beside its weights."""
+        if self.hf_files is not None:
+            return {"tokenizer": None, "extra_files": self.hf_files}
+        return {"tokenizer": self.tokenizer, "source_tokenizer": self.source_tokenizer, "labels": self.labels}
+
     @classmethod
     def from_state(cls, state: TrainState) -> Setup:
-        labels_path = state.file(LABELS_FILE)
+        config = load_config(state.directory)
+        if state.file(HF_DIR).is_dir():
+            return cls.from_hf(config, state.file(HF_DIR))
+        labels_path, source_path = state.file(LABELS_FILE), state.file(SOURCE_TOKENIZER_FILE)
         labels = json.loads(labels_path.read_text()) if labels_path.is_file() else None
-        return cls(Tokenizer.load(state.file(TOKENIZER_FILE)), load_config(state.directory), labels)
+        source = Tokenizer.load(source_path) if source_path.is_file() else None
+        return cls(Tokenizer.load(state.file(TOKENIZER_FILE)), config, labels, source)
+
+    @classmethod
+    def from_hf(cls, config: TransformerConfig, directory: Path) -> Setup:
+        """The setup an HF model directory (or an imported checkpoint's ``hf/``) brings for ``config``."""
+        found = hf_companions(directory, config)
+        files = {f"{HF_DIR}/{name}": data for name, data in companion_files(directory).items()}
+        return cls(found["tokenizer"], config, found["labels"], found["source_tokenizer"], files)
+
+    @classmethod
+    def of(cls, checkpoint: Checkpoint) -> Setup:
+        """The setup of a loaded checkpoint (``--init-from``)."""
+        path = checkpoint.path
+        for directory in (path, path / HF_DIR):
+            if is_hf_directory(directory):
+                return cls.from_hf(checkpoint.config, directory)
+        return cls(checkpoint.tokenizer, checkpoint.config, checkpoint.labels, checkpoint.source_tokenizer)
 
 
 def sizes_from(args: argparse.Namespace) -> ModelSizes:
@@ -97,6 +148,23 @@ def make_tokenizer(args: argparse.Namespace, texts: Any, ctx: DistContext) -> To
     return Tokenizer(tokenizers.Tokenizer.from_str(text.decode()))
 
 
+def load_init(args: argparse.Namespace, ctx: DistContext) -> Checkpoint:
+    """The ``--init-from`` checkpoint in float32, checked against the command's family and flags."""
+    if args.tokenizer or getattr(args, "pretrain_mlm", None):
+        raise UserError("--init-from keeps the checkpoint's tokenizer and weights: drop --tokenizer / --pretrain-mlm")
+    try:
+        base = load_checkpoint(args.init_from, device=ctx.device, dtype=torch.float32)
+    except CheckpointError as e:
+        raise UserError(f"--init-from: {e}") from e
+    if base.family != args.family:
+        raise UserError(f"--init-from {args.init_from}: a {base.family} model, not {args.family}")
+    if base.family == "classifier" and not base.labels:
+        raise UserError(f"--init-from {args.init_from}: the classifier has no classification head (an embedding "
+                        "model)")
+    logger.info("fine-tuning %s (%s); the model flags are ignored", args.init_from, describe(base.config))
+    return base
+
+
 def new_setup(
     args: argparse.Namespace, task: Task, records: list[Any], extra_texts: list[str], ctx: DistContext
 ) -> Setup:
@@ -119,7 +187,9 @@ def save_best(
         "parameters": parameter_count(model),
         "sizes": describe(setup.config),
     }
-    save_checkpoint(out, model, setup.tokenizer, labels=setup.labels, metrics=metrics, extra_files=log_files(state_dir))
+    files = setup.checkpoint_files()
+    extra = {**files.pop("extra_files", {}), **log_files(state_dir)}
+    save_checkpoint(out, model, metrics=metrics, extra_files=extra, **files)
     logger.info("step %d: new best %s %.4f -> %s", summary["step"], evaluation.metric_name, evaluation.metric, out)
 
 
@@ -173,15 +243,20 @@ def _train(args: argparse.Namespace, ctx: DistContext) -> None:
     state = store.load() if args.resume else None
     pre_state = pre_store.load() if args.resume and pretraining and state is None else None
     seed_everything(args.seed)
-    task = TASKS[args.family](task_options(args, args.family))
+    saved = state or pre_state
+    base = load_init(args, ctx) if args.init_from and not saved else None
+    setup = Setup.from_state(saved) if saved else Setup.of(base) if base else None
+    options = task_options(args, args.family)
+    task = TASKS[args.family](replace(options, ids=TokenIds.of(setup.config)) if setup else options)
     train_records, valid_records = task.read(Path(args.train)).records, task.read(Path(args.valid)).records
     lines = read_segments(Path(args.pretrain_mlm), args.skip_malformed) if pretraining else []
-    saved = state or pre_state
-    setup = Setup.from_state(saved) if saved else new_setup(args, task, train_records, lines, ctx)
+    setup = setup or new_setup(args, task, train_records, lines, ctx)
     torch.manual_seed(args.seed)
-    model = build_model(setup.config).to(ctx.device)
-    train_examples = task.encode(train_records, setup.tokenizer, setup.config, setup.labels, Path(args.train))
-    valid_examples = task.encode(valid_records, setup.tokenizer, setup.config, setup.labels, Path(args.valid))
+    model = base.model.train() if base else build_model(setup.config).to(ctx.device)
+    train_examples, valid_examples = (
+        task.encode(records, setup.tokenizer, setup.config, setup.labels, Path(path), setup.source_tokenizer)
+        for records, path in ((train_records, args.train), (valid_records, args.valid))
+    )
     torch.manual_seed(args.seed + ctx.rank)  # dropout differs across processes
     if pretraining and state is None and not pretrain(args, ctx, model, setup, lines, pre_store, pre_state, deadline):
         logger.info("out of time during pre-training; --resume continues it")
