@@ -56,15 +56,23 @@ def import_built(directory: Path, name: str) -> ModuleType | None:
 STALE_LOCK_S = 600  # a build lock older than this was left by a killed build
 
 
+def remove_stale_lock(build_directory: Path) -> bool:
+    """Remove torch's build lock in ``build_directory`` if a killed build left it (older than STALE_LOCK_S):
+    torch waits for it to go away, forever. A recent lock is a running build's and stays. True if removed."""
+    lock = build_directory / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+        logger.warning("removing a stale kernel build lock %s", lock)
+        lock.unlink(missing_ok=True)
+        return True
+    return False
+
+
 def _build(directory: Path, name: str) -> ModuleType:
     from torch.utils.cpp_extension import load
 
     directory = directory / name  # one folder per version: builds of different sources never share files
     directory.mkdir(parents=True, exist_ok=True)
-    lock = directory / "lock"  # torch waits for this file to go away, forever if its builder was killed
-    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-        logger.warning("removing a stale kernel build lock %s", lock)
-        lock.unlink(missing_ok=True)
+    remove_stale_lock(directory)
     if shutil.which("ninja") is None:  # the venv's ninja (pip package) when the venv is not activated
         os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     logger.info("building the C++ kernels into %s (once, under a minute)", directory)
