@@ -3,7 +3,11 @@
 :func:`load_hf_model` reads the config, refuses what our families cannot express (naming the field), reads
 the weights (safetensors only) and maps them onto our module names. One module per architecture, each with
 ``ARCHITECTURES`` (the ``architectures`` names it takes), ``to_config`` (HF config -> ours) and ``state_dict``
-(HF tensors -> ours): gpt2.py (GPT2LMHeadModel, GPT2Model), bert.py, marian.py.
+(HF tensors -> ours), and ``ADAPTER_LAYOUT`` (PEFT adapters in its names <-> ours): gpt2.py (GPT2LMHeadModel,
+GPT2Model), bert.py (BertForSequenceClassification, BertModel), marian.py (MarianMTModel).
+:func:`load_hf_checkpoint` adds what else the directory brings (:func:`hf_companions`): tokenizer.json
+(tokenizer.py) or OPUS-MT's SentencePiece files (marian_tokenizer.py), generation_config.json's rules
+(generation.py) and sentence-transformers' pooling (sentence.py).
 """
 
 from __future__ import annotations
