@@ -4,6 +4,9 @@ Each targeted ``nn.Linear`` is wrapped in a :class:`LoRALinear` computing
 ``y = W x + b + (alpha / r) * B(A(dropout(x)))`` for the adapter its batch row selects. Configs follow
 PEFT's LoraConfig; model.lora_io reads and writes PEFT's files, so adapters move between the two.
 
+An adapter may also carry its own full copy of a classifier's head (PEFT's ``modules_to_save``): the head is
+wrapped in a :class:`HeadCopies`, routed per row like the LoRALinears.
+
 Merging is an optimisation, never a change of meaning: with adapter ``m`` merged into W, rows that
 select ``m`` cost nothing extra, and every other row (base only, or another adapter) gets ``m``'s
 delta subtracted, so outputs depend only on the selection, not on what is merged.
@@ -279,6 +282,45 @@ class LoRALinear(nn.Module):
         return f"adapters={list(self.configs)}, merged={self.merged!r}"
 
 
+class HeadCopies(nn.Module):
+    """A classifier's head plus adapters' own full copies of it (PEFT's ``modules_to_save``): each row gets its
+    adapter's copy, or the base where its adapter has none. Routed like :class:`LoRALinear`."""
+
+    def __init__(self, base: nn.Module) -> None:
+        super().__init__()
+        self.base = base
+        self.copies = _AdapterDict()  # name -> nn.Linear shaped like base
+        self.routing = Routing()
+        self.train(base.training)
+
+    def add(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """Attach adapter `name`'s copy (weight (out, in), bias (out,)) on the base's device and dtype."""
+        w = self.base.weight
+        with torch.inference_mode(False):
+            layer = _linear_from(weight.detach().to(w.device, w.dtype, copy=True))
+            if bias is not None:
+                layer.bias = nn.Parameter(bias.detach().to(w.device, w.dtype, copy=True))
+        self.copies[name] = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (rows, ..., in) -> (rows, ..., out); mixed routings index rows on dim 0."""
+        routing = self.routing
+        if routing.groups is None:
+            name = routing.name
+            return self.copies[name](x) if name in self.copies else self.base(x)
+        if x.shape[0] != routing.rows:
+            raise AdapterError(f"per-row adapters were set for {routing.rows} rows but the input has {x.shape[0]}")
+        out = self.base(x)
+        for name, idx in routing.groups.items():
+            if name in self.copies:
+                idx = idx.to(x.device)
+                out = out.index_copy(0, idx, self.copies[name](x.index_select(0, idx)).to(out.dtype))
+        return out
+
+    def extra_repr(self) -> str:
+        return f"copies={list(self.copies)}"
+
+
 # ---- model-level helpers -------------------------------------------------------------------------
 
 
@@ -289,6 +331,15 @@ def _check_name(name: Any) -> None:
 
 def _lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
     return {path: m for path, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def head_copies(model: nn.Module) -> dict[str, HeadCopies]:
+    return {path: m for path, m in model.named_modules() if isinstance(m, HeadCopies)}
+
+
+def _routed(model: nn.Module) -> list[LoRALinear | HeadCopies]:
+    """Every module that follows the adapter selection."""
+    return [m for m in model.modules() if isinstance(m, LoRALinear | HeadCopies)]
 
 
 def layers_with(model: nn.Module, name: str) -> dict[str, LoRALinear]:
@@ -329,16 +380,25 @@ def _set_module(model: nn.Module, path: str, module: nn.Module) -> None:
 
 def wrap_targets(model: nn.Module, found: dict[str, nn.Module]) -> dict[str, LoRALinear]:
     """Replace each plain Linear in `found` by a LoRALinear around it (same base parameters)."""
-    existing = list(_lora_layers(model).values())
+    return _wrap(model, found, LoRALinear)
+
+
+def wrap_heads(model: nn.Module, found: dict[str, nn.Module]) -> dict[str, HeadCopies]:
+    """Replace each plain head in `found` by a HeadCopies around it."""
+    return _wrap(model, found, HeadCopies)
+
+
+def _wrap(model: nn.Module, found: dict[str, nn.Module], kind: type) -> dict[str, Any]:
+    existing = _routed(model)
     current = existing[0].routing if existing else Routing()
-    layers = {}
+    wrapped = {}
     for path, module in found.items():
-        if not isinstance(module, LoRALinear):
-            module = LoRALinear(module)
+        if not isinstance(module, kind):
+            module = kind(module)
             module.routing = current
             _set_module(model, path, module)
-        layers[path] = module
-    return layers
+        wrapped[path] = module
+    return wrapped
 
 
 def _routing(adapters: AdapterSelection, layers: list[LoRALinear]) -> Routing:
@@ -382,7 +442,7 @@ def add_adapter(model: nn.Module, name: str, config: LoRAConfig, seed: int | Non
 
 
 def delete_adapter(model: nn.Module, name: str) -> None:
-    """Remove adapter `name`; layers left with no adapter go back to their plain nn.Linear."""
+    """Remove adapter `name` (its head copies too); modules left with no adapter go back to their plain nn.Linear."""
     layers = layers_with(model, name)
     if any(layer.merged == name for layer in layers.values()):
         raise AdapterError(f"adapter {name!r} is merged; unmerge_adapter first")
@@ -393,6 +453,11 @@ def delete_adapter(model: nn.Module, name: str) -> None:
         layer.remove(name)
         if not layer.configs:
             _set_module(model, path, layer.base)
+    for path, heads in head_copies(model).items():
+        if name in heads.copies:
+            del heads.copies[name]
+            if not list(heads.copies):
+                _set_module(model, path, heads.base)
     logger.info("deleted LoRA adapter %r", name)
 
 
@@ -407,10 +472,9 @@ def get_adapter_config(model: nn.Module, name: str) -> LoRAConfig:
 
 def set_adapters(model: nn.Module, adapters: AdapterSelection) -> None:
     """Select adapters for following forwards: None (base), a name (all rows), or one name/None per row."""
-    layers = list(_lora_layers(model).values())
-    routing = _routing(adapters, layers)
-    for layer in layers:
-        layer.routing = routing
+    routing = _routing(adapters, list(_lora_layers(model).values()))
+    for module in _routed(model):
+        module.routing = routing
 
 
 def clear_adapters(model: nn.Module) -> None:
@@ -421,16 +485,16 @@ def clear_adapters(model: nn.Module) -> None:
 @contextmanager
 def use_adapters(model: nn.Module, adapters: AdapterSelection) -> Iterator[None]:
     """set_adapters for the duration of the block, restoring the previous selection on exit."""
-    layers = list(_lora_layers(model).values())
-    routing = _routing(adapters, layers)
-    previous = [layer.routing for layer in layers]
-    for layer in layers:
-        layer.routing = routing
+    routing = _routing(adapters, list(_lora_layers(model).values()))
+    modules = _routed(model)
+    previous = [module.routing for module in modules]
+    for module in modules:
+        module.routing = routing
     try:
         yield
     finally:
-        for layer, prev in zip(layers, previous, strict=True):
-            layer.routing = prev
+        for module, prev in zip(modules, previous, strict=True):
+            module.routing = prev
 
 
 @torch.no_grad()
@@ -462,12 +526,14 @@ def unmerge_adapter(model: nn.Module) -> None:
 
 
 def mark_only_lora_trainable(model: nn.Module, name: str) -> list[nn.Parameter]:
-    """Freeze every parameter except adapter `name`'s A and B, which are returned."""
+    """Freeze every parameter except adapter `name`'s A and B and its head copies, which are returned."""
     layers = layers_with(model, name)
     if any(layer.merged == name for layer in layers.values()):
         raise AdapterError(f"adapter {name!r} is merged; unmerge_adapter before training it")
     model.requires_grad_(False)
     params = [p for layer in layers.values() for p in (layer.lora_A[name].weight, layer.lora_B[name].weight)]
+    params += [p for heads in head_copies(model).values() if name in heads.copies
+               for p in heads.copies[name].parameters()]
     for p in params:
         p.requires_grad_(True)
     return params

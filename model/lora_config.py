@@ -18,6 +18,8 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 # PEFT options that change the math when set (truthy); rejected rather than silently ignored.
 _UNSUPPORTED = ("fan_in_fan_out", "use_dora", "lora_bias", "rank_pattern", "alpha_pattern", "layers_to_transform")
 # Bounds on an adapter_config.json, checked before its contents are used. PEFT writes ~1 KB, nested 2 deep.
+# modules_to_save names we take: a classifier's head (PEFT's SEQ_CLS task type lists both; a model has one at most)
+HEADS = ("classifier", "score")
 MAX_CONFIG_BYTES = 64 * 1024
 MAX_CONFIG_DEPTH = 16  # objects/arrays within each other (a deeper file is refused before anything recurses on it)
 MAX_RANK = 65536  # far above any layer width; keeps shapes and messages small (the shape check is exact)
@@ -61,6 +63,7 @@ class LoRAConfig:
     bias: str = "none"  # only "none": biases stay those of the base layers
     task_type: str | None = None  # PEFT's task_type, e.g. "SEQ_2_SEQ_LM"; informational
     base_model_name_or_path: str | None = None
+    modules_to_save: tuple[str, ...] | None = None  # heads the adapter carries its own copies of (HEADS only)
 
     def __post_init__(self) -> None:
         targets = self.target_modules
@@ -74,13 +77,21 @@ class LoRAConfig:
             "task_type": self.task_type is None or isinstance(self.task_type, str),
             "base_model_name_or_path": self.base_model_name_or_path is None
             or isinstance(self.base_model_name_or_path, str),
+            "modules_to_save": self.modules_to_save is None or isinstance(self.modules_to_save, list | tuple)
+            and all(isinstance(m, str) for m in self.modules_to_save),
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
             got = ", ".join(f"{k}={quote(getattr(self, k))}" for k in bad)
             raise AdapterError(f"invalid LoRAConfig: {got} (r int in 1..{MAX_RANK}, finite lora_alpha > 0, "
-                               "0 <= lora_dropout < 1, non-empty target_modules of names, bias 'none')")
+                               "0 <= lora_dropout < 1, non-empty target_modules of names, bias 'none', "
+                               "modules_to_save a list of names)")
         self.target_modules = tuple(targets)
+        self.modules_to_save = tuple(self.modules_to_save) if self.modules_to_save else None
+        others = [m for m in self.modules_to_save or () if m not in HEADS]
+        if others:
+            raise AdapterError(f"modules_to_save {quote(others)} is not supported: only a classifier's head "
+                               f"({', '.join(HEADS)})")
         self.lora_alpha = float(self.lora_alpha)
         self.lora_dropout = float(self.lora_dropout)
 
@@ -96,7 +107,8 @@ class LoRAConfig:
             "r": self.r, "lora_alpha": self.lora_alpha, "lora_dropout": self.lora_dropout,
             "target_modules": list(self.target_modules), "bias": self.bias,
             "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
-            "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None,
+            "modules_to_save": list(self.modules_to_save) if self.modules_to_save else None,
+            "layers_to_transform": None, "layers_pattern": None,
             "rank_pattern": {}, "alpha_pattern": {}, "use_rslora": False, "use_dora": False, "revision": None,
         }
 
@@ -107,10 +119,6 @@ class LoRAConfig:
             raise AdapterError(f"adapter config must be a JSON object, got {type(d).__name__}")
         if d.get("peft_type", "LORA") != "LORA":
             raise AdapterError(f"peft_type must be 'LORA', got {quote(d.get('peft_type'))}")
-        if d.get("modules_to_save"):  # PEFT's SEQ_CLS and TOKEN_CLS task types add the classifier themselves
-            raise AdapterError(f"modules_to_save={quote(d['modules_to_save'])}: the adapter carries its own copies "
-                               "of these modules (such as a classification head); per-adapter heads are not "
-                               "supported yet")
         unsupported = {k: d[k] for k in _UNSUPPORTED if d.get(k)}
         if unsupported:
             raise AdapterError(f"unsupported PEFT options {quote(unsupported)}")

@@ -1,9 +1,10 @@
 """PEFT-layout adapter files: ``adapter_config.json`` + ``adapter_model.safetensors``.
 
-Saving writes PEFT's keys (``base_model.model.<module path>.lora_{A,B}.weight``) atomically, in the module
-names of the Hugging Face model ours was imported from when given its :class:`AdapterLayout`; loading
-reads only those two files (never pickle) and validates every tensor against the model's target
-Linears before the model is touched (:func:`check_adapter` does only that).
+Saving writes PEFT's keys (``base_model.model.<module path>.lora_{A,B}.weight``, and
+``base_model.model.<head path>.{weight,bias}`` for an adapter's own head copies: ``modules_to_save``)
+atomically, in the module names of the Hugging Face model ours was imported from when given its
+:class:`AdapterLayout`; loading reads only those two files (never pickle) and validates every tensor against
+the model's target Linears and heads before the model is touched (:func:`check_adapter` does only that).
 """
 
 from __future__ import annotations
@@ -27,12 +28,15 @@ from torch import nn
 from model.config import TransformerConfig
 from model.lora import (
     AdapterError,
+    HeadCopies,
     LoRAConfig,
     LoRALinear,
     check_new_name,
     find_targets,
     get_adapter_config,
+    head_copies,
     layers_with,
+    wrap_heads,
     wrap_targets,
 )
 from model.lora_config import CONFIG_FILE, MAX_CONFIG_BYTES, WEIGHTS_FILE, quote
@@ -42,6 +46,8 @@ logger = logging.getLogger(__name__)
 PICKLE_FILE = "adapter_model.bin"
 KEY_PREFIX = "base_model.model."
 _KEY_RE = re.compile(r"base_model\.model\.(.+)\.lora_([AB])\.weight")
+_COPY_RE = re.compile(r"base_model\.model\.(.+)\.(weight|bias)")  # a head copy's (modules_to_save), when not _KEY_RE
+Copies = dict[str, tuple[torch.Tensor, torch.Tensor | None]]  # head path -> an adapter's copy: weight, bias
 # An adapter's update scaling * B @ A may reach at most this many times its layer's largest weight. Trained
 # adapters stay well under 10x (the test suite's deliberately overtrained ones: 2-3x); far beyond,
 # activations leave float range and every output is NaN (lora_alpha 1e30 or 1e300 with r 4).
@@ -49,11 +55,15 @@ MAX_UPDATE_RATIO = 1e3
 
 
 def lora_state_dict(model: nn.Module, name: str) -> dict[str, torch.Tensor]:
-    """Adapter `name`'s tensors under PEFT's keys: base_model.model.<linear path>.lora_{A,B}.weight."""
+    """Adapter `name`'s tensors under PEFT's keys: base_model.model.<linear path>.lora_{A,B}.weight, and
+    base_model.model.<head path>.{weight,bias} for its head copies."""
     out = {}
     for path, layer in layers_with(model, name).items():
         out[f"{KEY_PREFIX}{path}.lora_A.weight"] = layer.lora_A[name].weight.detach()
         out[f"{KEY_PREFIX}{path}.lora_B.weight"] = layer.lora_B[name].weight.detach()
+    for path, heads in head_copies(model).items():
+        if name in heads.copies:
+            out |= {f"{KEY_PREFIX}{path}.{k}": t.detach() for k, t in heads.copies[name].named_parameters()}
     return out
 
 
@@ -205,6 +215,41 @@ def _validate(
     return weights
 
 
+def _validate_copies(where: str, config: LoRAConfig, model: nn.Module, tensors: dict[str, torch.Tensor]) -> Copies:
+    """Check the head copies' tensors (``tensors``: the keys of no LoRA tensor) against the model's heads named in
+    modules_to_save; returns head path -> (weight, bias)."""
+    heads = {}
+    for path, module in model.named_modules():
+        parent, _, leaf = path.rpartition(".")
+        # not a wrapper's base, nor an adapter's copy or LoRA matrix (kept in ModuleDicts by adapter name)
+        inner = isinstance(model.get_submodule(parent), HeadCopies | LoRALinear | nn.ModuleDict)
+        if leaf in (config.modules_to_save or ()) and isinstance(module, nn.Linear | HeadCopies) and not inner:
+            heads[path] = module.base if isinstance(module, HeadCopies) else module
+    for key in tensors:
+        match = _COPY_RE.fullmatch(key)
+        if match is None or match[1] not in heads:
+            raise AdapterError(f"{where}: unexpected tensor {quote(key)}; expected {KEY_PREFIX}<module>.lora_A/B."
+                               f"weight or a head copy's weight/bias of modules_to_save {quote(list(heads))}")
+    copies = {}
+    for path, head in heads.items():
+        shapes = {"weight": tuple(head.weight.shape), "bias": None if head.bias is None else tuple(head.bias.shape)}
+        pair = []
+        for kind, shape in shapes.items():
+            key = f"{KEY_PREFIX}{path}.{kind}"
+            t = tensors.get(key)
+            if shape is None:
+                if t is not None:
+                    raise AdapterError(f"{where}: unexpected tensor {key!r}: the model's {path!r} has no bias")
+            elif t is None:
+                raise AdapterError(f"{where}: missing tensor {key!r} (modules_to_save {quote(config.modules_to_save)})")
+            elif tuple(t.shape) != shape or not t.is_floating_point() or not torch.isfinite(t).all():
+                raise AdapterError(f"{where}: tensor {key!r} must be finite floats of shape {shape}, got "
+                                   f"{t.dtype} {tuple(t.shape)}")
+            pair.append(t)
+        copies[path] = (pair[0], pair[1])
+    return copies
+
+
 def _check_update(where: str, path: str, config: LoRAConfig, base: nn.Module, a: torch.Tensor, b: torch.Tensor
                   ) -> None:
     """Refuse an update scaling * B @ A out of all proportion to the layer's weights (lora_alpha 1e300: NaN outputs)."""
@@ -217,8 +262,8 @@ def _check_update(where: str, path: str, config: LoRAConfig, base: nn.Module, a:
 
 def _read(
     model: nn.Module, directory: Path, name: str, device: str | torch.device | None, layout: AdapterLayout | None
-) -> tuple[LoRAConfig, dict[str, nn.Module], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-    """Config, target modules and validated (A, B) per module path; reads the model, changes nothing."""
+) -> tuple[LoRAConfig, dict[str, nn.Module], dict[str, tuple[torch.Tensor, torch.Tensor]], Copies]:
+    """Config, target modules, validated (A, B) per module path and head copies; reads the model, changes nothing."""
     weights_path = directory / WEIGHTS_FILE
     if not weights_path.is_file():
         if (directory / PICKLE_FILE).exists():
@@ -240,7 +285,11 @@ def _read(
     found = find_targets(model, config.target_modules)
     if adapted:
         found = {path: module for path, module in found.items() if path in adapted}
-    return config, found, _validate(where, config, found, tensors)
+    copies: Copies = {}
+    if config.modules_to_save:
+        copies = _validate_copies(where, config, model, {k: t for k, t in tensors.items() if not _KEY_RE.fullmatch(k)})
+        tensors = {k: t for k, t in tensors.items() if _KEY_RE.fullmatch(k)}
+    return config, found, _validate(where, config, found, tensors), copies
 
 
 def check_adapter(
@@ -265,9 +314,12 @@ def load_adapter(
     """
     check_new_name(model, name)
     directory = Path(directory)
-    config, found, weights = _read(model, directory, name, device, layout)
+    config, found, weights, copies = _read(model, directory, name, device, layout)
     layers = wrap_targets(model, found)
     for path, (a, b) in weights.items():
         layers[path].add(name, config, a, b)
+    heads = wrap_heads(model, {path: model.get_submodule(path) for path in copies})
+    for path, (weight, bias) in copies.items():
+        heads[path].add(name, weight, bias)
     logger.info("loaded LoRA adapter %r (r=%d) from %s", name, config.r, directory)
     return config

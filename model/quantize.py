@@ -25,7 +25,7 @@ from torch import nn
 from model import int8_kernel
 from model.attention import MultiHeadAttention
 from model.layers import TransformerLayer
-from model.lora import LoRALinear
+from model.lora import HeadCopies, LoRALinear
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,8 @@ class Int8Linear(nn.Module):
 
 
 def quantize_int8(model: nn.Module) -> int:
-    """Replace every float nn.Linear of ``model`` (LoRA bases included, adapters not) by an Int8Linear.
+    """Replace every float nn.Linear of ``model`` (LoRA bases included, adapters and their head copies not) by an
+    Int8Linear.
 
     Returns the number of layers replaced. The model must be on the CPU in float32 and have no
     merged adapter; tied weights keep their float copy where something else uses them (embeddings).
@@ -116,6 +117,8 @@ def quantize_int8(model: nn.Module) -> int:
             if module.merged is not None:
                 raise QuantizeError(f"{path}: adapter {module.merged!r} is merged; unmerge it before quantising")
             adapter_dicts.update((id(module.lora_A), id(module.lora_B)))
+        if isinstance(module, HeadCopies):
+            adapter_dicts.add(id(module.copies))
         if id(module) in adapter_dicts:
             continue
         targets += [(module, name, child) for name, child in module.named_children() if type(child) is nn.Linear]

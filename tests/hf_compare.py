@@ -56,7 +56,8 @@ def assert_varied(outputs: list[list[int]]) -> None:
 
 
 def peft_adapter(base: torch.nn.Module, directory: Path, seed: int, **fields) -> Path:
-    """A PEFT LoRA adapter on HF model ``base`` (LoraConfig ``fields``), random non-zero A and B, saved by peft."""
+    """A PEFT LoRA adapter on HF model ``base`` (LoraConfig ``fields``), saved by peft: random non-zero A and B,
+    and copies of ``modules_to_save`` (a SEQ_CLS adapter's head) moved off the base's."""
     import peft  # test-only, and only for the tests that make adapters
 
     adapted = peft.get_peft_model(base, peft.LoraConfig(**fields))
@@ -65,5 +66,7 @@ def peft_adapter(base: torch.nn.Module, directory: Path, seed: int, **fields) ->
         for name, p in adapted.named_parameters():
             if "lora_" in name:
                 p.copy_(0.3 * torch.randn(p.shape, generator=g))
+            elif "modules_to_save" in name:
+                p.add_(0.5 * torch.randn(p.shape, generator=g))
     adapted.save_pretrained(directory)
     return directory

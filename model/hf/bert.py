@@ -7,8 +7,8 @@ say: :func:`state_dict` sets ``pooler`` from the tensors. BERT's [CLS] id lives 
 config.json, so ``cls_id`` keeps our default here.
 
 A PEFT LoRA adapter (on query, key, value, the dense Linears of a layer, pooler.dense) maps onto the same
-modules (ADAPTER_LAYOUT); one that saves its own classification head (modules_to_save) is refused. Ours go
-back onto the same modules (``_to_peft``).
+modules (ADAPTER_LAYOUT), and its own copy of the classification head (modules_to_save: ``classifier``) onto our
+``classifier``. Ours go back onto the same modules (``_to_peft``).
 
 Neither architecture saves pre-training heads; ours (``mlm_head``, ``order_head``) load as zeros (uniform
 predictions; the MLM decoder stays tied to the token embedding).
@@ -172,6 +172,7 @@ _ADAPTER_MODULES = {theirs: ours for ours, theirs in LINEARS.items()}
 _LAYER_LINEAR = "|".join(map(re.escape, _ADAPTER_MODULES))
 _ADAPTER_KEY = re.compile(rf"base_model\.model\.(?:bert\.)?(?:encoder\.layer\.(\d+)\.({_LAYER_LINEAR})|pooler\.dense)"
                           r"\.lora_([AB])\.weight")
+_HEAD_KEY = re.compile(r"base_model\.model\.classifier\.(?:weight|bias)")  # the adapter's head copy: ours alike
 
 
 def _adapter_config(d: dict[str, Any]) -> dict[str, Any]:
@@ -181,6 +182,9 @@ def _adapter_config(d: dict[str, Any]) -> dict[str, Any]:
 def _adapter_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     ours = {}
     for key, t in tensors.items():
+        if _HEAD_KEY.fullmatch(key):
+            ours[key] = t
+            continue
         match = _ADAPTER_KEY.fullmatch(key)
         if match is None:
             raise unmapped_tensor(key, "BERT", _ADAPTER_TARGETS)
@@ -200,6 +204,9 @@ def _to_peft(config: LoRAConfig, tensors: dict[str, torch.Tensor], model: Transf
     prefix = "bert." if getattr(model, "num_labels", 0) else ""
     theirs = {}
     for key, t in tensors.items():
+        if _HEAD_KEY.fullmatch(key):  # BertForSequenceClassification's classifier: the same path
+            theirs[key] = t
+            continue
         match = _OUR_KEY.fullmatch(key)
         if match is None:
             raise unmapped_tensor(key, "BERT", [*LINEARS, "pooler"])

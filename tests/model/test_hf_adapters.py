@@ -5,7 +5,7 @@ save_pretrained, then loaded onto our model from load_hf_checkpoint: logits equa
 Marian: self- and cross-attention and FFN targets (the model dim permuted as the importer permutes it), suffix
 and regex targets adapting some of our modules of a name only, two adapters mixed per batch row. BERT: the
 ambiguous ``dense`` (four Linears, the pooler's included) and a regex. GPT-2: a regex on some layers' c_attn.
-Refused by name: modules_to_save (a per-adapter head) and lm_head.
+Refused by name: modules_to_save other than a classifier's head (test_hf_modules_to_save has the head), and lm_head.
 """
 
 from __future__ import annotations
@@ -159,9 +159,8 @@ def test_a_gpt2_adapter_with_a_regex_target_gives_peft_logits(tmp_path):
 @pytest.mark.parametrize(
     ("family", "fields", "says"),
     [
-        ("bert", dict(task_type="SEQ_CLS", target_modules=["query"]),
-         r"modules_to_save=\['classifier', 'score'\]: the adapter carries its own copies of these modules \(such as "
-         r"a classification head\); per-adapter heads are not supported yet"),
+        ("bert", dict(target_modules=["query"], modules_to_save=["pooler"]),
+         r"modules_to_save \['pooler'\] is not supported: only a classifier's head \(classifier, score\)"),
         ("marian", dict(target_modules=["q_proj", "lm_head"]),
          r"target_modules \['lm_head'\] are not Marian projections we adapt \(fc1, fc2, k_proj"),
         ("marian", dict(target_modules=r".*\.fc1|lm_head"),

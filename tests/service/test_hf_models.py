@@ -145,7 +145,10 @@ def served(models_dir, tmp_path_factory):
         peft_adapter(transformers.GPT2LMHeadModel.from_pretrained(gpt2), root / "adapters" / "gpt2-hf" / name, seed,
                      fan_in_fan_out=True, **fields)
     os.symlink(models_dir / LM, root / "models" / LM)
-    bert_directory(root / "models" / "bert-cls", head=True)
+    bert_cls = bert_directory(root / "models" / "bert-cls", head=True)
+    peft_adapter(transformers.BertForSequenceClassification.from_pretrained(bert_cls),
+                 root / "adapters" / "bert-cls" / "seq-cls", 3, r=2, lora_alpha=4, task_type="SEQ_CLS",
+                 target_modules=["query", "value"])
     sentence_transformers_layout(bert_directory(root / "models" / "bert-embed", head=False))
     opus_mt_directory(root / "models" / "opus-mt")
     broken = root / "models" / "broken-hf"
@@ -263,4 +266,30 @@ def test_an_hf_opus_mt_translates_as_transformers_does(served, strategy):
         assert output["text"] == tokenizer.decode(new, skip_special_tokens=True)
     assert all(len(o["tokens"]) < NEW_TOKENS and o["finish_reason"] == "eos" for o in outputs)  # EOS at the latest
     assert all(MARIAN_PAD not in o["tokens"] for o in outputs)
+
+
+def test_a_peft_seq_cls_adapter_classifies_with_its_own_head(served):
+    """A SEQ_CLS adapter saves its own classifier (modules_to_save): requests naming it get PeftModel's
+    probabilities, requests without it the base's, also sent together."""
+    client, gpt2, adapters = served
+    directory, adapter = gpt2.parent / "bert-cls", adapters.parent / "bert-cls" / "seq-cls"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    wanted = {}
+    for name in (None, "seq-cls"):
+        model = transformers.BertForSequenceClassification.from_pretrained(directory)
+        model = (peft.PeftModel.from_pretrained(model, adapter) if name else model).eval()
+        with torch.no_grad():
+            wanted[name] = [torch.softmax(model(**tokenizer(t, return_tensors="pt")).logits[0], -1) for t in TEXTS]
+
+    def classify(name: str | None) -> list[dict[str, float]]:
+        response = client.post("/v1/models/bert-cls/classify", json={"inputs": TEXTS, "adapter": name})
+        assert response.status_code == 200, response.text
+        return [o["probabilities"] for o in response.json()["outputs"]]
+
+    with ThreadPoolExecutor(4) as pool:
+        sent = [None, "seq-cls", None, "seq-cls"]
+        for name, got in zip(sent, pool.map(classify, sent), strict=True):
+            for probs, want in zip(got, wanted[name], strict=True):
+                assert all(abs(p - float(want[LABELS.index(label)])) < 1e-5 for label, p in probs.items()), name
+    assert max(float((a - b).abs().max()) for a, b in zip(wanted[None], wanted["seq-cls"], strict=True)) > 1e-2
 
