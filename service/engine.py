@@ -95,6 +95,7 @@ class ModelWorker:
             device=str(p.device),
             dtype=str(p.dtype).removeprefix("torch."),
             parameters=parameter_count(self.model),
+            vocab_size=self.config.vocab_size,
             max_input_tokens=self.max_input_tokens,
             max_new_tokens=self.max_new_tokens,
             labels=list(self.checkpoint.labels) if self.checkpoint.labels else None,

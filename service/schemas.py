@@ -99,6 +99,7 @@ class ModelInfoSchema(BaseModel):
     device: str
     dtype: str
     parameters: int
+    vocab_size: int = Field(description="Tokens the model can output (a translator's target vocabulary).")
     max_input_tokens: int
     max_new_tokens: int = Field(description="Cap on new tokens (0 for classifiers).")
     labels: list[str] | None = Field(None, description="Class labels (classifier).")

@@ -87,6 +87,7 @@ class ModelInfo:
     device: str
     dtype: str
     parameters: int
+    vocab_size: int  # the output vocabulary (a translator's target side)
     max_input_tokens: int
     max_new_tokens: int  # cap on GenerateParams.max_new_tokens (0 for classifiers)
     labels: list[str] | None

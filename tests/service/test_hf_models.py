@@ -14,8 +14,10 @@ generation_config.json that bans the pad token and forces EOS at the limit, as O
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import tarfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -162,6 +164,7 @@ def test_an_hf_directory_is_listed_as_hf_beside_our_checkpoints(served):
     client, _, _ = served
     listing = client.get("/v1/models").json()
     formats = {m["name"]: (m["format"], m["family"]) for m in listing["data"]}
+    assert {m["name"]: m["vocab_size"] for m in listing["data"]}["opus-mt"] == MARIAN_PAD + 1
     assert formats == {"gpt2-hf": ("hf", "causal_lm"), LM: ("tserve", "causal_lm"),
                        "bert-cls": ("hf", "classifier"), "bert-embed": ("hf", "classifier"),
                        "opus-mt": ("hf", "seq2seq")}
@@ -266,6 +269,25 @@ def test_an_hf_opus_mt_translates_as_transformers_does(served, strategy):
         assert output["text"] == tokenizer.decode(new, skip_special_tokens=True)
     assert all(len(o["tokens"]) < NEW_TOKENS and o["finish_reason"] == "eos" for o in outputs)  # EOS at the latest
     assert all(MARIAN_PAD not in o["tokens"] for o in outputs)
+
+
+def test_a_peft_adapter_uploaded_at_run_time_serves_at_once(served, tmp_path):
+    """A PEFT adapter directory of the HF GPT-2, packed and uploaded while the server runs (PUT), is used by
+    the next request: PeftModel's tokens."""
+    client, directory, _ = served
+    adapter = peft_adapter(transformers.GPT2LMHeadModel.from_pretrained(directory), tmp_path / "late", 9,
+                           fan_in_fan_out=True, r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"])
+    archive = io.BytesIO()
+    with tarfile.open(fileobj=archive, mode="w:gz") as tar:
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            tar.add(adapter / name, arcname=name)
+    put = client.put("/v1/models/gpt2-hf/adapters/late", content=archive.getvalue(),
+                     headers={"Content-Type": "application/gzip"})
+    assert put.status_code == 200, put.text
+    body = {"inputs": PROMPTS, "max_new_tokens": NEW_TOKENS, "adapter": "late"}
+    outputs = client.post("/v1/models/gpt2-hf/generate", json=body).json()["outputs"]
+    assert [o["tokens"] for o in outputs] == [hf_generate(directory, adapter, p) for p in PROMPTS]
+    assert client.delete("/v1/models/gpt2-hf/adapters/late").status_code == 204
 
 
 def test_a_peft_seq_cls_adapter_classifies_with_its_own_head(served):
