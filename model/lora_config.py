@@ -17,9 +17,9 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 
 # PEFT options that change the math when set (truthy); rejected rather than silently ignored.
 _UNSUPPORTED = ("fan_in_fan_out", "use_dora", "lora_bias", "rank_pattern", "alpha_pattern", "layers_to_transform")
-# Bounds on an adapter_config.json, checked before its contents are used. PEFT writes ~1 KB, nested 2 deep.
 # modules_to_save names we take: a classifier's head (PEFT's SEQ_CLS task type lists both; a model has one at most)
 HEADS = ("classifier", "score")
+# Bounds on an adapter_config.json, checked before its contents are used. PEFT writes ~1 KB, nested 2 deep.
 MAX_CONFIG_BYTES = 64 * 1024
 MAX_CONFIG_DEPTH = 16  # objects/arrays within each other (a deeper file is refused before anything recurses on it)
 MAX_RANK = 65536  # far above any layer width; keeps shapes and messages small (the shape check is exact)
