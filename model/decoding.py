@@ -7,8 +7,12 @@ concatenates the rows of many searches into one model step. Finished rows leave 
 
 Conventions:
 - `Hypothesis.tokens` holds generated tokens only. The EOS or stop token that ended a sequence is
-  left out, but its log-prob is part of `logprob`/`score` and it counts in the GNMT length. Tokens
+  left out, but its log-prob is part of `logprob`/`score` and it counts in the length. Tokens
   that made `stop_fn` fire are kept (the caller trims the stop string from the text).
+- Beam search follows Hugging Face's `generate()` rules, so an imported model gives its tokens: a
+  finished sequence scores logprob / length ** length_penalty; `early_stopping` True, False or
+  "never" as HF defines them (`BeamSearch._open`); at the length limit the best `num_beams`
+  candidates finish, whatever their token.
 - With a seed, input i of a sampling search draws from its own generator seeded `seed + i`, and
   draws noise for all its samples every step, so an input samples the same whatever else shares
   the batch. The engine builds one search per request, so a seeded request is reproducible.
@@ -19,7 +23,7 @@ from __future__ import annotations
 import logging
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -29,9 +33,9 @@ from model.logits import (
     NEG_INF,
     greedy_choice,
     gumbel_argmax,
-    length_penalty,
     log_probs,
     mask_banned,
+    mask_repeats,
     sampling_logits,
     top_k,
 )
@@ -57,8 +61,10 @@ class GenerationConfig:
     max_new_tokens: int = 64
     min_new_tokens: int = 0  # EOS/stop tokens (and stop_fn) are disabled until this many are generated
     num_beams: int = 4  # beam only
-    length_penalty: float = 1.0  # GNMT: score = sum_logprob / (((5 + len) / 6) ** length_penalty)
-    early_stopping: bool = True  # beam: stop at num_beams finished, else when no live beam can beat them
+    length_penalty: float = 1.0  # beam: score = sum_logprob / len ** length_penalty (len counts the EOS)
+    # beam, as HF: True stops at num_beams finished; False when the best live beam, scored at its current
+    # length, cannot beat them (HF's default heuristic); "never" when no live beam can beat them at any length
+    early_stopping: bool | Literal["never"] = True
     num_return_sequences: int = 1  # beam: n-best (<= num_beams); sample: samples per input
     temperature: float = 1.0  # sample only
     top_k: int = 0  # 0 = off
@@ -68,13 +74,16 @@ class GenerationConfig:
     stop_token_ids: tuple[int, ...] = ()  # end a sequence with finish_reason "stop"; not kept in tokens
     banned_token_ids: tuple[int, ...] = ()  # never generated (HF's single-token bad_words_ids: Marian's pad)
     forced_eos: bool = False  # the last allowed token is EOS, with log-prob 0 (HF's forced_eos_token_id)
+    renormalize: bool = False  # beam: log-probs renormalized over the allowed tokens (HF's renormalize_logits)
+    no_repeat_ngram_size: int = 0  # > 0: no n-gram of this size occurs twice in prefix + output (as HF)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "banned_token_ids", tuple(self.banned_token_ids))
         _require(self.strategy in ("greedy", "beam", "sample"),
                  f"strategy must be 'greedy', 'beam' or 'sample', got {self.strategy!r}")
-        for name in ("max_new_tokens", "min_new_tokens", "num_beams", "num_return_sequences", "top_k"):
+        for name in ("max_new_tokens", "min_new_tokens", "num_beams", "num_return_sequences", "top_k",
+                     "no_repeat_ngram_size"):
             value = getattr(self, name)
             _require(isinstance(value, int) and not isinstance(value, bool),
                      f"{name} must be an int, got {value!r}")
@@ -92,11 +101,14 @@ class GenerationConfig:
         if self.strategy == "greedy":
             _require(self.num_return_sequences == 1,
                      f"num_return_sequences must be 1 for greedy, got {self.num_return_sequences}")
+        _require(isinstance(self.early_stopping, bool) or self.early_stopping == "never",
+                 f"early_stopping must be true, false or 'never', got {self.early_stopping!r}")
         _require(math.isfinite(self.length_penalty),
                  f"length_penalty must be finite, got {self.length_penalty}")
         _require(math.isfinite(self.temperature) and self.temperature > 0,
                  f"temperature must be finite and > 0, got {self.temperature}")
         _require(self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}")
+        _require(self.no_repeat_ngram_size >= 0, f"no_repeat_ngram_size must be >= 0, got {self.no_repeat_ngram_size}")
         _require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         _require(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
                  f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
@@ -118,7 +130,7 @@ class Hypothesis:
     """One finished sequence."""
 
     tokens: list[int]  # generated tokens only: no prompt, no EOS/stop token
-    score: float  # greedy/sample: == logprob; beam: logprob / GNMT length penalty
+    score: float  # greedy/sample: == logprob; beam: logprob / length ** length_penalty
     logprob: float  # sum of log_softmax(raw logits) of the chosen tokens, terminator included
     finish_reason: str  # "eos" | "stop" | "length"
 
@@ -128,11 +140,15 @@ class Hypothesis:
 class Search(ABC):
     """Decoding state for a group of input sequences; vectorised over its own rows."""
 
-    def __init__(self, config: GenerationConfig, num_inputs: int, stop_fn: StopFn | None = None):
+    def __init__(self, config: GenerationConfig, num_inputs: int, stop_fn: StopFn | None = None,
+                 prefixes: Sequence[Sequence[int]] | None = None):
         _require(num_inputs >= 1, f"num_inputs must be >= 1, got {num_inputs}")
+        _require(not config.no_repeat_ngram_size or (prefixes is not None and len(prefixes) == num_inputs),
+                 "no_repeat_ngram_size needs the prefix (prompt, or decoder start) of every input")
         self.config = config
         self.num_inputs = num_inputs
         self.stop_fn = stop_fn
+        self.prefixes = [list(p) for p in prefixes] if config.no_repeat_ngram_size else None
         self.step = 0  # tokens generated so far by every live row
 
     @property
@@ -164,6 +180,11 @@ class Search(ABC):
         if max(self.config.finish_token_ids) >= logits.size(1):
             raise ValueError(f"eos/stop token ids {self.config.finish_token_ids} out of vocabulary {logits.size(1)}")
 
+    def _mask_repeats(self, scores: torch.Tensor, inputs: list[int], histories: list[list[int]]) -> torch.Tensor:
+        """``scores`` of rows (input, generated tokens) without the tokens that would repeat an n-gram."""
+        sequences = [self.prefixes[i] + h for i, h in zip(inputs, histories, strict=True)]
+        return mask_repeats(scores, sequences, self.config.no_repeat_ngram_size)
+
     def _check_done(self) -> None:
         if not self.done:
             raise RuntimeError("results() called before the search is done")
@@ -177,8 +198,9 @@ def _empty(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 class _IndependentSearch(Search):
     """Rows that never interact: `samples` rows per input, each ends on its own and then leaves."""
 
-    def __init__(self, config: GenerationConfig, num_inputs: int, stop_fn: StopFn | None, samples: int):
-        super().__init__(config, num_inputs, stop_fn)
+    def __init__(self, config: GenerationConfig, num_inputs: int, stop_fn: StopFn | None,
+                 prefixes: Sequence[Sequence[int]] | None, samples: int):
+        super().__init__(config, num_inputs, stop_fn, prefixes)
         self.samples = samples
         self._slots: torch.Tensor | None = None  # (R,) input * samples + sample index of each live row
 
@@ -218,6 +240,9 @@ class _IndependentSearch(Search):
         whole = slots is self._all_slots  # no row has left yet: slot i is row i
         if parents is None:
             parents = slots if whole else torch.arange(self.num_rows, device=logits.device)
+        if self.config.no_repeat_ngram_size:
+            logits = self._mask_repeats(logits.clone(), (slots // self.samples).tolist(),
+                                        self._tokens[slots, : self.step].tolist())
         tokens, chosen = self._choose(logits)
         if whole:  # slices instead of indexed writes
             self._tokens[:, self.step] = tokens
@@ -263,8 +288,9 @@ class _IndependentSearch(Search):
 class GreedySearch(_IndependentSearch):
     """Argmax decoding, one row per input."""
 
-    def __init__(self, config: GenerationConfig, num_inputs: int, stop_fn: StopFn | None = None):
-        super().__init__(config, num_inputs, stop_fn, samples=1)
+    def __init__(self, config: GenerationConfig, num_inputs: int, stop_fn: StopFn | None = None,
+                 prefixes: Sequence[Sequence[int]] | None = None):
+        super().__init__(config, num_inputs, stop_fn, prefixes, samples=1)
 
     def _choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return greedy_choice(logits, self.step, self.config)
@@ -273,8 +299,9 @@ class GreedySearch(_IndependentSearch):
 class SampleSearch(_IndependentSearch):
     """Ancestral sampling with temperature, top-k and top-p; num_return_sequences rows per input."""
 
-    def __init__(self, config: GenerationConfig, num_inputs: int, stop_fn: StopFn | None = None):
-        super().__init__(config, num_inputs, stop_fn, samples=config.num_return_sequences)
+    def __init__(self, config: GenerationConfig, num_inputs: int, stop_fn: StopFn | None = None,
+                 prefixes: Sequence[Sequence[int]] | None = None):
+        super().__init__(config, num_inputs, stop_fn, prefixes, samples=config.num_return_sequences)
         self._generators: list[torch.Generator] | None = None
 
     def _choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -321,8 +348,8 @@ class _NBest:
 class BeamSearch(Search):
     """Beam search over sentences x beams in one tensor; a finished sentence's rows leave."""
 
-    def __init__(self, config: GenerationConfig, num_inputs: int):
-        super().__init__(config, num_inputs)
+    def __init__(self, config: GenerationConfig, num_inputs: int, prefixes: Sequence[Sequence[int]] | None = None):
+        super().__init__(config, num_inputs, prefixes=prefixes)
         self._nbest = [_NBest(config.num_beams) for _ in range(num_inputs)]
         self._sentences: torch.Tensor | None = None  # (S,) input index of each live sentence
         self._scores: torch.Tensor | None = None  # (S, width) sum of log-probs per beam; -inf = empty
@@ -348,7 +375,12 @@ class BeamSearch(Search):
             self._history = torch.zeros(self.num_inputs, 0, dtype=torch.long, device=device)
             self._finish_ids = torch.tensor(self.config.finish_token_ids, device=device)
         sentences, width = self._scores.shape
-        logprobs = mask_banned(log_probs(logits), self.step, self.config, inplace=True)
+        logprobs = log_probs(logits)
+        if self.config.no_repeat_ngram_size:  # before mask_banned: a forced EOS wins over a repeat
+            self._mask_repeats(logprobs, self._sentences.repeat_interleave(width).tolist(), self._history.tolist())
+        logprobs = mask_banned(logprobs, self.step, self.config, inplace=True)
+        if self.config.renormalize:
+            logprobs = torch.log_softmax(logprobs, dim=-1)
         flat = logprobs.view(sentences, width, vocab).add_(self._scores[:, :, None]).view(sentences, -1)
         # Enough candidates that `beams` live ones remain even if every beam's EOS/stop tokens rank first.
         count = min(beams * (1 + len(self.config.finish_token_ids)), width * vocab)
@@ -357,18 +389,20 @@ class BeamSearch(Search):
         cand_rows = cand_ids // vocab + torch.arange(sentences, device=device)[:, None] * width
         finishing = torch.isin(cand_tokens, self._finish_ids)
         self.step += 1
-        # As in HF: only EOS/stop candidates ranked within the top `beams` finish a hypothesis.
-        # Scores are finite, -inf (masked, empty beam) or NaN, so `> NEG_INF` is isfinite() in one op.
-        ranked = torch.arange(count, device=device) < beams
-        self._finalize(cand_scores, cand_rows, cand_tokens, finishing & ranked & (cand_scores > NEG_INF), False)
+        # As in HF: only candidates ranked within the top `beams` finish a hypothesis (at the length limit, all
+        # of them do). Scores are finite, -inf (masked, empty beam) or NaN, so `> NEG_INF` is isfinite() in one op.
+        ranked = (torch.arange(count, device=device) < beams) & (cand_scores > NEG_INF)
+        if self.step >= self.config.max_new_tokens:
+            self._finalize(cand_scores, cand_rows, cand_tokens, ranked)
+            self._scores = cand_scores.new_zeros(0, beams)
+            return _empty(device)
+        self._finalize(cand_scores, cand_rows, cand_tokens, finishing & ranked)
         live_scores, pick = cand_scores.masked_fill(finishing, NEG_INF).topk(min(beams, count), dim=1)
         if pick.size(1) < beams:  # tiny vocabulary: pad with empty (-inf) beams
             pad = beams - pick.size(1)
             live_scores = torch.cat([live_scores, live_scores.new_full((sentences, pad), NEG_INF)], 1)
             pick = torch.cat([pick, pick.new_zeros(sentences, pad)], 1)
         live_rows, live_tokens = cand_rows.gather(1, pick), cand_tokens.gather(1, pick)
-        if self.step >= self.config.max_new_tokens:
-            self._finalize(live_scores, live_rows, live_tokens, live_scores > NEG_INF, True)
         keep = self._open(live_scores)
         if bool(keep.all()):  # the common step: every sentence goes on, nothing to index
             tokens, parents, self._scores = live_tokens.flatten(), live_rows.flatten(), live_scores
@@ -378,45 +412,44 @@ class BeamSearch(Search):
         self._history = torch.cat([self._history[parents], tokens[:, None]], dim=1)
         return tokens, parents
 
-    def _finalize(self, scores: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor,
-                  select: torch.Tensor, at_length: bool) -> None:
-        """Add the selected candidates (S, n) as finished hypotheses of their sentences."""
+    def _finalize(self, scores: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, select: torch.Tensor) -> None:
+        """Add the selected candidates (S, n) as finished hypotheses of their sentences: ended by their EOS or
+        stop token, else by the length limit."""
         where_s, where_c = select.nonzero(as_tuple=True)
         if where_s.numel() == 0:
             return
-        penalty = length_penalty(self.step, self.config.length_penalty)  # the terminator counts
+        penalty = float(self.step) ** self.config.length_penalty  # the terminator counts
         rows, tokens = rows[where_s, where_c], tokens[where_s, where_c].tolist()
         columns = (self._sentences[where_s].tolist(), self._history[rows].tolist(), tokens,
                    scores[where_s, where_c].tolist())
         for input_index, history, token, logprob in zip(*columns, strict=True):
-            if at_length:
-                hyp = Hypothesis(history + [token], logprob / penalty, logprob, "length")
+            if token == self.config.eos_token_id:
+                hyp = Hypothesis(history, logprob / penalty, logprob, "eos")
+            elif token in self.config.stop_token_ids:
+                hyp = Hypothesis(history, logprob / penalty, logprob, "stop")
             else:
-                reason = "eos" if token == self.config.eos_token_id else "stop"
-                hyp = Hypothesis(history, logprob / penalty, logprob, reason)
+                hyp = Hypothesis(history + [token], logprob / penalty, logprob, "length")
             self._nbest[input_index].add(hyp)
 
     def _open(self, live_scores: torch.Tensor) -> torch.Tensor:
-        """(S,) bool: sentences that keep their beams for another step."""
-        if self.step >= self.config.max_new_tokens:
-            return torch.zeros(live_scores.size(0), dtype=torch.bool, device=live_scores.device)
+        """(S,) bool: sentences that keep their beams for another step (HF's stopping rules)."""
         if not any(nbest.full for nbest in self._nbest):  # nothing to beat yet: a sentence with a beam goes on
             return live_scores[:, 0] > NEG_INF  # its best beam (topk order)
-        alpha = self.config.length_penalty
-        # A live sum s <= 0 only falls; s / penalty(L) is monotone in L, so its best is at an end.
-        lengths = (self.step + 1, self.config.max_new_tokens)
+        alpha, early = self.config.length_penalty, self.config.early_stopping
+        # The length the best live beam is scored at: its current one, or with "never" and a positive penalty
+        # (longer scores better) the limit. For a live sum s <= 0 that is its best possible score.
+        length = self.config.max_new_tokens if early == "never" and alpha > 0 else self.step
         keep = []
-        for input_index, best in zip(self._sentences.tolist(), live_scores.max(dim=1).values.tolist(),
-                                     strict=True):
+        for input_index, best in zip(self._sentences.tolist(), live_scores[:, 0].tolist(), strict=True):
             nbest = self._nbest[input_index]
             if not math.isfinite(best):
                 keep.append(False)
             elif not nbest.full:
                 keep.append(True)
-            elif self.config.early_stopping:
+            elif early is True:
                 keep.append(False)
             else:
-                keep.append(max(best / length_penalty(n, alpha) for n in lengths) > nbest.worst)
+                keep.append(best / float(length) ** alpha > nbest.worst)
         return torch.tensor(keep, dtype=torch.bool, device=live_scores.device)
 
     def results(self) -> list[list[Hypothesis]]:
@@ -426,14 +459,16 @@ class BeamSearch(Search):
         return [sorted(nbest.hyps, key=lambda h: h.score, reverse=True)[:n] for nbest in self._nbest]
 
 
-def make_search(config: GenerationConfig, num_inputs: int, stop_fn: StopFn | None = None) -> Search:
-    """The search for `config.strategy` over `num_inputs` inputs; stop_fn is greedy/sample only."""
+def make_search(config: GenerationConfig, num_inputs: int, stop_fn: StopFn | None = None,
+                prefixes: Sequence[Sequence[int]] | None = None) -> Search:
+    """The search for `config.strategy` over `num_inputs` inputs; stop_fn is greedy/sample only. ``prefixes``
+    (each input's prompt, or a translation's decoder start) are needed by ``no_repeat_ngram_size`` only."""
     if config.strategy == "beam":
         _require(stop_fn is None, "stop_fn is not supported by beam search (strategy='beam')")
-        return BeamSearch(config, num_inputs)
+        return BeamSearch(config, num_inputs, prefixes)
     if config.strategy == "sample":
-        return SampleSearch(config, num_inputs, stop_fn)
-    return GreedySearch(config, num_inputs, stop_fn)
+        return SampleSearch(config, num_inputs, stop_fn, prefixes)
+    return GreedySearch(config, num_inputs, stop_fn, prefixes)
 
 
 def run_search(search: Search, first_logits: torch.Tensor, step: Callable[[torch.Tensor], torch.Tensor],

@@ -33,7 +33,7 @@ def generate_causal(
     _check_lengths([len(p) for p in prompts], config.max_new_tokens, model.config.max_len, "prompt")
     device = next(model.parameters()).device
     ids, lengths = (t.to(device) for t in pad_batch(prompts, model.config.pad_id))
-    search = make_search(config, len(prompts), stop_fn)
+    search = make_search(config, len(prompts), stop_fn, prefixes=prompts)
     with torch.inference_mode(), _AdapterRows(model, adapters, len(prompts)) as rows:
         if not use_cache:
             state = _Recompute(model, [list(p) for p in prompts])
@@ -54,7 +54,7 @@ def generate_seq2seq(
     _check_lengths([0], config.max_new_tokens + 1, model.config.max_len, "output")
     device = next(model.parameters()).device
     src, _ = pad_batch(sources, model.config.pad_id)
-    search = make_search(config, len(sources))
+    search = make_search(config, len(sources), prefixes=[[model.config.bos_id]] * len(sources))
     with torch.inference_mode(), _AdapterRows(model, adapters, len(sources)) as rows:
         first, cache = model.start(src.to(device), capacity=config.max_new_tokens + 1)
         return run_search(search, first, lambda t: model.decode_step(t, cache), rows.select_with(cache.select))

@@ -118,6 +118,22 @@ def gumbel_argmax(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return (logits - torch.log(-torch.log(uniforms))).max(dim=-1).indices  # first maximum, as argmax
 
 
-def length_penalty(length: int, alpha: float) -> float:
-    """GNMT length penalty ((5 + length) / 6) ** alpha."""
-    return ((5 + length) / 6) ** alpha
+def repeated_ngram_bans(sequences: list[list[int]], n: int) -> list[list[int]]:
+    """Per sequence, the tokens that would complete an n-gram it already holds (HF's no_repeat_ngram_size)."""
+    bans = []
+    for seq in sequences:
+        if len(seq) + 1 < n:
+            bans.append([])
+            continue
+        tail = tuple(seq[len(seq) - n + 1:]) if n > 1 else ()
+        bans.append([seq[i + n - 1] for i in range(len(seq) - n + 1) if tuple(seq[i: i + n - 1]) == tail])
+    return bans
+
+
+def mask_repeats(scores: torch.Tensor, sequences: list[list[int]], n: int) -> torch.Tensor:
+    """``scores`` (rows, V), in place, with -inf where a row's next token would repeat one of its n-grams."""
+    bans = repeated_ngram_bans(sequences, n)
+    rows = [r for r, banned in enumerate(bans) for _ in banned]
+    if rows:
+        scores[rows, [t for banned in bans for t in banned]] = NEG_INF
+    return scores

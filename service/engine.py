@@ -15,7 +15,6 @@ shared with the Hugging Face export):
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import time
@@ -101,6 +100,7 @@ class ModelWorker:
             labels=list(self.checkpoint.labels) if self.checkpoint.labels else None,
             adapters=self.registry.names(),
             format=self.checkpoint.format,
+            generation_defaults=self.generation_defaults,
         )
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -327,8 +327,19 @@ class ModelWorker:
     @property
     def _rules(self) -> dict[str, Any]:
         """What the model's own generation config imposes on every search (an HF model's banned tokens, forced
-        EOS): GenerationConfig fields."""
-        return dataclasses.asdict(self.checkpoint.generation or GenerationRules())
+        EOS, n-gram rule): GenerationConfig fields."""
+        return (self.checkpoint.generation or GenerationRules()).imposed()
+
+    @property
+    def generation_defaults(self) -> dict[str, Any]:
+        """The model's own defaults for what a generate request leaves unset (an HF model's generation config:
+        GenerateParams fields), within this server's limits."""
+        defaults = dict((self.checkpoint.generation or GenerationRules()).defaults)
+        if "max_new_tokens" in defaults:
+            defaults["max_new_tokens"] = min(defaults["max_new_tokens"], self.max_new_tokens)
+        if "num_beams" in defaults:
+            defaults["num_beams"] = min(defaults["num_beams"], self.settings.max_beams)
+        return defaults
 
     def _generation_config(self, params: GenerateParams) -> GenerationConfig:
         s = self.settings
@@ -350,7 +361,8 @@ class ModelWorker:
             return GenerationConfig(
                 strategy=params.strategy, max_new_tokens=params.max_new_tokens, min_new_tokens=params.min_new_tokens,
                 num_beams=params.num_beams if params.strategy == "beam" else 1,
-                length_penalty=params.length_penalty, num_return_sequences=params.num_return_sequences,
+                length_penalty=params.length_penalty, early_stopping=params.early_stopping,
+                num_return_sequences=params.num_return_sequences,
                 temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=params.seed,
                 eos_token_id=self.config.eos_id, **self._rules,
             )

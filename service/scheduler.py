@@ -361,7 +361,8 @@ class GenerationScheduler(Scheduler):
     def _start_search(self, job: GenerationJob) -> bool:
         try:
             stop_fn = stop_strings(self.tokenizer, job.stops)
-            job.search = make_search(job.config, len(job.prompts), stop_fn)
+            starts = job.prompts if self.family == "causal_lm" else [[self.model.config.bos_id]] * len(job.prompts)
+            job.search = make_search(job.config, len(job.prompts), stop_fn, prefixes=starts)
         except Exception as exc:
             self._finish(job, exc=self._failure(job, exc))
             return False

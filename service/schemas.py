@@ -107,6 +107,12 @@ class ModelInfoSchema(BaseModel):
     format: Literal["tserve", "hf"] = Field(
         description="tserve: a checkpoint of ours; hf: a Hugging Face model directory (config.json, model.safetensors)."
     )
+    generation_defaults: dict[str, str | int | float | bool] = Field(
+        default_factory=dict,
+        description="What generate uses for the fields a request leaves unset, from the model's own generation "
+        "config (an HF model's generation_config.json: num_beams, max_length, length_penalty, early_stopping, "
+        "do_sample), within this server's limits. Fields not named here take the request schema's defaults.",
+    )
 
 
 class ModelLoadFailure(BaseModel):
@@ -126,6 +132,9 @@ class ModelList(BaseModel):
 
 
 class GenerateRequest(RequestModel):
+    """A field left unset takes the model's generation default (GET /v1/models: generation_defaults), else the
+    default below."""
+
     inputs: list[Text] = Field(min_length=1, description="Source sentences (seq2seq) or prompts (causal_lm).")
     strategy: Literal["greedy", "beam", "sample"] = "greedy"
     max_new_tokens: int | None = Field(
@@ -137,6 +146,11 @@ class GenerateRequest(RequestModel):
     min_new_tokens: int = Field(0, ge=0, description="End-of-sequence is suppressed before this many tokens.")
     num_beams: int = Field(4, ge=1, description="Beam width (strategy=beam); capped by max_beams.")
     length_penalty: float = Field(1.0, ge=-10.0, le=10.0, description="Beam score = logprob / length**penalty.")
+    early_stopping: bool | Literal["never"] = Field(
+        True,
+        description="Beam search ends (as in transformers' generate()) at num_beams finished (true), when the best "
+        "live beam scored at its current length cannot beat them (false), or at no length could ('never').",
+    )
     num_return_sequences: int = Field(1, ge=1, description="Candidates per input (beam: <= num_beams).")
     temperature: float = Field(
         1.0, ge=MIN_TEMPERATURE, le=100.0, description="Sampling temperature (strategy=sample); for 0 use greedy."

@@ -13,7 +13,8 @@ class GenerateParams:
     max_new_tokens: int = 64
     min_new_tokens: int = 0
     num_beams: int = 4  # beam only
-    length_penalty: float = 1.0  # beam only (GNMT)
+    length_penalty: float = 1.0  # beam only: score = logprob / length ** length_penalty
+    early_stopping: bool | str = True  # beam only: True, False or "never" (Hugging Face's rules)
     num_return_sequences: int = 1  # beam: n-best; sample: samples per input
     temperature: float = 1.0  # sample only
     top_k: int = 0  # sample only; 0 = off
@@ -93,6 +94,7 @@ class ModelInfo:
     labels: list[str] | None
     adapters: list[str]
     format: str = "tserve"  # "hf": loaded from a Hugging Face directory
+    generation_defaults: dict = field(default_factory=dict)  # what generate uses for fields a request leaves unset
 
 
 @dataclass

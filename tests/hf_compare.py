@@ -39,14 +39,28 @@ def best_tokens(hyps) -> list[list[int]]:
     return [h[0].tokens for h in hyps]
 
 
-def decoding(strategy: str) -> tuple[GenerationConfig, dict]:
-    ours = GenerationConfig(
-        strategy=strategy, max_new_tokens=MAX_NEW, num_beams=4, length_penalty=0.0, early_stopping=True
-    )
+# Decodings compared with generate(): greedy, and beam-4 under HF's default rules and two other ones.
+BEAMS = {
+    "beam": dict(length_penalty=1.0, early_stopping=False),  # generate()'s defaults
+    "beam-never": dict(length_penalty=0.6, early_stopping="never"),
+    "beam-early": dict(length_penalty=2.0, early_stopping=True),
+}
+DECODINGS = ["greedy", *BEAMS]
+
+
+def decoding(name: str) -> tuple[GenerationConfig, dict]:
+    """Our GenerationConfig and generate()'s keyword arguments for decoding ``name`` (one of DECODINGS)."""
     hf = dict(max_new_tokens=MAX_NEW, do_sample=False, num_beams=1)
-    if strategy == "beam":  # HF divides by len ** length_penalty, ours by GNMT's: 0 makes both the plain sum
-        hf |= dict(num_beams=4, length_penalty=0.0, early_stopping=True)
-    return ours, hf
+    if name == "greedy":
+        return GenerationConfig(strategy="greedy", max_new_tokens=MAX_NEW), hf
+    beam = dict(num_beams=4, **BEAMS[name])
+    return GenerationConfig(strategy="beam", max_new_tokens=MAX_NEW, **beam), hf | beam
+
+
+def repeats_ngram(sequence: list[int], n: int) -> bool:
+    """Whether some n-gram occurs twice in ``sequence``."""
+    grams = [tuple(sequence[i: i + n]) for i in range(len(sequence) - n + 1)]
+    return len(grams) != len(set(grams))
 
 
 def assert_varied(outputs: list[list[int]]) -> None:

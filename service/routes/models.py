@@ -56,10 +56,13 @@ async def list_models(request: Request, engine: Annotated[Engine, Depends(get_en
 
 
 def generate_params(req: GenerateRequest, worker: ModelWorker) -> GenerateParams:
+    """The request's fields; those it leaves unset take the model's generation defaults, else the schema's."""
     fields = {f.name for f in dataclasses.fields(GenerateParams)}
     params = {k: v for k, v in req.model_dump().items() if k in fields}
     if req.max_new_tokens is None:
         params["max_new_tokens"] = max(1, min(DEFAULT_NEW_TOKENS, worker.max_new_tokens))
+    params |= {k: v for k, v in worker.generation_defaults.items() if getattr(req, k, None) is None
+               or k not in req.model_fields_set}
     return GenerateParams(**params)
 
 

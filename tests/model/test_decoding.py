@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from model.decoding import GenerationConfig, Hypothesis, make_search, run_search
-from model.logits import apply_top_k, apply_top_p, top_k
+from model.logits import apply_top_k, apply_top_p, repeated_ngram_bans, top_k
+from tests.hf_compare import repeats_ngram
 
 EOS = 2
 
@@ -38,7 +39,7 @@ class ToyLM:
 
 def generate(model: ToyLM, prompts: list[int], config: GenerationConfig, stop_fn=None, row_counts=None):
     """Offline generation with run_search; the per-row history tensor plays the KV cache."""
-    search = make_search(config, len(prompts), stop_fn)
+    search = make_search(config, len(prompts), stop_fn, prefixes=[[p] for p in prompts])
     state = {"history": torch.tensor(prompts)[:, None]}
 
     def step(tokens: torch.Tensor) -> torch.Tensor:
@@ -68,7 +69,7 @@ def naive_greedy(model: ToyLM, prompt: int, max_new: int, min_new: int = 0) -> t
 
 
 def exhaustive(model: ToyLM, prompt: int, max_new: int, alpha: float) -> list[tuple[float, list[int]]]:
-    """Every finished sequence (EOS within max_new tokens, or max_new tokens) with its GNMT score."""
+    """Every finished sequence (EOS within max_new tokens, or max_new tokens) scored logprob / length ** alpha."""
     out = []
 
     def visit(history: list[int], logprob: float) -> None:
@@ -78,7 +79,7 @@ def exhaustive(model: ToyLM, prompt: int, max_new: int, alpha: float) -> list[tu
             total = logprob + value
             if token == EOS or n == max_new:
                 kept = history[1:] + ([] if token == EOS else [token])
-                out.append((total / ((5 + n) / 6) ** alpha, kept))
+                out.append((total / n ** alpha, kept))
             else:
                 visit(history + [token], total)
 
@@ -87,8 +88,10 @@ def exhaustive(model: ToyLM, prompt: int, max_new: int, alpha: float) -> list[tu
 
 
 def naive_beam(model: ToyLM, prompt: int, config: GenerationConfig) -> list[tuple[float, list[int], str]]:
-    """Per-sentence beam search with plain lists (HF candidate rule, exact early_stopping=False bound)."""
-    beams_n, max_new, alpha = config.num_beams, config.max_new_tokens, config.length_penalty
+    """Per-sentence beam search with plain lists, after transformers' `_beam_search` (5.x): 2 x beams
+    candidates, of which the top `beams` may finish; at the length limit they all do; HF's stopping rules."""
+    beams_n, max_new = config.num_beams, config.max_new_tokens
+    alpha, early = config.length_penalty, config.early_stopping
     beams, finished = [([], 0.0)], []
     for step in range(1, max_new + 1):
         candidates = []
@@ -96,20 +99,21 @@ def naive_beam(model: ToyLM, prompt: int, config: GenerationConfig) -> list[tupl
             lp = torch.log_softmax(model.logits(torch.tensor([[prompt] + tokens]))[0], dim=-1).tolist()
             candidates += [(total + value, tokens, token) for token, value in enumerate(lp)]
         candidates = sorted(candidates, key=lambda c: -c[0])[: 2 * beams_n]
-        live = [(tokens + [token], total) for total, tokens, token in candidates if token != EOS][:beams_n]
-        finished += [(total / ((5 + step) / 6) ** alpha, tokens, "eos")
-                     for rank, (total, tokens, token) in enumerate(candidates) if token == EOS and rank < beams_n]
+        for total, tokens, token in candidates[:beams_n]:
+            if token == EOS:
+                finished.append((total / step ** alpha, tokens, "eos"))
+            elif step == max_new:
+                finished.append((total / step ** alpha, tokens + [token], "length"))
         finished = sorted(finished, key=lambda f: -f[0])[:beams_n]
         if step == max_new:
-            finished += [(total / ((5 + step) / 6) ** alpha, tokens, "length") for tokens, total in live]
             break
+        live = [(tokens + [token], total) for total, tokens, token in candidates if token != EOS][:beams_n]
         if len(finished) >= beams_n:
-            best = max(total for _, total in live)
-            bound = max(best / ((5 + n) / 6) ** alpha for n in (step + 1, max_new))
-            if config.early_stopping or bound <= finished[-1][0]:
+            length = max_new if early == "never" and alpha > 0 else step
+            if early is True or live[0][1] / length ** alpha <= finished[-1][0]:
                 break
         beams = live
-    return sorted(finished, key=lambda f: -f[0])[: config.num_return_sequences]
+    return finished[: config.num_return_sequences]
 
 
 PROMPTS = [0, 1, 3, 4, 5]
@@ -205,7 +209,7 @@ def test_beam_one_equals_greedy(alpha):
 
 
 @pytest.mark.parametrize("alpha", [0.0, 1.0])
-@pytest.mark.parametrize("early_stopping", [True, False])
+@pytest.mark.parametrize("early_stopping", [True, "never"])  # False's heuristic may stop short of the optimum
 def test_full_width_beam_equals_exhaustive_search(alpha, early_stopping):
     vocab, max_new = 5, 4
     model, prompts = ToyLM(vocab=vocab, eos_slope=0.3, scale=1.0), [0, 1, 4]
@@ -221,8 +225,8 @@ def test_full_width_beam_equals_exhaustive_search(alpha, early_stopping):
         assert [h.score for h in hyps] == pytest.approx([score for score, _ in expected], abs=1e-5)
 
 
-@pytest.mark.parametrize("alpha", [0.0, 1.0, 2.0])
-@pytest.mark.parametrize("early_stopping", [True, False])
+@pytest.mark.parametrize("alpha", [-1.0, 0.0, 1.0, 2.0])
+@pytest.mark.parametrize("early_stopping", [True, False, "never"])
 @pytest.mark.parametrize("beams, scale", [(2, 2.0), (3, 1.0)])
 def test_beam_matches_naive_reference(alpha, early_stopping, beams, scale):
     model = ToyLM(eos_slope=0.5, scale=scale)
@@ -269,7 +273,7 @@ def test_beam_nbest_sorted_distinct_and_reasons():
         assert len({tuple(h.tokens) for h in hyps}) == 3
         for h in hyps:
             reasons.add(h.finish_reason)
-            penalty = ((5 + len(h.tokens) + (h.finish_reason == "eos")) / 6) ** config.length_penalty
+            penalty = (len(h.tokens) + (h.finish_reason == "eos")) ** config.length_penalty
             assert h.score == pytest.approx(h.logprob / penalty)
             assert (len(h.tokens) == max_new) == (h.finish_reason == "length")
             assert EOS not in h.tokens
@@ -290,10 +294,37 @@ def test_beam_without_early_stopping_searches_on_and_never_scores_worse():
     for prompt in PROMPTS:
         runs = [generate(model, [prompt], GenerationConfig(strategy="beam", num_beams=3, max_new_tokens=10,
                                                            length_penalty=2.0, early_stopping=early))[0][0]
-                for early in (True, False)]
-        assert runs[1].score >= runs[0].score - 1e-6
-        differ += runs[1].tokens != runs[0].tokens
+                for early in (True, False, "never")]  # each searches at least as long as the one before
+        assert runs[2].score >= runs[1].score - 1e-6 and runs[1].score >= runs[0].score - 1e-6
+        differ += runs[2].tokens != runs[0].tokens
     assert differ > 0
+
+
+# ---- no_repeat_ngram_size ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_repeated_ngram_bans_are_the_tokens_that_would_repeat_an_ngram(n):
+    g = torch.Generator().manual_seed(n)
+    for length in range(0, 12):
+        sequence = torch.randint(0, 4, (length,), generator=g).tolist()
+        (banned,) = repeated_ngram_bans([sequence], n)
+        grams = {tuple(sequence[i: i + n]) for i in range(len(sequence) - n + 1)}
+        expected = {t for t in range(4) if len(sequence) + 1 >= n and tuple((sequence + [t])[-n:]) in grams}
+        assert set(banned) == expected, (sequence, banned)
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "sample", "beam"])
+def test_no_repeat_ngram_size_keeps_every_ngram_of_prefix_and_output_unique(strategy):
+    model = ToyLM(vocab=12, eos_slope=0.05, scale=3.0)
+    kwargs = dict(strategy=strategy, max_new_tokens=10, seed=1, num_return_sequences=2)
+    if strategy == "greedy":
+        kwargs.pop("num_return_sequences")
+    plain = generate(model, PROMPTS, GenerationConfig(**kwargs))
+    ruled = generate(model, PROMPTS, GenerationConfig(no_repeat_ngram_size=2, **kwargs))
+    assert any(repeats_ngram([p, *h.tokens], 2) for p, hyps in zip(PROMPTS, plain, strict=True) for h in hyps)
+    assert not any(repeats_ngram([p, *h.tokens], 2) for p, hyps in zip(PROMPTS, ruled, strict=True) for h in hyps)
+    with pytest.raises(ValueError, match="needs the prefix"):
+        make_search(GenerationConfig(no_repeat_ngram_size=2, **kwargs), 2)
 
 
 # ---- sampling ----------------------------------------------------------------------------------
@@ -389,6 +420,9 @@ def test_searches_sharing_one_batch_match_running_alone():
     (dict(top_p=float("nan")), "top_p"),
     (dict(top_p=1.5), "top_p"),
     (dict(length_penalty=float("inf")), "length_penalty"),
+    (dict(early_stopping="sometimes"), "early_stopping"),
+    (dict(early_stopping=1), "early_stopping"),
+    (dict(no_repeat_ngram_size=-1), "no_repeat_ngram_size"),
     (dict(seed=-1), "seed"),
     (dict(eos_token_id=-1), "eos_token_id"),
     (dict(stop_token_ids=(3, -2)), "stop_token_ids"),

@@ -7,6 +7,7 @@ a padded batch, and the config fields we cannot express refused by name.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 from pathlib import Path
@@ -16,7 +17,16 @@ import torch
 
 from model.generation import generate_causal
 from model.hf import HFImportError, is_hf_directory, load_hf_model
-from tests.hf_compare import ATOL, assert_varied, best_tokens, decoding, randomize, strip
+from tests.hf_compare import (
+    ATOL,
+    DECODINGS,
+    assert_varied,
+    best_tokens,
+    decoding,
+    randomize,
+    repeats_ngram,
+    strip,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -67,7 +77,7 @@ def test_a_gpt2_base_model_saved_alone_loads_with_its_tied_head(tmp_path):
         assert (ours(ids) - lm(input_ids=ids).logits).abs().max() < ATOL
 
 
-@pytest.mark.parametrize("strategy", ["greedy", "beam"])
+@pytest.mark.parametrize("strategy", DECODINGS)
 def test_gpt2_generation_equals_transformers_on_a_padded_batch(tmp_path, strategy):
     directory = save_gpt2(tmp_path / "gpt2", seed=5, eos_boost=2.5)  # both endings: EOS and the length limit
     ours_config, hf_kwargs = decoding(strategy)
@@ -135,3 +145,27 @@ def test_other_directories_are_refused_with_the_reason(tmp_path):
     (directory / "config.json").write_text("[" * 100_000)
     with pytest.raises(HFImportError, match="config.json: not valid JSON"):
         load_hf_model(directory)
+
+
+@pytest.mark.parametrize("strategy", DECODINGS)
+def test_gpt2_no_repeat_ngram_size_counts_the_prompt_as_generate_does(tmp_path, strategy):
+    """generation_config.json's no_repeat_ngram_size bans n-grams of prompt + output; one prompt at a time,
+    since generate() counts a left-padded batch's padding too."""
+    from model.hf.generation import generation_rules
+
+    directory = save_gpt2(tmp_path / "gpt2", seed=5, eos_boost=1.5)
+    rules = {"no_repeat_ngram_size": 2, "bos_token_id": 1, "eos_token_id": EOS}
+    (directory / "generation_config.json").write_text(json.dumps(rules))
+    model, config = load_hf_model(directory)
+    ours_config, hf_kwargs = decoding(strategy)
+    ours_config = dataclasses.replace(ours_config, **generation_rules(directory, config).imposed())
+    repeats = 0
+    for prompt in PROMPTS:
+        (mine,) = best_tokens(generate_causal(model, [prompt], ours_config))
+        with torch.no_grad():
+            theirs = hf_model(directory).generate(input_ids=torch.tensor([prompt]), pad_token_id=EOS, **hf_kwargs)
+        assert strip(theirs[0].tolist(), len(prompt), EOS) == mine
+        (unruled,) = best_tokens(generate_causal(model, [prompt],
+                                                 dataclasses.replace(ours_config, no_repeat_ngram_size=0)))
+        repeats += repeats_ngram(prompt + unruled, 2)
+    assert repeats > 0  # the rule changes something

@@ -23,7 +23,16 @@ from model.hf import HFImportError, load_hf_model
 from model.hf.marian import permutation
 from model.layers import sinusoidal_table
 from model.quantize import quantize_int8
-from tests.hf_compare import ATOL, assert_varied, best_tokens, decoding, randomize, strip
+from tests.hf_compare import (
+    ATOL,
+    DECODINGS,
+    assert_varied,
+    best_tokens,
+    decoding,
+    randomize,
+    repeats_ngram,
+    strip,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -94,7 +103,7 @@ def test_marian_logits_equal_transformers(tmp_path, overrides):
     assert config.src_vocab_size == (None if not overrides else VOCAB)  # one embedding only when shared and tied
 
 
-@pytest.mark.parametrize("strategy", ["greedy", "beam"])
+@pytest.mark.parametrize("strategy", DECODINGS)
 def test_marian_generation_equals_transformers_on_a_padded_batch(tmp_path, strategy):
     """OPUS-MT's variant (swish: the native decoding step's SiLU; the head bias in decode_head)."""
     directory = save_marian(tmp_path / "marian", seed=10, eos_boost=2.5)  # both endings: EOS and the length limit
@@ -180,19 +189,50 @@ def test_marian_config_fields_we_cannot_express_are_refused_by_name(tmp_path, ov
 
 
 def test_generation_config_rules_we_cannot_apply_are_refused_by_name(tmp_path):
-    """bad_words_ids of one token each and a forced EOS equal to the model's EOS are applied (model/hf/generation.py);
-    longer bad words, another forced token or no_repeat_ngram_size are refused, naming the field."""
+    """bad_words_ids of one token each, a forced EOS equal to the model's EOS and no_repeat_ngram_size are applied,
+    num_beams / max_length / early_stopping become request defaults (model/hf/generation.py); longer bad words,
+    another forced token or a rule generate() applies that we do not are refused, naming the field."""
     from model.hf.generation import GENERATION_FILE, generation_rules
 
     directory = save_marian(tmp_path / "marian")
     _, config = load_hf_model(directory)
-    rules = {"bad_words_ids": [[PAD], [EOS]], "forced_eos_token_id": EOS}
+    rules = {"bad_words_ids": [[PAD], [EOS]], "forced_eos_token_id": EOS, "no_repeat_ngram_size": 3,
+             "renormalize_logits": True, "num_beams": 6, "max_length": 40, "repetition_penalty": 1.0}
     (directory / GENERATION_FILE).write_text(json.dumps(rules))
     applied = generation_rules(directory, config)
     assert applied.banned_token_ids == (PAD,) and applied.forced_eos  # EOS itself is never banned
+    assert (applied.no_repeat_ngram_size, applied.renormalize) == (3, True)
+    assert applied.defaults == {"strategy": "beam", "num_beams": 6, "max_new_tokens": 39, "early_stopping": False}
     for bad, says in [({"bad_words_ids": [[5, 6]]}, "bad_words_ids must be single tokens"),
                       ({"forced_eos_token_id": 3}, "forced_eos_token_id=3 differs"),
-                      ({"no_repeat_ngram_size": 3}, "no_repeat_ngram_size=3 is not supported")]:
+                      ({"repetition_penalty": 1.2}, "repetition_penalty=1.2 is not supported"),
+                      ({"do_sample": True, "num_beams": 2}, "do_sample with num_beams=2"),
+                      ({"no_repeat_ngram_size": "3"}, "no_repeat_ngram_size must be an int"),
+                      ({"early_stopping": "sometimes"}, "early_stopping must be")]:
         (directory / GENERATION_FILE).write_text(json.dumps(bad))
         with pytest.raises(HFImportError, match=f"{GENERATION_FILE}: {says}"):
             generation_rules(directory, config)
+
+
+@pytest.mark.parametrize("strategy", DECODINGS)
+def test_the_generation_config_rules_give_generates_tokens(tmp_path, strategy):
+    """no_repeat_ngram_size, renormalize_logits, the banned pad and the forced EOS from generation_config.json, as
+    generate() applies them by itself; without the n-gram rule our outputs repeat bigrams (the rule is exercised)."""
+    from model.hf.generation import GENERATION_FILE, generation_rules
+
+    directory = save_marian(tmp_path / "marian", seed=10, eos_boost=1.5)
+    rules = {"no_repeat_ngram_size": 2, "renormalize_logits": True, "bad_words_ids": [[PAD]],
+             "forced_eos_token_id": EOS, "decoder_start_token_id": PAD, "eos_token_id": EOS, "pad_token_id": PAD}
+    (directory / GENERATION_FILE).write_text(json.dumps(rules))
+    model, config = load_hf_model(directory)
+    ours_config, hf_kwargs = decoding(strategy)
+    ours_config = dataclasses.replace(ours_config, eos_token_id=EOS, **generation_rules(directory, config).imposed())
+    mine = best_tokens(generate_seq2seq(model, SOURCES, ours_config))
+    src, mask = padded_sources()
+    with torch.no_grad():
+        theirs = hf_model(directory).generate(input_ids=src, attention_mask=mask, **hf_kwargs)
+    assert [strip(seq, 1, EOS) for seq in theirs.tolist()] == mine
+    assert not any(repeats_ngram([PAD, *o], 2) for o in mine)
+    unruled = best_tokens(generate_seq2seq(model, SOURCES,
+                                           dataclasses.replace(ours_config, no_repeat_ngram_size=0)))
+    assert any(repeats_ngram([PAD, *o], 2) for o in unruled)

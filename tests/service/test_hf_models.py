@@ -107,13 +107,15 @@ def sentence_transformers_layout(directory: Path) -> Path:
     return directory
 
 
-def opus_mt_directory(directory: Path) -> Path:
-    """A random OPUS-MT-like translator: EOS 0, the pad id also the decoder start, a final_logits_bias."""
+def opus_mt_directory(directory: Path, **overrides) -> Path:
+    """A random OPUS-MT-like translator: EOS 0, the pad id also the decoder start, a final_logits_bias (MarianConfig
+    ``overrides``)."""
     opus_mt_tokenizer(directory)
-    config = transformers.MarianConfig(
-        vocab_size=MARIAN_PAD + 1, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
-        pad_token_id=MARIAN_PAD, eos_token_id=0, decoder_start_token_id=MARIAN_PAD, dropout=0.0)
+    config = transformers.MarianConfig(**{
+        "vocab_size": MARIAN_PAD + 1, "d_model": 32, "encoder_layers": 2, "decoder_layers": 2,
+        "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64,
+        "max_position_embeddings": 64, "pad_token_id": MARIAN_PAD, "eos_token_id": 0,
+        "decoder_start_token_id": MARIAN_PAD, "dropout": 0.0, **overrides})
     model = randomize(transformers.MarianMTModel(config), seed=2, eos_id=0, eos_boost=2.0)
     with torch.no_grad():
         model.final_logits_bias.normal_(0, 0.5, generator=torch.Generator().manual_seed(2))
@@ -174,18 +176,16 @@ def test_an_hf_directory_is_listed_as_hf_beside_our_checkpoints(served):
 
 @pytest.mark.parametrize("strategy", ["greedy", "beam"])
 def test_an_hf_gpt2_generates_what_transformers_generates(served, strategy):
+    """Beam search with generate()'s defaults: length_penalty 1, early_stopping false (the model's default here)."""
     client, directory, _ = served
-    body = {"inputs": PROMPTS, "max_new_tokens": NEW_TOKENS, "strategy": strategy}
-    if strategy == "beam":
-        body |= {"num_beams": 4, "length_penalty": 0.0}
+    body = {"inputs": PROMPTS, "max_new_tokens": NEW_TOKENS, "strategy": strategy, "num_beams": 4}
     response = client.post("/v1/models/gpt2-hf/generate", json=body)
     assert response.status_code == 200, response.text
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
-    beam = dict(num_beams=4, length_penalty=0.0, early_stopping=True) if strategy == "beam" else {}
     outputs = response.json()["outputs"]
     assert sum(len(o["tokens"]) for o in outputs) > len(PROMPTS)  # real continuations, not bare EOS
     for prompt, output in zip(PROMPTS, outputs, strict=True):
-        new = hf_generate(directory, None, prompt, **beam)
+        new = hf_generate(directory, None, prompt, num_beams=4 if strategy == "beam" else 1)
         assert output["tokens"] == new, prompt
         assert output["text"] == tokenizer.decode(new, skip_special_tokens=True)
 
@@ -245,16 +245,16 @@ def test_an_hf_sentence_transformers_embedder_pools_and_normalizes_as_configured
     assert refused.status_code == 422 and "no classification head" in refused.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("strategy", ["greedy", "beam"])
-def test_an_hf_opus_mt_translates_as_transformers_does(served, strategy):
+@pytest.mark.parametrize("defaults", [False, True])
+def test_an_hf_opus_mt_translates_as_transformers_does(served, defaults):
     """Sources get </s>, the decoder starts from the pad id, the pad token is never produced and EOS is forced
-    at the limit: token for token what MarianTokenizer + generate() give with the directory's generation config."""
+    at the limit: token for token what MarianTokenizer + generate() give with the directory's generation config.
+    A request that names only its inputs gets generate()'s defaults from that config: beam 4, max_length 64,
+    length_penalty 1, early_stopping false."""
     client, gpt2, _ = served
     directory = gpt2.parent / "opus-mt"
-    body = {"inputs": TEXTS, "max_new_tokens": NEW_TOKENS, "strategy": strategy}
-    beam = dict(num_beams=4, length_penalty=0.0, early_stopping=True) if strategy == "beam" else dict(num_beams=1)
-    if strategy == "beam":
-        body |= {"num_beams": 4, "length_penalty": 0.0}
+    body = {"inputs": TEXTS} if defaults else {"inputs": TEXTS, "max_new_tokens": NEW_TOKENS, "strategy": "greedy"}
+    hf_kwargs = {} if defaults else dict(max_new_tokens=NEW_TOKENS, num_beams=1)
     response = client.post("/v1/models/opus-mt/generate", json=body)
     assert response.status_code == 200, response.text
     tokenizer = transformers.MarianTokenizer(*(str(directory / f) for f in ("source.spm", "target.spm", "vocab.json")))
@@ -262,13 +262,15 @@ def test_an_hf_opus_mt_translates_as_transformers_does(served, strategy):
     outputs = response.json()["outputs"]
     for text, output in zip(TEXTS, outputs, strict=True):
         with torch.no_grad():
-            new = model.generate(**tokenizer(text, return_tensors="pt"), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                 **beam)[0, 1:].tolist()  # after the decoder start
-        new = new[: new.index(0)] if 0 in new else new
+            new = model.generate(**tokenizer(text, return_tensors="pt"), **hf_kwargs)[0, 1:].tolist()
+        new = new[: new.index(0)] if 0 in new else new  # after the decoder start, cut at EOS
         assert output["tokens"] == new, text
         assert output["text"] == tokenizer.decode(new, skip_special_tokens=True)
-    assert all(len(o["tokens"]) < NEW_TOKENS and o["finish_reason"] == "eos" for o in outputs)  # EOS at the latest
+    assert all(o["finish_reason"] == "eos" for o in outputs)  # EOS at the latest (forced at the limit)
     assert all(MARIAN_PAD not in o["tokens"] for o in outputs)
+    listed = {m["name"]: m for m in client.get("/v1/models").json()["data"]}["opus-mt"]
+    assert listed["generation_defaults"] == {"strategy": "beam", "num_beams": 4, "max_new_tokens": 63,
+                                             "early_stopping": False}
 
 
 def test_a_peft_adapter_uploaded_at_run_time_serves_at_once(served, tmp_path):

@@ -24,7 +24,7 @@ from model.generation import generate_causal, generate_seq2seq
 from model.layers import sinusoidal_table
 from model.seq2seq import Seq2SeqTransformer
 from model.tokenizer import Tokenizer, pad_batch
-from tests.hf_compare import ATOL, MAX_NEW, assert_varied, best_tokens, decoding, randomize, strip
+from tests.hf_compare import ATOL, DECODINGS, MAX_NEW, assert_varied, best_tokens, decoding, randomize, strip
 from training.export import ExportError, export_hf
 from training.export.marian import permutation
 
@@ -140,7 +140,7 @@ def test_marian_logits_match(seq2seq, tokenizer):
     assert torch.isneginf(theirs[..., -1]).all()  # the row appended for CTranslate2 is never chosen
 
 
-@pytest.mark.parametrize("strategy", ["greedy", "beam"])
+@pytest.mark.parametrize("strategy", DECODINGS)
 def test_marian_generate_matches(seq2seq, tokenizer, strategy):
     """transformers' plain path, tokenizer(text) + generate(), gives what the service gives (sources + </s>)."""
     model, ckpt, out = seq2seq
@@ -187,7 +187,7 @@ def test_gpt2_logits_match(causal, tokenizer):
     assert (ours - theirs)[real].abs().max() < ATOL
 
 
-@pytest.mark.parametrize("strategy", ["greedy", "beam"])
+@pytest.mark.parametrize("strategy", DECODINGS)
 def test_gpt2_generate_matches(causal, tokenizer, strategy):
     """transformers' plain path, tokenizer(text) + generate(), gives what the service gives (<s> + prompt)."""
     model, ckpt, out = causal

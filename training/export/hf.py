@@ -47,22 +47,25 @@ def export_hf(checkpoint: str | Path, out: str | Path, overwrite: bool = False) 
     except CheckpointError as exc:
         raise ExportError(str(exc)) from exc
     imported = Path(checkpoint, HF_DIR)  # an imported checkpoint's own tokenizer and settings files
-    architecture = check_exportable(ckpt.config, own_tokenizer=not imported.is_dir())
     if imported.is_dir():
-        if ckpt.family == "seq2seq":
-            raise ExportError("an imported MarianMTModel is exported by copying its directory: the export "
-                              "rewrites Marian for CTranslate2 (an extra vocabulary row, a start token of ours)")
-        kept = companion_files(imported).items()
-        files = {name: data.decode("utf-8") for name, data in kept if name != "config.json"}
+        files: dict[str, str | bytes] = dict(companion_files(imported))  # as they came (source.spm is binary)
+        if ckpt.family == "seq2seq":  # back as it came: its own config.json, vocabularies and tying
+            tensors = marian.build_imported(ckpt, json.loads(files["config.json"]))
+            architecture = marian.ARCHITECTURE
+        else:
+            architecture = check_exportable(ckpt.config, own_tokenizer=False)
+            config, tensors = EXPORTERS[ckpt.family].build(ckpt)
+            files["config.json"] = _json({"architectures": [architecture], "dtype": "float32", **config})
     else:
+        architecture = check_exportable(ckpt.config)
         if ckpt.source_tokenizer is not None:
             raise ExportError(f"{architecture} export needs one tokenizer; the checkpoint has a separate source "
                               "tokenizer")
         files = tokenizer_files(ckpt)
         if ckpt.family != "classifier":
             files["generation_config.json"] = _json(generation_config(ckpt.config))
-    config, tensors = EXPORTERS[ckpt.family].build(ckpt)
-    files["config.json"] = _json({"architectures": [architecture], "dtype": "float32", **config})
+        config, tensors = EXPORTERS[ckpt.family].build(ckpt)
+        files["config.json"] = _json({"architectures": [architecture], "dtype": "float32", **config})
     out = Path(out)
     _write_dir(out, files, tensors, overwrite)
     logger.info("exported %s checkpoint %s as %s to %s", ckpt.family, checkpoint, architecture, out)
@@ -124,8 +127,8 @@ def _json(data: Any) -> str:
     return json.dumps(data, indent=2, allow_nan=False) + "\n"
 
 
-def _write_dir(out: Path, files: dict[str, str], tensors: Tensors, overwrite: bool) -> None:
-    """Write everything into a temporary sibling, then rename it to ``out``."""
+def _write_dir(out: Path, files: dict[str, str | bytes], tensors: Tensors, overwrite: bool) -> None:
+    """Write everything (texts, or bytes copied as they are) into a temporary sibling, then rename it to ``out``."""
     if out.exists() and not (out.is_dir() and (overwrite or not any(out.iterdir()))):
         raise ExportError(f"{out} already exists and is not an empty directory (pass --overwrite to replace it)")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -133,9 +136,9 @@ def _write_dir(out: Path, files: dict[str, str], tensors: Tensors, overwrite: bo
     try:
         weights = {name: t.detach().to("cpu", torch.float32).contiguous() for name, t in tensors.items()}
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        for name, text in files.items():
+        for name, content in files.items():
             (tmp / name).parent.mkdir(parents=True, exist_ok=True)  # sentence-transformers' 1_Pooling/, ...
-            (tmp / name).write_text(text, encoding="utf-8")
+            (tmp / name).write_bytes(content if isinstance(content, bytes) else content.encode("utf-8"))
         tmp.chmod(0o755)  # mkdtemp creates 0700
         if out.exists():
             shutil.rmtree(out)

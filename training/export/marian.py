@@ -15,6 +15,9 @@ first decoder layer takes the shift back (q/k/v biases + W s, out_proj bias + s,
 post-LN adds the input to the residual before any LayerNorm). The encoder embedding and lm_head keep
 the original rows, so the three are written untied (share_encoder_decoder_embeddings and
 tie_word_embeddings false); the logits are unchanged. A head bias (``head_bias``) is final_logits_bias.
+
+An imported MarianMTModel (an OPUS-MT directory) goes back as it came (``build_imported``): its own
+config.json, vocabularies and tying, no appended row and no shift, the inverse of model/hf/marian.py.
 """
 
 from __future__ import annotations
@@ -62,6 +65,36 @@ def _layer(prefix: str, layer: TransformerLayer, perm: torch.Tensor, shift: torc
     return tensors | norm(f"{prefix}final_layer_norm.", layer.ffn_norm, perm)
 
 
+def _layers(model: nn.Module, perm: torch.Tensor, first_decoder_shift: torch.Tensor | None) -> Tensors:
+    tensors = {}
+    for side, stack in (("encoder", model.encoder), ("decoder", model.decoder)):
+        for i, layer in enumerate(stack.layers):
+            shift = first_decoder_shift if side == "decoder" and i == 0 else None
+            tensors |= _layer(f"model.{side}.layers.{i}.", layer, perm, shift)
+    return tensors
+
+
+def build_imported(ckpt: Checkpoint, hf_config: dict[str, Any]) -> Tensors:
+    """The tensors of the MarianMTModel directory ``ckpt`` was imported from (config.json ``hf_config``), in the
+    keys transformers' save_pretrained writes. With shared but untied embeddings transformers keeps a
+    ``model.shared.weight`` its forward never reads: the import drops it, and the encoder's stands in for it."""
+    model, c = ckpt.model, ckpt.config
+    perm = permutation(c.d_model)
+    share = hf_config.get("share_encoder_decoder_embeddings", True)
+    tie = hf_config.get("tie_word_embeddings", True)
+    src, tgt = model.src_embed.tokens.weight[:, perm], model.tgt_embed.tokens.weight[:, perm]
+    tensors = {"final_logits_bias": bias(model.lm_head)[None]}
+    if share and tie:
+        tensors["model.shared.weight"] = tgt
+    else:
+        tensors |= {"model.encoder.embed_tokens.weight": src, "model.decoder.embed_tokens.weight": tgt}
+        if share:
+            tensors["model.shared.weight"] = src.clone()  # its own copy: safetensors stores no aliases
+        if not tie:
+            tensors["lm_head.weight"] = model.lm_head.weight[:, perm]
+    return tensors | _layers(model, perm, None)
+
+
 def build(ckpt: Checkpoint) -> tuple[dict[str, Any], Tensors]:
     """config.json fields and tensors in HF's names."""
     model, c = ckpt.model, ckpt.config
@@ -78,10 +111,7 @@ def build(ckpt: Checkpoint) -> tuple[dict[str, Any], Tensors]:
         "lm_head.weight": rows(model.lm_head.weight),
         "final_logits_bias": torch.cat([bias(model.lm_head), torch.tensor([float("-inf")])])[None],
     }
-    for side, stack in (("encoder", model.encoder), ("decoder", model.decoder)):
-        for i, layer in enumerate(stack.layers):
-            shift = start if side == "decoder" and i == 0 else None
-            tensors |= _layer(f"model.{side}.layers.{i}.", layer, perm, shift)
+    tensors |= _layers(model, perm, start)
     config = {
         "model_type": "marian",
         "vocab_size": c.vocab_size + 1,
