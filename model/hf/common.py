@@ -19,6 +19,8 @@ from safetensors.torch import load_file
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"  # sharded weights: {"weight_map": {tensor: shard file}}
+MAX_INDEX_BYTES = 1 << 24
 PICKLE_WEIGHTS = ("pytorch_model.bin", "model.bin", "model.pt", "model.pth")
 MAX_CONFIG_BYTES = 1 << 20  # HF configs are a few KB
 # HF activation names (transformers' ACT2FN) that our ACTIVATIONS compute exactly.
@@ -101,21 +103,45 @@ def activation(config: Mapping[str, Any], name: str, default: str) -> str:
 
 
 def read_weights(directory: Path) -> Tensors:
-    """Every tensor of ``directory``'s model.safetensors (pickle files are refused, never opened)."""
+    """Every tensor of ``directory``'s model.safetensors, or of the shards its index names (pickle files are
+    refused, never opened)."""
+    if (directory / WEIGHTS_INDEX).is_file() and not (directory / WEIGHTS_FILE).is_file():
+        return _read_shards(directory)
     path = directory / WEIGHTS_FILE
     if not path.is_file():
         pickled = [name for name in PICKLE_WEIGHTS if (directory / name).exists()]
         if pickled:
             raise HFImportError(f"{pickled[0]}: pickle weights are not loaded; convert them to {WEIGHTS_FILE} "
                                 "(e.g. save_pretrained(..., safe_serialization=True))")
-        if any(directory.glob("model-*-of-*.safetensors")):
-            raise HFImportError(f"sharded weights (model-*-of-*.safetensors) are not supported yet; save them "
-                                f"as one {WEIGHTS_FILE}")
         raise HFImportError(f"{WEIGHTS_FILE}: not found")
+    return _read_safetensors(path)
+
+
+def _read_safetensors(path: Path) -> Tensors:
     try:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-        raise HFImportError(f"{WEIGHTS_FILE}: not a readable safetensors file: {str(exc)[:200]}") from None
+        raise HFImportError(f"{path.name}: not a readable safetensors file: {str(exc)[:200]}") from None
+
+
+def _read_shards(directory: Path) -> Tensors:
+    """The tensors of the shards model.safetensors.index.json maps them to: files of this directory only, each
+    tensor in the shard the index names."""
+    weight_map = read_json(directory / WEIGHTS_INDEX, MAX_INDEX_BYTES).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise HFImportError(f"{WEIGHTS_INDEX}: weight_map must map tensor names to shard files")
+    tensors: Tensors = {}
+    for shard in sorted(set(weight_map.values())):
+        if Path(shard).name != shard or not shard.endswith(".safetensors") or not (directory / shard).is_file():
+            raise HFImportError(f"{WEIGHTS_INDEX}: shard {shard[:80]!r} is not a .safetensors file of this directory")
+        for name, tensor in _read_safetensors(directory / shard).items():
+            if weight_map.get(name) != shard:
+                raise HFImportError(f"{shard}: holds {name[:80]!r}, which {WEIGHTS_INDEX} places elsewhere")
+            tensors[name] = tensor
+    missing = weight_map.keys() - tensors.keys()
+    if missing:
+        raise HFImportError(f"{WEIGHTS_INDEX}: {len(missing)} tensors are in no shard, e.g. {min(missing)[:80]!r}")
+    return tensors
 
 
 def take(tensors: Tensors, name: str, shape: tuple[int, ...], minus_inf: bool = False) -> torch.Tensor:

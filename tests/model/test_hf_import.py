@@ -147,6 +147,29 @@ def test_other_directories_are_refused_with_the_reason(tmp_path):
         load_hf_model(directory)
 
 
+def test_sharded_weights_load_as_their_index_maps_them(tmp_path):
+    """save_pretrained's shards (model-0000k-of-0000n.safetensors + the index) give the unsharded model's logits;
+    an index naming a file outside the directory, a tensor in another shard, or a missing one is refused."""
+    whole = save_gpt2(tmp_path / "whole", seed=3)
+    sharded = tmp_path / "sharded"
+    hf_model(whole).save_pretrained(sharded, max_shard_size="40KB")
+    shards = sorted(p.name for p in sharded.glob("model-*.safetensors"))
+    assert len(shards) > 2 and not (sharded / "model.safetensors").exists()
+    ids = torch.tensor([PROMPTS[1]])
+    with torch.no_grad():
+        assert torch.equal(load_hf_model(sharded)[0](ids), load_hf_model(whole)[0](ids))
+    index_path = sharded / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    first = next(iter(index["weight_map"]))
+    for change, says in [({first: "../whole/model.safetensors"}, "is not a .safetensors file of this directory"),
+                         ({first: shards[-1] if index["weight_map"][first] != shards[-1] else shards[0]},
+                          "which model.safetensors.index.json places elsewhere"),
+                         ({"transformer.extra.weight": index["weight_map"][first]}, "1 tensors are in no shard")]:
+        index_path.write_text(json.dumps({**index, "weight_map": {**index["weight_map"], **change}}))
+        with pytest.raises(HFImportError, match=says):
+            load_hf_model(sharded)
+
+
 @pytest.mark.parametrize("strategy", DECODINGS)
 def test_gpt2_no_repeat_ngram_size_counts_the_prompt_as_generate_does(tmp_path, strategy):
     """generation_config.json's no_repeat_ngram_size bans n-grams of prompt + output; one prompt at a time,
