@@ -4,15 +4,15 @@ The issue's causal_lm shape (d_model 512, 6 layers, 8 heads, ffn 2048, vocab 800
 service's input-major layout, 8 random adapters (rank 8, alpha 16, q/k/v/out_proj, B ~ N(0, 0.02^2)).
 Greedy generation of exactly ``--new-tokens`` tokens after a 16-token prompt, rows selecting no adapter,
 one adapter, or the 8 adapters mixed (row i takes adapter i mod 8); each with our C++ decoding kernels on
-(the native step adding the adapters' deltas) and off (``TSERVE_DECODE_KERNELS=off``: PyTorch ops, the
-Python replay). Arms alternate in rotating order within each cell; medians and ratios are printed.
+(the native step adding the adapters' deltas) and off (``TSERVE_DECODE_KERNELS=off``, here
+``model.native.using_options(decode_kernels=False)``: PyTorch ops, the Python replay). Arms alternate in
+rotating order within each cell; medians and ratios are printed.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -21,7 +21,7 @@ import torch
 
 from benchmarks.common import machine_line, markdown_table
 from benchmarks.peers import decoding_config, random_ids, random_models
-from model import attention
+from model import native
 from model.generation import generate_causal
 from model.layout import use_input_major_weights
 from model.lora import AdapterSelection, LoRAConfig, LoRALinear, add_adapter
@@ -47,9 +47,8 @@ def adapted_model() -> torch.nn.Module:
 
 def _with_kernels(on: bool, fn: Callable[[], object]) -> Callable[[], object]:
     def run() -> object:
-        os.environ["TSERVE_DECODE_KERNELS"] = "auto" if on else "off"
-        attention._decode_kernel.cache_clear()  # it reads the switch once per process otherwise
-        return fn()
+        with native.using_options(decode_kernels=on):
+            return fn()
 
     return run
 
@@ -70,35 +69,27 @@ def measure(arms: dict[str, Callable[[], object]], repeats: int) -> dict[str, fl
 def run(args: argparse.Namespace) -> str:
     model = adapted_model()
     config = decoding_config(1, args.new_tokens)
-    previous = os.environ.get("TSERVE_DECODE_KERNELS")
     rows = []
-    try:
-        for batch in args.batches:
-            prompts = random_ids(batch, 16).tolist()
-            selections: dict[str, AdapterSelection] = {"one adapter": "a0"}
-            if batch > 1:
-                selections[f"{ADAPTERS} adapters mixed"] = [f"a{i % ADAPTERS}" for i in range(batch)]
-            for label, selection in selections.items():
-                arms = {}
-                for on in (True, False):
-                    kernels = "on" if on else "off"
-                    arms[f"base {kernels}"] = _with_kernels(on, lambda p=prompts: generate_causal(model, p, config))
-                    arms[f"adapters {kernels}"] = _with_kernels(
-                        on, lambda p=prompts, s=selection: generate_causal(model, p, config, adapters=s))
-                seconds = measure(arms, args.repeats)
-                rate = {name: batch * args.new_tokens / s for name, s in seconds.items()}
-                rows.append([batch, label, f"{rate['base on']:,.0f}", f"{rate['adapters on']:,.0f}",
-                             f"{rate['base off']:,.0f}", f"{rate['adapters off']:,.0f}",
-                             f"{rate['adapters on'] / rate['base on']:.0%}",
-                             f"{rate['adapters on'] / rate['adapters off']:.2f}x"])
-                logging.info("batch %d, %s: %s", batch, label, rows[-1][2:])
-    finally:
-        if previous is None:
-            os.environ.pop("TSERVE_DECODE_KERNELS", None)
-        else:
-            os.environ["TSERVE_DECODE_KERNELS"] = previous
-        attention._decode_kernel.cache_clear()
-    kernels = "yes" if attention._decode_kernel() is not None else "no (both sides use PyTorch ops)"
+    for batch in args.batches:
+        prompts = random_ids(batch, 16).tolist()
+        selections: dict[str, AdapterSelection] = {"one adapter": "a0"}
+        if batch > 1:
+            selections[f"{ADAPTERS} adapters mixed"] = [f"a{i % ADAPTERS}" for i in range(batch)]
+        for label, selection in selections.items():
+            arms = {}
+            for on in (True, False):
+                kernels = "on" if on else "off"
+                arms[f"base {kernels}"] = _with_kernels(on, lambda p=prompts: generate_causal(model, p, config))
+                arms[f"adapters {kernels}"] = _with_kernels(
+                    on, lambda p=prompts, s=selection: generate_causal(model, p, config, adapters=s))
+            seconds = measure(arms, args.repeats)
+            rate = {name: batch * args.new_tokens / s for name, s in seconds.items()}
+            rows.append([batch, label, f"{rate['base on']:,.0f}", f"{rate['adapters on']:,.0f}",
+                         f"{rate['base off']:,.0f}", f"{rate['adapters off']:,.0f}",
+                         f"{rate['adapters on'] / rate['base on']:.0%}",
+                         f"{rate['adapters on'] / rate['adapters off']:.2f}x"])
+            logging.info("batch %d, %s: %s", batch, label, rows[-1][2:])
+    kernels = "yes" if native.kernels() is not None else "no (both sides use PyTorch ops)"
     lines = [
         f"Machine: {machine_line()}",
         f"Config: causal_lm d_model 512, 6 layers, 8 heads, ffn 2048, vocab 8000, fp32 input-major; {ADAPTERS} "

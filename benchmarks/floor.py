@@ -8,7 +8,9 @@ the matmul rate by fp32 GEMMs (1024^3, and 512 rows through a 512 x 2048 linear)
 the faster of fbgemm's dynamic int8 linear and ours (model/kernels/int8_vnni.cpp). Each is the fastest
 of 7 runs at the best of the thread counts tried.
 The cross-attention K/V of beams of one source count once. The classifier's floor counts every
-layer in full (ours computes only [CLS] in its last layer, so it can beat it by up to 1/6).
+layer in full (ours computes only [CLS] in its last layer, so it can beat it by up to 1/L).
+Sizes come from a :class:`Dims` (default: the toy shape of benchmarks/peers.py; benchmarks/shapes.py
+has the OPUS-MT, BERT-base and GPT-2 small ones).
 """
 
 from __future__ import annotations
@@ -20,14 +22,38 @@ from dataclasses import dataclass
 import torch
 
 from benchmarks.common import run_times
-from model.quantize import Int8Linear
+from model.int8_linear import Int8Linear
 
-D, F, V, L, H = 512, 2048, 8000, 6, 8
 FP32, INT8 = 4, 1
-SELF_ATTN = 4 * D * D  # q, k, v, out projections
-FFN = 2 * D * F
-CROSS_DECODE = 2 * D * D  # cross-attention q and out (its K/V are computed once per source)
-LM_HEAD = V * D
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The sizes a floor depends on (a seq2seq model has ``layers`` in its encoder and in its decoder)."""
+
+    d_model: int = 512
+    d_ff: int = 2048
+    vocab: int = 8000
+    layers: int = 6
+
+    @property
+    def self_attn(self) -> int:  # q, k, v, out projections
+        return 4 * self.d_model**2
+
+    @property
+    def ffn(self) -> int:
+        return 2 * self.d_model * self.d_ff
+
+    @property
+    def cross_decode(self) -> int:  # cross-attention q and out (its K/V are computed once per source)
+        return 2 * self.d_model**2
+
+    @property
+    def lm_head(self) -> int:
+        return self.vocab * self.d_model
+
+
+TOY = Dims()  # benchmarks/peers.py's shape
 
 
 def _best_seconds(fn: Callable[[], object], repeats: int = 7) -> float:
@@ -90,42 +116,44 @@ def measure_rates(working_sets: list[int], threads: list[int]) -> Rates:
     )
 
 
-def decoder_weights(family: str) -> int:
+def decoder_weights(family: str, dims: Dims = TOY) -> int:
     """Weights one decoding step multiplies by (per row), lm_head included."""
-    per_layer = SELF_ATTN + FFN + (CROSS_DECODE if family == "seq2seq" else 0)
-    return L * per_layer + LM_HEAD
+    per_layer = dims.self_attn + dims.ffn + (dims.cross_decode if family == "seq2seq" else 0)
+    return dims.layers * per_layer + dims.lm_head
 
 
 def decode_floor(family: str, batch: int, beams: int, input_len: int, new_tokens: int, rates: Rates,
-                 weight_bytes: int) -> float:
+                 weight_bytes: int, dims: Dims = TOY) -> float:
     """Seconds no engine can beat for one cell (prefill/encoding included); ``weight_bytes`` 4 or 1."""
+    d, layers, per_layer = dims.d_model, dims.layers, dims.self_attn + dims.ffn
     rows = batch * max(beams, 1)
-    weights = decoder_weights(family)
+    weights = decoder_weights(family, dims)
     flop_rate = rates.fp32_flops if weight_bytes == FP32 else rates.int8_ops
     step_bytes = weights * weight_bytes
     bandwidth = rates.read_rate(step_bytes)
     if family == "causal_lm":  # prefill: every prompt token through the layers, lm_head on the last one
-        first = 2 * batch * (input_len * L * (SELF_ATTN + FFN) + LM_HEAD)
+        first = 2 * batch * (input_len * layers * per_layer + dims.lm_head)
         steps = [(input_len + t + 1, 0) for t in range(new_tokens - 1)]  # (self K/V length, cross length)
     else:  # encoder, the cross K/V projections, then one decoder step per new token (BOS first)
-        first = 2 * batch * input_len * L * (SELF_ATTN + FFN + 2 * D * D)
+        first = 2 * batch * input_len * layers * (per_layer + 2 * d * d)
         steps = [(t + 1, input_len) for t in range(new_tokens)]
-    seconds = max(first / flop_rate, (L * (SELF_ATTN + FFN) * weight_bytes) / bandwidth)
+    seconds = max(first / flop_rate, (layers * per_layer * weight_bytes) / bandwidth)
     for t, (self_len, cross_len) in enumerate(steps):
         live = batch if t == 0 and family == "seq2seq" else rows  # beams expand after the first step
-        kv_bytes = L * 2 * D * FP32 * (live * self_len + batch * cross_len)
-        flops = 2 * live * weights + L * 4 * D * live * (self_len + cross_len)
+        kv_bytes = layers * 2 * d * FP32 * (live * self_len + batch * cross_len)
+        flops = 2 * live * weights + layers * 4 * d * live * (self_len + cross_len)
         seconds += max((step_bytes + kv_bytes) / bandwidth, flops / flop_rate)
     return seconds
 
 
-def classifier_floor(batch: int, length: int, rates: Rates, weight_bytes: int) -> float:
+def classifier_floor(batch: int, length: int, rates: Rates, weight_bytes: int, dims: Dims = TOY) -> float:
     """Seconds for one forward of ``batch`` sequences of ``length`` tokens."""
-    weights = L * (SELF_ATTN + FFN)
+    weights = dims.layers * (dims.self_attn + dims.ffn)
     flop_rate = rates.fp32_flops if weight_bytes == FP32 else rates.int8_ops
-    flops = 2 * batch * length * weights + L * 4 * D * batch * length * length
+    flops = 2 * batch * length * weights + dims.layers * 4 * dims.d_model * batch * length * length
     nbytes = weights * weight_bytes
     return max(flops / flop_rate, nbytes / rates.read_rate(nbytes))
 
 
-__all__ = ["FP32", "INT8", "Rates", "classifier_floor", "decode_floor", "decoder_weights", "measure_rates"]
+__all__ = ["FP32", "INT8", "TOY", "Dims", "Rates", "classifier_floor", "decode_floor", "decoder_weights",
+           "measure_rates"]

@@ -9,11 +9,7 @@ Masks are boolean, True where a query may attend, broadcastable to (B, H, Tq, Tk
 
 from __future__ import annotations
 
-import functools
-import logging
 import math
-import os
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -21,8 +17,6 @@ from torch import nn
 
 from model import native
 from model.kv_cache import KVCache
-
-logger = logging.getLogger(__name__)
 
 KERNEL_MAX_QUERIES = 16  # longer query blocks (prefill) are SDPA's strength
 KERNEL_MAX_HEAD_DIM = 128
@@ -39,27 +33,13 @@ def attention(
     return F.dropout(weights, p=dropout) @ v, weights
 
 
-@functools.cache
-def _decode_kernel() -> ModuleType | None:
-    """The C++ kernels of a decoding step (attention, the native layers, the few-rows GEMV, the greedy
-    choice) where they run on this CPU, unless ``TSERVE_DECODE_KERNELS=off``."""
-    if os.environ.get("TSERVE_DECODE_KERNELS", "auto").strip().lower() == "off":
-        return None
-    module, why = native.load()
-    if module is not None and not module.has_avx512():
-        module, why = None, "this CPU has no AVX-512"
-    if module is None:
-        logger.info("decoding steps use PyTorch ops (SDPA, MKL): %s", why)
-    return module
-
-
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """``F.scaled_dot_product_attention(q, k, v, attn_mask=mask)`` for a decoding step, no dropout.
 
     CPU float32 without autograd, up to 16 queries per head: our kernel, which reads each head's K/V once
     (2-3x faster than SDPA at one query; a query with nothing to attend to gets zeros, not NaN).
     """
-    kernel = _decode_kernel()
+    kernel = native.kernels()
     if (
         kernel is None
         or q.dtype != torch.float32

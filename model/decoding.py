@@ -25,10 +25,11 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
+from model.generation_config import ConfigError as ConfigError  # re-exported: the searches' errors
+from model.generation_config import GenerationConfig, Strategy, require
 from model.logits import (
     NEG_INF,
     greedy_choice,
@@ -48,83 +49,6 @@ _EOS, _STOP_TOKEN, _STOP_FN, _LENGTH = 1, 2, 3, 4
 _REASON = {_EOS: "eos", _STOP_TOKEN: "stop", _STOP_FN: "stop", _LENGTH: "length"}
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    """How to decode; validated on construction."""
-
-    strategy: Literal["greedy", "beam", "sample"] = "greedy"
-    max_new_tokens: int = 64
-    min_new_tokens: int = 0  # EOS/stop tokens (and stop_fn) are disabled until this many are generated
-    num_beams: int = 4  # beam only
-    length_penalty: float = 1.0  # beam: score = sum_logprob / len ** length_penalty (len counts the EOS)
-    # beam, as HF: True stops at num_beams finished; False when the best live beam, scored at its current
-    # length, cannot beat them (HF's default heuristic); "never" when no live beam can beat them at any length
-    early_stopping: bool | Literal["never"] = True
-    num_return_sequences: int = 1  # beam: n-best (<= num_beams); sample: samples per input
-    temperature: float = 1.0  # sample only
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # nucleus, 1.0 = off
-    seed: int | None = None  # sample: per-input generators seeded seed + input index
-    eos_token_id: int = 2
-    stop_token_ids: tuple[int, ...] = ()  # end a sequence with finish_reason "stop"; not kept in tokens
-    banned_token_ids: tuple[int, ...] = ()  # never generated (HF's single-token bad_words_ids: Marian's pad)
-    forced_eos: bool = False  # the last allowed token is EOS, with log-prob 0 (HF's forced_eos_token_id)
-    renormalize: bool = False  # beam: log-probs renormalized over the allowed tokens (HF's renormalize_logits)
-    no_repeat_ngram_size: int = 0  # > 0: no n-gram of this size occurs twice in prefix + output (as HF)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        object.__setattr__(self, "banned_token_ids", tuple(self.banned_token_ids))
-        _require(self.strategy in ("greedy", "beam", "sample"),
-                 f"strategy must be 'greedy', 'beam' or 'sample', got {self.strategy!r}")
-        for name in ("max_new_tokens", "min_new_tokens", "num_beams", "num_return_sequences", "top_k",
-                     "no_repeat_ngram_size"):
-            value = getattr(self, name)
-            _require(isinstance(value, int) and not isinstance(value, bool),
-                     f"{name} must be an int, got {value!r}")
-        _require(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        _require(0 <= self.min_new_tokens <= self.max_new_tokens,
-                 f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], "
-                 f"got {self.min_new_tokens}")
-        _require(self.num_beams >= 1, f"num_beams must be >= 1, got {self.num_beams}")
-        _require(self.num_return_sequences >= 1,
-                 f"num_return_sequences must be >= 1, got {self.num_return_sequences}")
-        if self.strategy == "beam":
-            _require(self.num_return_sequences <= self.num_beams,
-                     f"num_return_sequences must be <= num_beams={self.num_beams} for beam search, "
-                     f"got {self.num_return_sequences}")
-        if self.strategy == "greedy":
-            _require(self.num_return_sequences == 1,
-                     f"num_return_sequences must be 1 for greedy, got {self.num_return_sequences}")
-        _require(isinstance(self.early_stopping, bool) or self.early_stopping == "never",
-                 f"early_stopping must be true, false or 'never', got {self.early_stopping!r}")
-        _require(math.isfinite(self.length_penalty),
-                 f"length_penalty must be finite, got {self.length_penalty}")
-        _require(math.isfinite(self.temperature) and self.temperature > 0,
-                 f"temperature must be finite and > 0, got {self.temperature}")
-        _require(self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}")
-        _require(self.no_repeat_ngram_size >= 0, f"no_repeat_ngram_size must be >= 0, got {self.no_repeat_ngram_size}")
-        _require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
-        _require(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
-                 f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
-        _require(isinstance(self.eos_token_id, int) and self.eos_token_id >= 0,
-                 f"eos_token_id must be an int >= 0, got {self.eos_token_id!r}")
-        for name in ("stop_token_ids", "banned_token_ids"):
-            ids = getattr(self, name)
-            _require(all(isinstance(t, int) and t >= 0 for t in ids), f"{name} must be ints >= 0, got {ids!r}")
-        _require(self.eos_token_id not in self.banned_token_ids, "eos_token_id cannot be banned")
-
-    @property
-    def finish_token_ids(self) -> tuple[int, ...]:
-        """EOS followed by the stop tokens."""
-        return (self.eos_token_id, *self.stop_token_ids)
-
-
 @dataclass
 class Hypothesis:
     """One finished sequence."""
@@ -142,9 +66,9 @@ class Search(ABC):
 
     def __init__(self, config: GenerationConfig, num_inputs: int, stop_fn: StopFn | None = None,
                  prefixes: Sequence[Sequence[int]] | None = None):
-        _require(num_inputs >= 1, f"num_inputs must be >= 1, got {num_inputs}")
-        _require(not config.no_repeat_ngram_size or (prefixes is not None and len(prefixes) == num_inputs),
-                 "no_repeat_ngram_size needs the prefix (prompt, or decoder start) of every input")
+        require(num_inputs >= 1, "num_inputs", f"must be >= 1, got {num_inputs}")
+        require(not config.no_repeat_ngram_size or (prefixes is not None and len(prefixes) == num_inputs),
+                 "no_repeat_ngram_size", "needs the prefix (prompt, or decoder start) of every input")
         self.config = config
         self.num_inputs = num_inputs
         self.stop_fn = stop_fn
@@ -463,10 +387,10 @@ def make_search(config: GenerationConfig, num_inputs: int, stop_fn: StopFn | Non
                 prefixes: Sequence[Sequence[int]] | None = None) -> Search:
     """The search for `config.strategy` over `num_inputs` inputs; stop_fn is greedy/sample only. ``prefixes``
     (each input's prompt, or a translation's decoder start) are needed by ``no_repeat_ngram_size`` only."""
-    if config.strategy == "beam":
-        _require(stop_fn is None, "stop_fn is not supported by beam search (strategy='beam')")
+    if config.strategy == Strategy.BEAM:
+        require(stop_fn is None, "stop_fn", "is not supported by beam search (strategy='beam')")
         return BeamSearch(config, num_inputs, prefixes)
-    if config.strategy == "sample":
+    if config.strategy == Strategy.SAMPLE:
         return SampleSearch(config, num_inputs, stop_fn, prefixes)
     return GreedySearch(config, num_inputs, stop_fn, prefixes)
 

@@ -19,13 +19,16 @@ import operator
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model import attention, packed_weights
+from model import native, packed_weights
 from model.attention import KERNEL_MAX_HEAD_DIM, MultiHeadAttention, decode_attention
+from model.int8_linear import Int8Linear
 from model.kv_cache import KVCache
 from model.layers import LayerStack, TransformerLayer
 from model.lora import LoRALinear
@@ -166,15 +169,35 @@ def _watched(stack: LayerStack) -> list[tuple[dict, str, object]]:
     return watched
 
 
-_ACTIVATIONS = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3}  # elementwise.cpp's Activation
-_ABSENT = torch.empty(0)  # decode_step.cpp's "no tensor here" (a missing bias, mask or norm)
+_ABSENT = torch.empty(0)  # decode_step.cpp's "no tensor here" (a missing bias or panel)
+
+
+def _in_order(enum: Any) -> list[str]:
+    """The member names of one of the kernels' enums (``kernels.Slot``, ``kernels.Norm``), by value."""
+    members = enum.__members__
+    return sorted(members, key=lambda name: int(members[name]))
+
+
+def _slot_modules(layer: TransformerLayer) -> dict[str, nn.Module | None]:
+    """The layer's projections by their ``kernels.Slot`` names; None where absent (q/k/v while the fused
+    projection serves, the cross-attention's without one)."""
+    attn, cross, fused = layer.self_attn, layer.cross_attn, layer.self_attn.fused
+    return {
+        "q": None if fused else attn.q_proj,
+        "k": None if fused else attn.k_proj,
+        "v": None if fused else attn.v_proj,
+        "out": attn.out_proj,
+        "cross_q": cross.q_proj if cross is not None else None,
+        "cross_out": cross.out_proj if cross is not None else None,
+        "fc1": layer.ffn.fc1,
+        "fc2": layer.ffn.fc2,
+        "qkv": attn.qkv_proj if fused else None,
+    }
 
 
 def _projection(module: nn.Module | None) -> list[torch.Tensor] | None:
     """A projection as decode_step.cpp takes it: float32 [weight, bias] or our int8 [packed, scales, sums, bias]
     (an empty tensor for no bias); [] for an absent one; None when the native step cannot run it."""
-    from model.quantize import Int8Linear  # model.quantize imports model.attention, which this module imports
-
     if module is None:
         return []
     if type(module) is LoRALinear:  # its base; the adapters' deltas come per step (_NativeStep.deltas)
@@ -186,25 +209,22 @@ def _projection(module: nn.Module | None) -> list[torch.Tensor] | None:
     return None
 
 
-def _norm(module: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor, float] | None:
-    """(weight, bias, eps) of a LayerNorm as decode_step.cpp takes it; absent ones empty; None if it cannot."""
+def _norm(module: nn.Module | None) -> tuple[list[torch.Tensor], float] | None:
+    """([weight, bias], eps) of a LayerNorm as decode_step.cpp takes it; ([], 0.0) for an absent one; None if
+    it cannot."""
     if module is None:
-        return _ABSENT, _ABSENT, 0.0
+        return [], 0.0
     if type(module) is not nn.LayerNorm or module.weight is None or module.bias is None:
         return None
-    return module.weight, module.bias, module.eps
+    return [module.weight, module.bias], module.eps
 
 
 @dataclass
 class _NativeStep:
-    """The decoder stack's arguments to the C++ step (model/kernels/decode_step.cpp), or why there are none."""
+    """The decoder stack bound for the C++ step (``kernels.DecoderStack``: model/kernels/decode_step.cpp)."""
 
-    projections: list[list[torch.Tensor]]
-    norms: list[torch.Tensor]
-    eps: list[float]
-    heads: int
-    pre_norm: bool
-    activation: int
+    stack: Any  # kernels.DecoderStack
+    projections: list[list[torch.Tensor]]  # flat: each layer's, one per kernels.Slot (as the bound stack holds them)
     adapted: list[tuple[int, LoRALinear]]  # (index in projections, module): LoRA-wrapped ones, bound by their bases
 
     def deltas(self, rows: int) -> list[list[torch.Tensor]] | None:
@@ -225,35 +245,37 @@ class _NativeStep:
         return deltas
 
     @classmethod
-    def of(cls, stack: LayerStack) -> _NativeStep | None:
+    def of(cls, stack: LayerStack, kernels: ModuleType) -> _NativeStep | None:
         """None when a layer holds something the C++ step does not run (fbgemm int8, other dtypes)."""
+        first = stack.layers[0]
+        activation = kernels.Activation.__members__.get(first.ffn.activation)
+        if activation is None or any(
+            layer.pre_norm != first.pre_norm or layer.ffn.activation != first.ffn.activation
+            or layer.self_attn.n_heads != first.self_attn.n_heads for layer in stack.layers
+        ):
+            return None
+        slots, norm_names = _in_order(kernels.Slot), _in_order(kernels.Norm)
         projections, norms, eps, adapted = [], [], [], []
         for layer in stack.layers:
-            attn, cross = layer.self_attn, layer.cross_attn
-            fused = attn.fused
-            modules = [None if fused else attn.q_proj, None if fused else attn.k_proj, None if fused else attn.v_proj,
-                       attn.out_proj, cross.q_proj if cross else None, cross.out_proj if cross else None,
-                       layer.ffn.fc1, layer.ffn.fc2, attn.qkv_proj if fused else None]
+            by_slot = _slot_modules(layer)
+            modules = [by_slot[name] for name in slots]
             bound = [_projection(m) for m in modules]
-            layer_norms = [_norm(layer.self_attn_norm), _norm(layer.cross_attn_norm if cross else None),
-                           _norm(layer.ffn_norm)]
+            layer_norms = [_norm(getattr(layer, name)) for name in norm_names]
             if any(b is None for b in bound) or any(n is None for n in layer_norms):
                 return None
-            if layer.ffn.activation not in _ACTIVATIONS or attn.head_dim > KERNEL_MAX_HEAD_DIM:
+            if layer.self_attn.head_dim > KERNEL_MAX_HEAD_DIM:
                 return None
             adapted += [(len(projections) + i, m) for i, m in enumerate(modules) if type(m) is LoRALinear]
             projections += bound
-            for weight, bias, e in layer_norms:
-                norms += [weight, bias]
+            for weight_and_bias, e in layer_norms:
+                norms.append(weight_and_bias)
                 eps.append(e)
-        first = stack.layers[0]
-        if any(layer.pre_norm != first.pre_norm or layer.ffn.activation != first.ffn.activation
-               or layer.self_attn.n_heads != first.self_attn.n_heads for layer in stack.layers):
-            return None
-        return cls(projections, norms, eps, first.self_attn.n_heads, first.pre_norm, _ACTIVATIONS[first.ffn.activation],
-                   adapted)
+        bound_stack = kernels.DecoderStack(projections=projections, norms=norms, eps=eps,
+                                           heads=first.self_attn.n_heads, pre_norm=first.pre_norm,
+                                           activation=activation)
+        return cls(bound_stack, projections, adapted)
 
-    def panels(self, kernels, rows: int) -> list[torch.Tensor]:
+    def panels(self, kernels: ModuleType, rows: int) -> list[torch.Tensor]:
         """Each float32 projection's packed copy (model/packed_weights.py; empty for the others) for a step of
         ``rows`` rows, or [] where the few-rows GEMV (or MKL, packing off) takes the step."""
         if rows <= packed_weights.MAX_GEMV_ROWS or not packed_weights.enabled():
@@ -262,18 +284,18 @@ class _NativeStep:
         return [_ABSENT if panels is None else panels for panels in found]
 
     def __call__(
-        self, kernels, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache, memory_mask: torch.Tensor | None,
-        deltas: list[list[torch.Tensor]],
+        self, kernels: ModuleType, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache,
+        memory_mask: torch.Tensor | None, deltas: list[list[torch.Tensor]],
     ) -> torch.Tensor:
         cross = cache.cross
-        return kernels.decode_layers(
-            x, self.projections, deltas, self.panels(kernels, x.shape[0]), self.norms, self.eps,
-            cache.keys, cache.values,
-            cross.keys if cross is not None else [], cross.values if cross is not None else [],
-            self.heads, self.pre_norm, self.activation, cache.max_length, cache.max_length + 1,
-            _ABSENT if cache.uniform else cache.write_positions, _ABSENT if mask is None else mask,
-            _ABSENT if memory_mask is None else memory_mask, cross.group_size if cross is not None else 1,
+        step_cache = kernels.StepCache(
+            keys=cache.keys, values=cache.values,
+            cross_keys=cross.keys if cross is not None else [], cross_values=cross.values if cross is not None else [],
+            start=cache.max_length, visible=cache.max_length + 1,
+            write_positions=None if cache.uniform else cache.write_positions,
+            self_mask=mask, memory_mask=memory_mask, group=cross.group_size if cross is not None else 1,
         )
+        return self.stack.step(x, step_cache, deltas, self.panels(kernels, x.shape[0]))
 
 
 class DecodePlan:
@@ -282,7 +304,8 @@ class DecodePlan:
     def __init__(self, stack: LayerStack) -> None:
         self.layers = [_Layer.of(layer) for layer in stack.layers]
         self.final_norm = _op(stack.final_norm) if stack.final_norm is not None else None
-        self.native = _NativeStep.of(stack)
+        self.kernels = native.kernels()  # the process's kernels when the plan was built (plan_for compares)
+        self.native = _NativeStep.of(stack, self.kernels) if self.kernels is not None else None
         self._parents, self._names, self._children = zip(*_watched(stack), strict=True)
 
     def current(self) -> bool:
@@ -293,7 +316,7 @@ class DecodePlan:
     def __call__(
         self, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache, memory_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
-        kernels = attention._decode_kernel() if self.native is not None else None
+        kernels = self.kernels if self.native is not None else None
         deltas = (
             self.native.deltas(x.shape[0])
             if kernels is not None
@@ -317,9 +340,9 @@ _PLANS: weakref.WeakKeyDictionary[LayerStack, DecodePlan] = weakref.WeakKeyDicti
 
 
 def plan_for(stack: LayerStack) -> DecodePlan:
-    """The current plan of ``stack``, built (or rebuilt after a module swap) on demand."""
+    """The current plan of ``stack``, built (or rebuilt after a module swap or a switch of the kernels) on demand."""
     plan = _PLANS.get(stack)
-    if plan is None or not plan.current():
+    if plan is None or plan.kernels is not native.kernels() or not plan.current():
         plan = _PLANS[stack] = DecodePlan(stack)
     return plan
 
@@ -332,7 +355,7 @@ def decode_head(head: nn.Module, x: torch.Tensor) -> torch.Tensor:
     itself otherwise (another dtype or layout, autograd), and beyond 4 rows the panel GEMM over the weight's
     packed copy (model/packed_weights.py); LoRA, int8 and hooked heads run as modules.
     """
-    kernels = attention._decode_kernel()
+    kernels = native.kernels()
     plain = type(head) is nn.Linear and not head._forward_hooks and not head._forward_pre_hooks
     if kernels is None or not plain or head.weight.device.type != "cpu":
         return head(x)

@@ -1,14 +1,14 @@
 """Which int8 GEMM the int8 layers use, and the weight layout of ours (model/kernels/int8_vnni.cpp).
 
-``TSERVE_INT8_KERNEL`` picks: ``auto`` (default: our AVX512-VNNI kernel where the C++ kernels build
-(model/native.py) and the CPU has VNNI, fbgemm otherwise), ``vnni`` (ours or an error) or ``fbgemm``.
+``model.native.options().int8_kernel`` (``TSERVE_INT8_KERNEL``) picks: ``auto`` (default: our AVX512-VNNI
+kernel where the C++ kernels build (model/native.py) and the CPU has VNNI, fbgemm otherwise), ``vnni`` (ours
+or an error) or ``fbgemm``.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 from types import ModuleType
 
 import torch
@@ -17,7 +17,7 @@ from model import native
 
 logger = logging.getLogger(__name__)
 
-KERNEL_CHOICES = ("auto", "vnni", "fbgemm")
+ENV = native.KernelOptions.env("int8_kernel")  # named in errors
 
 
 class KernelUnavailable(RuntimeError):
@@ -25,9 +25,10 @@ class KernelUnavailable(RuntimeError):
 
 
 def kernel_choice() -> str:
-    choice = os.environ.get("TSERVE_INT8_KERNEL", "auto").strip().lower() or "auto"
-    if choice not in KERNEL_CHOICES:
-        raise KernelUnavailable(f"TSERVE_INT8_KERNEL={choice!r}: expected one of {list(KERNEL_CHOICES)}")
+    """The int8 GEMM asked for, one of ``native.INT8_KERNELS``."""
+    choice = native.options().int8_kernel
+    if choice not in native.INT8_KERNELS:
+        raise KernelUnavailable(f"{ENV}={choice!r}: expected one of {list(native.INT8_KERNELS)}")
     return choice
 
 
@@ -40,14 +41,14 @@ def available() -> tuple[ModuleType | None, str]:
 
 
 def vnni_kernel() -> ModuleType | None:
-    """The C++ kernels when ``TSERVE_INT8_KERNEL`` allows ours and it runs here; None means fbgemm."""
+    """The C++ kernels when the int8 option (``TSERVE_INT8_KERNEL``) allows ours and it runs here; None: fbgemm."""
     choice = kernel_choice()
     if choice == "fbgemm":
         return None
     module, why = available()
     if module is None:
         if choice == "vnni":
-            raise KernelUnavailable(f"TSERVE_INT8_KERNEL=vnni: {why}")
+            raise KernelUnavailable(f"{ENV}=vnni: {why}")
         _warn_once(why)
     return module
 

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from model import attention
-
-if TYPE_CHECKING:
-    from model.decoding import GenerationConfig
+from model import native
+from model.generation_config import GenerationConfig
 
 NEG_INF = float("-inf")
 
@@ -28,7 +24,7 @@ def greedy_choice(logits: torch.Tensor, step: int, config: GenerationConfig) -> 
     if forces_eos(step, config):
         tokens = torch.full((logits.size(0),), config.eos_token_id, dtype=torch.long, device=logits.device)
         return tokens, log_probs(logits).select(1, config.eos_token_id)
-    kernels = attention._decode_kernel()
+    kernels = native.kernels()
     if kernels is not None and logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.stride(1) == 1:
         return kernels.greedy_pick(logits, list(banned_ids(step, config)))
     # max(dim) gives the first maximal index, as argmax does, and is 2-3x faster on CPU.

@@ -5,11 +5,16 @@ with the system's C++ compiler and ninja) into ``TSERVE_KERNEL_DIR`` (default ``
 under a name carrying the sources' hash and the Python/torch versions: later processes import the built
 module directly (no compiler needed then, as in the Docker image, which builds it at image build time),
 and edited sources build afresh. Only x86-64 Linux; each kernel also checks the CPU features it needs
-(``has_vnni``, ``has_avx512``), and :func:`extension` returns None, with the reason, where it cannot run.
+(``has_vnni``, ``has_avx512``), and :func:`load` returns None, with the reason, where it cannot run.
+
+How they are used is one :class:`KernelOptions`, read once per process from the environment (``TSERVE_*``,
+listed in the service's settings table); :func:`kernels` is the module every decoding-step caller asks.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import hashlib
 import importlib.util
@@ -19,20 +24,95 @@ import platform
 import shutil
 import sys
 import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-KERNELS = Path(__file__).parent / "kernels"
-SOURCES = sorted(KERNELS.glob("*.cpp"))
-HEADERS = sorted(KERNELS.glob("*.h"))
+SOURCE_DIR = Path(__file__).parent / "kernels"
+SOURCES = sorted(SOURCE_DIR.glob("*.cpp"))
+HEADERS = sorted(SOURCE_DIR.glob("*.h"))
+DEFAULT_KERNEL_DIR = Path.home() / ".cache" / "tserve" / "kernels"
+INT8_KERNELS = ("auto", "vnni", "fbgemm")  # model.int8_kernel's choices
 
 
-def kernel_dir() -> Path:
-    return Path(os.environ.get("TSERVE_KERNEL_DIR") or Path.home() / ".cache" / "tserve" / "kernels")
+def _switch(value: str) -> bool:
+    return value.strip().lower() != "off"
+
+
+def _option(default: Any, env: str, help: str, parse: Callable[[str], Any], shown: str | None = None) -> Any:
+    """A field read from ``env``; ``shown``: its default as the settings table writes it (``str(default)``)."""
+    return field(default=default, metadata={"env": env, "help": help, "parse": parse, "shown": shown or str(default)})
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """How this process uses the C++ kernels; each field has its ``TSERVE_*`` environment variable."""
+
+    kernel_dir: Path = _option(
+        DEFAULT_KERNEL_DIR, "TSERVE_KERNEL_DIR", "where the C++ kernels are built once and imported from",
+        lambda value: Path(value) if value else DEFAULT_KERNEL_DIR, shown="~/.cache/tserve/kernels",
+    )
+    decode_kernels: bool = _option(
+        True, "TSERVE_DECODE_KERNELS", "off: decoding steps use PyTorch ops instead of our AVX-512 kernels", _switch,
+        shown="auto",
+    )
+    packed_weights: bool = _option(
+        True, "TSERVE_PACKED_WEIGHTS",
+        "off: steps of more than 4 rows use MKL on the weights as stored, not a packed copy of each", _switch,
+        shown="auto",
+    )
+    # checked where an int8 layer is made (model.int8_kernel.kernel_choice), as an unknown name always was
+    int8_kernel: str = _option(
+        "auto", "TSERVE_INT8_KERNEL",
+        f"int8 GEMM, one of {', '.join(INT8_KERNELS)}: auto is ours on AVX512-VNNI, else fbgemm; vnni is ours or "
+        "an error",
+        lambda value: value.strip().lower() or "auto",
+    )
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> KernelOptions:
+        """The defaults, overridden by the ``TSERVE_*`` variables set in ``environ`` (default: os.environ)."""
+        environ = os.environ if environ is None else environ
+        values = {f.name: f.metadata["parse"](environ[f.metadata["env"]])
+                  for f in dataclasses.fields(cls) if f.metadata["env"] in environ}
+        return cls(**values)
+
+    @classmethod
+    def env(cls, name: str) -> str:
+        """The environment variable of the field ``name``."""
+        return next(f.metadata["env"] for f in dataclasses.fields(cls) if f.name == name)
+
+
+_options: KernelOptions | None = None
+
+
+def options() -> KernelOptions:
+    """This process's kernel options: the environment's, read on first use."""
+    global _options
+    if _options is None:
+        _options = KernelOptions.from_env()
+    return _options
+
+
+@contextlib.contextmanager
+def using_options(**changes: Any) -> Iterator[KernelOptions]:
+    """Run a block with some options changed (tests and benchmarks that switch kernels within one process).
+    ``kernel_dir`` counts only before the first :func:`load`."""
+    global _options
+    previous = options()
+    _options = dataclasses.replace(previous, **changes)
+    kernels.cache_clear()
+    try:
+        yield _options
+    finally:
+        _options = previous
+        kernels.cache_clear()
 
 
 def module_name() -> str:
@@ -82,14 +162,33 @@ def _build(directory: Path, name: str) -> ModuleType:
 
 @functools.cache
 def load() -> tuple[ModuleType | None, str]:
-    """(the extension, "") once built or imported, else (None, why not)."""
+    """(the extension, "") once built or imported under ``options().kernel_dir``, else (None, why not)."""
+    return load_from(options().kernel_dir)
+
+
+def load_from(directory: Path) -> tuple[ModuleType | None, str]:
+    """(the extension, "") built or imported under ``directory``, else (None, why not); not cached."""
     if platform.machine().lower() not in ("x86_64", "amd64") or sys.platform != "linux":
         return None, f"the kernels are built for x86-64 Linux, not {sys.platform}/{platform.machine()}"
-    directory, name = kernel_dir(), module_name()
+    name = module_name()
     try:
         return import_built(directory, name) or _build(directory, name), ""
     except Exception as exc:  # no compiler, no ninja, a read-only cache: the PyTorch paths serve instead
         return None, f"could not build the C++ kernels ({type(exc).__name__}: {str(exc).strip()[:300]})"
+
+
+@functools.cache
+def kernels() -> ModuleType | None:
+    """The C++ kernels of a decoding step (attention, the native layers, the few-rows GEMV, the greedy choice)
+    where they run on this CPU, unless ``options().decode_kernels`` is off; None: PyTorch ops instead."""
+    if not options().decode_kernels:
+        return None
+    module, why = load()
+    if module is not None and not module.has_avx512():
+        module, why = None, "this CPU has no AVX-512"
+    if module is None:
+        logger.info("decoding steps use PyTorch ops (SDPA, MKL): %s", why)
+    return module
 
 
 def main() -> None:
@@ -100,7 +199,7 @@ def main() -> None:
         logger.info("C++ kernels: none (%s)", why)
         return
     logger.info("C++ kernels: %s; int8 AVX512-VNNI: %s, decoding step and attention (AVX-512): %s",
-                kernel_dir() / module_name(), module.has_vnni(), module.has_avx512())
+                options().kernel_dir / module_name(), module.has_vnni(), module.has_avx512())
 
 if __name__ == "__main__":
     main()

@@ -9,16 +9,18 @@ since (an in-place change such as a LoRA merge bumps its version counter; re-lay
 model/layout.py does, moves its data). Changes made through ``weight.data`` in place bump no counter the
 Parameter shows and go unseen: change weights through the Parameter (under ``torch.no_grad``) or
 ``load_state_dict``, as this project does. The copy is as large as the weight:
-``TSERVE_PACKED_WEIGHTS=off`` keeps MKL on the weights as stored instead.
+``TSERVE_PACKED_WEIGHTS=off`` (``model.native.options().packed_weights``) keeps MKL on the weights as stored
+instead.
 """
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
+
+from model import native
 
 MAX_GEMV_ROWS = 4  # up to this many rows the few-rows GEMV reads the weights as stored (few_rows_linear.cpp)
 
@@ -28,7 +30,7 @@ _PACKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 def enabled() -> bool:
     """Whether batched steps may use packed copies (``TSERVE_PACKED_WEIGHTS``, default on)."""
-    return os.environ.get("TSERVE_PACKED_WEIGHTS", "auto").strip().lower() != "off"
+    return native.options().packed_weights
 
 
 def packed(kernels: ModuleType, weight: torch.Tensor) -> torch.Tensor | None:

@@ -1,14 +1,8 @@
 """int8 weights for CPU inference: dynamic quantisation of the nn.Linear layers.
 
-Each weight is stored as int8 with one scale per output channel (symmetric, max-abs / 127); each
-call quantises its activations on the fly and runs an int8 GEMM, so bytes read per decoding step
-drop about 4x. Embeddings, LayerNorms, attention and the KV cache stay in float. Two GEMMs
-(``model.int8_kernel`` picks, ``TSERVE_INT8_KERNEL``):
-
-- ours on AVX512-VNNI CPUs (model/kernels/int8_vnni.cpp): activations quantised per row on 8 bits,
-  so a row's result does not depend on the rest of its batch; 1.2-1.8x fbgemm's speed at 1-64 rows;
-- fbgemm's ``quantized::linear_dynamic`` elsewhere: activations per tensor on 7 bits
-  (``reduce_range=True``, PyTorch's default: CPUs without VNNI can saturate 16-bit sums otherwise).
+Each nn.Linear becomes an :class:`~model.int8_linear.Int8Linear` (int8 weights, one scale per output
+channel, activations quantised on the fly), so bytes read per decoding step drop about 4x. Embeddings,
+LayerNorms, attention and the KV cache stay in float.
 
 A quantised model is for inference only: it is never saved, and LoRA adapters still load onto it
 (``LoRALinear`` wraps an ``Int8Linear`` and adds its float deltas) but cannot be merged into its weights.
@@ -17,80 +11,24 @@ A quantised model is for inference only: it is never saved, and LoRA adapters st
 from __future__ import annotations
 
 import logging
-import warnings
 
 import torch
 from torch import nn
 
 from model import int8_kernel
 from model.attention import MultiHeadAttention
+from model.int8_linear import Int8Linear
 from model.layers import TransformerLayer
+from model.layout import use_input_major_weights
 from model.lora import HeadCopies, LoRALinear
 
 logger = logging.getLogger(__name__)
 
 QUANTIZE_MODES = ("none", "int8")
-# The overload's C++ entry point: skips per-call overload resolution and OpOverload.__call__'s Python-side
-# dispatch checks (4-7% of an int8 decode at batch 1-4 on this machine); the overload where it is absent.
-_LINEAR_DYNAMIC = getattr(torch.ops.quantized.linear_dynamic.default, "_op", torch.ops.quantized.linear_dynamic.default)
 
 
 class QuantizeError(ValueError):
     """The model cannot be quantised as asked (unknown mode, not on CPU, merged adapter)."""
-
-
-class Int8Linear(nn.Module):
-    """y = x W^T + b with W int8 per output channel and x quantised per call; CPU only."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, reduce_range: bool = True) -> None:
-        """Quantise ``weight`` (out, in); ``bias`` (out,) stays float. ``reduce_range``: fbgemm's 7-bit activations."""
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.reduce_range = reduce_range
-        w = weight.detach().float()
-        scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
-        bias = bias.detach().float().contiguous() if bias is not None else None
-        kernel = int8_kernel.vnni_kernel()
-        if kernel is not None:
-            q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-            self.backend = "vnni"
-            self._kernel_linear = kernel.int8_linear
-            self._packed = int8_kernel.pack(q)
-            self._scales, self._sums, self._bias = scales, q.sum(dim=1, dtype=torch.int32), bias
-            return
-        self.backend = "fbgemm"
-        with warnings.catch_warnings():  # quantized tensors are deprecated in PyTorch 2.10+, still the way in
-            warnings.simplefilter("ignore", UserWarning)
-            zero_points = torch.zeros(self.out_features, dtype=torch.long)
-            q = torch.quantize_per_channel(w, scales.double(), zero_points, 0, torch.qint8)
-            self._packed = torch.ops.quantized.linear_prepack(q, bias)
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
-        return cls(linear.weight, linear.bias)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """The dequantised weight (out, in) in float32: a fresh copy, writes to it change nothing."""
-        if self.backend == "vnni":
-            return int8_kernel.unpack(self._packed, self.out_features, self.in_features).float() * self._scales[:, None]
-        q, _ = torch.ops.quantized.linear_unpack(self._packed)
-        return q.dequantize()
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        if self.backend == "vnni":
-            return self._bias
-        return torch.ops.quantized.linear_unpack(self._packed)[1]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., in) float32 -> (..., out) float32."""
-        if self.backend == "vnni":
-            return self._kernel_linear(x, self._packed, self._scales, self._sums, self._bias)
-        return _LINEAR_DYNAMIC(x, self._packed, self.reduce_range)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel, {self.backend}"
 
 
 def quantize_int8(model: nn.Module) -> int:
@@ -154,6 +92,14 @@ def quantize(model: nn.Module, mode: str | None) -> nn.Module:
     if mode != "int8":
         raise QuantizeError(f"unknown quantisation {mode!r}; expected one of {list(QUANTIZE_MODES)}")
     quantize_int8(model)
+    return model
+
+
+def prepare_for_inference(model: nn.Module, mode: str | None) -> nn.Module:
+    """What serving and evaluation run on a loaded model (adapters loaded or not): quantise it (``mode``), then
+    lay its float weights out input-major (model.layout); returns ``model``."""
+    quantize(model, mode)
+    use_input_major_weights(model)
     return model
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from model.native import KernelOptions
 from model.quantize import QuantizeError, mode_for
 from service.types import EngineSettings
 
@@ -234,9 +235,12 @@ def _shown_default(f: Any) -> str:
 
 
 def settings_table() -> str:
-    """The configuration table as markdown: flag, environment variable, default, meaning."""
+    """The configuration table as markdown: flag, environment variable, default, meaning; then the C++
+    kernels' options (model.native.KernelOptions: environment variables only, read once per process)."""
     rows = ["| Flag | Environment variable | Default | Meaning |", "|---|---|---|---|"]
     for f in fields(Settings):
         flag = "--" + f.name.replace("_", "-")
         rows.append(f"| `{flag}` | `{f.metadata['env']}` | `{_shown_default(f)}` | {f.metadata['help']} |")
+    for f in fields(KernelOptions):
+        rows.append(f"| (none) | `{f.metadata['env']}` | `{f.metadata['shown']}` | {f.metadata['help']} |")
     return "\n".join(rows) + "\n"

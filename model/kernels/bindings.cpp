@@ -19,10 +19,40 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              release());
   module.def("greedy_pick", &greedy_pick, "greedy choice per row: (first argmax outside banned, its log-prob)", release());
   module.def("rows_layer_norm", &rows_layer_norm, "LayerNorm over the last dim (the native step's)", release());
-  module.def("rows_activate_", &rows_activate_, "ReLU (0), GELU (1), GELU tanh (2), SiLU (3) in place", release());
+  module.def("rows_activate_", &rows_activate_, "an Activation in place", release());
   module.def("rows_add_", &rows_add_, "y += x in place", release());
   module.def("rows_cache_write", &rows_cache_write, "cache[:, :, position] = src (B, H, 1, Dh)", release());
   module.def("lora_delta_add_", &lora_delta_add_, "y += ((x A^T) * scales) B^T in place (LoRA deltas)", release());
-  module.def("decode_layers", &decode_layers, "one decoding step through every decoder layer (model/fast_step.py)",
-             release());
+
+  // The native step's contract (kernels.h), by name: model/fast_step.py reads the values from here.
+  using pybind11::arg;
+  pybind11::enum_<Activation>(module, "Activation", "FeedForward's activations, by their config names")
+      .value("relu", kRelu)
+      .value("gelu", kGelu)
+      .value("gelu_tanh", kGeluTanh)
+      .value("silu", kSilu);
+  pybind11::enum_<Slot>(module, "Slot", "a decoder layer's projections, in the order DecoderStack takes them")
+      .value("q", kQ)
+      .value("k", kK)
+      .value("v", kV)
+      .value("out", kOut)
+      .value("cross_q", kCrossQ)
+      .value("cross_out", kCrossOut)
+      .value("fc1", kFc1)
+      .value("fc2", kFc2)
+      .value("qkv", kQkv);
+  pybind11::enum_<Norm>(module, "Norm", "a decoder layer's LayerNorms (TransformerLayer's attribute names), in order")
+      .value("self_attn_norm", kSelfAttnNorm)
+      .value("cross_attn_norm", kCrossAttnNorm)
+      .value("ffn_norm", kFfnNorm);
+  pybind11::class_<StepCache>(module, "StepCache", "one step's KV cache and masks, as DecoderStack.step reads them")
+      .def(pybind11::init<Tensors, Tensors, Tensors, Tensors, int64_t, int64_t, c10::optional<torch::Tensor>,
+                          c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, int64_t>(),
+           arg("keys"), arg("values"), arg("cross_keys"), arg("cross_values"), arg("start"), arg("visible"),
+           arg("write_positions"), arg("self_mask"), arg("memory_mask"), arg("group"));
+  pybind11::class_<DecoderStack>(module, "DecoderStack", "a decoder stack's weights bound for the native step")
+      .def(pybind11::init<std::vector<Tensors>, std::vector<Tensors>, std::vector<double>, int64_t, bool, Activation>(),
+           arg("projections"), arg("norms"), arg("eps"), arg("heads"), arg("pre_norm"), arg("activation"))
+      .def("step", &DecoderStack::step, "one decoding step through every decoder layer (model/fast_step.py)",
+           arg("x"), arg("cache"), arg("deltas"), arg("panels"), release());
 }

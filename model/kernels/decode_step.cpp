@@ -10,17 +10,14 @@
 // One new token per row; the caller has begun the cache step.
 #include <torch/extension.h>
 
+#include <utility>
 #include <vector>
 
 #include "kernels.h"
 
 namespace {
 
-using Tensors = std::vector<torch::Tensor>;
 using c10::optional;
-
-enum Slot { kQ, kK, kV, kOut, kCrossQ, kCrossOut, kFc1, kFc2, kQkv, kSlots };
-enum Norm { kSelfNorm, kCrossNorm, kFfnNorm };
 
 optional<torch::Tensor> maybe(const torch::Tensor& t) { return t.numel() ? optional<torch::Tensor>(t) : c10::nullopt; }
 
@@ -43,16 +40,16 @@ torch::Tensor project(const torch::Tensor& x, const Tensors& p, const Tensors* d
 struct Step {
   int64_t rows, heads, d, dh;
   bool pre_norm;
-  int64_t activation;  // elementwise.cpp's Activation
+  Activation activation;
 
   torch::Tensor split(const torch::Tensor& t) const { return t.view({rows, 1, heads, dh}).transpose(1, 2); }
   torch::Tensor merge(const torch::Tensor& t) const { return t.transpose(1, 2).reshape({rows, 1, d}); }
 
   // Pre-LN: x + f(LN(x)); post-LN: LN(x + f(x)). f's result is fresh: the residual is added into it.
   template <class F>
-  torch::Tensor sublayer(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, double eps, F f) const {
-    if (pre_norm) return rows_add_(f(rows_layer_norm(x, w, b, eps)), x);
-    return rows_layer_norm(rows_add_(f(x), x), w, b, eps);
+  torch::Tensor sublayer(const torch::Tensor& x, const Tensors& norm, double eps, F f) const {
+    if (pre_norm) return rows_add_(f(rows_layer_norm(x, norm[0], norm[1], eps)), x);
+    return rows_layer_norm(rows_add_(f(x), x), norm[0], norm[1], eps);
   }
 
   torch::Tensor activate(const torch::Tensor& h) const { return rows_activate_(h, activation); }
@@ -73,39 +70,49 @@ torch::Tensor grouped_attention(const torch::Tensor& q, const torch::Tensor& key
 
 }  // namespace
 
-// x (B, 1, D) -> the stack's output before any final norm. projections: per layer kSlots lists (empty when
-// absent; kQkv non-empty means the fused q/k/v projection is in use); deltas: none, or per layer kSlots
-// lists of LoRA deltas (empty where a projection adds none; see project); panels: none, or one per projection
-// (empty where it has none: model/packed_weights.py); norms: per layer 6 tensors (self,
-// cross, ffn weight/bias; cross empty without cross-attention); eps: per layer 3; keys/values: the cache
-// buffers (B, H, capacity, Dh); write_positions: (B, 1) for ragged rows, empty when every row writes at
-// `start`; visible: keys visible after the write; self_mask/memory_mask: bool masks or empty.
-torch::Tensor decode_layers(torch::Tensor x, const std::vector<Tensors>& projections,
-                            const std::vector<Tensors>& deltas, const Tensors& panels, const Tensors& norms,
-                            const std::vector<double>& eps, const Tensors& keys, const Tensors& values,
-                            const Tensors& cross_keys, const Tensors& cross_values, int64_t heads, bool pre_norm,
-                            int64_t activation, int64_t start, int64_t visible, const torch::Tensor& write_positions,
-                            const torch::Tensor& self_mask, const torch::Tensor& memory_mask, int64_t group) {
-  const int64_t layers = static_cast<int64_t>(keys.size());
+DecoderStack::DecoderStack(std::vector<Tensors> projections, std::vector<Tensors> norms, std::vector<double> eps,
+                           int64_t heads, bool pre_norm, Activation activation)
+    : projections(std::move(projections)), norms(std::move(norms)), eps(std::move(eps)), heads(heads),
+      pre_norm(pre_norm), activation(activation) {
+  const int64_t count = layers();
+  TORCH_CHECK(static_cast<int64_t>(this->eps.size()) == count * kNorms &&
+              static_cast<int64_t>(this->norms.size()) == count * kNorms &&
+              static_cast<int64_t>(this->projections.size()) == count * kSlots && heads > 0,
+              "decode step: per-layer argument counts disagree");
+  for (int64_t l = 0; l < count; ++l) {
+    const Tensors* n = &this->norms[l * kNorms];
+    TORCH_CHECK(n[kSelfAttnNorm].size() == 2 && n[kFfnNorm].size() == 2 &&
+                n[kCrossAttnNorm].size() == (this->projections[l * kSlots + kCrossQ].empty() ? 0u : 2u),
+                "decode step: a LayerNorm is {weight, bias}");
+  }
+  for (const Tensors& p : this->projections) {
+    TORCH_CHECK(p.empty() || p.size() == 2 || p.size() == 4, "decode step: a projection is 2 (float32) or 4 (int8) tensors");
+  }
+}
+
+torch::Tensor DecoderStack::step(torch::Tensor x, const StepCache& cache, const std::vector<Tensors>& deltas,
+                                 const Tensors& panels) const {
+  const int64_t count = layers();
   TORCH_CHECK(x.dim() == 3 && x.size(1) == 1, "decode step: x must be (B, 1, D)");
-  TORCH_CHECK(static_cast<int64_t>(projections.size()) == layers * kSlots && static_cast<int64_t>(norms.size()) == layers * 6 &&
-              static_cast<int64_t>(eps.size()) == layers * 3 && static_cast<int64_t>(values.size()) == layers &&
+  TORCH_CHECK(static_cast<int64_t>(cache.keys.size()) == count && static_cast<int64_t>(cache.values.size()) == count &&
               (deltas.empty() || deltas.size() == projections.size()) &&
-              (panels.empty() || panels.size() == projections.size()),
+              (panels.empty() || panels.size() == projections.size()) &&
+              cache.cross_keys.size() == cache.cross_values.size() && cache.group >= 1,
               "decode step: per-layer argument counts disagree");
   const Step s{x.size(0), heads, x.size(2), x.size(2) / heads, pre_norm, activation};
-  const optional<torch::Tensor> smask = maybe(self_mask), mmask = maybe(memory_mask);
+  const Tensors &keys = cache.keys, &values = cache.values;
+  const optional<torch::Tensor>& positions = cache.write_positions;
   torch::Tensor rows;
-  if (write_positions.numel()) rows = torch::arange(s.rows, write_positions.options()).unsqueeze(1);
-  for (int64_t l = 0; l < layers; ++l) {
+  if (positions.has_value()) rows = torch::arange(s.rows, positions->options()).unsqueeze(1);
+  for (int64_t l = 0; l < count; ++l) {
     const Tensors* p = &projections[l * kSlots];
     const Tensors* lora = deltas.empty() ? nullptr : &deltas[l * kSlots];
     const torch::Tensor* packed = panels.empty() ? nullptr : &panels[l * kSlots];
     auto delta = [&](Slot slot) { return lora == nullptr ? nullptr : &lora[slot]; };
     auto panel = [&](Slot slot) { return packed == nullptr ? nullptr : &packed[slot]; };
-    const torch::Tensor* n = &norms[l * 6];
-    const double* e = &eps[l * 3];
-    x = s.sublayer(x, n[0], n[1], e[kSelfNorm], [&](const torch::Tensor& h) {
+    const Tensors* n = &norms[l * kNorms];
+    const double* e = &eps[l * kNorms];
+    x = s.sublayer(x, n[kSelfAttnNorm], e[kSelfAttnNorm], [&](const torch::Tensor& h) {
       torch::Tensor q, k, v;
       if (!p[kQkv].empty()) {
         auto qkv = project(h, p[kQkv], panel(kQkv)).view({s.rows, 1, 3, heads, s.dh}).permute({2, 0, 3, 1, 4});
@@ -116,23 +123,25 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<Tensors>& project
       }
       if (rows.defined()) {  // advanced indices on dims 0 and 2: (B, 1, H, Dh) values
         torch::Tensor layer_keys = keys[l], layer_values = values[l];  // handles to the cache buffers
-        layer_keys.index_put_({rows, torch::indexing::Slice(), write_positions}, k.transpose(1, 2));
-        layer_values.index_put_({rows, torch::indexing::Slice(), write_positions}, v.transpose(1, 2));
+        layer_keys.index_put_({rows, torch::indexing::Slice(), *positions}, k.transpose(1, 2));
+        layer_values.index_put_({rows, torch::indexing::Slice(), *positions}, v.transpose(1, 2));
       } else {
-        rows_cache_write(keys[l], start, k);
-        rows_cache_write(values[l], start, v);
+        rows_cache_write(keys[l], cache.start, k);
+        rows_cache_write(values[l], cache.start, v);
       }
-      auto out = decode_attention(q, keys[l].narrow(2, 0, visible), values[l].narrow(2, 0, visible), smask);
+      auto out = decode_attention(q, keys[l].narrow(2, 0, cache.visible), values[l].narrow(2, 0, cache.visible),
+                                  cache.self_mask);
       return project(s.merge(out), p[kOut], delta(kOut), panel(kOut));
     });
     if (!p[kCrossQ].empty()) {
-      x = s.sublayer(x, n[2], n[3], e[kCrossNorm], [&](const torch::Tensor& h) {
+      TORCH_CHECK(l < static_cast<int64_t>(cache.cross_keys.size()), "decode step: no cross-attention keys/values");
+      x = s.sublayer(x, n[kCrossAttnNorm], e[kCrossAttnNorm], [&](const torch::Tensor& h) {
         auto q = s.split(project(h, p[kCrossQ], delta(kCrossQ), panel(kCrossQ)));
-        auto out = grouped_attention(q, cross_keys[l], cross_values[l], mmask, group);
+        auto out = grouped_attention(q, cache.cross_keys[l], cache.cross_values[l], cache.memory_mask, cache.group);
         return project(s.merge(out), p[kCrossOut], delta(kCrossOut), panel(kCrossOut));
       });
     }
-    x = s.sublayer(x, n[4], n[5], e[kFfnNorm], [&](const torch::Tensor& h) {
+    x = s.sublayer(x, n[kFfnNorm], e[kFfnNorm], [&](const torch::Tensor& h) {
       return project(s.activate(project(h, p[kFc1], delta(kFc1), panel(kFc1))), p[kFc2], delta(kFc2), panel(kFc2));
     });
   }

@@ -79,9 +79,7 @@ AVX512 __m512 tanh_approx(__m512 u) {
                                              _mm512_and_si512(_mm512_castps_si512(u), _mm512_set1_epi32(INT32_MIN))));
 }
 
-enum Activation { kRelu, kGelu, kGeluTanh, kSilu };  // fast_step._ACTIVATIONS
-
-AVX512 void activate_row(float* y, int64_t n, int64_t activation) {
+AVX512 void activate_row(float* y, int64_t n, Activation activation) {
   const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.f);
   for (int64_t c = 0; c < n; c += 16) {
     const __mmask16 k = tserve::first_lanes(n - c);
@@ -132,8 +130,8 @@ torch::Tensor rows_layer_norm(const torch::Tensor& x, const torch::Tensor& weigh
   return y;
 }
 
-// h = activation(h) in place (h freshly computed by the caller); returns h. 0 ReLU, 1 GELU (erf), 2 GELU (tanh), 3 SiLU.
-torch::Tensor rows_activate_(torch::Tensor h, int64_t activation) {
+// h = activation(h) in place (h freshly computed by the caller); returns h.
+torch::Tensor rows_activate_(torch::Tensor h, Activation activation) {
   if (!fits(h)) {
     if (activation == kRelu) return at::relu(h);
     if (activation == kSilu) return at::silu(h);

@@ -19,16 +19,50 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
                             const c10::optional<torch::Tensor>& bias);
 std::tuple<torch::Tensor, torch::Tensor> greedy_pick(const torch::Tensor& logits, const std::vector<int64_t>& banned);
 torch::Tensor rows_layer_norm(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias, double eps);
-torch::Tensor rows_activate_(torch::Tensor h, int64_t activation);
+
+// The native decoding step's contract with model/fast_step.py: bindings.cpp exports these enums by name
+// (kernels.Activation, kernels.Slot, kernels.Norm), so Python never restates their values.
+enum Activation : int64_t { kRelu, kGelu, kGeluTanh, kSilu };  // FeedForward's activations, by config name
+enum Slot : int64_t { kQ, kK, kV, kOut, kCrossQ, kCrossOut, kFc1, kFc2, kQkv, kSlots };  // a layer's projections
+enum Norm : int64_t { kSelfAttnNorm, kCrossAttnNorm, kFfnNorm, kNorms };  // a layer's LayerNorms
+
+torch::Tensor rows_activate_(torch::Tensor h, Activation activation);
 torch::Tensor rows_add_(torch::Tensor y, const torch::Tensor& x);
 void rows_cache_write(const torch::Tensor& cache, int64_t position, const torch::Tensor& src);
 void lora_delta_add_(const torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& b,
                      const torch::Tensor& scales);
-torch::Tensor decode_layers(torch::Tensor x, const std::vector<std::vector<torch::Tensor>>& projections,
-                            const std::vector<std::vector<torch::Tensor>>& deltas, const std::vector<torch::Tensor>& panels,
-                            const std::vector<torch::Tensor>& norms, const std::vector<double>& eps,
-                            const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
-                            const std::vector<torch::Tensor>& cross_keys, const std::vector<torch::Tensor>& cross_values,
-                            int64_t heads, bool pre_norm, int64_t activation, int64_t start, int64_t visible,
-                            const torch::Tensor& write_positions, const torch::Tensor& self_mask,
-                            const torch::Tensor& memory_mask, int64_t group);
+
+using Tensors = std::vector<torch::Tensor>;
+
+// One step's KV cache and masks (model.kv_cache.KVCache after begin_step), built per step.
+struct StepCache {
+  Tensors keys, values;              // per layer: the cache buffers (B, H, capacity, Dh)
+  Tensors cross_keys, cross_values;  // per layer: cross-attention's (B, H, S, Dh); empty without it
+  int64_t start;                     // the position every row writes at (uniform rows)
+  int64_t visible;                   // keys visible after the write
+  c10::optional<torch::Tensor> write_positions;  // (B, 1) per-row positions of ragged rows, instead of start
+  c10::optional<torch::Tensor> self_mask, memory_mask;  // bool masks of self- and cross-attention
+  int64_t group;                     // rows repeat their source in runs of `group` (beams)
+};
+
+// A decoder stack's weights as the native step reads them, bound once per decode plan. projections: per layer
+// kSlots lists, {weight, bias} float32 or {packed, scales, sums, bias} int8 (an empty bias when absent), {} for
+// a projection the layer has not (kQkv non-empty: the fused q/k/v projection is in use instead of kQ/kK/kV);
+// norms: per layer kNorms lists {weight, bias}, {} without cross-attention; eps: per layer kNorms.
+struct DecoderStack {
+  std::vector<Tensors> projections;
+  std::vector<Tensors> norms;
+  std::vector<double> eps;
+  int64_t heads;
+  bool pre_norm;
+  Activation activation;
+
+  DecoderStack(std::vector<Tensors> projections, std::vector<Tensors> norms, std::vector<double> eps, int64_t heads,
+               bool pre_norm, Activation activation);
+  int64_t layers() const { return static_cast<int64_t>(eps.size()) / kNorms; }
+  // x (B, 1, D) -> the stack's output before any final norm. deltas: none, or one list of LoRA deltas per
+  // projection (empty where it adds none); panels: none, or one per projection (empty where it has none:
+  // model/packed_weights.py).
+  torch::Tensor step(torch::Tensor x, const StepCache& cache, const std::vector<Tensors>& deltas,
+                     const Tensors& panels) const;
+};

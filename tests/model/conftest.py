@@ -1,8 +1,11 @@
 """Tiny models shared by the model tests (float64 where the test compares numerics)."""
 
+import contextlib
+
 import pytest
 import torch
 
+from model import native
 from model.causal_lm import CausalLM
 from model.classifier import TransformerClassifier
 from model.config import CausalLMConfig, ClassifierConfig, Seq2SeqConfig
@@ -26,6 +29,13 @@ def tiny_seq2seq(**overrides) -> Seq2SeqTransformer:
 def tiny_classifier(**overrides) -> TransformerClassifier:
     torch.manual_seed(0)
     return TransformerClassifier(ClassifierConfig(**{**TINY, "n_layers": 2, "num_labels": 3, **overrides})).eval()
+
+
+@pytest.fixture
+def kernel_options():
+    """Changes this process's kernel options for one test: ``kernel_options(packed_weights=False)``."""
+    with contextlib.ExitStack() as changes:
+        yield lambda **fields: changes.enter_context(native.using_options(**fields))
 
 
 @pytest.fixture(params=["pre", "post"])

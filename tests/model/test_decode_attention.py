@@ -4,13 +4,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import attention
+from model import native
 from model.attention import decode_attention
 from model.decoding import GenerationConfig
 from model.generation import generate_causal, generate_seq2seq
 from tests.model.conftest import random_ids, tiny_causal_lm, tiny_seq2seq
 
-kernel = attention._decode_kernel()
+kernel = native.kernels()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="the C++ decode-attention kernel does not run here")
 
 
@@ -80,7 +80,7 @@ def test_other_inputs_take_sdpa():
 
 
 @needs_kernel
-def test_decoding_with_the_kernel_equals_decoding_with_sdpa(monkeypatch):
+def test_decoding_with_the_kernel_equals_decoding_with_sdpa(kernel_options):
     """Greedy and beam outputs (padded batches: masks in self- and cross-attention) do not change."""
     torch.manual_seed(0)
     lm, mt = tiny_causal_lm().eval(), tiny_seq2seq().eval()
@@ -94,5 +94,5 @@ def test_decoding_with_the_kernel_equals_decoding_with_sdpa(monkeypatch):
                 generate_seq2seq(mt, sources, c)] for c in configs]
 
     with_kernel = outputs()
-    monkeypatch.setattr(attention, "_decode_kernel", lambda: None)
+    kernel_options(decode_kernels=False)
     assert outputs() == with_kernel

@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import attention
+from model import native
 
-kernel = attention._decode_kernel()
+kernel = native.kernels()
 pytestmark = pytest.mark.skipif(kernel is None, reason="the C++ kernels do not run here")
 
 
@@ -22,13 +22,14 @@ def test_layer_norm_equals_the_float64_reference(rows, d, affine):
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(("activation", "reference"), [(0, F.relu), (1, F.gelu),
-                                                        (2, lambda x: F.gelu(x, approximate="tanh")), (3, F.silu)])
+@pytest.mark.parametrize(("activation", "reference"), [("relu", F.relu), ("gelu", F.gelu),
+                                                        ("gelu_tanh", lambda x: F.gelu(x, approximate="tanh")),
+                                                        ("silu", F.silu)])
 @pytest.mark.parametrize("rows", [1, 40])
 def test_activations_equal_the_float64_reference_in_place(activation, reference, rows):
     x = torch.linspace(-12, 12, rows * 2051).view(rows, 2051)  # both tails, zero, odd widths
     h = x.clone()
-    got = kernel.rows_activate_(h, activation)
+    got = kernel.rows_activate_(h, kernel.Activation.__members__[activation])
     assert got.data_ptr() == h.data_ptr()  # in place
     torch.testing.assert_close(got.double(), reference(x.double()), rtol=1e-6, atol=1e-6)
 
@@ -48,8 +49,8 @@ def test_what_they_do_not_run_goes_to_aten():
                                F.layer_norm(x, (8,)))
     strided = torch.randn(4, 16)[:, ::2]
     assert not strided.is_contiguous()
-    torch.testing.assert_close(kernel.rows_activate_(strided, 1), F.gelu(strided))
-    torch.testing.assert_close(kernel.rows_activate_(strided, 3), F.silu(strided))
+    torch.testing.assert_close(kernel.rows_activate_(strided, kernel.Activation.gelu), F.gelu(strided))
+    torch.testing.assert_close(kernel.rows_activate_(strided, kernel.Activation.silu), F.silu(strided))
     torch.testing.assert_close(kernel.rows_add_(torch.ones(2, 3), torch.ones(3)), torch.full((2, 3), 2.0))
 
 

@@ -9,9 +9,10 @@ import torch.nn.functional as F
 from model import int8_kernel
 from model.decoding import GenerationConfig
 from model.generation import generate_causal, generate_seq2seq
+from model.int8_linear import Int8Linear
 from model.kv_cache import KVCache
 from model.lora import AdapterError, LoRAConfig, add_adapter, delete_adapter, merge_adapter, use_adapters
-from model.quantize import Int8Linear, QuantizeError, mode_for, quantize_int8
+from model.quantize import QuantizeError, mode_for, quantize_int8
 from tests.model.conftest import random_ids, tiny_causal_lm, tiny_classifier, tiny_seq2seq
 
 SOURCES = [[9, 10, 11, 12], [13, 14, 15, 16, 17, 18], [19, 20, 21], [22, 23, 24, 25, 26]]
@@ -153,10 +154,10 @@ def _int8(model):
 
 
 @pytest.mark.parametrize("kernel", ["vnni", "fbgemm"])
-def test_int8_logits_close_and_greedy_outputs_equal(trained_mt, trained_lm, kernel, monkeypatch):
+def test_int8_logits_close_and_greedy_outputs_equal(trained_mt, trained_lm, kernel, kernel_options):
     if kernel == "vnni" and int8_kernel.vnni_kernel() is None:
         pytest.skip("the int8 VNNI kernel does not run here")
-    monkeypatch.setenv("TSERVE_INT8_KERNEL", kernel)
+    kernel_options(int8_kernel=kernel)
     mt8, lm8 = _int8(trained_mt), _int8(trained_lm)
     assert {m.backend for m in mt8.modules() if isinstance(m, Int8Linear)} == {kernel}
     assert all(type(m) is not torch.nn.Linear for m in mt8.modules())

@@ -10,9 +10,7 @@ from model.kv_cache import CrossAttentionMemory, KVCache
 from model.lora import LoRAConfig, add_adapter, set_adapters
 from model.quantize import quantize_int8
 from tests.model.conftest import random_ids, tiny_causal_lm, tiny_seq2seq
-
-PROMPTS = torch.tensor([[9, 10, 11, 12, 13], [14, 15, 16, 0, 0], [17, 18, 19, 20, 0]])
-LENGTHS = torch.tensor([5, 3, 4])
+from tests.model.helpers import causal_cache, decode, seq2seq_cache
 
 
 @pytest.fixture(autouse=True)
@@ -23,31 +21,6 @@ def no_grad():
 
 def general(stack, x, mask, cache, memory_mask):
     return stack(x, mask, memory_mask=memory_mask, cache=cache)[0]
-
-
-def decode(model, step, tokens: list[torch.Tensor], cache: KVCache) -> list[torch.Tensor]:
-    """Hidden states of the decoder for each step's tokens, through ``step`` (fast or general)."""
-    causal = hasattr(model, "embed")
-    embed, memory_mask = (model.embed, None) if causal else (model.tgt_embed, cache.cross.mask)
-    out = []
-    for t in tokens:
-        positions, mask = cache.begin_step(1)
-        out.append(step(model.decoder, embed(t[:, None], positions), mask, cache, memory_mask))
-        cache.end_step(1)
-    return out
-
-
-def causal_cache(model, ragged: bool) -> KVCache:
-    cache = model.new_cache(3, 16)
-    lengths = LENGTHS if ragged else torch.full((3,), 5)
-    model.prefill(PROMPTS if ragged else random_ids(3, 5), lengths, cache)
-    return cache
-
-
-def seq2seq_cache(model, ragged: bool) -> KVCache:
-    src = PROMPTS if ragged else random_ids(3, 5)
-    _, cache = model.start(src, 16)
-    return cache
 
 
 def assert_same(model, cache: KVCache, steps: int = 4, atol: float = 1e-12) -> None:

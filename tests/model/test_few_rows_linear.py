@@ -5,14 +5,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model import attention
+from model import native
 from model.decoding import GenerationConfig
 from model.fast_step import decode_head
 from model.generation import generate_causal, generate_seq2seq
 from model.layout import input_major, use_input_major_weights
 from tests.model.conftest import random_ids, tiny_causal_lm, tiny_seq2seq
 
-kernel = attention._decode_kernel()
+kernel = native.kernels()
 pytestmark = pytest.mark.skipif(kernel is None, reason="the C++ kernels do not run here")
 
 
@@ -84,7 +84,7 @@ def test_decode_head_runs_plain_linears_through_the_kernel_and_modules_otherwise
     use_input_major_weights(head)
     x = torch.randn(3, 32)
     calls = []
-    monkeypatch.setattr(attention, "_decode_kernel", lambda: _Counting(kernel, calls))
+    monkeypatch.setattr(native, "kernels", lambda: _Counting(kernel, calls))
     with torch.no_grad():
         expected = _reference(x, head.weight, None)
         torch.testing.assert_close(decode_head(head, x).double(), expected, rtol=1e-5, atol=1e-5)

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from model import attention
+from model import native
 from model.decoding import GenerationConfig
 from model.logits import greedy_choice
 
-kernel = attention._decode_kernel()
+kernel = native.kernels()
 pytestmark = pytest.mark.skipif(kernel is None, reason="the C++ kernels do not run here")
 
 
@@ -63,13 +63,13 @@ def test_bad_inputs_raise(bad):
 
 
 @pytest.mark.parametrize("step", [0, 5])
-def test_greedy_choice_is_the_same_with_and_without_the_kernel(step, monkeypatch):
+def test_greedy_choice_is_the_same_with_and_without_the_kernel(step, kernel_options):
     """Before min_new_tokens EOS (id 2) is banned, after it is not; torch's route gives the same choice."""
     config = GenerationConfig(max_new_tokens=8, min_new_tokens=3)
     logits = torch.randn(4, 300)
     logits[:, 2] += 10  # EOS is everyone's maximum
     tokens, logprobs = greedy_choice(logits, step, config)
-    monkeypatch.setattr(attention, "_decode_kernel", lambda: None)
+    kernel_options(decode_kernels=False)
     torch_tokens, torch_logprobs = greedy_choice(logits.clone(), step, config)
     assert torch.equal(tokens, torch_tokens)
     assert (tokens == 2).all() == (step >= config.min_new_tokens)

@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from model import int8_kernel
-from model.quantize import Int8Linear, QuantizeError, quantize_int8
+from model import int8_kernel, native
+from model.int8_linear import Int8Linear
+from model.quantize import QuantizeError, quantize_int8
 from tests.model.conftest import tiny_seq2seq
 
 kernel, why_not = int8_kernel.available()
@@ -85,18 +86,17 @@ def test_bad_inputs_raise_instead_of_reading_out_of_bounds():
         kernel.int8_linear(torch.randn(2, 64), args[0], scales[:31], *args[2:])
 
 
-def test_the_kernel_choice_is_validated(monkeypatch):
-    monkeypatch.setenv("TSERVE_INT8_KERNEL", "fbgemm")
+def test_the_kernel_choice_is_validated(kernel_options):
+    kernel_options(int8_kernel="fbgemm")
     assert int8_kernel.vnni_kernel() is None
     model = tiny_seq2seq()
     quantize_int8(model)
     assert {m.backend for m in model.modules() if isinstance(m, Int8Linear)} == {"fbgemm"}
-    monkeypatch.setenv("TSERVE_INT8_KERNEL", "avx9000")
+    kernel_options(int8_kernel="avx9000")
     with pytest.raises(QuantizeError, match="TSERVE_INT8_KERNEL"):
         quantize_int8(tiny_seq2seq())
 
 
 def _with_kernel(layer: torch.nn.Linear, choice: str) -> Int8Linear:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TSERVE_INT8_KERNEL", choice)
+    with native.using_options(int8_kernel=choice):
         return Int8Linear.from_linear(layer)

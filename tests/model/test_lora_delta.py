@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from model import attention
+from model import native
 from model.layout import input_major
 
-kernel = attention._decode_kernel()
+kernel = native.kernels()
 pytestmark = pytest.mark.skipif(kernel is None, reason="the C++ kernels do not run here")
 
 

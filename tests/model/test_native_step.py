@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from model import attention
+from model import native
 from model.fast_step import plan_for, run_decoder
 from model.layout import use_input_major_weights
 from model.lora import (
@@ -19,9 +19,9 @@ from model.lora import (
 )
 from model.quantize import quantize_int8
 from tests.model.conftest import random_ids, tiny_causal_lm, tiny_seq2seq
-from tests.model.test_fast_step import causal_cache, decode, seq2seq_cache
+from tests.model.helpers import causal_cache, decode, seq2seq_cache
 
-pytestmark = pytest.mark.skipif(attention._decode_kernel() is None, reason="the C++ decode kernels do not run here")
+pytestmark = pytest.mark.skipif(native.kernels() is None, reason="the C++ decode kernels do not run here")
 
 
 @pytest.fixture(autouse=True)
@@ -238,9 +238,9 @@ def test_one_adapter_for_every_row_needs_only_its_own_weights_finite():
         _assert_equal(lm, causal_cache(lm, False), tol=1e-5)
 
 
-def test_what_the_native_step_does_not_run_takes_the_python_replay(monkeypatch):
+def test_what_the_native_step_does_not_run_takes_the_python_replay(monkeypatch, kernel_options):
     fbgemm = tiny_seq2seq()
-    monkeypatch.setenv("TSERVE_INT8_KERNEL", "fbgemm")
+    kernel_options(int8_kernel="fbgemm")
     quantize_int8(fbgemm)
     assert plan_for(fbgemm.decoder).native is None
     double = tiny_causal_lm().double()
@@ -251,3 +251,12 @@ def test_what_the_native_step_does_not_run_takes_the_python_replay(monkeypatch):
     monkeypatch.setattr(plan, "native", _Watched(plan.native, fail=True))
     with torch.enable_grad():
         decode(lm, run_decoder, [random_ids(3, 1)[:, 0]], cache)  # autograd on: the Python replay
+
+
+def test_a_decoder_stack_whose_lists_disagree_is_refused():
+    """The bound stack checks its per-layer lists once, where the plan builds it."""
+    kernels = native.kernels()
+    projections = plan_for(tiny_causal_lm().decoder).native.projections
+    with pytest.raises(RuntimeError, match="per-layer argument counts disagree"):
+        kernels.DecoderStack(projections=projections[:-1], norms=[], eps=[], heads=4, pre_norm=True,
+                             activation=kernels.Activation.gelu)

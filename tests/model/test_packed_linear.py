@@ -4,7 +4,7 @@ how packed copies follow their weights, and generation with and without them."""
 import pytest
 import torch
 
-from model import attention, packed_weights
+from model import native, packed_weights
 from model.decoding import GenerationConfig
 from model.fast_step import plan_for
 from model.generation import generate_causal, generate_seq2seq
@@ -12,7 +12,7 @@ from model.layout import input_major, use_input_major_weights
 from model.lora import LoRAConfig, LoRALinear, add_adapter, merge_adapter
 from tests.model.conftest import random_ids, tiny_causal_lm, tiny_seq2seq
 
-kernel = attention._decode_kernel()
+kernel = native.kernels()
 pytestmark = pytest.mark.skipif(kernel is None, reason="the C++ kernels do not run here")
 
 
@@ -84,18 +84,18 @@ def test_packed_copies_follow_their_weights():
     assert packed_weights.packed(kernel, layer.weight.double()) is None
 
 
-def test_steps_of_a_few_rows_or_with_packing_off_use_none(monkeypatch):
+def test_steps_of_a_few_rows_or_with_packing_off_use_none(kernel_options):
     lm = tiny_causal_lm()
     native = plan_for(lm.decoder).native
     assert native.panels(kernel, packed_weights.MAX_GEMV_ROWS) == []
     assert len(native.panels(kernel, packed_weights.MAX_GEMV_ROWS + 1)) == len(native.projections)
-    monkeypatch.setenv("TSERVE_PACKED_WEIGHTS", "off")
+    kernel_options(packed_weights=False)
     assert native.panels(kernel, 32) == []
 
 
 @pytest.mark.parametrize("family", ["causal", "seq2seq"])
 @pytest.mark.parametrize("strategy", ["greedy", "beam"])
-def test_batched_generation_is_the_same_with_packed_weights(family, strategy, monkeypatch):
+def test_batched_generation_is_the_same_with_packed_weights(family, strategy):
     """Batches of more than 4 rows (6 inputs, or 3 inputs x 4 beams) through the panel GEMM, including the
     output projection, against MKL on the same input-major weights; then with an adapter merged (new
     versions of its weights, packed afresh)."""
@@ -112,8 +112,8 @@ def test_batched_generation_is_the_same_with_packed_weights(family, strategy, mo
             merge_adapter(model, "x")
         results = {}
         for packing in ("auto", "off"):
-            monkeypatch.setenv("TSERVE_PACKED_WEIGHTS", packing)
-            results[packing] = generate(model, inputs, config)
+            with native.using_options(packed_weights=packing == "auto"):
+                results[packing] = generate(model, inputs, config)
         fc1 = model.decoder.layers[0].ffn.fc1.base.weight
         assert packed_weights._PACKED[fc1][0] == (fc1._version, fc1.data_ptr())  # packed, and up to date
         for a, b in zip(results["auto"], results["off"], strict=True):
