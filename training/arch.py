@@ -10,6 +10,7 @@ from training.errors import UserError
 
 # --arch: the config fields that make each published architecture ("default" = the config defaults).
 ARCH_PRESETS: dict[str, dict[str, Any]] = {
+    "default": {},
     "paper": dict(norm="post", positions="sinusoidal", activation="relu", scale_embeddings=True, tie_embeddings=True),
     "gpt2": dict(positions="learned", norm="pre", activation="gelu_tanh", scale_embeddings=False),
     "bert": dict(
@@ -20,7 +21,6 @@ ARCH_PRESETS: dict[str, dict[str, Any]] = {
         layer_norm_eps=1e-12,
         scale_embeddings=False,
     ),
-    "default": {},
 }
 
 

@@ -5,16 +5,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
+
+from training.runs import BaselinesRun, command
 
 
-def _run(args: argparse.Namespace) -> None:
+def _run(run: BaselinesRun) -> None:
     from training.baselines import baselines_for
     from training.state import write_json
 
-    result = baselines_for(Path(args.model), Path(args.train), Path(args.test), langdetect=not args.no_langdetect)
-    if args.out:
-        write_json(Path(args.out), result)
+    result = baselines_for(run.model, run.train, run.test, langdetect=run.langdetect)
+    if run.out:
+        write_json(run.out, result)
     sys.stdout.write(json.dumps(result, indent=2) + "\n")
 
 
@@ -31,6 +32,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, metavar="DIR", help="checkpoint: its family, tokenizer and labels")
     p.add_argument("--train", required=True, metavar="FILE", help="train split the learned baselines are fitted on")
     p.add_argument("--test", required=True, metavar="FILE", help="test split (or directory for causal_lm)")
-    p.add_argument("--no-langdetect", action="store_true", help="skip the langdetect baseline (classifier)")
+    p.add_argument(
+        "--no-langdetect", dest="langdetect", action="store_false", help="skip the langdetect baseline (classifier)"
+    )
     p.add_argument("--out", default=None, metavar="FILE", help="also write the JSON here")
-    p.set_defaults(func=_run)
+    p.set_defaults(func=command(BaselinesRun, _run))

@@ -1,9 +1,10 @@
 """Command-line entry: `python -m training <command> ...`.
 
 Each command is a module with `add_parser(subparsers) -> None` that adds its parser and sets
-`func=<callable taking the parsed namespace>` via `set_defaults`. To add a command, import its
-module here and append it to COMMANDS. Keep heavy imports (torch) inside the command's func so
-that `--help` and other commands stay fast.
+`func=training.runs.command(RunType, work)` via `set_defaults`: the parsed flags become a typed run
+(training.runs) once, and `work` takes that. To add a command, import its module here and append it
+to COMMANDS. Keep heavy imports (torch) inside the command's work function so that `--help` and
+other commands stay fast.
 """
 
 from __future__ import annotations
@@ -13,11 +14,20 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from training import baselines_cmd, evaluate_cmd, export_cmd, import_cmd, lora_cmd, prepare, recipe_cmd, train_cmd
+from training import (
+    baselines_cmd,
+    evaluate_cmd,
+    export_cmd,
+    import_cmd,
+    lora_cmd,
+    prepare_cmd,
+    recipe_cmd,
+    train_cmd,
+)
 from training.errors import UserError
 
-# Commands in the order `--help` lists them; extend with train, lora, evaluate, export.
-COMMANDS = (prepare, train_cmd, lora_cmd, evaluate_cmd, export_cmd, import_cmd, baselines_cmd, recipe_cmd)
+# Commands in the order `--help` lists them.
+COMMANDS = (prepare_cmd, train_cmd, lora_cmd, evaluate_cmd, export_cmd, import_cmd, baselines_cmd, recipe_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, TypeVar
 
+from training.data import LabeledText, Pair
 from training.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -52,24 +53,6 @@ PLACEHOLDER = re.compile(
 _BREAKS = re.compile(r"\s*[\t\n\r\v\f\x1c-\x1e\x85\u2028\u2029]\s*")
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class Pair:
-    """One translation pair and the package (the .mo file stem) it came from."""
-
-    source: str
-    target: str
-    package: str
-
-
-@dataclass(frozen=True)
-class LabeledText:
-    """One text, its language code, and the package it came from."""
-
-    text: str
-    label: str
-    package: str
 
 
 @dataclass(frozen=True)
@@ -163,7 +146,7 @@ def read_catalog_pairs(mo_path: Path) -> list[Pair]:
             continue
         source, target = normalise(msgid.split("\x04", 1)[-1]), normalise(msgstr)
         if source and target and source != target:
-            pairs.append(Pair(source, target, package))
+            pairs.append(Pair(source, target, package=package))
     return pairs
 
 
@@ -237,7 +220,7 @@ def build_langid(
     by_label: dict[str, list[LabeledText]] = {}
     for (text, label), package in candidates.items():
         if num_labels[text] == 1 and has_words(text):
-            by_label.setdefault(label, []).append(LabeledText(text, label, package))
+            by_label.setdefault(label, []).append(LabeledText(text, label, package=package))
     kept = [
         r for group in by_label.values() for r in sorted(group, key=lambda r: _order_key(r.text))[:max_per_language]
     ]

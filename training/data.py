@@ -41,21 +41,23 @@ class MalformedLineError(DataError):
 
 @dataclass(frozen=True)
 class Pair:
-    """A translation pair and the line it came from."""
+    """A translation pair and where it came from: a data file's line, or a gettext catalog (training.corpora)."""
 
     source: str
     target: str
-    line: int
+    line: int = 0  # 1-based line in a data file; 0 when not read from one
+    package: str = ""  # the catalog's package (its .mo file stem) when built from catalogs
 
 
 @dataclass(frozen=True)
 class LabeledText:
-    """A text (or a pair of texts) with its label."""
+    """A text (or a pair of texts) with its label, and where it came from (as for Pair)."""
 
     text: str
     label: str
-    line: int
+    line: int = 0
     text_b: str | None = None
+    package: str = ""
 
 
 @dataclass(frozen=True)

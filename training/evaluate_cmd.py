@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 
 from training.options import positive_int
+from training.runs import DEVICE, EvalRun, command
 
 
-def _run(args: argparse.Namespace) -> None:
+def _run(run: EvalRun) -> None:
     from training.evaluate_run import evaluate
 
-    evaluate(args)
+    sys.stdout.write(json.dumps(evaluate(run), indent=2) + "\n")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -26,7 +29,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--adapter", default=None, metavar="DIR", help="LoRA adapter directory (PEFT layout) to apply")
     p.add_argument("--test", required=True, metavar="FILE", help="test data file (or directory for causal_lm)")
     p.add_argument(
-        "--beams", type=positive_int, metavar="N", default=4, help="seq2seq beam size; 1 = greedy (default %(default)s)"
+        "--beams",
+        type=positive_int,
+        metavar="N",
+        default=EvalRun.beams,
+        help="seq2seq beam size; 1 = greedy (default %(default)s)",
     )
     p.add_argument(
         "--max-examples", type=positive_int, metavar="N", default=None, help="score only the first N examples"
@@ -35,23 +42,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--max-new-tokens",
         type=positive_int,
         metavar="N",
-        default=128,
+        default=EvalRun.max_new_tokens,
         help="seq2seq output cap in tokens, also <= 2 x source + 10 (default %(default)s)",
     )
     p.add_argument(
         "--batch-tokens",
         type=positive_int,
         metavar="N",
-        default=4096,
+        default=EvalRun.batch_tokens,
         help="padded tokens per batch (default %(default)s)",
     )
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default %(default)s)")
+    p.add_argument("--device", default=DEVICE, help="auto, cpu, cuda or cuda:N (default %(default)s)")
     p.add_argument(
         "--quantize",
         choices=("none", "int8"),
-        default="none",
+        default=EvalRun.quantize,
         help="int8: dynamic int8 linear weights (CPU only), to compare with fp32; its metrics are merged "
         'under "int8" in metrics.json (default %(default)s)',
     )
     p.add_argument("--skip-malformed", action="store_true", help="skip malformed test lines (and report the count)")
-    p.set_defaults(func=_run)
+    p.set_defaults(func=command(EvalRun, _run))

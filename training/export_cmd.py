@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import argparse
 
+from training.runs import ExportRun, command
+
 FORMATS = ("hf",)
 
 
-def run(args: argparse.Namespace) -> None:
+def _run(run: ExportRun) -> None:
+    """The `export` command (--to hf)."""
     from training.export import export_hf  # torch is imported only when the command runs
 
-    export_hf(args.model, args.out, overwrite=args.overwrite)
+    export_hf(run.model, run.out, overwrite=run.overwrite)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -26,4 +29,4 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--to", required=True, choices=FORMATS, help="target format")
     parser.add_argument("--out", required=True, help="output directory (created; must be empty or absent)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=command(ExportRun, _run))

@@ -11,6 +11,8 @@ import argparse
 import logging
 from pathlib import Path
 
+from training.runs import ImportRun, command
+
 logger = logging.getLogger(__name__)
 
 FORMATS = ("hf",)
@@ -37,8 +39,9 @@ def import_hf(source: str | Path, out: str | Path, overwrite: bool = False) -> P
     return out
 
 
-def run(args: argparse.Namespace) -> None:
-    import_hf(args.source, args.out, overwrite=args.overwrite)
+def _run(run: ImportRun) -> None:
+    """The `import` command (--from hf)."""
+    import_hf(run.source, run.out, overwrite=run.overwrite)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -53,4 +56,4 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("source", help="the model directory (config.json, model.safetensors, tokenizer files)")
     parser.add_argument("--out", required=True, help="checkpoint directory (created; must be empty or absent)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=command(ImportRun, _run))

@@ -5,23 +5,23 @@ from __future__ import annotations
 import argparse
 
 from training.options import add_io_options, add_loop_options, positive_float, positive_int, probability
+from training.runs import LORA_LOOP, LORA_TARGETS, AdapterSpec, LoRARun, command
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
-DEFAULT_TARGETS = "q_proj,k_proj,v_proj,out_proj"
+ADAPTER = AdapterSpec()  # the adapter flags' defaults
 
 
-def target_list(value: str) -> list[str]:
+def target_list(value: str) -> tuple[str, ...]:
     names = [t.strip() for t in value.split(",") if t.strip()]
     unknown = sorted(set(names) - set(LORA_TARGETS))
     if not names or unknown:
         raise argparse.ArgumentTypeError(f"expected a comma list of {','.join(LORA_TARGETS)}; got {value!r}")
-    return list(dict.fromkeys(names))
+    return tuple(dict.fromkeys(names))
 
 
-def _run(args: argparse.Namespace) -> None:
+def _run(run: LoRARun) -> None:
     from training.lora_run import lora
 
-    lora(args)
+    lora(run)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -39,26 +39,29 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="base checkpoint directory: ours, or a Hugging Face model directory")
     add_io_options(p, "adapter directory (PEFT layout); the resume state goes to <out>.state/")
     g = p.add_argument_group("adapter")
-    g.add_argument("--rank", type=positive_int, metavar="N", default=8, help="LoRA rank r (default %(default)s)")
+    g.add_argument(
+        "--rank", type=positive_int, metavar="N", default=ADAPTER.rank, help="LoRA rank r (default %(default)s)"
+    )
     g.add_argument(
         "--alpha",
         type=positive_float,
         metavar="X",
-        default=16.0,
+        default=ADAPTER.alpha,
         help="LoRA alpha; scaling = alpha / r (default %(default)s)",
     )
     g.add_argument(
         "--dropout",
         type=probability,
         metavar="X",
-        default=0.0,
+        default=ADAPTER.dropout,
         help="dropout on the adapter input (default %(default)s)",
     )
+    default_targets = ",".join(ADAPTER.targets)
     g.add_argument(
         "--targets",
         type=target_list,
-        default=target_list(DEFAULT_TARGETS),
-        help=f"comma list of Linear names to adapt, from {','.join(LORA_TARGETS)} (default {DEFAULT_TARGETS})",
+        default=ADAPTER.targets,
+        help=f"comma list of Linear names to adapt, from {','.join(LORA_TARGETS)} (default {default_targets})",
     )
-    add_loop_options(p, lr=1e-3, warmup=100)
-    p.set_defaults(func=_run)
+    add_loop_options(p, LORA_LOOP)
+    p.set_defaults(func=command(LoRARun, _run))

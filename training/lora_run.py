@@ -11,7 +11,6 @@ module names (its AdapterLayout), so ``peft.PeftModel.from_pretrained`` loads it
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 from dataclasses import replace
@@ -27,6 +26,7 @@ from model.lora_io import AdapterLayout, save_adapter
 from training import distributed
 from training.distributed import DistContext
 from training.errors import UserError
+from training.runs import AdapterSpec, LoRARun
 from training.session import (
     deadline_of,
     finish,
@@ -36,7 +36,6 @@ from training.session import (
     seed_everything,
     task_options,
     trainer_config,
-    write_param_digest,
 )
 from training.state import write_bytes_atomic, write_json
 from training.tasks import TASKS
@@ -59,20 +58,22 @@ def with_adapter(loss_fn: LossFn, name: str) -> LossFn:
     return loss
 
 
-def load_base(path: str, device: torch.device) -> Checkpoint:
+def load_base(path: Path, device: torch.device) -> Checkpoint:
+    """The frozen base checkpoint in float32."""
     try:
         return load_checkpoint(path, device=device, dtype=torch.float32)
     except CheckpointError as e:
         raise UserError(f"--base: {e}") from e
 
 
-def lora_config(args: argparse.Namespace, family: str, base_path: str) -> LoRAConfig:
+def lora_config(spec: AdapterSpec, family: str, base_path: str) -> LoRAConfig:
+    """The PEFT config of an adapter of shape ``spec`` on the ``family`` model at ``base_path``."""
     try:
         return LoRAConfig(
-            r=args.rank,
-            lora_alpha=args.alpha,
-            lora_dropout=args.dropout,
-            target_modules=tuple(args.targets),
+            r=spec.rank,
+            lora_alpha=spec.alpha,
+            lora_dropout=spec.dropout,
+            target_modules=spec.targets,
             task_type=PEFT_TASK_TYPES[family],
             base_model_name_or_path=base_path,
         )
@@ -102,40 +103,39 @@ def save_best_adapter(
     logger.info("step %d: new best %s %.4f -> %s", summary["step"], evaluation.metric_name, evaluation.metric, out)
 
 
-def lora(args: argparse.Namespace) -> None:
-    """The `lora` command."""
-    ctx = distributed.init_distributed(args.device)
+def lora(run: LoRARun) -> nn.Module:
+    """The `lora` command; returns the model it trained (the base with adapter "default", on every rank)."""
+    ctx = distributed.init_distributed(run.device)
     try:
-        _lora(args, ctx)
+        return _lora(run, ctx)
     finally:
         distributed.shutdown(ctx)
 
 
-def _lora(args: argparse.Namespace, ctx: DistContext) -> None:
-    deadline = deadline_of(args)
-    out = Path(args.out)
-    store = open_state(out, args.resume)
-    state = store.load() if args.resume else None
-    seed_everything(args.seed)
-    base = load_base(args.base, ctx.device)
+def _lora(run: LoRARun, ctx: DistContext) -> nn.Module:
+    loop, out = run.loop, run.out
+    deadline = deadline_of(loop)
+    store = open_state(out, run.resume)
+    state = store.load() if run.resume else None
+    seed_everything(loop.seed)
+    base = load_base(run.base, ctx.device)
     if base.family == "classifier" and not base.labels:
-        raise UserError(f"{args.base}: the classifier has no classification head (an embedding model): a LoRA "
+        raise UserError(f"{run.base}: the classifier has no classification head (an embedding model): a LoRA "
                         "classifier adapter needs labelled data for a head")
-    base_path = str(Path(args.base).resolve())
+    base_path = str(run.base.resolve())
     model, tokenizer = base.model, base.tokenizer
-    task = TASKS[base.family](replace(task_options(args, base.family), ids=TokenIds.of(base.config)))
+    task = TASKS[base.family](replace(task_options(loop, run.data, base.family), ids=TokenIds.of(base.config)))
     encoded = {}
-    for split in ("train", "valid"):
-        path = Path(getattr(args, split))
+    for split, path in (("train", run.data.train), ("valid", run.data.valid)):
         records = task.read(path).records
         encoded[split] = task.encode(records, tokenizer, base.config, base.labels, path, base.source_tokenizer)
-    config = lora_config(args, base.family, base_path)
+    config = lora_config(run.adapter, base.family, base_path)
     try:
-        add_adapter(model, ADAPTER, config, seed=args.seed)
+        add_adapter(model, ADAPTER, config, seed=loop.seed)
     except AdapterError as e:
         raise UserError(str(e)) from e
     trainable = mark_only_lora_trainable(model, ADAPTER)
-    torch.manual_seed(args.seed + ctx.rank)
+    torch.manual_seed(loop.seed + ctx.rank)
     base_metrics = task.validate(model, encoded["valid"], tokenizer).metrics() if ctx.is_main else {}
     info = {
         "family": base.family,
@@ -157,8 +157,8 @@ def _lora(args: argparse.Namespace, ctx: DistContext) -> None:
         with_adapter(task.loss, ADAPTER),
         encoded["train"],
         task.collate,
-        args=args,
-        config=trainer_config(args),
+        loop=loop,
+        config=trainer_config(loop, out.name),
         ctx=ctx,
         store=store,
         hooks=hooks,
@@ -168,4 +168,4 @@ def _lora(args: argparse.Namespace, ctx: DistContext) -> None:
     if ctx.is_main:
         p = trainer.progress
         finish(out, store.directory, {"steps_trained": p.step, "total_wall_time_s": round(p.elapsed, 3)})
-    write_param_digest(model, ctx)
+    return model

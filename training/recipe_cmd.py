@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sysconfig
 
-from training import corpora
 from training.options import positive_int
+from training.runs import RecipeRun, command, default_stdlib_dir
 
 TIER_HELP = {
     "quick": "small models, about 15 minutes on 2 CPU cores (what `make run` trains)",
@@ -14,18 +13,16 @@ TIER_HELP = {
 }
 
 
-def _run(args: argparse.Namespace) -> None:
-    from pathlib import Path
-
+def _run(run: RecipeRun) -> None:
     import torch
 
     from training.recipe_run import run_recipe
     from training.recipe_stages import Paths
     from training.recipes import TIERS
 
-    torch.set_num_threads(args.threads)
-    paths = Paths(Path(args.out), Path(args.data), Path(args.locale_dir), Path(args.stdlib_dir))
-    run_recipe(TIERS[args.tier], paths, force=args.force, jobs=args.jobs)
+    torch.set_num_threads(run.threads)
+    paths = Paths(run.out, run.data, run.locale_dir, run.stdlib_dir)
+    run_recipe(TIERS[run.tier], paths, force=run.force, jobs=run.jobs)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -41,25 +38,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("tier", choices=tuple(TIER_HELP), help="which recipe")
     p.add_argument(
-        "--out", default="checkpoints", metavar="DIR", help="models, adapters, summary (default %(default)s)"
+        "--out", default=str(RecipeRun.out), metavar="DIR", help="models, adapters, summary (default %(default)s)"
     )
-    p.add_argument("--data", default="data", metavar="DIR", help="corpora (default %(default)s)")
+    p.add_argument("--data", default=str(RecipeRun.data), metavar="DIR", help="corpora (default %(default)s)")
     p.add_argument("--force", action="store_true", help="redo every stage, even those whose output exists")
     p.add_argument(
         "--jobs",
         type=positive_int,
-        default=2,
+        default=RecipeRun.jobs,
         metavar="N",
         help="families trained at the same time, one process each (default %(default)s; the tiers' times assume 2)",
     )
     p.add_argument(
         "--threads",
         type=positive_int,
-        default=1,
+        default=RecipeRun.threads,
         metavar="N",
         help="torch intra-op threads per process (default %(default)s: models this small gain little from more, and "
         "on a busy machine extra threads wait on each other)",
     )
-    p.add_argument("--locale-dir", default=str(corpora.DEFAULT_LOCALE_DIR), help="gettext root (default %(default)s)")
-    p.add_argument("--stdlib-dir", default=sysconfig.get_paths()["stdlib"], help="stdlib root (default %(default)s)")
-    p.set_defaults(func=_run)
+    p.add_argument("--locale-dir", default=str(RecipeRun.locale_dir), help="gettext root (default %(default)s)")
+    p.add_argument("--stdlib-dir", default=str(default_stdlib_dir()), help="stdlib root (default %(default)s)")
+    p.set_defaults(func=command(RecipeRun, _run))

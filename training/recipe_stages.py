@@ -6,16 +6,13 @@ A stage's output tells whether it is done: a corpus's manifest.json, a model or 
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import io
 import json
 import logging
 import os
 import shutil
-import sysconfig
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +20,23 @@ from model import checkpoint, lora_io
 from training import corpora
 from training.baselines import LANGDETECT_PIN, baselines_for
 from training.errors import UserError
+from training.evaluate_run import evaluate
+from training.lora_run import lora
+from training.prepare import prepare
 from training.recipes import SPLIT_SUFFIX, FamilyRecipe, Tier
+from training.runs import (
+    CodeCorpus,
+    CorpusRun,
+    Data,
+    EvalRun,
+    LangidCorpus,
+    LoRARun,
+    TrainRun,
+    TranslationCorpus,
+    default_stdlib_dir,
+)
 from training.state import state_dir_for
+from training.train_run import train
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +50,7 @@ class Paths:
     out: Path
     data: Path
     locale_dir: Path = corpora.DEFAULT_LOCALE_DIR
-    stdlib_dir: Path = field(default_factory=lambda: Path(sysconfig.get_paths()["stdlib"]))
+    stdlib_dir: Path = field(default_factory=default_stdlib_dir)
 
     def model(self, f: FamilyRecipe) -> Path:
         return self.out / "models" / f.model
@@ -73,14 +85,6 @@ class Stage:
     inputs: tuple[Path, ...] = ()  # files made by earlier stages: when one is newer, the stage is redone
 
 
-def run_command(argv: list[str]) -> None:
-    """Parse ``argv`` as `python -m training ...` and call the command in this process."""
-    from training.cli import build_parser  # cli imports the recipe command, so not at module level
-
-    args = build_parser().parse_args(argv)
-    args.func(args)
-
-
 def domain_corpora(f: FamilyRecipe) -> tuple[str, str]:
     """The names of the base's corpus and the adapter's corpus under --data."""
     return f.model, f"{f.model}-{f.adapter}"
@@ -100,15 +104,13 @@ def manifest(path: Path) -> dict[str, Any]:
 
 def prepare_stages(tier: Tier, paths: Paths) -> list[Stage]:
     """The six corpora: each family's base corpus (without the domain) and its domain corpus."""
-    locale = ("--locale-dir", str(paths.locale_dir))
     stages = []
 
-    def add(name: str, kind: str, flags: Callable[[], list[str]]) -> None:
+    def add(name: str, kind: str, corpus: Callable[[Path], CorpusRun]) -> None:
         out = paths.corpus(name)
 
         def run() -> dict[str, Any]:
-            extra = list(tier.prepare_flags.get(kind, ()))
-            run_command(["prepare", kind, "--out", str(out), *flags(), *extra])
+            prepare(corpus(out))
             return describe()
 
         def describe() -> dict[str, Any]:
@@ -116,27 +118,31 @@ def prepare_stages(tier: Tier, paths: Paths) -> list[Stage]:
 
         stages.append(Stage(f"prepare-{name}", out / "manifest.json", PREPARE_SECONDS, run, (out,), describe))
 
+    catalogs = {"locale_dir": paths.locale_dir, "fractions": tier.fractions}
+    package = (tier.translation_package,)
     t_base, t_domain = domain_corpora(tier.translation)
-    lang = ("--lang", tier.lang)
-    add(t_base, "translation", lambda: [*locale, *lang, "--exclude-packages", tier.translation_package])
-    add(t_domain, "translation", lambda: [*locale, *lang, "--packages", tier.translation_package])
+    add(
+        t_base,
+        "translation",
+        lambda out: TranslationCorpus(out=out, lang=tier.lang, exclude_packages=package, **catalogs),
+    )
+    add(t_domain, "translation", lambda out: TranslationCorpus(out=out, lang=tier.lang, packages=package, **catalogs))
 
-    def iso() -> str:
-        return ",".join(langid_domain_packages(paths.locale_dir, tier.langid_domain_prefix))
+    def iso() -> tuple[str, ...]:
+        return tuple(langid_domain_packages(paths.locale_dir, tier.langid_domain_prefix))
 
-    def base_languages() -> list[str]:  # the domain corpus must use the base model's labels
-        labels = [label for label in manifest(paths.corpus(l_base))["labels"] if label != corpora.ENGLISH]
-        return ["--languages", ",".join(labels), "--num-languages", str(len(labels))]
+    def domain_langid(out: Path) -> LangidCorpus:  # the domain corpus must use the base model's labels
+        labels = tuple(label for label in manifest(paths.corpus(l_base))["labels"] if label != corpora.ENGLISH)
+        return LangidCorpus(out=out, packages=iso(), languages=labels, num_languages=len(labels), **catalogs)
 
     l_base, l_domain = domain_corpora(tier.langid)
-    add(l_base, "langid", lambda: [*locale, "--exclude-packages", iso()])
-    add(l_domain, "langid", lambda: [*locale, "--packages", iso(), *base_languages()])
+    add(l_base, "langid", lambda out: LangidCorpus(out=out, exclude_packages=iso(), **catalogs))
+    add(l_domain, "langid", domain_langid)
 
     c_base, c_domain = domain_corpora(tier.code)
-    cap = ["--max-files", str(tier.code_max_files)] if tier.code_max_files else []
-    stdlib = ["--stdlib-dir", str(paths.stdlib_dir)]
-    add(c_base, "code", lambda: [*stdlib, "--subset", "nontests", *cap])
-    add(c_domain, "code", lambda: [*stdlib, "--subset", "tests", *cap])
+    code = {"stdlib_dir": paths.stdlib_dir, "max_files": tier.code_max_files, "fractions": tier.fractions}
+    add(c_base, "code", lambda out: CodeCorpus(out=out, subset="nontests", **code))
+    add(c_domain, "code", lambda out: CodeCorpus(out=out, subset="tests", **code))
     return stages
 
 
@@ -144,17 +150,17 @@ def _metrics(directory: Path) -> dict[str, Any]:
     return json.loads((directory / "metrics.json").read_text(encoding="utf-8"))
 
 
-def _train_then_move(final: Path, paths: Paths, argv: list[str]) -> dict[str, Any]:
-    """Run `train`/`lora` into runs/ (resuming a saved state), then move the result to ``final``.
+def _train_then_move(final: Path, paths: Paths, command: str, run: Callable[[Path, bool], Any]) -> dict[str, Any]:
+    """``run(out, resume)`` (`train` or `lora`) into runs/, resuming a saved state, then move the result to
+    ``final``.
 
     The resume state is removed once the result is in place: it only serves an interrupted run.
     """
     work = paths.run_dir(final)
     work.parent.mkdir(parents=True, exist_ok=True)
-    resume = ["--resume"] if state_dir_for(work).exists() else []
-    run_command([*argv, "--out", str(work), "--quiet", *resume])
+    run(work, state_dir_for(work).exists())
     if not work.is_dir():
-        raise UserError(f"{argv[0]} wrote no checkpoint to {work}")
+        raise UserError(f"{command} wrote no checkpoint to {work}")
     final.parent.mkdir(parents=True, exist_ok=True)
     os.replace(work, final)
     shutil.rmtree(state_dir_for(work))  # the log and plot were copied into the checkpoint
@@ -166,29 +172,27 @@ def training_stages(f: FamilyRecipe, paths: Paths) -> list[Stage]:
     base, domain = domain_corpora(f)
     model, adapter = paths.model(f), paths.adapter(f)
 
-    def data(corpus: str) -> list[str]:
-        return [
-            "--train",
-            str(paths.split(corpus, f.kind, "train")),
-            "--valid",
-            str(paths.split(corpus, f.kind, "valid")),
-        ]
+    def data(corpus: str) -> Data:
+        return Data(paths.split(corpus, f.kind, "train"), paths.split(corpus, f.kind, "valid"))
 
-    def train() -> dict[str, Any]:
-        argv = ["train", f.family, *data(base), *f.train_flags, "--max-minutes", str(f.train_minutes)]
-        return _train_then_move(model, paths, argv)
+    def train_base(out: Path, resume: bool) -> None:
+        loop = replace(f.train_loop, max_minutes=f.train_minutes, quiet=True)
+        run = TrainRun(
+            family=f.family, data=data(base), out=out, sizes=f.sizes, vocab_size=f.vocab_size, loop=loop, resume=resume
+        )
+        train(run)
 
-    def train_adapter() -> dict[str, Any]:
-        argv = ["lora", "--base", str(model), *data(domain), *f.lora_flags, "--max-minutes", str(f.lora_minutes)]
-        return _train_then_move(adapter, paths, argv)
+    def train_adapter(out: Path, resume: bool) -> None:
+        loop = replace(f.lora_loop, max_minutes=f.lora_minutes, quiet=True)
+        lora(LoRARun(base=model, data=data(domain), out=out, adapter=f.lora, loop=loop, resume=resume))
 
-    overhead = 20  # loading, tokenizing and the last validation, beyond --max-minutes
+    overhead = 20  # loading, tokenizing and the last validation, beyond the time budget
     return [
         Stage(
             f"train-{f.model}",
             model,
             f.train_minutes * 60 + overhead,
-            train,
+            lambda: _train_then_move(model, paths, "train", train_base),
             _with_state(paths.run_dir(model)),
             lambda: _metrics(model),
             inputs=(paths.corpus(base) / "manifest.json",),
@@ -197,7 +201,7 @@ def training_stages(f: FamilyRecipe, paths: Paths) -> list[Stage]:
             f"lora-{f.model}-{f.adapter}",
             adapter,
             f.lora_minutes * 60 + overhead,
-            train_adapter,
+            lambda: _train_then_move(adapter, paths, "lora", train_adapter),
             _with_state(paths.run_dir(adapter)),
             lambda: _metrics(adapter),
             inputs=(paths.corpus(domain) / "manifest.json", model / checkpoint.WEIGHTS_FILE),
@@ -207,16 +211,6 @@ def training_stages(f: FamilyRecipe, paths: Paths) -> list[Stage]:
 
 def _with_state(work: Path) -> tuple[Path, ...]:
     return (work, state_dir_for(work))
-
-
-def evaluate_quietly(argv: list[str]) -> dict[str, Any]:
-    """`evaluate` in this process, its JSON captured rather than printed."""
-    from training.cli import build_parser
-    from training.evaluate_run import evaluate
-
-    args = build_parser().parse_args(argv)
-    with contextlib.redirect_stdout(io.StringIO()):
-        return evaluate(args)
 
 
 def has_langdetect(f: FamilyRecipe) -> bool:
@@ -234,11 +228,10 @@ def evaluation_stages(f: FamilyRecipe, tier: Tier, paths: Paths) -> list[Stage]:
     model, adapter = paths.model(f), paths.adapter(f)
     budget = f.eval_minutes * 60 / 5
 
-    def evaluate(corpus: str, with_adapter: bool) -> Callable[[], dict[str, Any]]:
+    def scored(corpus: str, with_adapter: bool) -> Callable[[], dict[str, Any]]:
         def run() -> dict[str, Any]:
-            argv = ["evaluate", "--model", str(model), "--test", str(paths.split(corpus, f.kind, "test"))]
-            argv += ["--adapter", str(adapter)] if with_adapter else []
-            return evaluate_quietly([*argv, *f.eval_flags])
+            test = paths.split(corpus, f.kind, "test")
+            return evaluate(EvalRun(model=model, test=test, adapter=adapter if with_adapter else None, beams=f.beams))
 
         return run
 
@@ -252,9 +245,9 @@ def evaluation_stages(f: FamilyRecipe, tier: Tier, paths: Paths) -> list[Stage]:
     weights, adapter_weights = model / checkpoint.WEIGHTS_FILE, adapter / lora_io.WEIGHTS_FILE
     tokenizer = model / checkpoint.TOKENIZER_FILE
     runs = [
-        (f"eval-{f.model}-base-on-{f.adapter}", evaluate(domain, False), (weights,)),
-        (f"eval-{f.model}-{f.adapter}-on-{f.adapter}", evaluate(domain, True), (weights, adapter_weights)),
-        (f"eval-{f.model}-base", evaluate(base, False), (weights,)),
+        (f"eval-{f.model}-base-on-{f.adapter}", scored(domain, False), (weights,)),
+        (f"eval-{f.model}-{f.adapter}-on-{f.adapter}", scored(domain, True), (weights, adapter_weights)),
+        (f"eval-{f.model}-base", scored(base, False), (weights,)),
         (f"baselines-{f.model}-{f.adapter}", baselines(domain), (tokenizer,)),
         (f"baselines-{f.model}", baselines(base), (tokenizer,)),
     ]

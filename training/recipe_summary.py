@@ -16,10 +16,6 @@ METRICS = {
 TRAIN_KEYS = ("steps_trained", "total_train_tokens", "total_wall_time_s", "best_step")
 
 
-def _flag(flags: tuple[str, ...], name: str) -> str | None:
-    return flags[flags.index(name) + 1] if name in flags else None
-
-
 def _pick(metrics: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
     return {k: metrics[k] for k in keys if k in metrics}
 
@@ -52,7 +48,7 @@ def family_summary(f: FamilyRecipe, result: dict[str, dict[str, Any]]) -> tuple[
     domain_baselines = _baselines(result[f"baselines-{f.model}-{f.adapter}"])
     entry = {
         "family": f.family,
-        "arch": _flag(f.train_flags, "--arch"),
+        "arch": f.sizes.arch,
         "parameters": trained.get("parameters"),
         "sizes": trained.get("sizes"),
         "train": _training(trained, f.train_minutes),

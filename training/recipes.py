@@ -15,7 +15,10 @@ the same splits (training.baselines). The stages are in training.recipe_run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
+
+from training.arch import ModelSizes
+from training.runs import LORA_LOOP, LORA_TARGETS, AdapterSpec, EvalRun, Loop, SplitFractions
 
 # Family -> the corpus kind of `prepare` and the file suffix of its splits.
 CORPUS_KIND = {"seq2seq": "translation", "classifier": "langid", "causal_lm": "code"}
@@ -24,16 +27,19 @@ SPLIT_SUFFIX = {"translation": ".tsv", "langid": ".tsv", "code": ".txt"}
 
 @dataclass(frozen=True)
 class FamilyRecipe:
-    """One family's base model and adapter: `train` and `lora` flags and their time budgets."""
+    """One family's base model and adapter: what `train`, `lora` and `evaluate` run with, and their time budgets."""
 
     model: str  # the model's name: its directory under models/ (what the service calls it)
     family: str  # seq2seq | classifier | causal_lm
     adapter: str  # the adapter's name: its directory under adapters/<model>/
-    train_flags: tuple[str, ...]  # sizes and loop flags of `train` (no data, --out or --max-minutes)
-    train_minutes: float  # --max-minutes of the base's training (its share of the tier's budget)
-    lora_flags: tuple[str, ...]
+    sizes: ModelSizes  # the base model's sizes and architecture
+    vocab_size: int
+    train_loop: Loop  # the base's training loop (its max_minutes is train_minutes)
+    train_minutes: float  # the base's training budget (its share of the tier's budget)
+    lora: AdapterSpec
+    lora_loop: Loop
     lora_minutes: float
-    eval_flags: tuple[str, ...] = ()  # extra `evaluate` flags (e.g. --beams)
+    beams: int = EvalRun.beams  # seq2seq beam size of the evaluations
     eval_minutes: float = 0.5  # the ETA's guess for the three evaluations and the baselines
 
     @property
@@ -56,7 +62,7 @@ class Tier:
     # seconds. Tiers share --data, so they must agree on every corpus flag.
     code_max_files: int | None = 400
     langdetect: bool = True  # score the langdetect baseline (needs the langdetect package)
-    prepare_flags: dict[str, tuple[str, ...]] = field(default_factory=dict)  # extra `prepare` flags per kind
+    fractions: SplitFractions = SplitFractions()  # of every corpus's records, to valid and test
 
     @property
     def families(self) -> tuple[FamilyRecipe, ...]:
@@ -67,134 +73,133 @@ class Tier:
         return sum(f.train_minutes + f.lora_minutes + f.eval_minutes for f in self.families)
 
 
-def _loop(steps: int, eval_every: int, lr: float, warmup: int, batch_tokens: int) -> tuple[str, ...]:
-    return (
-        "--max-steps",
-        str(steps),
-        "--eval-every",
-        str(eval_every),
-        "--save-every",
-        str(eval_every),
-        "--lr",
-        str(lr),
-        "--warmup",
-        str(warmup),
-        "--batch-tokens",
-        str(batch_tokens),
+# ---- the default tiers: one table ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a family's recipe is in every tier."""
+
+    model: str
+    family: str
+    adapter: str
+    arch: str
+    batch_tokens: int
+
+
+@dataclass(frozen=True)
+class Phase:
+    """A training phase's budget and schedule in a tier (the state is saved at every validation)."""
+
+    minutes: float
+    eval_every: int
+    lr: float
+    warmup: int
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a tier gives one family: the base model's sizes, the base's and the adapter's phases."""
+
+    layers: int
+    d_model: int  # the feed-forward width is 4 x d_model, with 4 heads
+    vocab_size: int
+    max_len: int
+    dropout: float
+    base: Phase
+    adapter: Phase
+    eval_minutes: float
+    valid_examples: int = Loop.valid_examples  # seq2seq: examples decoded for BLEU at each validation
+    beams: int = EvalRun.beams
+
+
+FAMILIES = (
+    Family(model="translation", family="seq2seq", adapter="postgres", arch="paper", batch_tokens=2048),
+    Family(model="langid", family="classifier", adapter="iso", arch="bert", batch_tokens=4096),
+    Family(model="code", family="causal_lm", adapter="tests", arch="gpt2", batch_tokens=4096),
+)
+MAX_STEPS = 100_000  # never reached: the budgets bind, not the steps
+ADAPTER = AdapterSpec(rank=16, alpha=32.0, targets=LORA_TARGETS)  # every Linear of every layer
+
+# fmt: off
+TABLE: dict[str, dict[str, Shape]] = {
+    # Under 15 minutes of wall time on 2 CPU cores, all stages included, with --jobs 2: translation
+    # trains in one process while langid, then code, train in the other.
+    "quick": {
+        "translation": Shape(layers=2, d_model=128, vocab_size=3000, max_len=128, dropout=0.0,
+                             base=Phase(minutes=11.0, eval_every=300, lr=2e-3, warmup=200),
+                             adapter=Phase(minutes=1.0, eval_every=100, lr=3e-3, warmup=30),
+                             eval_minutes=0.5, valid_examples=100, beams=1),
+        "langid": Shape(layers=2, d_model=128, vocab_size=3000, max_len=64, dropout=0.0,
+                        base=Phase(minutes=2.0, eval_every=150, lr=2e-3, warmup=50),
+                        adapter=Phase(minutes=1.0, eval_every=100, lr=3e-3, warmup=20),
+                        eval_minutes=0.5),
+        "code": Shape(layers=2, d_model=128, vocab_size=3000, max_len=128, dropout=0.0,
+                      base=Phase(minutes=5.0, eval_every=400, lr=3e-3, warmup=50),
+                      adapter=Phase(minutes=1.5, eval_every=200, lr=3e-3, warmup=20),
+                      eval_minutes=1.5),
+    },
+    # About 50 minutes of wall time on 2 CPU cores with --jobs 2: about twice the parameters of the
+    # quick models and four times their training, since compute, not data, limits both tiers on a CPU.
+    "quality": {
+        "translation": Shape(layers=2, d_model=192, vocab_size=4000, max_len=128, dropout=0.05,
+                             base=Phase(minutes=40.0, eval_every=500, lr=1.5e-3, warmup=300),
+                             adapter=Phase(minutes=4.0, eval_every=200, lr=2e-3, warmup=50),
+                             eval_minutes=3.0, valid_examples=200, beams=4),
+        "langid": Shape(layers=3, d_model=192, vocab_size=4000, max_len=64, dropout=0.1,
+                        base=Phase(minutes=8.0, eval_every=300, lr=1e-3, warmup=100),
+                        adapter=Phase(minutes=3.0, eval_every=200, lr=2e-3, warmup=50),
+                        eval_minutes=1.5),
+        "code": Shape(layers=3, d_model=192, vocab_size=4000, max_len=256, dropout=0.0,
+                      base=Phase(minutes=24.0, eval_every=300, lr=2e-3, warmup=100),
+                      adapter=Phase(minutes=4.0, eval_every=200, lr=2e-3, warmup=30),
+                      eval_minutes=2.0),
+    },
+}
+# fmt: on
+
+
+def _loop(phase: Phase, batch_tokens: int, defaults: Loop, valid_examples: int = Loop.valid_examples) -> Loop:
+    return replace(
+        defaults,
+        max_steps=MAX_STEPS,
+        eval_every=phase.eval_every,
+        save_every=phase.eval_every,
+        lr=phase.lr,
+        warmup=phase.warmup,
+        batch_tokens=batch_tokens,
+        valid_examples=valid_examples,
     )
 
 
-def _sizes(
-    layers: int, d_model: int, heads: int, ffn: int, vocab: int, max_len: int, dropout: float
-) -> tuple[str, ...]:
-    return (
-        "--layers",
-        str(layers),
-        "--d-model",
-        str(d_model),
-        "--heads",
-        str(heads),
-        "--ffn",
-        str(ffn),
-        "--vocab-size",
-        str(vocab),
-        "--max-len",
-        str(max_len),
-        "--dropout",
-        str(dropout),
+def family_recipe(f: Family, shape: Shape) -> FamilyRecipe:
+    """The recipe of family ``f`` in a tier that gives it ``shape``."""
+    sizes = ModelSizes(
+        layers=shape.layers,
+        d_model=shape.d_model,
+        heads=4,
+        ffn=4 * shape.d_model,
+        max_len=shape.max_len,
+        dropout=shape.dropout,
+        arch=f.arch,
+    )
+    return FamilyRecipe(
+        model=f.model,
+        family=f.family,
+        adapter=f.adapter,
+        sizes=sizes,
+        vocab_size=shape.vocab_size,
+        train_loop=_loop(shape.base, f.batch_tokens, Loop(), shape.valid_examples),
+        train_minutes=shape.base.minutes,
+        lora=ADAPTER,
+        lora_loop=_loop(shape.adapter, f.batch_tokens, LORA_LOOP),
+        lora_minutes=shape.adapter.minutes,
+        beams=shape.beams,
+        eval_minutes=shape.eval_minutes,
     )
 
 
-LORA_ALL = ("--targets", "q_proj,k_proj,v_proj,out_proj,fc1,fc2")
-
-# Under 15 minutes of wall time on 2 CPU cores, all stages included, with --jobs 2: translation
-# trains in one process while langid, then code, train in the other. The budgets bind, not the steps.
-QUICK = Tier(
-    name="quick",
-    translation=FamilyRecipe(
-        model="translation",
-        family="seq2seq",
-        adapter="postgres",
-        train_flags=(
-            "--arch",
-            "paper",
-            *_sizes(2, 128, 4, 512, 3000, 128, 0.0),
-            *_loop(100_000, 300, 2e-3, 200, 2048),
-            "--valid-examples",
-            "100",
-        ),
-        train_minutes=11.0,
-        lora_flags=("--rank", "16", "--alpha", "32", *LORA_ALL, *_loop(100_000, 100, 3e-3, 30, 2048)),
-        lora_minutes=1.0,
-        eval_flags=("--beams", "1"),
-        eval_minutes=0.5,
-    ),
-    langid=FamilyRecipe(
-        model="langid",
-        family="classifier",
-        adapter="iso",
-        train_flags=("--arch", "bert", *_sizes(2, 128, 4, 512, 3000, 64, 0.0), *_loop(100_000, 150, 2e-3, 50, 4096)),
-        train_minutes=2.0,
-        lora_flags=("--rank", "16", "--alpha", "32", *LORA_ALL, *_loop(100_000, 100, 3e-3, 20, 4096)),
-        lora_minutes=1.0,
-        eval_minutes=0.5,
-    ),
-    code=FamilyRecipe(
-        model="code",
-        family="causal_lm",
-        adapter="tests",
-        train_flags=("--arch", "gpt2", *_sizes(2, 128, 4, 512, 3000, 128, 0.0), *_loop(100_000, 400, 3e-3, 50, 4096)),
-        train_minutes=5.0,
-        lora_flags=("--rank", "16", "--alpha", "32", *LORA_ALL, *_loop(100_000, 200, 3e-3, 20, 4096)),
-        lora_minutes=1.5,
-        eval_minutes=1.5,
-    ),
-    translation_package="postgres-15",
-)
-
-# About 50 minutes of wall time on 2 CPU cores with --jobs 2: about twice the parameters of the
-# quick models and four times their training, since compute, not data, limits both tiers on a CPU.
-QUALITY = Tier(
-    name="quality",
-    translation=FamilyRecipe(
-        model="translation",
-        family="seq2seq",
-        adapter="postgres",
-        train_flags=(
-            "--arch",
-            "paper",
-            *_sizes(2, 192, 4, 768, 4000, 128, 0.05),
-            *_loop(100_000, 500, 1.5e-3, 300, 2048),
-            "--valid-examples",
-            "200",
-        ),
-        train_minutes=40.0,
-        lora_flags=("--rank", "16", "--alpha", "32", *LORA_ALL, *_loop(100_000, 200, 2e-3, 50, 2048)),
-        lora_minutes=4.0,
-        eval_flags=("--beams", "4"),
-        eval_minutes=3.0,
-    ),
-    langid=FamilyRecipe(
-        model="langid",
-        family="classifier",
-        adapter="iso",
-        train_flags=("--arch", "bert", *_sizes(3, 192, 4, 768, 4000, 64, 0.1), *_loop(100_000, 300, 1e-3, 100, 4096)),
-        train_minutes=8.0,
-        lora_flags=("--rank", "16", "--alpha", "32", *LORA_ALL, *_loop(100_000, 200, 2e-3, 50, 4096)),
-        lora_minutes=3.0,
-        eval_minutes=1.5,
-    ),
-    code=FamilyRecipe(
-        model="code",
-        family="causal_lm",
-        adapter="tests",
-        train_flags=("--arch", "gpt2", *_sizes(3, 192, 4, 768, 4000, 256, 0.0), *_loop(100_000, 300, 2e-3, 100, 4096)),
-        train_minutes=24.0,
-        lora_flags=("--rank", "16", "--alpha", "32", *LORA_ALL, *_loop(100_000, 200, 2e-3, 30, 4096)),
-        lora_minutes=4.0,
-        eval_minutes=2.0,
-    ),
-    translation_package="postgres-15",
-)
-
-TIERS = {tier.name: tier for tier in (QUICK, QUALITY)}
+TIERS = {
+    name: Tier(name=name, **{f.model: family_recipe(f, shapes[f.model]) for f in FAMILIES})
+    for name, shapes in TABLE.items()
+}

@@ -10,11 +10,8 @@ Output layout for ``--out DIR``::
 
 from __future__ import annotations
 
-import argparse
-import hashlib
 import json
 import logging
-import os
 import random
 import shutil
 import time
@@ -31,6 +28,7 @@ from training.distributed import DistContext
 from training.errors import UserError
 from training.optim import InverseSqrtSchedule, build_optimizer
 from training.run_log import LOG_FILE, PLOT_FILE, RunLog
+from training.runs import Data, Loop
 from training.state import StateStore, TrainState, state_dir_for, write_json
 from training.tasks.base import TaskOptions
 from training.trainer import Hooks, LossFn, Trainer, TrainerConfig
@@ -38,38 +36,40 @@ from training.trainer import Hooks, LossFn, Trainer, TrainerConfig
 logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.json"
-DIGEST_ENV = "TRAINING_PARAM_DIGEST_DIR"  # tests: each rank writes rank<N>.sha256 of its parameters here
 
 
 def trainer_config(
-    args: argparse.Namespace, max_steps: int | None = None, find_unused_parameters: bool = False
+    loop: Loop, name: str, max_steps: int | None = None, find_unused_parameters: bool = False
 ) -> TrainerConfig:
+    """The trainer's settings for ``loop`` (``max_steps`` instead of the loop's, e.g. for pre-training)."""
     return TrainerConfig(
-        max_steps=max_steps if max_steps is not None else args.max_steps,
-        accum_steps=args.accum_steps,
-        clip_norm=args.clip_norm if args.clip_norm > 0 else None,
-        eval_every=args.eval_every,
-        save_every=args.save_every,
-        quiet=args.quiet,
+        max_steps=max_steps if max_steps is not None else loop.max_steps,
+        accum_steps=loop.accum_steps,
+        clip_norm=loop.clip_norm if loop.clip_norm > 0 else None,
+        eval_every=loop.eval_every,
+        save_every=loop.save_every,
+        quiet=loop.quiet,
         find_unused_parameters=find_unused_parameters,
+        name=name,
     )
 
 
-def task_options(args: argparse.Namespace, family: str) -> TaskOptions:
-    smoothing = args.label_smoothing
+def task_options(loop: Loop, data: Data, family: str) -> TaskOptions:
+    """The task settings of a training run (label smoothing by default 0.1 for seq2seq, else 0)."""
+    smoothing = loop.label_smoothing
     if smoothing is None:
         smoothing = 0.1 if family == "seq2seq" else 0.0
     return TaskOptions(
-        skip_malformed=args.skip_malformed,
+        skip_malformed=data.skip_malformed,
         label_smoothing=smoothing,
-        batch_tokens=args.batch_tokens,
-        valid_examples=args.valid_examples,
+        batch_tokens=loop.batch_tokens,
+        valid_examples=loop.valid_examples,
     )
 
 
-def deadline_of(args: argparse.Namespace) -> float | None:
-    """When --max-minutes of this invocation run out, as a ``time.perf_counter()`` value."""
-    return None if args.max_minutes is None else time.perf_counter() + args.max_minutes * 60
+def deadline_of(loop: Loop) -> float | None:
+    """When ``loop.max_minutes`` of this invocation run out, as a ``time.perf_counter()`` value."""
+    return None if loop.max_minutes is None else time.perf_counter() + loop.max_minutes * 60
 
 
 def seed_everything(seed: int) -> None:
@@ -96,7 +96,7 @@ def run_phase(
     examples: Sequence[Any],
     collate: Collate,
     *,
-    args: argparse.Namespace,
+    loop: Loop,
     config: TrainerConfig,
     ctx: DistContext,
     store: StateStore,
@@ -110,7 +110,7 @@ def run_phase(
     """
     params = [p for p in model.parameters() if p.requires_grad]
     stream = BatchStream(
-        examples, [e.length for e in examples], collate, args.batch_tokens, args.seed, ctx.rank, ctx.world_size
+        examples, [e.length for e in examples], collate, loop.batch_tokens, loop.seed, ctx.rank, ctx.world_size
     )
     logger.info(
         "%d examples, %d batches per epoch per process, %d trainable parameters",
@@ -124,8 +124,8 @@ def run_phase(
     trainer = Trainer(
         model,
         loss_fn,
-        build_optimizer(params, args.lr),
-        InverseSqrtSchedule(args.lr, args.warmup),
+        build_optimizer(params, loop.lr),
+        InverseSqrtSchedule(loop.lr, loop.warmup),
         stream,
         config,
         ctx,
@@ -171,16 +171,3 @@ def merge_metrics(directory: Path, updates: dict[str, Any]) -> dict[str, Any]:
     metrics.update(updates)
     write_json(path, metrics)
     return metrics
-
-
-def write_param_digest(model: nn.Module, ctx: DistContext) -> None:
-    """When $TRAINING_PARAM_DIGEST_DIR is set, write this rank's parameter hash there (sync checks)."""
-    directory = os.environ.get(DIGEST_ENV)
-    if not directory:
-        return
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    (Path(directory) / f"rank{ctx.rank}.sha256").write_text(digest.hexdigest() + "\n")

@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import argparse
 
+from training.arch import ARCH_PRESETS, ModelSizes
 from training.options import (
     add_io_options,
     add_loop_options,
     positive_int,
     probability,
 )
+from training.runs import Loop, TrainRun, command
 
-ARCHES = ("default", "paper", "gpt2", "bert")
 FAMILY_HELP = {
     "seq2seq": "encoder-decoder translation model (data: .tsv source<TAB>target or .jsonl)",
     "classifier": "BERT-style text classifier (data: .tsv text<TAB>label or .jsonl)",
@@ -23,10 +24,13 @@ FAMILY_HELP = {
 OUT_HELP = "best checkpoint directory; the resume state goes to <out>.state/"
 
 
-def _run(args: argparse.Namespace) -> None:
+SIZES = ModelSizes()  # the size flags' defaults
+
+
+def _run(run: TrainRun) -> None:
     from training.train_run import train
 
-    train(args)
+    train(run)
 
 
 def _model_options(parser: argparse.ArgumentParser, family: str) -> None:
@@ -41,8 +45,8 @@ def _model_options(parser: argparse.ArgumentParser, family: str) -> None:
     )
     g.add_argument(
         "--arch",
-        choices=ARCHES,
-        default="default",
+        choices=tuple(ARCH_PRESETS),
+        default=SIZES.arch,
         help="paper: post-LN, sinusoidal, ReLU, scaled+tied embeddings; gpt2: learned positions, pre-LN, "
         "gelu_tanh; bert: learned positions, post-LN, GELU, embedding LayerNorm, eps 1e-12; "
         "default (the default): pre-LN, sinusoidal, ReLU, scaled+tied embeddings",
@@ -51,7 +55,7 @@ def _model_options(parser: argparse.ArgumentParser, family: str) -> None:
         "--layers",
         type=positive_int,
         metavar="N",
-        default=3,
+        default=SIZES.layers,
         help="layers (per stack for seq2seq; default %(default)s)",
     )
     if family == "seq2seq":
@@ -61,22 +65,32 @@ def _model_options(parser: argparse.ArgumentParser, family: str) -> None:
         g.add_argument(
             "--decoder-layers", type=positive_int, metavar="N", default=None, help="decoder layers (default --layers)"
         )
-    g.add_argument("--d-model", type=positive_int, metavar="N", default=256, help="model width (default %(default)s)")
-    g.add_argument("--heads", type=positive_int, metavar="N", default=4, help="attention heads (default %(default)s)")
     g.add_argument(
-        "--ffn", type=positive_int, metavar="N", default=1024, help="feed-forward width (default %(default)s)"
+        "--d-model", type=positive_int, metavar="N", default=SIZES.d_model, help="model width (default %(default)s)"
     )
     g.add_argument(
-        "--vocab-size", type=positive_int, metavar="N", default=8000, help="BPE vocabulary (default %(default)s)"
+        "--heads", type=positive_int, metavar="N", default=SIZES.heads, help="attention heads (default %(default)s)"
+    )
+    g.add_argument(
+        "--ffn", type=positive_int, metavar="N", default=SIZES.ffn, help="feed-forward width (default %(default)s)"
+    )
+    g.add_argument(
+        "--vocab-size",
+        type=positive_int,
+        metavar="N",
+        default=TrainRun.vocab_size,
+        help="BPE vocabulary (default %(default)s)",
     )
     g.add_argument(
         "--max-len",
         type=positive_int,
         metavar="N",
-        default=256,
+        default=SIZES.max_len,
         help="longest sequence in tokens (default %(default)s)",
     )
-    g.add_argument("--dropout", type=probability, metavar="X", default=0.1, help="dropout (default %(default)s)")
+    g.add_argument(
+        "--dropout", type=probability, metavar="X", default=SIZES.dropout, help="dropout (default %(default)s)"
+    )
     g.add_argument(
         "--tokenizer", default=None, metavar="FILE", help="reuse this tokenizer.json instead of training one"
     )
@@ -90,7 +104,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         p = families.add_parser(family, help=help_text, description=f"Train a {family} model: {help_text}.")
         add_io_options(p, OUT_HELP)
         _model_options(p, family)
-        add_loop_options(p, lr=7e-4, warmup=400)
+        add_loop_options(p, Loop())
         if family == "classifier":
             g = p.add_argument_group("pre-training")
             g.add_argument(
@@ -103,7 +117,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                 "--pretrain-steps",
                 type=positive_int,
                 metavar="N",
-                default=1000,
+                default=TrainRun.pretrain_steps,
                 help="pre-training steps (default %(default)s)",
             )
-        p.set_defaults(func=_run)
+        p.set_defaults(func=command(TrainRun, _run))

@@ -7,7 +7,6 @@ and settings files go under ``hf/`` of the checkpoint and of the resume state, a
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import logging
@@ -36,9 +35,10 @@ from model.config import TransformerConfig
 from model.hf import companion_files, hf_companions, is_hf_directory
 from model.tokenizer import TOKENIZER_FILE, Tokenizer, TokenizerError
 from training import distributed
-from training.arch import ModelSizes, describe
+from training.arch import describe
 from training.distributed import DistContext
 from training.errors import UserError
+from training.runs import TrainRun
 from training.session import (
     deadline_of,
     finish,
@@ -48,7 +48,6 @@ from training.session import (
     seed_everything,
     task_options,
     trainer_config,
-    write_param_digest,
 )
 from training.state import StateStore, TrainState
 from training.tasks import TASKS, Task
@@ -118,59 +117,44 @@ class Setup:
         return cls(checkpoint.tokenizer, checkpoint.config, checkpoint.labels, checkpoint.source_tokenizer)
 
 
-def sizes_from(args: argparse.Namespace) -> ModelSizes:
-    return ModelSizes(
-        layers=args.layers,
-        d_model=args.d_model,
-        heads=args.heads,
-        ffn=args.ffn,
-        max_len=args.max_len,
-        dropout=args.dropout,
-        arch=args.arch,
-        encoder_layers=getattr(args, "encoder_layers", None),
-        decoder_layers=getattr(args, "decoder_layers", None),
-    )
-
-
-def make_tokenizer(args: argparse.Namespace, texts: Any, ctx: DistContext) -> Tokenizer:
+def make_tokenizer(run: TrainRun, texts: Any, ctx: DistContext) -> Tokenizer:
     """--tokenizer, or a byte-level BPE trained on rank 0 and shared with the other ranks."""
-    if args.tokenizer:
+    if run.tokenizer:
         try:
-            return Tokenizer.load(args.tokenizer)
+            return Tokenizer.load(run.tokenizer)
         except TokenizerError as e:
             raise UserError(str(e)) from e
-    if args.vocab_size < MIN_VOCAB:
+    if run.vocab_size < MIN_VOCAB:
         raise UserError(f"--vocab-size must be at least {MIN_VOCAB} (7 special tokens + 256 bytes)")
-    trained = Tokenizer.train(texts, vocab_size=args.vocab_size) if ctx.is_main else None
+    trained = Tokenizer.train(texts, vocab_size=run.vocab_size) if ctx.is_main else None
     if not ctx.distributed:
         return trained
     text = distributed.broadcast_bytes(trained.backend.to_str().encode() if trained else None, ctx)
     return Tokenizer(tokenizers.Tokenizer.from_str(text.decode()))
 
 
-def load_init(args: argparse.Namespace, ctx: DistContext) -> Checkpoint:
+def load_init(run: TrainRun, ctx: DistContext) -> Checkpoint:
     """The ``--init-from`` checkpoint in float32, checked against the command's family and flags."""
-    if args.tokenizer or getattr(args, "pretrain_mlm", None):
+    if run.tokenizer or run.pretrain_mlm:
         raise UserError("--init-from keeps the checkpoint's tokenizer and weights: drop --tokenizer / --pretrain-mlm")
     try:
-        base = load_checkpoint(args.init_from, device=ctx.device, dtype=torch.float32)
+        base = load_checkpoint(run.init_from, device=ctx.device, dtype=torch.float32)
     except CheckpointError as e:
         raise UserError(f"--init-from: {e}") from e
-    if base.family != args.family:
-        raise UserError(f"--init-from {args.init_from}: a {base.family} model, not {args.family}")
+    if base.family != run.family:
+        raise UserError(f"--init-from {run.init_from}: a {base.family} model, not {run.family}")
     if base.family == "classifier" and not base.labels:
-        raise UserError(f"--init-from {args.init_from}: the classifier has no classification head (an embedding "
+        raise UserError(f"--init-from {run.init_from}: the classifier has no classification head (an embedding "
                         "model)")
-    logger.info("fine-tuning %s (%s); the model flags are ignored", args.init_from, describe(base.config))
+    logger.info("fine-tuning %s (%s); the model flags are ignored", run.init_from, describe(base.config))
     return base
 
 
-def new_setup(
-    args: argparse.Namespace, task: Task, records: list[Any], extra_texts: list[str], ctx: DistContext
-) -> Setup:
-    tokenizer = make_tokenizer(args, itertools.chain(task.texts(records), extra_texts), ctx)
+def new_setup(run: TrainRun, task: Task, records: list[Any], extra_texts: list[str], ctx: DistContext) -> Setup:
+    """A new tokenizer (or ``run.tokenizer``), the labels of ``records`` and the config of ``run.sizes``."""
+    tokenizer = make_tokenizer(run, itertools.chain(task.texts(records), extra_texts), ctx)
     labels = task.labels(records)
-    config = task.config(sizes_from(args), tokenizer, labels)
+    config = task.config(run.sizes, tokenizer, labels)
     logger.info("model config: %s", describe(config))
     return Setup(tokenizer, config, labels)
 
@@ -194,7 +178,7 @@ def save_best(
 
 
 def pretrain(
-    args: argparse.Namespace,
+    run: TrainRun,
     ctx: DistContext,
     model: nn.Module,
     setup: Setup,
@@ -206,16 +190,16 @@ def pretrain(
     """MLM + sentence-order pre-training of a classifier for --pretrain-steps; False if time ran out."""
     pairs = segment_pairs(lines, setup.tokenizer, setup.config.max_len)
     if not pairs:
-        raise UserError(f"{args.pretrain_mlm}: no pairs of consecutive non-blank lines")
+        raise UserError(f"{run.pretrain_mlm}: no pairs of consecutive non-blank lines")
     objective = Pretraining(setup.config.vocab_size)
-    logger.info("pre-training (MLM + sentence order) for %d steps on %d pairs", args.pretrain_steps, len(pairs))
+    logger.info("pre-training (MLM + sentence order) for %d steps on %d pairs", run.pretrain_steps, len(pairs))
     trainer = run_phase(
         model,
         objective.loss,
         pairs,
         objective.collate,
-        args=args,
-        config=trainer_config(args, max_steps=args.pretrain_steps, find_unused_parameters=True),
+        loop=run.loop,
+        config=trainer_config(run.loop, run.out.name, max_steps=run.pretrain_steps, find_unused_parameters=True),
         ctx=ctx,
         store=store,
         hooks=Hooks(state_files=setup.files),
@@ -225,42 +209,42 @@ def pretrain(
     return not trainer.timed_out
 
 
-def train(args: argparse.Namespace) -> None:
-    """The `train` command."""
-    ctx = distributed.init_distributed(args.device)
+def train(run: TrainRun) -> nn.Module:
+    """The `train` command; returns the trained model (its last step's weights, on every rank)."""
+    ctx = distributed.init_distributed(run.device)
     try:
-        _train(args, ctx)
+        return _train(run, ctx)
     finally:
         distributed.shutdown(ctx)
 
 
-def _train(args: argparse.Namespace, ctx: DistContext) -> None:
-    deadline = deadline_of(args)
-    out = Path(args.out)
-    store = open_state(out, args.resume)
+def _train(run: TrainRun, ctx: DistContext) -> nn.Module:
+    deadline = deadline_of(run.loop)
+    out, loop = run.out, run.loop
+    store = open_state(out, run.resume)
     pre_store = StateStore(store.directory / "pretrain")
-    pretraining = bool(getattr(args, "pretrain_mlm", None))
-    state = store.load() if args.resume else None
-    pre_state = pre_store.load() if args.resume and pretraining and state is None else None
-    seed_everything(args.seed)
+    pretraining = run.pretrain_mlm is not None
+    state = store.load() if run.resume else None
+    pre_state = pre_store.load() if run.resume and pretraining and state is None else None
+    seed_everything(loop.seed)
     saved = state or pre_state
-    base = load_init(args, ctx) if args.init_from and not saved else None
+    base = load_init(run, ctx) if run.init_from and not saved else None
     setup = Setup.from_state(saved) if saved else Setup.of(base) if base else None
-    options = task_options(args, args.family)
-    task = TASKS[args.family](replace(options, ids=TokenIds.of(setup.config)) if setup else options)
-    train_records, valid_records = task.read(Path(args.train)).records, task.read(Path(args.valid)).records
-    lines = read_segments(Path(args.pretrain_mlm), args.skip_malformed) if pretraining else []
-    setup = setup or new_setup(args, task, train_records, lines, ctx)
-    torch.manual_seed(args.seed)
+    options = task_options(loop, run.data, run.family)
+    task = TASKS[run.family](replace(options, ids=TokenIds.of(setup.config)) if setup else options)
+    train_records, valid_records = task.read(run.data.train).records, task.read(run.data.valid).records
+    lines = read_segments(run.pretrain_mlm, run.data.skip_malformed) if pretraining else []
+    setup = setup or new_setup(run, task, train_records, lines, ctx)
+    torch.manual_seed(loop.seed)
     model = base.model.train() if base else build_model(setup.config).to(ctx.device)
     train_examples, valid_examples = (
-        task.encode(records, setup.tokenizer, setup.config, setup.labels, Path(path), setup.source_tokenizer)
-        for records, path in ((train_records, args.train), (valid_records, args.valid))
+        task.encode(records, setup.tokenizer, setup.config, setup.labels, path, setup.source_tokenizer)
+        for records, path in ((train_records, run.data.train), (valid_records, run.data.valid))
     )
-    torch.manual_seed(args.seed + ctx.rank)  # dropout differs across processes
-    if pretraining and state is None and not pretrain(args, ctx, model, setup, lines, pre_store, pre_state, deadline):
+    torch.manual_seed(loop.seed + ctx.rank)  # dropout differs across processes
+    if pretraining and state is None and not pretrain(run, ctx, model, setup, lines, pre_store, pre_state, deadline):
         logger.info("out of time during pre-training; --resume continues it")
-        return
+        return model
     hooks = Hooks(
         evaluate=lambda: task.validate(model, valid_examples, setup.tokenizer),
         on_best=lambda evaluation, summary: save_best(out, store.directory, model, setup, evaluation, summary),
@@ -271,9 +255,9 @@ def _train(args: argparse.Namespace, ctx: DistContext) -> None:
         task.loss,
         train_examples,
         task.collate,
-        args=args,
+        loop=loop,
         # A fine-tuned classifier leaves its pre-training heads idle.
-        config=trainer_config(args, find_unused_parameters=setup.config.family == "classifier"),
+        config=trainer_config(loop, out.name, find_unused_parameters=setup.config.family == "classifier"),
         ctx=ctx,
         store=store,
         hooks=hooks,
@@ -287,4 +271,4 @@ def _train(args: argparse.Namespace, ctx: DistContext) -> None:
             store.directory,
             {"steps_trained": p.step, "total_wall_time_s": round(p.elapsed, 3), "total_train_tokens": p.tokens},
         )
-    write_param_digest(model, ctx)
+    return model

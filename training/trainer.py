@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -22,12 +21,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from training import distributed
 from training.batching import Batch, BatchStream, Position
 from training.distributed import DistContext
 from training.optim import InverseSqrtSchedule
+from training.progress import ProgressDisplay
 from training.run_log import RunLog
 from training.state import (
     StateStore,
@@ -55,7 +54,8 @@ class TrainerConfig:
     eval_every: int = 500
     save_every: int = 500
     find_unused_parameters: bool = False  # DDP: some trainable parameters get no gradient (idle heads)
-    quiet: bool = False  # no progress bar
+    quiet: bool = False  # no progress bar (training.progress logs lines instead)
+    name: str = ""  # what the progress lines call the run (e.g. its output directory's name)
 
 
 @dataclass
@@ -242,22 +242,14 @@ class Trainer:
             "tokens_per_s": round(p.tokens / p.elapsed, 1) if p.elapsed > 0 else None,
         }
 
-    def _bar(self) -> tqdm:
-        enabled = self.ctx.is_main and not self.config.quiet and sys.stderr.isatty()
-        return tqdm(
-            total=self.config.max_steps,
-            initial=self.progress.step,
-            disable=not enabled,
-            file=sys.stderr,
-            unit="step",
-            dynamic_ncols=True,
-        )
-
     def run(self, deadline: float | None = None) -> Progress:
         """Train until ``max_steps`` (counted over resumes) or the ``time.perf_counter()`` ``deadline``."""
         p, cfg = self.progress, self.config
         start, elapsed0, tokens0 = time.perf_counter(), p.elapsed, p.tokens
-        with self._bar() as bar:
+        display = ProgressDisplay.for_stderr(
+            p.step, cfg.max_steps, main=self.ctx.is_main, quiet=cfg.quiet, name=cfg.name, deadline=deadline
+        )
+        with display:
             while p.step < cfg.max_steps:
                 loss, tokens, lr = self._step()
                 now = time.perf_counter() - start
@@ -270,8 +262,7 @@ class Trainer:
                 self._log(loss, lr, tokens_per_s, evaluation)
                 if p.step % cfg.save_every == 0 or last:
                     self._save_state()
-                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:.0f}", refresh=False)
-                bar.update(1)
+                display.update(p.step, loss, tokens_per_s, last)
                 if stop:
                     logger.info("stopping at step %d: out of time", p.step)
                     break

@@ -6,11 +6,15 @@ import csv
 import json
 import random
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import torch
 
 from training.cli import build_parser, main
+from training.runs import from_namespace
+
+R = TypeVar("R")
 
 WORDS = {
     "the": "el", "cat": "gato", "dog": "perro", "house": "casa", "red": "rojo", "blue": "azul", "green": "verde",
@@ -85,6 +89,11 @@ def call_command(*argv: str) -> None:
     """Parse ``argv`` and call the command directly, so a UserError propagates to the test."""
     args = build_parser().parse_args(argv)
     args.func(args)
+
+
+def parse_run(run_type: type[R], *argv: str) -> R:
+    """The typed run (training.runs) that the command line ``argv`` describes."""
+    return from_namespace(run_type, build_parser().parse_args(argv))
 
 
 def train_args(family: str, data: dict[str, Path], out: Path, *extra: str) -> list[str]:

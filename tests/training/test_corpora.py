@@ -11,7 +11,8 @@ import pytest
 from tests.training.mo_writer import write_locale_tree
 from training import corpora
 from training.cli import main
-from training.corpora import PackageFilter, Pair, split_of, split_records
+from training.corpora import PackageFilter, split_of, split_records
+from training.data import Pair
 from training.errors import UserError
 from training.prepare import write_atomic
 
@@ -64,7 +65,7 @@ def test_translation_dedups_filters_and_caps_length(locale_dir: Path) -> None:
     pairs = corpora.build_translation(locale_dir, "es", max_chars=100)
     sources = [p.source for p in pairs]
     assert len(sources) == len(set(sources))
-    assert Pair("Hello", "Hola", "alpha") in pairs  # the first package in name order wins
+    assert Pair("Hello", "Hola", package="alpha") in pairs  # the first package in name order wins
     assert not any(len(p.source) > 100 for p in pairs)
     assert len(pairs) == len(EXPECTED_ALPHA) - 1 + 2  # minus the long one, plus Goodbye and Save
 

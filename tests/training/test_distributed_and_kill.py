@@ -14,7 +14,6 @@ import pytest
 
 from model.checkpoint import load_checkpoint
 from tests.training.conftest import log_rows, run_cli, train_args
-from training.session import DIGEST_ENV
 from training.state import LATEST, StateStore, state_dir_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,11 +31,11 @@ def _env(**extra: str) -> dict[str, str]:
 
 def test_two_process_torchrun_stays_in_sync(data, tmp_path):
     out, digests = tmp_path / "ckpt", tmp_path / "digests"
+    # `train` in each process; then each rank writes the digest of the parameters it trained.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           "-m", "training", "--log-level", "WARNING", *train_args("classifier", data, out, "--max-steps", "6"),
+           "-m", "tests.training.digest_train", str(digests), *train_args("classifier", data, out, "--max-steps", "6"),
            "--eval-every", "3", "--save-every", "3"]  # fmt: skip
-    result = subprocess.run(cmd, cwd=REPO, env=_env(**{DIGEST_ENV: str(digests)}), capture_output=True, text=True,
-                            timeout=180)  # fmt: skip
+    result = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
 
     hashes = {p.name: p.read_text() for p in digests.iterdir()}

@@ -1,6 +1,6 @@
 """`python -m training import --from hf`: a Hugging Face directory as our checkpoint, and back with export.
 
-The directories are the ones the service tests build with `transformers` (tests/service/test_hf_models.py):
+The directories are the ones tests/hf_directories.py builds with `transformers` (the service tests serve them):
 a GPT-2, a BERT classifier and an OPUS-MT translator with their tokenizer files. The imported checkpoint
 must compute what the directory computes and encode as it does; exporting it gives back the same tensors
 and a tokenizer that gives the same ids.
@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from model.checkpoint import HF_DIR, load_checkpoint
+from tests.hf_directories import PAIRS, TEXTS, bert_directory, gpt2_directory, opus_mt_directory
 from tests.service.fixtures import run_training
-from tests.service.test_hf_models import PAIRS, TEXTS, bert_directory, gpt2_directory, opus_mt_directory
 from training.errors import UserError
 
 transformers = pytest.importorskip("transformers")

@@ -1,6 +1,6 @@
 """`train --init-from DIR` fine-tunes a whole model, `evaluate` takes a Hugging Face base (issue 16).
 
-Tiny HF directories as transformers saves them (tests.service.test_hf_models) are fine-tuned for a few steps by
+Tiny HF directories as transformers saves them (tests/hf_directories.py) are fine-tuned for a few steps by
 the real command: the checkpoint it writes loads with the HF tokenizer kept (prompts encode as DIR's), holds the
 weights the command trained (not DIR's), and a --resume from the state (which keeps the HF files) finishes it.
 `evaluate` encodes with the model's tokenizer and special ids (its loss on GPT-2 is transformers') and loads a
@@ -19,11 +19,11 @@ from torch import nn
 from model.checkpoint import load_checkpoint
 from tests.hf_compare import ATOL
 from tests.service.fixtures import run_training
-from tests.training.conftest import TINY, write_text
-from tests.training.test_lora_hf import CASES, TEXTS, batch, hf_loss, write_data
-from tests.training.test_lora_hf import LOOP as LORA_LOOP
-from training import train_run
+from tests.training.conftest import TINY, parse_run, write_text
+from tests.training.hf_bases import CASES, LORA_LOOP, TEXTS, batch, hf_loss, write_data
 from training.errors import UserError
+from training.runs import TrainRun
+from training.train_run import train
 
 transformers = pytest.importorskip("transformers")
 
@@ -31,15 +31,13 @@ LOOP = ["--max-steps", "4", "--lr", "5e-2", "--warmup", "1", "--batch-tokens", "
         "--device", "cpu", "--eval-every", "2", "--save-every", "2", "--quiet"]
 
 
-def fine_tune(tmp_path: Path, base: Path, family: str, monkeypatch, *extra: str) -> tuple[Path, nn.Module]:
+def fine_tune(tmp_path: Path, base: Path, family: str, *extra: str) -> tuple[Path, nn.Module]:
     """The checkpoint `train FAMILY --init-from base` writes and the model it trained."""
-    trained = {}
-    monkeypatch.setattr(train_run, "write_param_digest", lambda model, ctx: trained.setdefault("model", model))
     train_file, valid = write_data(tmp_path, family)
     out = tmp_path / "tuned"
-    run_training("train", family, "--train", str(train_file), "--valid", str(valid), "--out", str(out),
-                 "--init-from", str(base), *LOOP, *extra)
-    return out, trained["model"].eval()
+    trained = train(parse_run(TrainRun, "train", family, "--train", str(train_file), "--valid", str(valid), "--out",
+                              str(out), "--init-from", str(base), *LOOP, *extra))
+    return out, trained.eval()
 
 
 def prompts(checkpoint) -> list[list[int]]:
@@ -49,9 +47,9 @@ def prompts(checkpoint) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("family", CASES)
-def test_init_from_an_hf_directory_fine_tunes_it_and_keeps_its_tokenizer(tmp_path, monkeypatch, family):
+def test_init_from_an_hf_directory_fine_tunes_it_and_keeps_its_tokenizer(tmp_path, family):
     base = CASES[family][0](tmp_path / "base")
-    out, trained = fine_tune(tmp_path, base, family, monkeypatch)
+    out, trained = fine_tune(tmp_path, base, family)
     original = load_checkpoint(base, device="cpu", dtype=torch.float32)
     tuned = load_checkpoint(out, device="cpu", dtype=torch.float32)
     assert (out / "hf" / "config.json").is_file() and tuned.labels == original.labels
@@ -64,22 +62,22 @@ def test_init_from_an_hf_directory_fine_tunes_it_and_keeps_its_tokenizer(tmp_pat
     assert json.loads((out / "metrics.json").read_text())["best_step"] in (2, 4)
 
 
-def test_a_resumed_init_from_run_keeps_the_hf_files(tmp_path, monkeypatch):
+def test_a_resumed_init_from_run_keeps_the_hf_files(tmp_path):
     base = CASES["causal_lm"][0](tmp_path / "base")
-    fine_tune(tmp_path, base, "causal_lm", monkeypatch, "--max-steps", "2")
+    fine_tune(tmp_path, base, "causal_lm", "--max-steps", "2")
     assert (tmp_path / "tuned.state").is_dir()
-    out, _ = fine_tune(tmp_path, base, "causal_lm", monkeypatch, "--resume")
+    out, _ = fine_tune(tmp_path, base, "causal_lm", "--resume")
     assert json.loads((out / "metrics.json").read_text())["steps_trained"] == 4
     tuned, original = (load_checkpoint(d, device="cpu") for d in (out, base))
     assert prompts(tuned) == prompts(original)
 
 
-def test_init_from_our_checkpoint_continues_it(tmp_path, monkeypatch):
+def test_init_from_our_checkpoint_continues_it(tmp_path):
     text = write_text(tmp_path / "text.txt", 40, seed=1)
     ours = tmp_path / "ours"
     run_training("train", "causal_lm", "--train", str(text), "--valid", str(text), "--out", str(ours), *TINY,
                  "--max-steps", "2", "--device", "cpu")
-    out, trained = fine_tune(tmp_path, ours, "causal_lm", monkeypatch)
+    out, trained = fine_tune(tmp_path, ours, "causal_lm")
     original, tuned = (load_checkpoint(d, device="cpu") for d in (ours, out))
     assert tuned.config == original.config and prompts(tuned) == prompts(original)
     assert not (out / "hf").exists()

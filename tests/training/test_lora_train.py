@@ -11,8 +11,9 @@ from safetensors.torch import load_file
 from model.checkpoint import load_checkpoint
 from model.lora import use_adapters
 from model.lora_io import load_adapter
-from tests.training.conftest import TINY, log_rows, run_cli, train_args
-from training import lora_run
+from tests.training.conftest import TINY, log_rows, parse_run, run_cli, train_args
+from training.lora_run import lora
+from training.runs import LoRARun
 from training.state import StateStore, state_dir_for
 
 
@@ -29,14 +30,13 @@ def _lora_args(base, data, out, *extra: str) -> list[str]:
             "--out", str(out), "--rank", "4", "--alpha", "8", *loop, *extra]  # fmt: skip
 
 
-def test_lora_trains_only_the_adapter(base, data, tmp_path, monkeypatch):
-    trained = {}
-    monkeypatch.setattr(lora_run, "write_param_digest", lambda model, ctx: trained.setdefault("model", model))
+def test_lora_trains_only_the_adapter(base, data, tmp_path):
     out = tmp_path / "adapter"
-    run_cli(*_lora_args(base, data, out, "--max-steps", "12", "--targets", "q_proj,v_proj,fc1"))
+    argv = _lora_args(base, data, out, "--max-steps", "12", "--targets", "q_proj,v_proj,fc1")
+    trained = lora(parse_run(LoRARun, *argv))
 
     before = load_checkpoint(base, device="cpu").model.state_dict()
-    after = trained["model"].state_dict()
+    after = trained.state_dict()
     base_keys = {k: k.replace(".base.", ".") for k in after if ".lora_" not in k}  # LoRALinear keeps .base
     assert set(base_keys.values()) == set(before)
     for name, original in base_keys.items():

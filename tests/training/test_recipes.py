@@ -9,6 +9,7 @@ import math
 import random
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,12 +20,15 @@ from model.checkpoint import load_checkpoint
 from model.lora_io import load_adapter
 from tests.training.mo_writer import write_locale_tree
 from training import baselines
+from training.arch import ModelSizes
 from training.baselines import lm_targets, majority_class, map_langdetect, unigram_perplexity
 from training.data import LabeledText, Pair
 from training.errors import UserError
 from training.recipe_run import run_recipe
-from training.recipe_stages import Paths, plan, run_command
+from training.recipe_stages import Paths, plan
 from training.recipes import FamilyRecipe, Tier
+from training.runs import LORA_LOOP, AdapterSpec, Data, Loop, SplitFractions, TrainRun
+from training.train_run import train
 
 HAS_LANGDETECT = importlib.util.find_spec("langdetect") is not None
 WORDS = {
@@ -33,9 +37,8 @@ WORDS = {
     "de": ["Datei", "öffnen", "speichern", "schließen", "Zweig", "neu", "löschen", "alles"],
 }
 ENGLISH = ["file", "open", "save", "close", "branch", "new", "delete", "all"]
-TINY = ("--layers", "1", "--d-model", "16", "--heads", "2", "--ffn", "32", "--vocab-size", "300", "--max-len", "32")
-LOOP = ("--max-steps", "3", "--eval-every", "3", "--save-every", "3", "--batch-tokens", "256", "--warmup", "2")
-LORA = ("--rank", "2", "--alpha", "4", *LOOP)
+TINY = ModelSizes(layers=1, d_model=16, heads=2, ffn=32, max_len=32)
+LOOP = {"max_steps": 3, "eval_every": 3, "save_every": 3, "batch_tokens": 256, "warmup": 2}
 
 
 def _catalog(rng: random.Random, lang: str, n: int) -> dict[str, str]:
@@ -66,9 +69,20 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 def tiny_tier() -> Tier:
     def family(model: str, family: str, adapter: str, arch: str) -> FamilyRecipe:
-        return FamilyRecipe(model, family, adapter, ("--arch", arch, *TINY, *LOOP), 1.0, LORA, 1.0, eval_minutes=0.1)
+        return FamilyRecipe(
+            model=model,
+            family=family,
+            adapter=adapter,
+            sizes=replace(TINY, arch=arch),
+            vocab_size=300,
+            train_loop=Loop(**LOOP),
+            train_minutes=1.0,
+            lora=AdapterSpec(rank=2, alpha=4),
+            lora_loop=replace(LORA_LOOP, **LOOP),
+            lora_minutes=1.0,
+            eval_minutes=0.1,
+        )
 
-    split = ("--valid-fraction", "0.2", "--test-fraction", "0.2")
     return Tier(
         name="tiny",
         translation=family("translation", "seq2seq", "git", "paper"),
@@ -76,7 +90,7 @@ def tiny_tier() -> Tier:
         code=family("code", "causal_lm", "tests", "gpt2"),
         translation_package="git",
         langdetect=HAS_LANGDETECT,
-        prepare_flags={kind: split for kind in ("translation", "langid", "code")},
+        fractions=SplitFractions(valid_fraction=0.2, test_fraction=0.2),
     )
 
 
@@ -141,10 +155,9 @@ def test_recipe_resumes_an_interrupted_training_run(
     f = tiny_tier().code
     shutil.rmtree(paths.model(f))
     # An interrupted run: its state (saved at step 2 of 3) is left under runs/, the model never moved.
-    data = [f"--{split}={paths.split('code', 'code', split)}" for split in ("train", "valid")]
-    run_command(
-        ["train", f.family, *data, *f.train_flags, "--max-steps", "2", "--out", str(paths.run_dir(paths.model(f)))]
-    )
+    data = Data(paths.split("code", "code", "train"), paths.split("code", "code", "valid"))
+    out, loop = paths.run_dir(paths.model(f)), replace(f.train_loop, max_steps=2)
+    train(TrainRun(family=f.family, data=data, out=out, sizes=f.sizes, vocab_size=f.vocab_size, loop=loop))
     with caplog.at_level(logging.INFO):
         summary = run_recipe(tiny_tier(), paths)
     assert any("resumed from" in r.getMessage() and "at step 2" in r.getMessage() for r in caplog.records)
