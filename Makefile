@@ -13,6 +13,7 @@ $(STAMP): requirements.txt requirements-dev.txt constraints.txt
 	python3 -m venv $(VENV)
 	$(PIP) install torch==2.13.0
 	$(PIP) install -r requirements-dev.txt -c constraints.txt
+	$(PIP) install --no-deps -e .  # model, training and service importable from any directory
 	touch $(STAMP)
 
 ## Our C++ CPU kernels (model/native.py): built once per machine (under a minute), then only imported.

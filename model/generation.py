@@ -65,7 +65,9 @@ def stop_strings(tokenizer: Tokenizer, stops: Sequence[str]) -> StopFn | None:
     stops = [s for s in stops if s]
     if not stops:
         return None
-    window = max(len(s) for s in stops) + 8  # characters; a stop string spans at most this many tokens
+    # Tokens to decode: every token holds at least one byte of text, so a stop string ending at the last token
+    # lies within its UTF-8 length in tokens (plus a few for tokens that decode to nothing).
+    window = max(len(s.encode("utf-8", "surrogatepass")) for s in stops) + 8
 
     def stop_fn(_input: int, tokens: list[int]) -> bool:
         tail = tokenizer.decode(tokens[-window:])

@@ -157,6 +157,16 @@ class KVCache:
             self.max_length += longest
         self._write_positions = None
 
+    def snapshot(self) -> tuple[torch.Tensor, int, bool]:
+        """What a step changes in the rows' bookkeeping; :meth:`rollback` returns to it."""
+        return self.lengths, self.max_length, self.uniform
+
+    def rollback(self, snapshot: tuple[torch.Tensor, int, bool]) -> None:
+        """Undo a step that did not finish (the written keys and values beyond the lengths are ignored, and
+        overwritten by the next step)."""
+        self.lengths, self.max_length, self.uniform = snapshot
+        self._write_positions = None
+
     def select(self, index: torch.Tensor) -> None:
         """Keep, reorder or duplicate rows: row i becomes old row ``index[i]`` (beams, finished rows).
 

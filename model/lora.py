@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -26,12 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.int8_linear import Int8Linear
 from model.layout import input_major
-from model.lora_config import AdapterError, LoRAConfig
+from model.lora_config import NAME_RULE, AdapterError, LoRAConfig, is_valid_name, quote
 
 logger = logging.getLogger(__name__)
 
-_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 AdapterSelection = str | None | Sequence[str | None]
 
 
@@ -325,8 +324,8 @@ class HeadCopies(nn.Module):
 
 
 def _check_name(name: Any) -> None:
-    if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or name in (".", ".."):
-        raise AdapterError(f"invalid adapter name {name!r}: use 1-64 of [A-Za-z0-9_.-], not '.' or '..'")
+    if not is_valid_name(name):
+        raise AdapterError(f"invalid adapter name {quote(name)}: use {NAME_RULE}")
 
 
 def _lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
@@ -356,9 +355,7 @@ def check_new_name(model: nn.Module, name: str) -> None:
 
 
 def find_targets(model: nn.Module, targets: Sequence[str]) -> dict[str, nn.Module]:
-    """Plain nn.Linear (float or model.quantize.Int8Linear) or LoRALinear modules named in `targets`."""
-    from model.quantize import Int8Linear  # model.quantize imports this module
-
+    """Plain nn.Linear (float or model.int8_linear.Int8Linear) or LoRALinear modules named in `targets`."""
     found: dict[str, nn.Module] = {}
     for path, module in model.named_modules():
         parent, _, leaf = path.rpartition(".")
@@ -464,6 +461,13 @@ def delete_adapter(model: nn.Module, name: str) -> None:
 def adapter_names(model: nn.Module) -> list[str]:
     """Resident adapters, sorted."""
     return sorted({n for layer in _lora_layers(model).values() for n in layer.configs})
+
+
+def adapter_parameter_count(model: nn.Module) -> int:
+    """Parameters the resident adapters add to ``model`` (their A and B matrices and head copies)."""
+    held: list[nn.Module] = [m for layer in _lora_layers(model).values() for m in (layer.lora_A, layer.lora_B)]
+    held += [copies.copies for copies in head_copies(model).values()]
+    return sum(p.numel() for module in held for p in module.parameters())
 
 
 def get_adapter_config(model: nn.Module, name: str) -> LoRAConfig:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -26,8 +27,19 @@ MAX_RANK = 65536  # far above any layer width; keeps shapes and messages small (
 QUOTE_CHARS = 64  # user-supplied names and values are quoted in errors up to this many characters
 
 
+# The one rule for adapter (and model) names: also a directory name, never hidden or an option.
+NAME_PATTERN = r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}"
+NAME_RULE = "1-64 of [A-Za-z0-9_.-], not starting with '.' or '-'"
+_NAME = re.compile(NAME_PATTERN)
+
+
 class AdapterError(ValueError):
     """A user-facing LoRA failure; the message names the adapter, file or tensor involved."""
+
+
+def is_valid_name(name: object) -> bool:
+    """Whether ``name`` follows :data:`NAME_RULE`."""
+    return isinstance(name, str) and _NAME.fullmatch(name) is not None
 
 
 def quote(value: object) -> str:

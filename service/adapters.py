@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 import time
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from pathlib import Path
 from torch import nn
 
 from model import lora, lora_io
-from model.lora_config import quote
+from model.lora_config import NAME_RULE, is_valid_name, quote
 from service import adapter_store
 from service.errors import InvalidRequest, NotFound, QueueFull
 from service.metrics import Metrics
@@ -41,7 +40,6 @@ from service.types import AdapterInfo
 
 logger = logging.getLogger(__name__)
 
-NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # model.lora's rule for adapter names
 RETRY_AFTER_S = 1.0
 
 
@@ -67,8 +65,8 @@ class _Entry:
 
 
 def check_name(name: object) -> str:
-    if not isinstance(name, str) or not NAME_RE.fullmatch(name) or name in (".", ".."):
-        raise InvalidRequest(f"adapter name {quote(name)} is invalid: use 1-64 of [A-Za-z0-9_.-], not '.' or '..'")
+    if not is_valid_name(name):
+        raise InvalidRequest(None, f"adapter name {quote(name)} is invalid: use {NAME_RULE}")
     return name
 
 
@@ -88,6 +86,16 @@ class AdapterRegistry:
         self._lock = threading.Lock()
         self._serial = 0
         self.changes = 0  # bumped whenever the model's adapters change (the scheduler re-selects rows then)
+
+    @property
+    def base(self) -> Path | None:
+        """``<root>/<model>/``: where this model's adapters live (one directory each), if adapters are on disk."""
+        return self.root / self.model_name if self.root is not None else None
+
+    def directory_for(self, name: str) -> Path | None:
+        """``<root>/<model>/<name>/``: adapter ``name``'s directory (None when adapters are not on disk)."""
+        base = self.base
+        return base / check_name(name) if base is not None else None
 
     # ---- any thread -----------------------------------------------------------------------------
 
@@ -121,19 +129,19 @@ class AdapterRegistry:
     def check_directory(self, directory: Path) -> Path:
         """``directory`` resolved, if it and its files lie inside the adapters directory."""
         if self.root is None:
-            raise InvalidRequest("directory: adapter loading is disabled (no adapters directory is configured)")
+            raise InvalidRequest("directory", "adapter loading is disabled (no adapters directory is configured)")
         shown = self._shown(directory)
         try:
             resolved = Path(directory).resolve()
             if not resolved.is_relative_to(self.root):
-                raise InvalidRequest(f"adapter directory {shown} is outside the adapters directory")
+                raise InvalidRequest(None, f"adapter directory {shown} is outside the adapters directory")
             if not resolved.is_dir():
-                raise InvalidRequest(f"adapter directory {shown} is not a directory")
+                raise InvalidRequest(None, f"adapter directory {shown} is not a directory")
             for name in (lora_io.CONFIG_FILE, lora_io.WEIGHTS_FILE):
                 if (resolved / name).exists() and not (resolved / name).resolve().is_relative_to(self.root):
-                    raise InvalidRequest(f"{shown}/{name} links outside the adapters directory")
+                    raise InvalidRequest(None, f"{shown}/{name} links outside the adapters directory")
         except (OSError, RuntimeError) as exc:  # a symlink loop, a permission
-            raise InvalidRequest(f"adapter directory {shown}: {exc.strerror or exc}") from None
+            raise InvalidRequest(None, f"adapter directory {shown}: {exc.strerror or exc}") from None
         return resolved
 
     def check(self, name: str, directory: Path) -> lora.LoRAConfig:
@@ -143,11 +151,11 @@ class AdapterRegistry:
         try:
             return lora_io.check_adapter(self.model, path, name, self.layout)
         except lora.AdapterError as exc:
-            raise InvalidRequest(self._public(str(exc))) from None
+            raise InvalidRequest(None, self._public(str(exc))) from None
 
     def discover(self) -> list[str]:
         """Register ``<root>/<model>/<adapter>/`` directories (not loaded); returns their names, sorted."""
-        base = self.root / self.model_name if self.root is not None else None
+        base = self.base
         if base is None or not base.is_dir():
             return []
         try:
@@ -185,7 +193,7 @@ class AdapterRegistry:
                 entry = self._entries.get(version.public)
                 if entry is not None and entry.current is version:
                     entry.current = None
-            raise InvalidRequest(self._public(str(exc))) from None
+            raise InvalidRequest(None, self._public(str(exc))) from None
         with self._lock:
             version.loaded_at = time.time()
             entry = self._entries.get(version.public)
@@ -220,7 +228,7 @@ class AdapterRegistry:
         try:
             lora_io.load_adapter(self.model, path, version.internal, layout=self.layout)
         except lora.AdapterError as exc:
-            raise InvalidRequest(self._public(str(exc))) from None
+            raise InvalidRequest(None, self._public(str(exc))) from None
         with self._lock:
             version.loaded_at = time.time()
             entry = self._entries.get(name)
@@ -266,7 +274,7 @@ class AdapterRegistry:
         try:
             return lora_io.read_config(directory, name, self.layout)
         except lora.AdapterError as exc:
-            raise InvalidRequest(self._public(str(exc))) from None
+            raise InvalidRequest(None, self._public(str(exc))) from None
 
     def _shown(self, path: Path) -> str:
         """``path`` relative to the adapters directory, or its last component when it lies outside."""

@@ -41,7 +41,7 @@ class MapSelection:
         total = sum(t.numel() for t in chosen.values())
         if total > MAX_ATTENTION_VALUES:
             shapes = ", ".join(f"{kind} {'x'.join(map(str, t.shape))}" for kind, t in chosen.items())
-            raise InvalidRequest(f"layers: the selected maps hold {total} weights ({shapes}), over the limit of "
+            raise InvalidRequest("layers", f"the selected maps hold {total} weights ({shapes}), over the limit of "
                                  f"{MAX_ATTENTION_VALUES}; select fewer layers or heads (fields layers, heads)")
         return {kind: t.float().tolist() for kind, t in chosen.items()}
 
@@ -52,7 +52,7 @@ ALL_MAPS = MapSelection()
 def _check_indices(field: str, indices: tuple[int, ...] | None, count: int, what: str) -> None:
     bad = [i for i in indices or () if not 0 <= i < count]
     if bad:
-        raise InvalidRequest(f"{field}: {bad} out of range; this model has {count} {what} (0-{count - 1})")
+        raise InvalidRequest(field, f"{bad} out of range; this model has {count} {what} (0-{count - 1})")
 
 
 def classifier_maps(model: nn.Module, tokenizer: Any, ids: list[int], segments: list[int],

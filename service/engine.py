@@ -25,12 +25,12 @@ from typing import Any, TypeVar
 
 from model.checkpoint import Checkpoint, load_checkpoint, parameter_count
 from model.classifier import POOLINGS
-from model.decoding import GenerationConfig
+from model.decoding import ConfigError, GenerationConfig, Strategy
 from model.generation import generate_seq2seq
 from model.hf.generation import GenerationRules
 from model.hf.sentence import EmbeddingDefaults
-from model.layout import use_input_major_weights
-from model.quantize import mode_for, quantize
+from model.lora import adapter_parameter_count
+from model.quantize import mode_for, prepare_for_inference
 from model.tokenizer import Tokenizer
 from service.adapters import AdapterRegistry, check_name
 from service.attention import ALL_MAPS, MapSelection, causal_maps, classifier_maps, seq2seq_maps
@@ -38,21 +38,16 @@ from service.errors import InvalidRequest, NotFound, NotReady, ServiceError
 from service.jobs import DEADLINE_GRACE_S, CallJob, GenerationJob, Job, PoolingJob, StreamText
 from service.metrics import Metrics
 from service.pooling import PoolingScheduler
+from service.runners import RUNNERS
 from service.scheduler import GenerationScheduler, Scheduler
-from service.types import (
-    AdapterInfo,
-    AttentionOutput,
-    ClassifyOutput,
-    EngineSettings,
-    GenerateOutput,
-    GenerateParams,
-    ModelInfo,
-    StreamEvent,
-)
+from service.schemas import DEFAULT_NEW_TOKENS, GenerateOutput, GenerateRequest
+from service.types import AdapterInfo, AttentionOutput, ClassifyOutput, EngineSettings, ModelInfo, StreamEvent
 
 logger = logging.getLogger(__name__)
 
-STRATEGIES = ("greedy", "beam", "sample")
+# The GenerateRequest fields that are GenerationConfig fields too.
+DECODING_FIELDS = ("strategy", "max_new_tokens", "min_new_tokens", "num_beams", "length_penalty", "early_stopping",
+                   "num_return_sequences", "temperature", "top_k", "top_p", "seed")
 GENERATIVE = ("causal_lm", "seq2seq")
 TOKENIZER_THREADS = 2  # per model: encoding is bounded per input, so two threads keep requests from queueing
 T = TypeVar("T")
@@ -72,15 +67,15 @@ class ModelWorker:
         self.metrics = metrics
         self.registry = AdapterRegistry(self.model, name, adapters_dir, settings.max_resident_adapters, metrics,
                                         checkpoint.adapter_layout)
-        c = self.config
-        model_limit = {"causal_lm": c.max_len - 1, "seq2seq": getattr(c, "max_src_len", 0), "classifier": c.max_len}
-        self.max_input_tokens = min(model_limit[self.family], settings.max_input_tokens or model_limit[self.family])
-        self.max_new_tokens = min(settings.max_new_tokens, c.max_len - 1) if self.family in GENERATIVE else 0
+        self.runner = RUNNERS[self.family](self.model) if self.family in RUNNERS else None  # generative families
+        model_limit = self.runner.max_input_tokens if self.runner is not None else self.config.max_len
+        self.max_input_tokens = min(model_limit, settings.max_input_tokens or model_limit)
+        self.max_new_tokens = min(settings.max_new_tokens, self.runner.room(1)) if self.runner is not None else 0
         self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix=f"tokenize-{name}")
         self.scheduler: Scheduler
-        if self.family in GENERATIVE:
-            self.scheduler = GenerationScheduler(name, self.model, self.family, checkpoint.tokenizer, settings,
-                                                 metrics, self.registry)
+        if self.runner is not None:
+            self.scheduler = GenerationScheduler(name, self.runner, checkpoint.tokenizer, settings, metrics,
+                                                 self.registry)
         else:
             self.scheduler = PoolingScheduler(name, self.model, list(checkpoint.labels or []), settings, metrics,
                                               self.registry)
@@ -88,12 +83,14 @@ class ModelWorker:
     @property
     def info(self) -> ModelInfo:
         p = next(self.model.parameters())
+        adapters = adapter_parameter_count(self.model)
         return ModelInfo(
             name=self.name,
             family=self.family,
             device=str(p.device),
             dtype=str(p.dtype).removeprefix("torch."),
-            parameters=parameter_count(self.model),
+            parameters=parameter_count(self.model) - adapters,
+            adapter_parameters=adapters,
             vocab_size=self.config.vocab_size,
             max_input_tokens=self.max_input_tokens,
             max_new_tokens=self.max_new_tokens,
@@ -117,8 +114,9 @@ class ModelWorker:
     async def warmup(self) -> None:
         """One tiny request through the real path (fills caches, catches a broken model early)."""
         request_id = f"warmup-{self.name}"
-        if self.family in GENERATIVE:
-            await self.generate(["warm up"], GenerateParams(max_new_tokens=min(2, self.max_new_tokens)), request_id)
+        if self.runner is not None:
+            await self.generate(GenerateRequest(inputs=["warm up"], max_new_tokens=min(2, self.max_new_tokens)),
+                                request_id)
         else:
             if self.config.num_labels:
                 await self.classify(["warm up"], None, None, request_id)
@@ -126,21 +124,21 @@ class ModelWorker:
 
     # ---- requests ---------------------------------------------------------------------------------
 
-    async def generate(self, inputs: list[str], params: GenerateParams, request_id: str) -> list[GenerateOutput]:
-        job = await self._generation_job(inputs, params, request_id, stream=False)
+    async def generate(self, req: GenerateRequest, request_id: str) -> list[GenerateOutput]:
+        """One output per input of ``req`` (``req.stream`` is the HTTP layer's: see :meth:`stream`)."""
+        job = await self._generation_job(req, request_id, stream=False)
         self._submit(job)
         return await job.wait()
 
-    async def stream(self, text: str, params: GenerateParams, request_id: str) -> AsyncIterator[StreamEvent]:
-        """Events as tokens come (validation errors raise here, before any event).
+    async def stream(self, req: GenerateRequest, request_id: str) -> AsyncIterator[StreamEvent]:
+        """Events as tokens come for ``req``'s one input (validation errors raise here, before any event).
 
         Greedy and sample (num_return_sequences 1) stream token by token; beam search streams its
         best sequence as a single final event (beams only settle at the end).
         """
-        if params.strategy != "beam" and params.num_return_sequences != 1:
-            raise InvalidRequest(f"num_return_sequences: streaming returns one sequence, got "
-                                 f"{params.num_return_sequences}")
-        job = await self._generation_job([text], params, request_id, stream=True)
+        if len(req.inputs) != 1:
+            raise InvalidRequest("inputs", f"streaming takes exactly one input, got {len(req.inputs)}")
+        job = await self._generation_job(req, request_id, stream=True)
         self._submit(job)
         return self._events(job)
 
@@ -168,10 +166,11 @@ class ModelWorker:
                        request_id: str) -> list[ClassifyOutput]:
         self._require("classify", ("classifier",))
         if not self.config.num_labels:
-            raise InvalidRequest(f"model {self.name!r} has no classification head (an embedding model); use /embed")
+            raise InvalidRequest(None, f"model {self.name!r} has no classification head (an embedding model); "
+                                       "use /embed")
         self._check_count(inputs)
         if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
-            raise InvalidRequest(f"top_k: must be an integer >= 1, got {top_k!r}")
+            raise InvalidRequest("top_k", f"must be an integer >= 1, got {top_k!r}")
         tok = self.checkpoint.tokenizer
         pairs = []
         for i, item in enumerate(inputs):
@@ -180,7 +179,7 @@ class ModelWorker:
             elif isinstance(item, list | tuple) and len(item) == 2 and all(isinstance(t, str) for t in item):
                 pair = (item[0], item[1])
             else:
-                raise InvalidRequest(f"inputs[{i}]: expected a string or a pair of strings")
+                raise InvalidRequest(f"inputs[{i}]", "expected a string or a pair of strings")
             for text in filter(None, pair):
                 self._check_size(f"inputs[{i}]", text, tok, self.max_input_tokens)
             pairs.append(pair)
@@ -201,7 +200,7 @@ class ModelWorker:
         pooling = defaults.pooling if pooling is None else pooling
         normalize = defaults.normalize if normalize is None else normalize
         if pooling not in POOLINGS:
-            raise InvalidRequest(f"pooling: must be one of {list(POOLINGS)}, got {pooling!r}")
+            raise InvalidRequest("pooling", f"must be one of {list(POOLINGS)}, got {pooling!r}")
         tok = self.checkpoint.tokenizer
         texts = [self._check_size(f"inputs[{i}]", self._text(i, t), tok, self.max_input_tokens)
                  for i, t in enumerate(inputs)]
@@ -224,7 +223,7 @@ class ModelWorker:
         text = self._check_size("inputs[0]", self._text(0, text), tokenizer, self.max_input_tokens)
         if target is not None:
             if not isinstance(target, str):
-                raise InvalidRequest("target: expected a string")
+                raise InvalidRequest("target", "expected a string")
             self._check_size("target", target, self.checkpoint.tokenizer, self.config.max_len, "the model's max_len")
         selection.check_heads(self.config.n_heads)
         prepare = {"classifier": self._classifier_attention, "seq2seq": self._seq2seq_attention,
@@ -282,25 +281,25 @@ class ModelWorker:
         if adapter is None:
             return None
         if not isinstance(adapter, str):
-            raise InvalidRequest(f"adapter: expected a name, got {adapter!r}")
+            raise InvalidRequest("adapter", f"expected a name, got {adapter!r}")
         return self.registry.acquire(adapter)
 
     def _require(self, endpoint: str, families: tuple[str, ...]) -> None:
         if self.family not in families:
             needs = " or ".join(f"a {f}" for f in families)
-            raise InvalidRequest(f"model {self.name!r} is a {self.family}; {endpoint} needs {needs}")
+            raise InvalidRequest(None, f"model {self.name!r} is a {self.family}; {endpoint} needs {needs}")
 
     def _check_count(self, inputs: Any) -> None:
         if not isinstance(inputs, list | tuple) or not inputs:
-            raise InvalidRequest("inputs: expected a non-empty list")
+            raise InvalidRequest("inputs", "expected a non-empty list")
         if len(inputs) > self.settings.max_inputs_per_request:
-            raise InvalidRequest(f"inputs: {len(inputs)} inputs exceeds max_inputs_per_request="
+            raise InvalidRequest("inputs", f"{len(inputs)} inputs exceeds max_inputs_per_request="
                                  f"{self.settings.max_inputs_per_request}")
 
     @staticmethod
     def _text(i: int, text: Any) -> str:
         if not isinstance(text, str):
-            raise InvalidRequest(f"inputs[{i}]: expected a string, got {type(text).__name__}")
+            raise InvalidRequest(f"inputs[{i}]", f"expected a string, got {type(text).__name__}")
         return text
 
     @staticmethod
@@ -310,14 +309,14 @@ class ModelWorker:
         it is encoded."""
         size, allowed = len(text.encode("utf-8", "surrogatepass")), max_tokens * tokenizer.max_token_bytes
         if size > allowed:
-            raise InvalidRequest(f"{field}: {size} bytes, over the {allowed} that {max_tokens} tokens ({limit}) "
+            raise InvalidRequest(field, f"{size} bytes, over the {allowed} that {max_tokens} tokens ({limit}) "
                                  f"allow: one token of this model covers at most {tokenizer.max_token_bytes} bytes")
         return text
 
     def _check_length(self, i: int, encoded: Any) -> Any:
         ids = encoded[0] if isinstance(encoded, tuple) else encoded
         if len(ids) > self.max_input_tokens:
-            raise InvalidRequest(f"inputs[{i}]: {len(ids)} tokens exceeds max_input_tokens={self.max_input_tokens}")
+            raise InvalidRequest(f"inputs[{i}]", f"{len(ids)} tokens exceeds max_input_tokens={self.max_input_tokens}")
         return encoded
 
     async def prompt_tokens(self, texts: list[str]) -> int:
@@ -333,7 +332,7 @@ class ModelWorker:
     @property
     def generation_defaults(self) -> dict[str, Any]:
         """The model's own defaults for what a generate request leaves unset (an HF model's generation config:
-        GenerateParams fields), within this server's limits."""
+        GenerateRequest fields), within this server's limits."""
         defaults = dict((self.checkpoint.generation or GenerationRules()).defaults)
         if "max_new_tokens" in defaults:
             defaults["max_new_tokens"] = min(defaults["max_new_tokens"], self.max_new_tokens)
@@ -341,55 +340,56 @@ class ModelWorker:
             defaults["num_beams"] = min(defaults["num_beams"], self.settings.max_beams)
         return defaults
 
-    def _generation_config(self, params: GenerateParams) -> GenerationConfig:
+    def generation_config(self, req: GenerateRequest, stream: bool = False) -> GenerationConfig:
+        """The one conversion of a generate request into how to decode: the fields it sets, the model's
+        defaults for those it leaves unset (else the schema's), checked against this server's limits, with the
+        model's EOS and its generation rules."""
         s = self.settings
-        if params.strategy not in STRATEGIES:
-            raise InvalidRequest(f"strategy: must be one of {list(STRATEGIES)}, got {params.strategy!r}")
-        if isinstance(params.max_new_tokens, int) and params.max_new_tokens > self.max_new_tokens:
-            raise InvalidRequest(f"max_new_tokens: {params.max_new_tokens} exceeds the limit {self.max_new_tokens} "
-                                 f"(max_new_tokens={s.max_new_tokens}, model max_len={self.config.max_len})")
-        if params.strategy == "beam" and isinstance(params.num_beams, int) and params.num_beams > s.max_beams:
-            raise InvalidRequest(f"num_beams: {params.num_beams} exceeds max_beams={s.max_beams}")
-        if isinstance(params.num_return_sequences, int) and params.num_return_sequences > s.max_return_sequences:
-            raise InvalidRequest(f"num_return_sequences: {params.num_return_sequences} exceeds "
-                                 f"max_return_sequences={s.max_return_sequences}")
-        if not isinstance(params.stop, list | tuple) or not all(isinstance(x, str) for x in params.stop):
-            raise InvalidRequest("stop: expected a list of strings")
-        if params.strategy == "beam" and any(params.stop):
-            raise InvalidRequest("stop: stop strings are not supported with strategy 'beam'")
+        values = {name: getattr(req, name) for name in DECODING_FIELDS}
+        values |= {k: v for k, v in self.generation_defaults.items()
+                   if k not in req.model_fields_set or values[k] is None}
+        if values["max_new_tokens"] is None:
+            values["max_new_tokens"] = max(1, min(DEFAULT_NEW_TOKENS, self.max_new_tokens))
+        beam = values["strategy"] == Strategy.BEAM
+        limits = (("max_new_tokens", self.max_new_tokens, f"the limit {self.max_new_tokens} (max_new_tokens="
+                   f"{s.max_new_tokens}, model max_len={self.config.max_len})"),
+                  ("num_beams", s.max_beams if beam else None, f"max_beams={s.max_beams}"),
+                  ("num_return_sequences", s.max_return_sequences, f"max_return_sequences={s.max_return_sequences}"))
+        for name, cap, limit in limits:
+            if cap is not None and values[name] > cap:
+                raise InvalidRequest(name, f"{values[name]} exceeds {limit}")
+        if beam and any(req.stop):
+            raise InvalidRequest("stop", "stop strings are not supported with strategy 'beam'")
+        if stream and not beam and values["num_return_sequences"] != 1:
+            raise InvalidRequest("num_return_sequences",
+                                 f"streaming returns one sequence, got {values['num_return_sequences']}")
+        if not beam:
+            values["num_beams"] = 1
         try:
-            return GenerationConfig(
-                strategy=params.strategy, max_new_tokens=params.max_new_tokens, min_new_tokens=params.min_new_tokens,
-                num_beams=params.num_beams if params.strategy == "beam" else 1,
-                length_penalty=params.length_penalty, early_stopping=params.early_stopping,
-                num_return_sequences=params.num_return_sequences,
-                temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=params.seed,
-                eos_token_id=self.config.eos_id, **self._rules,
-            )
-        except (ValueError, TypeError) as exc:
-            raise InvalidRequest(str(exc)) from None
+            return GenerationConfig(**values, eos_token_id=self.config.eos_id, **self._rules)
+        except ConfigError as exc:
+            raise InvalidRequest(exc.field, exc.message) from None
 
-    async def _generation_job(self, inputs: list[str], params: GenerateParams, request_id: str,
-                              stream: bool) -> GenerationJob:
+    async def _generation_job(self, req: GenerateRequest, request_id: str, stream: bool) -> GenerationJob:
         self._require("generate", GENERATIVE)
-        self._check_count(inputs)
-        config = self._generation_config(params)
+        self._check_count(req.inputs)
+        config = self.generation_config(req, stream)
         tokenizer = self.checkpoint.prompt_tokenizer
-        texts = [self._check_size(f"inputs[{i}]", self._text(i, t), tokenizer, self.max_input_tokens)
-                 for i, t in enumerate(inputs)]
+        texts = [self._check_size(f"inputs[{i}]", text, tokenizer, self.max_input_tokens)
+                 for i, text in enumerate(req.inputs)]
         prompts = []
         for i, ids in enumerate(await self._tokenize(lambda: self.checkpoint.encode_prompts(texts))):
             self._check_length(i, ids)
             if not ids:  # an imported tokenizer may add nothing to a text that encodes to nothing
-                raise InvalidRequest(f"inputs[{i}]: the text encodes to no tokens; generation needs at least one")
-            if self.family == "causal_lm" and len(ids) + config.max_new_tokens > self.config.max_len:
-                raise InvalidRequest(f"inputs[{i}]: {len(ids)} tokens + max_new_tokens={config.max_new_tokens} "
+                raise InvalidRequest(f"inputs[{i}]", "the text encodes to no tokens; generation needs at least one")
+            if config.max_new_tokens > self.runner.room(len(ids)):
+                raise InvalidRequest(f"inputs[{i}]", f"{len(ids)} tokens + max_new_tokens={config.max_new_tokens} "
                                      f"exceeds the model's max_len={self.config.max_len}")
             prompts.append(ids)
-        stops = [s for s in params.stop if s]
+        stops = [s for s in req.stop if s]
         text_stream = StreamText(self.checkpoint.tokenizer.decode, stops) if stream else None
         return GenerationJob(request_id, self.settings.request_timeout_s, prompts, config, stops,
-                             adapter=self._acquire(params.adapter), stream=text_stream)
+                             adapter=self._acquire(req.adapter), stream=text_stream)
 
     # ---- attention: prepared here, run on the worker thread (service.attention) ----------------------------
 
@@ -401,7 +401,7 @@ class ModelWorker:
         src = self._check_length(0, self.checkpoint.encode_prompts([text])[0])
         tgt = self.checkpoint.tokenizer.encode(target) if target is not None else None
         if tgt is not None and len(tgt) + 1 > self.config.max_len:
-            raise InvalidRequest(f"target: {len(tgt)} tokens exceeds the model's max_len={self.config.max_len} - 1")
+            raise InvalidRequest("target", f"{len(tgt)} tokens exceeds the model's max_len={self.config.max_len} - 1")
 
         def run() -> AttentionOutput:
             out = tgt
@@ -417,7 +417,7 @@ class ModelWorker:
         prompt = self._check_length(0, self.checkpoint.encode_prompts([text])[0])
         tgt = self.checkpoint.tokenizer.encode(target) if target is not None else None
         if len(prompt) + len(tgt or []) > self.config.max_len:
-            raise InvalidRequest(f"target: prompt + target ({len(prompt) + len(tgt or [])} tokens) exceeds the "
+            raise InvalidRequest("target", f"prompt + target ({len(prompt) + len(tgt or [])} tokens) exceeds the "
                                  f"model's max_len={self.config.max_len}")
         return lambda: causal_maps(self.model, self.checkpoint.tokenizer, prompt, tgt, selection)
 
@@ -461,8 +461,7 @@ class Engine:
             try:
                 checkpoint = await asyncio.to_thread(load_checkpoint, directory, self.settings.device,
                                                      self.settings.dtype)
-                quantize(checkpoint.model, mode_for(self.settings.quantize, name))
-                use_input_major_weights(checkpoint.model)
+                prepare_for_inference(checkpoint.model, mode_for(self.settings.quantize, name))
                 worker = ModelWorker(name, checkpoint, self.settings, self.metrics, self.adapters_dir)
                 await worker.start()
                 self.metrics.model_load_seconds.labels(name).set(time.perf_counter() - start)

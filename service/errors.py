@@ -15,10 +15,16 @@ class ServiceError(Exception):
 
 
 class InvalidRequest(ServiceError):
-    """The request is malformed or exceeds a limit (e.g. ``inputs[2]: 612 tokens exceeds max_input_tokens=512``)."""
+    """The request is malformed or exceeds a limit: ``field`` (a request field such as ``inputs[2]``, or None)
+    and the message about it; ``str(exc)`` is ``"inputs[2]: 612 tokens exceeds max_input_tokens=512"``."""
 
     status = 422
     code = "invalid_request"
+
+    def __init__(self, field: str | None, message: str) -> None:
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+        self.message = message
 
 
 class NotFound(ServiceError):

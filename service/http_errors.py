@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -19,7 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Scope, Send
 
-from service.errors import EngineFailure, InvalidRequest, QueueFull, ServiceError
+from service.errors import EngineFailure, QueueFull, ServiceError
 from service.schemas import ErrorResponse
 
 logger = logging.getLogger(__name__)
@@ -41,27 +40,10 @@ CODES = {
 }
 # Union members are tagged "str"/"list" in schemas; the tags are not fields, so they leave the path.
 _UNION_TAGS = {"str", "list"}
-# The engine starts its messages with the field: "inputs[2]: 612 tokens exceeds ...", "top_p must be ...".
-_LEADING_FIELD = re.compile(r"([a-z_]+(?:\[\d+\])?)(?::| must | exceeds )")
 
 
 def request_id(scope: Scope) -> str | None:
     return scope.get("state", {}).get("request_id")
-
-
-def invalid(field: str, message: str) -> InvalidRequest:
-    """A 422 naming ``field``; the message starts with it, as the engine's do."""
-    exc = InvalidRequest(f"{field}: {message}")
-    exc.field = field  # type: ignore[attr-defined]
-    return exc
-
-
-def error_field(exc: ServiceError) -> str | None:
-    """The request field an error is about: set explicitly, or the one its message starts with."""
-    field = getattr(exc, "field", None)
-    if field is None and isinstance(exc, InvalidRequest) and (match := _LEADING_FIELD.match(str(exc))):
-        field = match[1]
-    return field
 
 
 def error_payload(code: str, message: str, field: str | None, rid: str | None) -> dict[str, Any]:
@@ -134,7 +116,7 @@ async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
         rid = getattr(exc, "request_id", None)
         logger.error("engine failure on request %s: %s", rid or request_id(request.scope), exc)
     return error_response(
-        request, exc.status, str(exc), code=exc.code, field=error_field(exc), headers=headers, rid=rid
+        request, exc.status, str(exc), code=exc.code, field=getattr(exc, "field", None), headers=headers, rid=rid
     )
 
 

@@ -17,7 +17,8 @@ from model.decoding import GenerationConfig, Hypothesis
 from model.generation import trim_stop
 from service.adapters import AdapterVersion
 from service.errors import RequestTimeout
-from service.types import Candidate, GenerateOutput, StreamEvent
+from service.schemas import Candidate, GenerateOutput
+from service.types import StreamEvent
 
 # The worker enforces deadlines; the awaiting coroutine gives up this much later if the worker is stuck.
 DEADLINE_GRACE_S = 5.0
@@ -208,14 +209,16 @@ def _safe_length(text: str, stops: list[str]) -> int:
 
 
 def generate_outputs(results: list[list[Hypothesis]], decode: Callable[[Sequence[int]], str],
-                     stops: list[str]) -> list[GenerateOutput]:
-    """One GenerateOutput per input from a finished search's hypotheses (best first)."""
+                     stops: list[str], many: bool) -> list[GenerateOutput]:
+    """One GenerateOutput per input from a finished search's hypotheses (best first); with ``many`` (several
+    sequences asked for) every candidate too, else the field stays unset."""
     outputs = []
     for hyps in results:
-        candidates = [Candidate(trim_stop(decode(h.tokens), stops), list(h.tokens), float(h.score), h.finish_reason)
-                      for h in hyps]
+        candidates = [Candidate(text=trim_stop(decode(h.tokens), stops), tokens=list(h.tokens), score=float(h.score),
+                                finish_reason=h.finish_reason) for h in hyps]
         best = candidates[0]
-        outputs.append(GenerateOutput(best.text, best.tokens, best.score, best.finish_reason, candidates))
+        output = GenerateOutput(**dict(best), candidates=candidates) if many else GenerateOutput(**dict(best))
+        outputs.append(output)
     return outputs
 
 

@@ -9,9 +9,9 @@ Generation (``GenerationScheduler``) is iteration-level batching in vLLM's ``sch
 1. drop running jobs that were cancelled or passed their deadline (``filter``: their rows leave);
 2. admit waiting jobs FIFO while their *maximum* rows (beams expand after the first step) fit in
    ``max_batch_size`` (a job larger than that runs when the batch is empty, alone);
-3. one ``decode_step`` for all running rows, with per-row LoRA adapters;
-4. prefill the admitted jobs together (causal: ``prefill`` of their padded prompts; seq2seq:
-   ``start``) and ``KVCache.concat`` their rows after the running ones;
+3. one decode step for all running rows, with per-row LoRA adapters;
+4. prefill the admitted jobs together (the family's ``GenerationRunner``, service/runners.py) and
+   ``KVCache.concat`` their rows after the running ones;
 5. each job's Search advances on its slice of the logits; parent rows become one global index and
    ``cache.select`` applies it, so finished jobs' rows leave at once and their futures resolve.
 
@@ -36,14 +36,14 @@ from torch import nn
 
 from model.decoding import make_search
 from model.generation import stop_strings
-from model.kv_cache import KVCache
 from model.lora import set_adapters
-from model.tokenizer import Tokenizer, pad_batch
+from model.tokenizer import Tokenizer
 from service.adapters import AdapterRegistry
 from service.batch import RunningBatch, compact, internal_name
 from service.errors import EngineFailure, NotReady, QueueFull, ServiceError
 from service.jobs import CallJob, GenerationJob, Job, final_stream_event, generate_outputs
 from service.metrics import Metrics, adapter_label
+from service.runners import GenerationRunner
 from service.types import EngineSettings
 
 logger = logging.getLogger(__name__)
@@ -306,13 +306,13 @@ class Scheduler:
 class GenerationScheduler(Scheduler):
     """Continuous batching of causal_lm / seq2seq generation; see the module docstring."""
 
-    def __init__(self, name: str, model: nn.Module, family: str, tokenizer: Tokenizer, settings: EngineSettings,
+    def __init__(self, name: str, runner: GenerationRunner, tokenizer: Tokenizer, settings: EngineSettings,
                  metrics: Metrics, registry: AdapterRegistry) -> None:
-        super().__init__(name, model, settings, metrics, registry)
-        self.family = family
+        super().__init__(name, runner.model, settings, metrics, registry)
+        self.runner = runner
         self.tokenizer = tokenizer  # target side: decodes generated ids
         self.batch: RunningBatch | None = None
-        self.device = next(model.parameters()).device
+        self.device = runner.device
         self._ttft, self._itl = metrics.ttft.labels(name), metrics.itl.labels(name)  # children resolved once
         self._generated: dict[str | None, Any] = {}  # adapter -> tserve_generation_tokens_total child
 
@@ -361,8 +361,7 @@ class GenerationScheduler(Scheduler):
     def _start_search(self, job: GenerationJob) -> bool:
         try:
             stop_fn = stop_strings(self.tokenizer, job.stops)
-            starts = job.prompts if self.family == "causal_lm" else [[self.model.config.bos_id]] * len(job.prompts)
-            job.search = make_search(job.config, len(job.prompts), stop_fn, prefixes=starts)
+            job.search = make_search(job.config, len(job.prompts), stop_fn, prefixes=self.runner.prefixes(job.prompts))
         except Exception as exc:
             self._finish(job, exc=self._failure(job, exc))
             return False
@@ -382,12 +381,12 @@ class GenerationScheduler(Scheduler):
 
     def _decode(self, batch: RunningBatch) -> list[tuple[GenerationJob, torch.Tensor, bool]]:
         cache = batch.cache
-        saved = (cache.lengths, cache.max_length)
+        snapshot = cache.snapshot()
         try:
-            logits = self._call_model(batch.jobs, batch.adapter_rows(), self.model.decode_step, batch.tokens, cache)
+            logits = self._call_model(batch.jobs, batch.adapter_rows(), self.runner.decode, batch.tokens, cache)
         except Exception as exc:
             # Nothing was committed (lengths advance last), so the rows can be replayed job by job.
-            cache.lengths, cache.max_length, cache._write_positions = saved[0], saved[1], None
+            cache.rollback(snapshot)
             logger.warning("model %r: decode step of %d jobs failed (%s); retrying one by one",
                            self.name, len(batch.jobs), exc)
             return self._decode_alone(batch)
@@ -399,7 +398,7 @@ class GenerationScheduler(Scheduler):
         for job in batch.jobs:
             sub = batch.sub(job)
             try:
-                logits = self._call_model([job], sub.adapter_rows(), self.model.decode_step, sub.tokens, sub.cache)
+                logits = self._call_model([job], sub.adapter_rows(), self.runner.decode, sub.tokens, sub.cache)
             except Exception as exc:
                 logger.exception("model %r: request %r failed in a decode step", self.name, job.id)
                 self._finish(job, exc=self._failure(job, exc))
@@ -414,7 +413,7 @@ class GenerationScheduler(Scheduler):
         prompts = [p for job in jobs for p in job.prompts]
         rows = [a for job in jobs for a in [internal_name(job)] * len(job.prompts)]
         try:
-            logits, cache = self._call_model(jobs, rows, self._prefill_rows, prompts)
+            logits, cache = self._call_model(jobs, rows, self.runner.prefill, prompts)
         except Exception as exc:
             if len(jobs) == 1:
                 logger.exception("model %r: request %r failed in prefill", self.name, jobs[0].id)
@@ -425,14 +424,6 @@ class GenerationScheduler(Scheduler):
             return RunningBatch.concatenate([b for b, _ in parts]), [o for _, out in parts for o in out]
         self.metrics.batch_size.labels(self.name).observe(len(prompts))
         return RunningBatch(jobs, cache), self._split(jobs, logits)
-
-    def _prefill_rows(self, prompts: list[list[int]]) -> tuple[torch.Tensor, KVCache]:
-        ids, lengths = pad_batch(prompts, self.model.config.pad_id)
-        ids = ids.to(self.device)
-        if self.family == "seq2seq":
-            return self.model.start(ids, capacity=16)
-        cache = self.model.new_cache(len(prompts), capacity=ids.shape[1] + 16)
-        return self.model.prefill(ids, lengths.to(self.device), cache), cache
 
     def _split(self, jobs: list[GenerationJob], logits: torch.Tensor) -> list[tuple[GenerationJob, torch.Tensor, bool]]:
         """Per-job logits slices and whether they are all finite (one device sync per model call)."""
@@ -497,4 +488,5 @@ class GenerationScheduler(Scheduler):
         results = job.search.results()
         if job.stream is not None:
             job.emit(final_stream_event(results, job.stream, job.config.strategy == "beam"))
-        self._finish(job, generate_outputs(results, self.tokenizer.decode, job.stops))
+        self._finish(job, generate_outputs(results, self.tokenizer.decode, job.stops,
+                                           many=job.config.num_return_sequences > 1))

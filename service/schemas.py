@@ -12,9 +12,11 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
+from model import lora_config
+from model.decoding import Strategy
 from service.attention import MAX_ATTENTION_VALUES
 
-NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$"  # model and adapter names (no '/', no '..' prefix)
+NAME_PATTERN = f"^{lora_config.NAME_PATTERN}$"  # model and adapter names
 DEFAULT_NEW_TOKENS = 64  # generate's max_new_tokens when not given
 DEFAULT_MAX_TOKENS = 16  # /v1/completions' max_tokens when not given (OpenAI's default)
 # Sampling limits: below them the logits overflow float32 or the nucleus underflows (greedy is the limit).
@@ -23,7 +25,7 @@ MIN_TOP_P = 1e-6
 MAX_SEED = 2**62  # input i samples with seed + i: room left below torch's 2**63
 
 Text = Annotated[str, Field(min_length=1, description="Non-empty text.")]
-Name = Annotated[str, Field(pattern=NAME_PATTERN, description="1-64 of [A-Za-z0-9_.-], not starting with '.' or '-'.")]
+Name = Annotated[str, Field(pattern=NAME_PATTERN, description=f"{lora_config.NAME_RULE}.")]
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED, description="0 <= seed <= 2**62.")]
 
 
@@ -98,7 +100,8 @@ class ModelInfoSchema(BaseModel):
     family: Literal["seq2seq", "classifier", "causal_lm"]
     device: str
     dtype: str
-    parameters: int
+    parameters: int = Field(description="The model's own parameters (tied weights counted once).")
+    adapter_parameters: int = Field(description="Parameters its resident LoRA adapters add.")
     vocab_size: int = Field(description="Tokens the model can output (a translator's target vocabulary).")
     max_input_tokens: int
     max_new_tokens: int = Field(description="Cap on new tokens (0 for classifiers).")
@@ -136,7 +139,7 @@ class GenerateRequest(RequestModel):
     default below."""
 
     inputs: list[Text] = Field(min_length=1, description="Source sentences (seq2seq) or prompts (causal_lm).")
-    strategy: Literal["greedy", "beam", "sample"] = "greedy"
+    strategy: Strategy = Field(Strategy.GREEDY, strict=False)  # strict=False: a JSON string names the member
     max_new_tokens: int | None = Field(
         None,
         ge=1,
@@ -178,14 +181,6 @@ class GenerateOutput(Candidate):
 
 class GenerateResponse(BaseModel):
     outputs: list[GenerateOutput]
-
-
-class StreamEventSchema(BaseModel):
-    """One `data:` line of a generate stream; the last has a finish_reason, then `data: [DONE]`."""
-
-    text: str
-    token: int | None
-    finish_reason: str | None = None
 
 
 # ---- classify / embed / attention ----------------------------------------------------------------

@@ -6,46 +6,6 @@ from dataclasses import dataclass, field
 
 
 @dataclass
-class GenerateParams:
-    """How to decode one generation request; validated by the engine against EngineSettings."""
-
-    strategy: str = "greedy"  # "greedy" | "beam" | "sample"
-    max_new_tokens: int = 64
-    min_new_tokens: int = 0
-    num_beams: int = 4  # beam only
-    length_penalty: float = 1.0  # beam only: score = logprob / length ** length_penalty
-    early_stopping: bool | str = True  # beam only: True, False or "never" (Hugging Face's rules)
-    num_return_sequences: int = 1  # beam: n-best; sample: samples per input
-    temperature: float = 1.0  # sample only
-    top_k: int = 0  # sample only; 0 = off
-    top_p: float = 1.0  # sample only; 1.0 = off
-    seed: int | None = None  # sample: input i draws from a generator seeded seed + i
-    stop: list[str] = field(default_factory=list)  # greedy/sample: end when the text contains one (trimmed)
-    adapter: str | None = None  # LoRA adapter name, None = base model
-
-
-@dataclass
-class Candidate:
-    """One decoded sequence."""
-
-    text: str  # stop strings trimmed
-    tokens: list[int]  # generated ids (no prompt, no EOS)
-    score: float  # greedy/sample: sum of log-probs; beam: length-penalised
-    finish_reason: str  # "eos" | "stop" | "length"
-
-
-@dataclass
-class GenerateOutput:
-    """Result for one input: the best candidate's fields, plus all candidates best first."""
-
-    text: str
-    tokens: list[int]
-    score: float
-    finish_reason: str
-    candidates: list[Candidate]
-
-
-@dataclass
 class StreamEvent:
     """One step of a streamed generation."""
 
@@ -87,10 +47,11 @@ class ModelInfo:
     family: str  # "causal_lm" | "seq2seq" | "classifier"
     device: str
     dtype: str
-    parameters: int
+    parameters: int  # the model's own (tied weights once)
+    adapter_parameters: int  # what the resident adapters add
     vocab_size: int  # the output vocabulary (a translator's target side)
     max_input_tokens: int
-    max_new_tokens: int  # cap on GenerateParams.max_new_tokens (0 for classifiers)
+    max_new_tokens: int  # cap on a generate request's max_new_tokens (0 for classifiers)
     labels: list[str] | None
     adapters: list[str]
     format: str = "tserve"  # "hf": loaded from a Hugging Face directory

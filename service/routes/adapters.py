@@ -22,8 +22,8 @@ from service.archive import ArchiveError
 from service.auth import require_admin, require_key
 from service.deps import get_settings, get_worker
 from service.engine import ModelWorker
-from service.errors import Conflict, NotFound
-from service.http_errors import errors, invalid
+from service.errors import Conflict, InvalidRequest, NotFound
+from service.http_errors import errors
 from service.schemas import NAME_PATTERN, AdapterInfoSchema, AdapterList
 from service.settings import Settings
 from service.types import AdapterInfo
@@ -72,13 +72,13 @@ async def load_adapter(
     model = worker.info.name
     if data:
         _check_content_type(request)
-        target = _adapter_dir(settings, model, name)
+        target = worker.registry.directory_for(name)
         if target is None:
             raise Conflict("this server has no adapter directory (setting adapters) to store uploads in")
         lock = request.app.state.adapter_lock
         return adapter_schema(await _install(worker, lock, name, data, target, settings.max_adapter_upload_bytes))
     async with request.app.state.adapter_lock:  # one load/unload at a time: uploads swap directories
-        directory = _adapter_dir(settings, model, name)
+        directory = worker.registry.directory_for(name)
         if directory is None or not directory.is_dir():
             raise NotFound(f"adapter {name!r}: no directory {model}/{name}/ in the adapter directory")
         return adapter_schema(await worker.load_adapter(name, directory))
@@ -92,7 +92,8 @@ async def load_adapter(
     responses=errors(401, 403, 404, 422, 500, 503),
 )
 async def unload_adapter(name: AdapterName, request: Request, worker: Worker) -> None:
-    """Unload adapter `name` from memory (its files stay; requests already using it finish first)."""
+    """Unload adapter `name` from memory; requests already using it finish first. Its files stay, so it is found
+    again when the server next starts: delete its directory to remove it for good."""
     request.state.adapter = name
     async with request.app.state.adapter_lock:
         await worker.unload_adapter(name)
@@ -100,10 +101,6 @@ async def unload_adapter(name: AdapterName, request: Request, worker: Worker) ->
 
 def adapter_schema(info: AdapterInfo) -> AdapterInfoSchema:
     return AdapterInfoSchema.model_validate(dataclasses.asdict(info))
-
-
-def _adapter_dir(settings: Settings, model: str, name: str) -> Path | None:
-    return None if settings.adapters is None else settings.adapters / model / name
 
 
 def _check_content_type(request: Request) -> None:
@@ -124,7 +121,7 @@ async def _install(
         try:
             await archive_sandbox.extract(data, limit, upload)
         except ArchiveError as exc:
-            raise invalid("body", f"adapter archive rejected: {exc}") from None
+            raise InvalidRequest("body", f"adapter archive rejected: {exc}") from None
         await worker.check_adapter(name, upload)
         async with lock:  # one load/unload at a time: uploads swap directories
             old = await asyncio.to_thread(adapter_store.swap_in, upload, target)

@@ -12,26 +12,23 @@ from service.attention import MapSelection
 from service.auth import require_key
 from service.deps import get_engine, get_worker, request_id
 from service.engine import Engine, ModelWorker
-from service.http_errors import errors, invalid
+from service.http_errors import errors
 from service.routes.sse import SSE_RESPONSE, sse_response
 from service.schemas import (
-    DEFAULT_NEW_TOKENS,
     AttentionRequest,
     AttentionResponse,
-    Candidate,
     Classification,
     ClassifyRequest,
     ClassifyResponse,
     EmbedRequest,
     EmbedResponse,
-    GenerateOutput,
     GenerateRequest,
     GenerateResponse,
     ModelInfoSchema,
     ModelList,
     ModelLoadFailure,
 )
-from service.types import GenerateParams, ModelInfo
+from service.types import ModelInfo
 
 router = APIRouter(prefix="/v1/models", tags=["models"], dependencies=[Depends(require_key)])
 
@@ -55,29 +52,6 @@ async def list_models(request: Request, engine: Annotated[Engine, Depends(get_en
     )
 
 
-def generate_params(req: GenerateRequest, worker: ModelWorker) -> GenerateParams:
-    """The request's fields; those it leaves unset take the model's generation defaults, else the schema's."""
-    fields = {f.name for f in dataclasses.fields(GenerateParams)}
-    params = {k: v for k, v in req.model_dump().items() if k in fields}
-    if req.max_new_tokens is None:
-        params["max_new_tokens"] = max(1, min(DEFAULT_NEW_TOKENS, worker.max_new_tokens))
-    params |= {k: v for k, v in worker.generation_defaults.items() if getattr(req, k, None) is None
-               or k not in req.model_fields_set}
-    return GenerateParams(**params)
-
-
-def _candidate(c: Any) -> Candidate:
-    return Candidate(text=c.text, tokens=list(c.tokens), score=c.score, finish_reason=c.finish_reason)
-
-
-def generate_output(out: Any, many: bool) -> GenerateOutput:
-    """Candidates only when several were asked for (unset otherwise, so the key is left out)."""
-    best = _candidate(out).model_dump()
-    if not many:
-        return GenerateOutput(**best)
-    return GenerateOutput(**best, candidates=[_candidate(c) for c in out.candidates])
-
-
 def stream_event(e: Any) -> dict[str, Any]:
     return {"text": e.text, "token": e.token, "finish_reason": e.finish_reason}
 
@@ -98,13 +72,9 @@ async def generate(
     "finish_reason"}`, the last one with a finish_reason, then `data: [DONE]`.
     """
     request.state.adapter = req.adapter
-    params = generate_params(req, worker)
     if req.stream:
-        if len(req.inputs) != 1:
-            raise invalid("inputs", f"streaming takes exactly one input, got {len(req.inputs)}")
-        return await sse_response(await worker.stream(req.inputs[0], params, rid), stream_event, rid)
-    outputs = await worker.generate(req.inputs, params, rid)
-    return GenerateResponse(outputs=[generate_output(o, req.num_return_sequences > 1) for o in outputs])
+        return await sse_response(await worker.stream(req, rid), stream_event, rid)
+    return GenerateResponse(outputs=await worker.generate(req, rid))
 
 
 @router.post("/{model}/classify", name="classify", response_model=ClassifyResponse, responses=errors(*_COMMON))

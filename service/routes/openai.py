@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -17,11 +16,12 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
+from model.decoding import Strategy
 from service.auth import require_key
 from service.deps import get_engine, get_settings, request_id, worker_for
 from service.engine import Engine, ModelWorker
 from service.errors import InvalidRequest
-from service.http_errors import error_field, errors, invalid
+from service.http_errors import errors
 from service.routes.sse import SSE_RESPONSE, sse_response
 from service.schemas import (
     DEFAULT_MAX_TOKENS,
@@ -30,10 +30,11 @@ from service.schemas import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    GenerateRequest,
     Usage,
 )
 from service.settings import Settings
-from service.types import GenerateParams, StreamEvent
+from service.types import StreamEvent
 
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_key)])
 
@@ -53,7 +54,7 @@ def check_completion(req: CompletionRequest, settings: Settings) -> None:
     )
     for field, value, cap, setting in caps:
         if value > cap:
-            raise invalid(field, f"{value} exceeds this server's limit of {cap} (setting {setting})")
+            raise InvalidRequest(field, f"{value} exceeds this server's limit of {cap} (setting {setting})")
     unsupported = {
         "echo": req.echo,
         "logprobs": req.logprobs is not None,
@@ -65,17 +66,15 @@ def check_completion(req: CompletionRequest, settings: Settings) -> None:
     }
     for field, used in unsupported.items():
         if used:
-            raise invalid(field, "is not supported by this server; leave it unset (or at its default)")
+            raise InvalidRequest(field, "is not supported by this server; leave it unset (or at its default)")
 
 
 def openai_names(exc: InvalidRequest) -> InvalidRequest:
     """The engine's InvalidRequest with its field renamed as in OpenAI's API (inputs[1] -> prompt[1])."""
-    field = error_field(exc)
-    base = field.split("[")[0] if field else None
+    base = exc.field.split("[")[0] if exc.field else None
     if base not in _OPENAI_FIELDS:
         return exc
-    renamed = _OPENAI_FIELDS[base] + field[len(base) :]
-    return invalid(renamed, str(exc).removeprefix(field).lstrip(": "))
+    return InvalidRequest(_OPENAI_FIELDS[base] + exc.field[len(base):], exc.message)
 
 
 def finish_reason(reason: str | None) -> str | None:
@@ -85,19 +84,17 @@ def finish_reason(reason: str | None) -> str | None:
     return "length" if reason == "length" else "stop"
 
 
-def completion_params(req: CompletionRequest, adapter: str | None, worker: ModelWorker) -> GenerateParams:
+def completion_request(req: CompletionRequest, prompts: list[str], adapter: str | None,
+                       worker: ModelWorker) -> GenerateRequest:
+    """The engine's request for an OpenAI completion: top-p sampling, or greedy as temperature / top_p -> 0.
+    Built without validating again: CompletionRequest's own checks ran, and the engine checks the limits."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     max_tokens = req.max_tokens or max(1, min(DEFAULT_MAX_TOKENS, worker.max_new_tokens))
-    common = dict(max_new_tokens=max_tokens, stop=stop, adapter=adapter, seed=req.seed)
+    common = dict(inputs=prompts, max_new_tokens=max_tokens, stop=stop, adapter=adapter, seed=req.seed)
     if req.temperature < MIN_TEMPERATURE or req.top_p < MIN_TOP_P:  # both tend to greedy in the limit
-        return GenerateParams(strategy="greedy", **common)
-    return GenerateParams(
-        strategy="sample",
-        temperature=req.temperature,
-        top_p=req.top_p,
-        num_return_sequences=1 if req.stream else req.n,
-        **common,
-    )
+        return GenerateRequest.model_construct(strategy=Strategy.GREEDY, **common)
+    return GenerateRequest.model_construct(strategy=Strategy.SAMPLE, temperature=req.temperature, top_p=req.top_p,
+                                           num_return_sequences=1 if req.stream else req.n, **common)
 
 
 @router.post(
@@ -118,10 +115,11 @@ async def completions(
     request.state.model, request.state.adapter = name, adapter or None
     worker = worker_for(engine, name)
     if worker.info.family != "causal_lm":
-        raise invalid("model", f"{name!r} is a {worker.info.family} model; /v1/completions serves causal_lm models")
+        raise InvalidRequest("model", f"{name!r} is a {worker.info.family} model; /v1/completions serves causal_lm "
+                             "models")
     check_completion(req, settings)
     prompts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
-    params = completion_params(req, adapter or None, worker)
+    generate = completion_request(req, prompts, adapter or None, worker)
     head = {
         "id": f"cmpl-{uuid.uuid4().hex}",
         "object": "text_completion",
@@ -130,13 +128,13 @@ async def completions(
     }
     try:
         if req.stream:
-            return await _stream(worker, prompts, req, params, head, rid)
-        outputs = await worker.generate(prompts, params, rid)
+            return await _stream(worker, prompts, req, generate, head, rid)
+        outputs = await worker.generate(generate, rid)
     except InvalidRequest as exc:
         raise openai_names(exc) from None
     choices, completion_tokens = [], 0
     for i, out in enumerate(outputs):
-        sequences = out.candidates if params.num_return_sequences > 1 else [out] * req.n
+        sequences = out.candidates if generate.num_return_sequences > 1 else [out] * req.n
         for j, seq in enumerate(sequences):
             reason = finish_reason(seq.finish_reason)
             choices.append(CompletionChoice(text=seq.text, index=i * req.n + j, finish_reason=reason))
@@ -150,7 +148,7 @@ async def _stream(
     worker: ModelWorker,
     prompts: list[str],
     req: CompletionRequest,
-    params: GenerateParams,
+    generate: GenerateRequest,
     head: dict[str, Any],
     rid: str,
 ) -> StreamingResponse:
@@ -163,8 +161,8 @@ async def _stream(
     streams: list[AsyncIterator[StreamEvent]] = []
     try:
         for k, prompt in enumerate(p for p in prompts for _ in range(req.n)):
-            seed = None if params.seed is None else params.seed + k
-            streams.append(await worker.stream(prompt, dataclasses.replace(params, seed=seed), rid))
+            seed = None if generate.seed is None else generate.seed + k
+            streams.append(await worker.stream(generate.model_copy(update={"inputs": [prompt], "seed": seed}), rid))
         prompt_count = await worker.prompt_tokens(prompts) if include_usage else 0  # once each, as unstreamed
     except BaseException:
         _discard(streams)

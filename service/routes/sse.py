@@ -10,7 +10,7 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 
 from service.errors import ServiceError
-from service.http_errors import error_field, error_payload
+from service.http_errors import error_payload
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ async def sse_response(
                 yield event(extra)
             yield DONE
         except ServiceError as exc:
-            yield event(error_payload(exc.code, str(exc), error_field(exc), rid))
+            yield event(error_payload(exc.code, str(exc), getattr(exc, "field", None), rid))
         except Exception as exc:  # the status is sent already: report in-band, keep the server up
             logger.error("stream of request %s failed", rid, exc_info=exc)
             yield event(error_payload("internal_error", "internal error during the stream", None, rid))

@@ -8,7 +8,7 @@ const TASKS = {
   seq2seq: { title: "Translate", form: "generate-form", input: "Source sentence", strategy: "beam",
              example: "Delete the file?" },
   causal_lm: { title: "Generate", form: "generate-form", input: "Prompt", strategy: "greedy", stream: true,
-               example: "The animal didn't cross the street because" },
+               example: "def read_lines(path):\n    " },  // the default causal model writes Python
   classifier: { title: "Classify", form: "classify-form", input: "Text",
                 example: "The animal didn't cross the street because it was tired" },
 };

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from model.decoding import GenerationConfig
-from model.generation import InputTooLongError, generate_causal, generate_seq2seq, trim_stop
+from model.generation import InputTooLongError, generate_causal, generate_seq2seq, stop_strings, trim_stop
 from model.lora import LoRAConfig, add_adapter
 from tests.model.conftest import tiny_causal_lm, tiny_seq2seq
+from tests.model.helpers import PROMPTS, eos_friendly
 
-PROMPTS = [[9, 10, 11], [12, 13, 14, 15, 16, 17, 18], [19], [20, 21, 22, 23, 24]]
 CONFIGS = [
     GenerationConfig(strategy="greedy", max_new_tokens=12),
     GenerationConfig(strategy="beam", num_beams=3, num_return_sequences=2, max_new_tokens=10),
@@ -23,17 +23,9 @@ def _same(batched, alone):
         assert abs(a.score - b.score) < 1e-4 and a.finish_reason == b.finish_reason
 
 
-def _eos_friendly(model):
-    """A large random EOS output row, so rows finish at different steps (some run to the limit)."""
-    with torch.no_grad():
-        head = model.lm_head.weight
-        head[2] = 8 * head.std() * torch.randn(head.shape[1], generator=torch.Generator().manual_seed(3))
-    return model
-
-
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.strategy)
 def test_causal_batched_equals_alone(config):
-    model = _eos_friendly(tiny_causal_lm(tie_embeddings=False))
+    model = eos_friendly(tiny_causal_lm(tie_embeddings=False))
     batched = generate_causal(model, PROMPTS, config)
     for i, prompt in enumerate(PROMPTS):
         alone_config = (
@@ -44,7 +36,7 @@ def test_causal_batched_equals_alone(config):
 
 @pytest.mark.parametrize("config", CONFIGS[:2], ids=lambda c: c.strategy)
 def test_seq2seq_batched_equals_alone(config):
-    model = _eos_friendly(tiny_seq2seq(tie_embeddings=False))
+    model = eos_friendly(tiny_seq2seq(tie_embeddings=False))
     batched = generate_seq2seq(model, PROMPTS, config)
     for i, source in enumerate(PROMPTS):
         _same(batched[i], generate_seq2seq(model, [source], config)[0])
@@ -100,3 +92,20 @@ def test_input_limits_are_enforced():
 def test_trim_stop_cuts_at_first_stop_string():
     assert trim_stop("hello\n\nworld END x", ["END", "\n\n"]) == "hello"
     assert trim_stop("no stops here", ["END"]) == "no stops here"
+
+
+def test_a_long_non_ascii_stop_string_is_found_when_each_byte_is_a_token():
+    """stop_strings decodes enough tokens: a stop string of 12 characters spans 36 byte tokens here (the window
+    once counted characters as tokens and missed it)."""
+    from tokenizers import Tokenizer as BackendTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    backend = BackendTokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(pre_tokenizers.ByteLevel.alphabet())},
+                                          merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    stop = "日本語のテキストの終わり"  # 12 characters, 36 UTF-8 bytes
+    tokens = backend.encode("prefix " + stop).ids
+    assert len(tokens) == len(("prefix " + stop).encode())  # one token per byte
+    stop_fn = stop_strings(backend, [stop])
+    assert stop_fn(0, tokens) and not stop_fn(0, tokens[:-1])

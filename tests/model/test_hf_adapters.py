@@ -16,16 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tokenizers import Tokenizer, models
 from torch import nn
 
 from model.hf import load_hf_checkpoint
 from model.lora import AdapterError, adapter_names, layers_with, use_adapters
 from model.lora_io import check_adapter, load_adapter
 from tests.hf_compare import ATOL, peft_adapter
-from tests.model import test_hf_bert as hf_bert
-from tests.model import test_hf_import as hf_gpt2
-from tests.model import test_hf_marian as hf_marian
+from tests.hf_directories import with_tokenizer
+from tests.model import hf_bert, hf_gpt2, hf_marian
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -44,13 +42,6 @@ BERT_ADAPTERS = {  # name -> (a BertForSequenceClassification, else a BertModel;
                                                                      r"|.*\.intermediate\.dense|bert\.pooler\.dense")),
     "classifier-suffixes": (True, dict(r=3, lora_alpha=3, target_modules=["attention.output.dense", "output.dense"])),
 }
-
-
-def with_tokenizer(directory: Path, vocab_size: int) -> Path:
-    """A word-level tokenizer.json over the model's ids, which load_hf_checkpoint needs beside the weights."""
-    Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w1")).save(
-        str(directory / "tokenizer.json"))
-    return directory
 
 
 def ours_with(directory: Path, adapters: dict[str, Path]) -> nn.Module:
@@ -99,8 +90,8 @@ def test_marian_adapters_give_peft_logits(marian, tmp_path, fields):
     expected = marian_logits(marian, adapter)
     with torch.no_grad(), use_adapters(ours, "a"):
         got = ours(src, tgt)
-    assert hf_marian._max_diff(got, expected) < ATOL
-    assert hf_marian._max_diff(marian_logits(marian, None), expected) > 0.1  # the adapter changes them
+    assert hf_marian.max_diff(got, expected) < ATOL
+    assert hf_marian.max_diff(marian_logits(marian, None), expected) > 0.1  # the adapter changes them
 
 
 def test_two_marian_adapters_mixed_per_row_give_each_row_its_own(marian, tmp_path):
@@ -114,7 +105,7 @@ def test_two_marian_adapters_mixed_per_row_give_each_row_its_own(marian, tmp_pat
     with torch.no_grad(), use_adapters(ours, rows):
         got = ours(src, tgt)
     for i, name in enumerate(rows):
-        assert hf_marian._max_diff(got[i], expected[name][i]) < ATOL, (i, name)
+        assert hf_marian.max_diff(got[i], expected[name][i]) < ATOL, (i, name)
 
 
 @pytest.mark.parametrize(("head", "fields"), BERT_ADAPTERS.values(), ids=BERT_ADAPTERS.keys())

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from model import attention
+from model import native
 from model.fast_step import plan_for
 from model.generation import generate_seq2seq
 from model.hf import HFImportError, load_hf_model
@@ -29,19 +28,13 @@ from tests.hf_compare import (
     assert_varied,
     best_tokens,
     decoding,
-    randomize,
     repeats_ngram,
     strip,
 )
+from tests.model.hf_marian import EOS, MARIAN, PAD, SOURCES, VOCAB, hf_model, max_diff, padded_sources, save_marian
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB, EOS, PAD = 96, 0, 95
-MARIAN = dict(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-              decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=48,
-              activation_function="swish", scale_embedding=True, pad_token_id=PAD, eos_token_id=EOS,
-              decoder_start_token_id=PAD, forced_eos_token_id=None, dropout=0.0, attention_dropout=0.0,
-              activation_dropout=0.0)
 VARIANTS = {  # OPUS-MT's is the first
     "swish-scaled-shared": {},
     "gelu-unscaled-untied": {"activation_function": "gelu", "scale_embedding": False, "tie_word_embeddings": False},
@@ -49,41 +42,11 @@ VARIANTS = {  # OPUS-MT's is the first
                                    "decoder_vocab_size": 112},
     "silu-shared-untied": {"activation_function": "silu", "tie_word_embeddings": False},
 }
-SOURCES = [[5, 17, 33, EOS], [40, 41, 42, 43, 44, 45, 46, EOS], [7, EOS], [90, 3, 3, 12, 60, EOS], [11, 22, EOS]]
-
-
-def save_marian(directory: Path, seed: int = 0, eos_boost: float = 1.0, **overrides) -> Path:
-    """A random MarianMTModel with a random final_logits_bias (-inf for token 1, ruled out as our export's
-    appended row is), saved by transformers' save_pretrained."""
-    model = randomize(transformers.MarianMTModel(transformers.MarianConfig(**{**MARIAN, **overrides})), seed=seed,
-                      eos_id=EOS, eos_boost=eos_boost)
-    with torch.no_grad():
-        model.final_logits_bias.normal_(0, 0.5, generator=torch.Generator().manual_seed(seed))
-        model.final_logits_bias[0, 1] = float("-inf")
-    model.save_pretrained(directory)
-    return directory
-
-
-def hf_model(directory: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    return transformers.MarianMTModel.from_pretrained(directory, dtype=dtype).eval()
-
-
-def padded_sources() -> tuple[torch.Tensor, torch.Tensor]:
-    """SOURCES right-padded with PAD, and their attention mask."""
-    width = max(map(len, SOURCES))
-    ids = torch.tensor([s + [PAD] * (width - len(s)) for s in SOURCES])
-    return ids, (ids != PAD).long()
-
-
-def _max_diff(ours: torch.Tensor, theirs: torch.Tensor) -> float:
-    assert torch.equal(ours.isneginf(), theirs.isneginf())  # a -inf bias rules the same tokens out
-    finite = ours.isfinite()
-    return float((ours[finite] - theirs[finite]).abs().max())
 
 
 def _kernels() -> bool:
     """Whether our C++ kernels (the native decoding step, int8) run here."""
-    return attention._decode_kernel() is not None
+    return native.kernels() is not None
 
 
 @pytest.mark.parametrize("overrides", VARIANTS.values(), ids=VARIANTS.keys())
@@ -97,7 +60,7 @@ def test_marian_logits_equal_transformers(tmp_path, overrides):
         ours, config = load_hf_model(directory, dtype)
         with torch.no_grad():
             theirs = hf_model(directory, dtype)(input_ids=src, attention_mask=mask, decoder_input_ids=tgt).logits
-            diff = _max_diff(ours(src, tgt), theirs)
+            diff = max_diff(ours(src, tgt), theirs)
         assert diff < tolerance, (dtype, diff)
     assert (config.family, config.bos_id, config.eos_id, config.pad_id) == ("seq2seq", PAD, EOS, PAD)
     assert config.src_vocab_size == (None if not overrides else VOCAB)  # one embedding only when shared and tied
@@ -129,7 +92,7 @@ def test_the_head_bias_is_in_every_logits_path(tmp_path):
         with torch.no_grad():
             first, _ = ours.start(rows, capacity=4)
             forward = ours(rows, torch.full((len(rows), 1), PAD))[:, 0]
-        assert _max_diff(first, forward) < 1e-5
+        assert max_diff(first, forward) < 1e-5
     if not _kernels():
         return
     unbiased, _ = load_hf_model(directory)
@@ -141,7 +104,7 @@ def test_the_head_bias_is_in_every_logits_path(tmp_path):
     for rows in (src[:1], src):
         with torch.no_grad():
             biased, plain = (model.start(rows, capacity=4)[0] for model in (ours, unbiased))
-        assert _max_diff(biased, plain + bias) < 1e-5
+        assert max_diff(biased, plain + bias) < 1e-5
 
 
 def test_stored_position_tables_load_when_they_are_marians(tmp_path):

@@ -17,8 +17,8 @@ from model.hf import load_hf_checkpoint
 from model.lora import HeadCopies, adapter_names, delete_adapter, use_adapters
 from model.lora_io import check_adapter, load_adapter, save_adapter
 from tests.hf_compare import ATOL, peft_adapter
-from tests.model import test_hf_bert as hf_bert
-from tests.model.test_hf_adapters import with_tokenizer
+from tests.hf_directories import with_tokenizer
+from tests.model import hf_bert
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

@@ -1,14 +1,13 @@
 """Imported tokenizer.json files encode as `transformers` does (model/hf/tokenizer.py): GPT-2's byte-level BPE
 prompts, BERT's WordPiece texts and pairs (ids and token types), on 300 strings with accents, CJK, emoji and
-whitespace runs (the directories come from tests/service/test_hf_models.py's builders)."""
+whitespace runs (the directories come from tests/hf_directories.py's builders)."""
 
 from __future__ import annotations
 
 import pytest
 
 from model.checkpoint import load_checkpoint
-from tests.model.test_hf_marian_tokenizer import strings
-from tests.service.test_hf_models import bert_directory, gpt2_directory
+from tests.hf_directories import bert_directory, gpt2_directory, strings
 
 transformers = pytest.importorskip("transformers")
 

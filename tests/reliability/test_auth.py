@@ -17,9 +17,9 @@ from fastapi import HTTPException
 
 from service import auth
 from service.settings import Settings
+from tests.helpers import error_of
 from tests.service.conftest import ADAPTERS, LM
 from tests.service.server import running_server
-from tests.service.test_errors import error_of
 
 USER, USER2, ADMIN = "rel-user-key-0123456789", "rel-user-key-second", "rel-admin-key-abcdef"
 WRONG = ["rel-user-key-012345678", "rel-user-key-0123456789x", "REL-USER-KEY-0123456789", "rel-admin-key-abcdeg"]

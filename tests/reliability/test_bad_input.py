@@ -16,10 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.helpers import error_of
 from tests.reliability.helpers import rss_bytes
 from tests.service.conftest import CLS, LM, MT
 from tests.service.server import running_server
-from tests.service.test_errors import error_of
 
 LIMITS = dict(
     TSERVE_MAX_BODY_BYTES="65536",

@@ -39,6 +39,7 @@ import pytest
 from model.lora_io import CONFIG_FILE, WEIGHTS_FILE
 from service import archive_sandbox
 from service.archive import ArchiveError, read_adapter_archive
+from tests.helpers import error_of
 from tests.reliability.helpers import (
     adapter_archive,
     adapter_variant,
@@ -50,7 +51,6 @@ from tests.reliability.helpers import (
 from tests.reliability.upload_kill_points import __name__ as KILL_POINTS
 from tests.service.conftest import ADAPTERS, LM
 from tests.service.server import ROOT, free_port, running_server, stop, wait_ready
-from tests.service.test_errors import error_of
 
 MIB = 2**20
 GZIP = {"Content-Type": "application/gzip"}

@@ -17,9 +17,8 @@ import pytest
 import torch
 
 from model.checkpoint import load_checkpoint, old_sibling
-from service.types import GenerateParams
 from tests.reliability.kill_points import __name__ as KILL_POINTS
-from tests.service.conftest import CLS, LM, running_engine
+from tests.service.conftest import CLS, LM, ask, running_engine
 from tests.training.conftest import log_rows, run_cli, train_args, write_text
 from training.state import StateStore, state_dir_for
 
@@ -94,6 +93,6 @@ def test_the_service_serves_a_checkpoint_caught_between_renames(models_dir, tmp_
     async def main() -> list:
         async with running_engine(root, None) as engine:
             assert [m.name for m in engine.models()] == [CLS, LM] and not engine.load_errors
-            return await engine.get(LM).generate(["hello"], GenerateParams(max_new_tokens=4), "after-kill")
+            return await engine.get(LM).generate(ask("hello", max_new_tokens=4), "after-kill")
 
     assert len(asyncio.run(main())) == 1

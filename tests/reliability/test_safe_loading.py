@@ -21,10 +21,10 @@ from safetensors.torch import load_file, save_file
 
 from model.checkpoint import WEIGHTS_FILE as MODEL_WEIGHTS
 from model.lora_io import CONFIG_FILE, PICKLE_FILE, WEIGHTS_FILE
+from tests.helpers import error_of
 from tests.reliability.helpers import inprocess_server
 from tests.service.conftest import ADAPTERS, CLS, LM, MT
 from tests.service.server import running_server
-from tests.service.test_errors import error_of
 
 
 class _Trap:

@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,8 +27,9 @@ from model.checkpoint import load_checkpoint
 from model.decoding import GenerationConfig
 from model.generation import generate_causal, generate_seq2seq, stop_strings, trim_stop
 from model.lora_io import load_adapter
-from service.engine import Engine
-from service.types import Candidate, EngineSettings, GenerateOutput, GenerateParams
+from service.engine import DECODING_FIELDS, Engine
+from service.schemas import DEFAULT_NEW_TOKENS, Candidate, GenerateOutput, GenerateRequest
+from service.types import EngineSettings
 from tests.service.fixtures import ADAPTERS, CLS, LABELS, LM, MT, TEXTS, build_models, make_adapter
 
 __all__ = ["ADAPTERS", "CLS", "LABELS", "LM", "MT", "TEXTS", "make_adapter"]
@@ -69,41 +71,48 @@ async def running_engine(models_dir: Path, adapters_dir: Path | None, **settings
         await engine.stop(drain_timeout_s=5.0)
 
 
-def offline(model_dir: Path, texts: list[str], params: GenerateParams, adapter_dir: Path | None = None
+def ask(*inputs: str, **fields: Any) -> GenerateRequest:
+    """A generate request for ``inputs`` (GenerateRequest ``fields``)."""
+    return GenerateRequest(inputs=list(inputs), **fields)
+
+
+def offline(model_dir: Path, texts: list[str], fields: dict[str, Any], adapter_dir: Path | None = None
             ) -> list[GenerateOutput]:
-    """Each text generated alone by model.generation's offline functions (the engine's reference)."""
+    """Each text generated alone by model.generation's offline functions (the engine's reference), decoding as
+    a GenerateRequest with ``fields`` asks."""
     ckpt = load_checkpoint(model_dir, device="cpu")
     if adapter_dir is not None:
         load_adapter(ckpt.model, adapter_dir, "ref")
-    config = GenerationConfig(
-        strategy=params.strategy, max_new_tokens=params.max_new_tokens, min_new_tokens=params.min_new_tokens,
-        num_beams=params.num_beams if params.strategy == "beam" else 1, length_penalty=params.length_penalty,
-        num_return_sequences=params.num_return_sequences, temperature=params.temperature, top_k=params.top_k,
-        top_p=params.top_p, seed=params.seed, eos_token_id=ckpt.config.eos_id)
+    req = GenerateRequest(inputs=texts, **fields)
+    decoding = {name: getattr(req, name) for name in DECODING_FIELDS}
+    decoding["max_new_tokens"] = req.max_new_tokens or DEFAULT_NEW_TOKENS
+    decoding["num_beams"] = req.num_beams if req.strategy == "beam" else 1
+    config = GenerationConfig(**decoding, eos_token_id=ckpt.config.eos_id)
     adapters = "ref" if adapter_dir is not None else None
     outputs = []
     for text in texts:
         if ckpt.family == "causal_lm":
-            stop_fn = stop_strings(ckpt.tokenizer, params.stop)
+            stop_fn = stop_strings(ckpt.tokenizer, req.stop)
             ids = ckpt.tokenizer.encode(text, add_bos=True)
             hyps = generate_causal(ckpt.model, [ids], config, adapters=adapters, stop_fn=stop_fn)[0]
         else:
             hyps = generate_seq2seq(ckpt.model, [ckpt.src_tokenizer.encode(text, add_eos=True)], config,
                                     adapters=adapters)[0]
-        candidates = [Candidate(trim_stop(ckpt.tokenizer.decode(h.tokens), params.stop), h.tokens, h.score,
-                                h.finish_reason) for h in hyps]
-        best = candidates[0]
-        outputs.append(GenerateOutput(best.text, best.tokens, best.score, best.finish_reason, candidates))
+        candidates = [Candidate(text=trim_stop(ckpt.tokenizer.decode(h.tokens), req.stop), tokens=h.tokens,
+                                score=h.score, finish_reason=h.finish_reason) for h in hyps]
+        outputs.append(GenerateOutput(**dict(candidates[0]), candidates=candidates))
     return outputs
 
 
 def assert_same(got: list[GenerateOutput], want: list[GenerateOutput]) -> None:
-    """Same texts, tokens and finish reasons; scores equal up to float rounding."""
+    """Same texts, tokens and finish reasons; scores equal up to float rounding (an output without candidates
+    is its own one candidate)."""
     assert len(got) == len(want)
     for g, w in zip(got, want, strict=True):
-        assert [(c.text, c.tokens, c.finish_reason) for c in g.candidates] == \
-            [(c.text, c.tokens, c.finish_reason) for c in w.candidates]
-        assert [c.score for c in g.candidates] == pytest.approx([c.score for c in w.candidates], abs=1e-4)
+        g_all, w_all = g.candidates or [g], w.candidates or [w]
+        assert [(c.text, c.tokens, c.finish_reason) for c in g_all] == \
+            [(c.text, c.tokens, c.finish_reason) for c in w_all]
+        assert [c.score for c in g_all] == pytest.approx([c.score for c in w_all], abs=1e-4)
         assert (g.text, g.tokens, g.finish_reason) == (w.text, w.tokens, w.finish_reason)
 
 

@@ -73,6 +73,8 @@ days. the old man and the sea went to the market, and the market was full of fis
 # Texts the HTTP tests send (classify, embed, attention).
 TEXTS = ["the quick brown fox jumps over the lazy dog", "i love this", "the box is on the table",
          "what a terrible day", "hello world, hello there", "numbers 0 1 2 3"]  # fmt: skip
+# Prompts the HTTP tests generate from.
+PROMPTS = ["the quick brown", "hello world", "to be or", "all that", "le chat", "numbers 0 1", "def main", "a journey"]
 
 
 def write_translation(path: Path, n: int, seed: int, variant: int | None = None) -> Path:

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,11 +76,18 @@ def stop(process: subprocess.Popen, timeout_s: float = 15.0) -> int:
 
 @contextmanager
 def running_server(
-    models_dir: Path, adapters_dir: Path | None = None, ready_timeout_s: float = 60.0, **env: str
+    models_dir: Path,
+    adapters_dir: Path | None = None,
+    ready_timeout_s: float = 60.0,
+    module_args: Sequence[str] = ("-m", "service"),
+    **env: str,
 ) -> Iterator[Server]:
-    """Start ``python -m service`` with ``env`` (TSERVE_* settings) added; stop it on exit."""
+    """Start ``python -m service`` with ``env`` (TSERVE_* settings) added; stop it on exit.
+
+    ``module_args``: what runs instead of ``-m service``, e.g. a wrapper that installs fault hooks first
+    (tests/reliability/gated_server.py); the server's own flags follow them."""
     port = free_port()
-    args = [sys.executable, "-m", "service", "--models", str(models_dir), "--host", "127.0.0.1", "--port", str(port)]
+    args = [sys.executable, *module_args, "--models", str(models_dir), "--host", "127.0.0.1", "--port", str(port)]
     if adapters_dir is not None:
         args += ["--adapters", str(adapters_dir)]
     environ = {**os.environ, "TSERVE_THREADS": "1", "TSERVE_LOG_LEVEL": "warning", **env}

@@ -4,25 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import time
 
 import pytest
 
 from model.lora import adapter_names
 from service.errors import InvalidRequest, NotFound, QueueFull
-from service.types import GenerateParams
-from tests.service.conftest import ADAPTERS, LM, MT, assert_same, make_adapter, offline, running_engine
-from tests.service.test_scheduler import wait_until
+from tests.helpers import StepGate, step_until, stepping, wait_until
+from tests.service.conftest import ADAPTERS, LM, MT, ask, assert_same, make_adapter, offline, running_engine
 
-LONG = GenerateParams(max_new_tokens=40, min_new_tokens=40)
-
-
-def slow_down(worker, seconds: float = 0.003) -> None:
-    worker.scheduler.fault_hook = lambda ids: time.sleep(seconds)
-
-
-def with_adapter(params: GenerateParams, name: str) -> GenerateParams:
-    return GenerateParams(**{**vars(params), "adapter": name})
+# Long enough to stay in flight while the test steps the worker through the other requests (a dozen steps or so).
+LONG = dict(max_new_tokens=40, min_new_tokens=40)
 
 
 @pytest.fixture
@@ -39,17 +30,18 @@ def test_replace_and_unload_while_in_flight(models_dir, lm_adapters):
     async def main():
         async with running_engine(models_dir, lm_adapters) as engine:
             worker = engine.get(LM)
-            slow_down(worker)
             await worker.load_adapter("swap", v1)
-            first = asyncio.create_task(worker.generate(["hello"], with_adapter(LONG, "swap"), "on-v1"))
-            await wait_until(lambda: worker.scheduler.num_rows == 1)
-            await worker.load_adapter("swap", v2)  # replaced while "on-v1" runs
-            second = asyncio.create_task(worker.generate(["the cat"], with_adapter(LONG, "swap"), "on-v2"))
-            await wait_until(lambda: worker.scheduler.num_running == 2)
+            gate = StepGate(worker.scheduler)  # the worker makes each model call when the test lets it
+            first = asyncio.create_task(worker.generate(ask("hello", **LONG, adapter="swap"), "on-v1"))
+            await step_until(gate, lambda: worker.scheduler.num_rows == 1)
+            await stepping(gate, worker.load_adapter("swap", v2))  # replaced while "on-v1" runs
+            second = asyncio.create_task(worker.generate(ask("the cat", **LONG, adapter="swap"), "on-v2"))
+            await step_until(gate, lambda: worker.scheduler.num_running == 2)
             assert {i.name: i.in_flight for i in worker.list_adapters()}["swap"] == 2
-            await worker.unload_adapter("swap")  # while "on-v2" runs
+            await stepping(gate, worker.unload_adapter("swap"))  # while "on-v2" runs
             with pytest.raises(NotFound, match="swap"):
-                await worker.generate(["a"], with_adapter(LONG, "swap"), "too-late")
+                await stepping(gate, worker.generate(ask("a", **LONG, adapter="swap"), "too-late"))
+            gate.release()
             results = await asyncio.gather(first, second)
             await wait_until(lambda: not any(n.startswith("swap.") for n in adapter_names(worker.model)))
             return results
@@ -61,28 +53,31 @@ def test_replace_and_unload_while_in_flight(models_dir, lm_adapters):
 
 
 def test_lru_evicts_only_idle_adapters(models_dir, lm_adapters):
-    short = GenerateParams(max_new_tokens=6)
+    short = dict(max_new_tokens=6)
 
     async def main():
         async with running_engine(models_dir, lm_adapters, max_resident_adapters=2) as engine:
             worker = engine.get(LM)
             resident = lambda: {i.name for i in worker.list_adapters() if i.resident}  # noqa: E731
             assert resident() == {"a", "b"} and worker.info.adapters == ["a", "b", "c"]  # c: known, lazy
-            slow_down(worker)
-            busy_a = asyncio.create_task(worker.generate(["hello"], with_adapter(LONG, "a"), "busy-a"))
-            await wait_until(lambda: worker.scheduler.num_running == 1)
-            await worker.generate(["x"], with_adapter(short, "b"), "touch-b")  # busy a is now least recently used
-            on_c = await worker.generate(["gold"], with_adapter(short, "c"), "lazy-c")  # evicts idle b, not busy a
+            gate = StepGate(worker.scheduler)  # the worker makes each model call when the test lets it
+            busy_a = asyncio.create_task(worker.generate(ask("hello", **LONG, adapter="a"), "busy-a"))
+            await step_until(gate, lambda: worker.scheduler.num_running == 1)
+            # busy a is now least recently used
+            await stepping(gate, worker.generate(ask("x", **short, adapter="b"), "touch-b"))
+            # evicts idle b, not busy a
+            on_c = await stepping(gate, worker.generate(ask("gold", **short, adapter="c"), "lazy-c"))
             assert not busy_a.done()
             assert resident() == {"a", "c"}
             evictions = engine.metrics.registry.get_sample_value("tserve_adapter_evictions_total", {"model": LM})
             assert evictions == 1
-            busy_c = asyncio.create_task(worker.generate(["the cat"], with_adapter(LONG, "c"), "busy-c"))
-            await wait_until(lambda: worker.scheduler.num_running == 2)
+            busy_c = asyncio.create_task(worker.generate(ask("the cat", **LONG, adapter="c"), "busy-c"))
+            await step_until(gate, lambda: worker.scheduler.num_running == 2)
             with pytest.raises(QueueFull, match="max_resident_adapters"):
-                await worker.generate(["gold"], with_adapter(short, "b"), "no-room")
+                await stepping(gate, worker.generate(ask("gold", **short, adapter="b"), "no-room"))
+            gate.release()
             await asyncio.gather(busy_a, busy_c)
-            on_b = await worker.generate(["gold"], with_adapter(short, "b"), "b-again")  # reloaded from disk
+            on_b = await worker.generate(ask("gold", **short, adapter="b"), "b-again")  # reloaded from disk
             return on_c, on_b
 
     on_c, on_b = asyncio.run(main())
@@ -101,7 +96,7 @@ def test_adapter_for_another_base_is_refused(models_dir, adapters_dir, tmp_path)
             with pytest.raises(InvalidRequest, match="wrong.*not a target"):
                 await worker.load_adapter("wrong", wrong)
             assert worker.info.adapters == []
-            return await worker.generate(["a"], GenerateParams(max_new_tokens=4), "still-serving")
+            return await worker.generate(ask("a", max_new_tokens=4), "still-serving")
 
     assert len(asyncio.run(main())) == 1
 
@@ -128,7 +123,7 @@ def test_only_the_adapters_directory_is_read(models_dir, adapters_dir, tmp_path)
             with pytest.raises(NotFound, match="nope"):
                 await worker.unload_adapter("nope")
             with pytest.raises(NotFound, match="nope"):
-                await worker.generate(["a"], GenerateParams(adapter="nope"), "r")
+                await worker.generate(ask("a", adapter="nope"), "r")
         async with running_engine(models_dir, None) as engine:
             with pytest.raises(InvalidRequest, match="no adapters directory"):
                 await engine.get(LM).load_adapter("x", outside)

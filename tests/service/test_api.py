@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import shutil
-import tarfile
-import zipfile
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.helpers import archive, assert_same_outputs, generate
 from tests.service.conftest import ADAPTERS, CLS, LABELS, LM, MT, TEXTS
+from tests.service.fixtures import PROMPTS
 from tests.service.server import metric_samples, running_server, sse_data
-
-PROMPTS = ["the quick brown", "hello world", "to be or", "all that", "le chat", "numbers 0 1", "def main", "a journey"]
 
 
 @pytest.fixture(scope="module")
@@ -31,20 +28,6 @@ def server(models_dir: Path, adapters_dir: Path, tmp_path_factory: pytest.TempPa
 def client(server):
     with server.client() as c:
         yield c
-
-
-def generate(client: httpx.Client, model: str, **body) -> dict:
-    r = client.post(f"/v1/models/{model}/generate", json=body)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def assert_same_outputs(got: list, expected: list) -> None:
-    """Equal texts, tokens and finish reasons; scores equal up to float rounding (batching reorders sums)."""
-    strip = [[{k: v for k, v in o.items() if k != "score"} for o in outs] for outs in got]
-    assert strip == [[{k: v for k, v in o.items() if k != "score"} for o in outs] for outs in expected]
-    scores = [o["score"] for outs in got for o in outs]
-    assert scores == pytest.approx([o["score"] for outs in expected for o in outs], abs=1e-4)
 
 
 def test_health_ready_index_and_request_ids(client):
@@ -165,18 +148,6 @@ def test_attention_all_families(client):
         assert _shape(maps) == (2, 4, n, n), kind
 
 
-def _archive(directory: Path, kind: str) -> bytes:
-    buf = io.BytesIO()
-    if kind == "zip":
-        with zipfile.ZipFile(buf, "w") as z:
-            for f in sorted(directory.iterdir()):
-                z.write(f, f.name)
-    else:
-        with tarfile.open(fileobj=buf, mode="w:gz") as t:
-            t.add(directory, arcname=".")
-    return buf.getvalue()
-
-
 def test_adapters_list_load_upload_unload(client, server, adapters_dir):
     base = generate(client, LM, inputs=PROMPTS, max_new_tokens=8)["outputs"]
     names = [a["name"] for a in client.get(f"/v1/models/{LM}/adapters").json()["adapters"]]
@@ -190,7 +161,7 @@ def test_adapters_list_load_upload_unload(client, server, adapters_dir):
     for kind, content_type in (("tar.gz", "application/gzip"), ("zip", "application/zip")):
         name = f"up-{kind.replace('.', '-')}"
         r = client.put(
-            f"/v1/models/{LM}/adapters/{name}", content=_archive(source, kind), headers={"Content-Type": content_type}
+            f"/v1/models/{LM}/adapters/{name}", content=archive(source, kind), headers={"Content-Type": content_type}
         )
         assert r.status_code == 200, r.text
         assert_same_outputs([generate(client, LM, inputs=PROMPTS, max_new_tokens=8, adapter=name)["outputs"]], [tuned])

@@ -5,16 +5,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+import pydantic
 import pytest
 import torch
 from prometheus_client import generate_latest
 
-from model.checkpoint import build_model, load_checkpoint, save_checkpoint
+from model.checkpoint import build_model, load_checkpoint, parameter_count, save_checkpoint
 from model.lora import set_adapters
 from model.lora_io import load_adapter
 from service.errors import EngineFailure, InvalidRequest, NotFound
-from service.types import EngineSettings, GenerateParams
-from tests.service.conftest import ADAPTERS, CLS, LABELS, LM, MT, histogram_count, running_engine
+from service.schemas import GenerateRequest
+from service.types import EngineSettings
+from tests.service.conftest import ADAPTERS, CLS, LABELS, LM, MT, ask, histogram_count, running_engine
 
 METRICS = [
     "tserve_requests_total", "tserve_e2e_request_latency_seconds", "tserve_request_queue_time_seconds",
@@ -56,24 +58,23 @@ def test_validation_names_field_and_limit(models_dir, adapters_dir):
         async with running_engine(models_dir, adapters_dir, max_input_tokens=8, max_inputs_per_request=3,
                                   max_new_tokens=20, max_beams=2) as engine:
             lm, cls = engine.get(LM), engine.get(CLS)
-            def p(**kw) -> GenerateParams:
-                return GenerateParams(**{"max_new_tokens": 5, **kw})
+            def p(*inputs: str, **kw) -> GenerateRequest:
+                return GenerateRequest(inputs=list(inputs), **{"max_new_tokens": 5, **kw})
 
             cases = [
-                (lambda: cls.generate(["a"], p(), "r"), "model 'tiny-cls' is a classifier; generate needs"),
+                (lambda: cls.generate(p("a"), "r"), "model 'tiny-cls' is a classifier; generate needs"),
                 (lambda: lm.classify(["a"], None, None, "r"),
                  "model 'tiny-lm' is a causal_lm; classify needs a classifier"),
                 (lambda: lm.embed(["a"], "mean", "r"), "embed needs a classifier"),
-                (lambda: lm.generate(["a", "the quick brown fox jumps"], p(), "r"),
+                (lambda: lm.generate(p("a", "the quick brown fox jumps"), "r"),
                  r"inputs\[1\]: \d+ tokens exceeds max_input_tokens=8"),
-                (lambda: lm.generate(["a"] * 4, p(), "r"), "4 inputs exceeds max_inputs_per_request=3"),
-                (lambda: lm.generate([], p(), "r"), "inputs: expected a non-empty list"),
-                (lambda: lm.generate(["a"], p(max_new_tokens=21), "r"), "max_new_tokens: 21 exceeds the limit 20"),
-                (lambda: lm.generate(["a"], p(strategy="beam", num_beams=3), "r"), "num_beams: 3 exceeds max_beams=2"),
-                (lambda: lm.generate(["a"], p(strategy="beam", num_beams=2, stop=["x"]), "r"), "stop:"),
-                (lambda: lm.generate(["a"], p(strategy="nucleus"), "r"), "strategy: must be one of"),
-                (lambda: lm.generate(["a"], p(temperature=0.0, strategy="sample"), "r"), "temperature"),
-                (lambda: lm.generate(["a"], p(max_new_tokens=0), "r"), "max_new_tokens must be >= 1"),
+                (lambda: lm.generate(p(*["a"] * 4), "r"), "4 inputs exceeds max_inputs_per_request=3"),
+                (lambda: lm.generate(p("a", max_new_tokens=21), "r"), "max_new_tokens: 21 exceeds the limit 20"),
+                (lambda: lm.generate(p("a", strategy="beam", num_beams=3), "r"), "num_beams: 3 exceeds max_beams=2"),
+                (lambda: lm.generate(p("a", strategy="beam", num_beams=2, stop=["x"]), "r"), "stop:"),
+                (lambda: lm.stream(p("a", strategy="sample", num_return_sequences=2), "r"),
+                 "num_return_sequences: streaming"),
+                (lambda: lm.stream(p("a", "b"), "r"), "inputs: streaming takes exactly one input"),
                 (lambda: cls.classify(["a"], None, 0, "r"), "top_k: must be an integer >= 1"),
                 (lambda: cls.classify([("a", "b", "c")], None, None, "r"), r"inputs\[0\]: expected a string or a pair"),
                 (lambda: cls.embed(["a"], "sum", "r"), "pooling: must be one of"),
@@ -81,15 +82,19 @@ def test_validation_names_field_and_limit(models_dir, adapters_dir):
             for call, message in cases:
                 with pytest.raises(InvalidRequest, match=message):
                     await call()
-            with pytest.raises(InvalidRequest, match="num_return_sequences: streaming"):
-                await lm.stream("a", p(strategy="sample", num_return_sequences=2), "r")
+            # what the request schema refuses before the engine sees it (HTTP: the same 422 shape)
+            for fields, field in [(dict(inputs=[]), "inputs"), (dict(inputs=["a"], strategy="nucleus"), "strategy"),
+                                  (dict(inputs=["a"], temperature=0.0, strategy="sample"), "temperature"),
+                                  (dict(inputs=["a"], max_new_tokens=0), "max_new_tokens")]:
+                with pytest.raises(pydantic.ValidationError, match=field):
+                    GenerateRequest(**fields)
             with pytest.raises(NotFound, match="adapter 'nope' not found for model 'tiny-cls'"):
                 await cls.classify(["a"], "nope", None, "r")
             with pytest.raises(NotFound, match="model 'nope' not found"):
                 engine.get("nope")
         async with running_engine(models_dir, None) as engine:  # input + max_new_tokens over the model's max_len
             with pytest.raises(InvalidRequest, match=r"inputs\[0\]: \d+ tokens \+ max_new_tokens=127 exceeds"):
-                await engine.get(LM).generate(["hello world"], GenerateParams(max_new_tokens=127), "r")
+                await engine.get(LM).generate(ask("hello world", max_new_tokens=127), "r")
 
     asyncio.run(main())
 
@@ -164,8 +169,8 @@ def test_attention_maps_have_layer_head_query_key_shape(models_dir):
 def test_metrics_after_traffic(models_dir, adapters_dir):
     async def main():
         async with running_engine(models_dir, adapters_dir) as engine, running_engine(models_dir, None) as other:
-            await asyncio.gather(engine.get(LM).generate(["hello", "the cat"], GenerateParams(max_new_tokens=5), "g"),
-                                 engine.get(MT).generate(["hello"], GenerateParams(max_new_tokens=5,
+            await asyncio.gather(engine.get(LM).generate(ask("hello", "the cat", max_new_tokens=5), "g"),
+                                 engine.get(MT).generate(ask("hello", max_new_tokens=5,
                                                                                   adapter=ADAPTERS[MT]), "m"),
                                  engine.get(CLS).classify(["hello"], None, None, "c"))
             await engine.get(LM).unload_adapter(ADAPTERS[LM])
@@ -225,8 +230,8 @@ def test_quantize_setting_makes_the_named_model_int8_with_adapters(models_dir, a
             mt, lm = engine.get(MT), engine.get(LM)
             assert any(isinstance(m, Int8Linear) for m in mt.model.modules())
             assert not any(isinstance(m, Int8Linear) for m in lm.model.modules())
-            base = await mt.generate([TEXTS[0]], GenerateParams(max_new_tokens=8), "q-base")
-            adapted = await mt.generate([TEXTS[0]], GenerateParams(max_new_tokens=8, adapter=ADAPTERS[MT]), "q-a")
+            base = await mt.generate(ask(TEXTS[0], max_new_tokens=8), "q-base")
+            adapted = await mt.generate(ask(TEXTS[0], max_new_tokens=8, adapter=ADAPTERS[MT]), "q-a")
             return base[0].tokens, adapted[0].tokens
 
     base, adapted = asyncio.run(main())
@@ -257,3 +262,20 @@ def test_a_classifier_without_a_head_serves_embeddings_and_refuses_classify(mode
             torch.testing.assert_close(torch.tensor(vectors[1]), want[0])
 
     asyncio.run(main())
+
+
+def test_model_info_counts_the_adapters_parameters_apart(models_dir, adapters_dir):
+    """GET /v1/models' parameters are the model's own, loaded adapters or not; adapter_parameters what they add."""
+    own = parameter_count(load_checkpoint(models_dir / LM, device="cpu").model)
+
+    async def main():
+        async with running_engine(models_dir, adapters_dir) as engine:
+            worker = engine.get(LM)
+            with_adapter = worker.info
+            await worker.unload_adapter(ADAPTERS[LM])
+            return with_adapter, worker.info
+
+    with_adapter, without = asyncio.run(main())
+    assert with_adapter.adapters == [ADAPTERS[LM]] and without.adapters == []
+    assert with_adapter.parameters == without.parameters == own
+    assert with_adapter.adapter_parameters > 0 and without.adapter_parameters == 0

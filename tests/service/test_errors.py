@@ -15,6 +15,7 @@ import pytest
 from service.app import create_app
 from service.archive import ArchiveError, read_adapter_archive
 from service.settings import Settings
+from tests.helpers import error_of
 from tests.service.conftest import ADAPTERS, CLS, LM, MT
 from tests.service.server import running_server
 
@@ -42,18 +43,6 @@ def server(models_dir: Path, adapters_dir: Path, tmp_path_factory: pytest.TempPa
 def client(server):
     with server.client(headers={"Authorization": f"Bearer {USER}"}) as c:
         yield c
-
-
-def error_of(r: httpx.Response, status: int, code: str | None = None) -> dict:
-    """The response's error, after checking the one shape every failure has."""
-    assert r.status_code == status, r.text
-    assert r.headers["content-type"].startswith("application/json")
-    body = r.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"code", "message", "field", "request_id"}
-    assert body["error"]["request_id"] == r.headers["x-request-id"] and body["error"]["message"]
-    if code is not None:
-        assert body["error"]["code"] == code
-    return body["error"]
 
 
 def test_api_keys(server, client):

@@ -1,11 +1,11 @@
 """Hugging Face model directories served next to our checkpoints (issue 16), by a real `python -m service`.
 
-The GPT-2 directory is what `transformers` writes: a random GPT2LMHeadModel and a byte-level BPE trained
-here in GPT-2's layout (<|endoftext|> last), both through save_pretrained; its adapters are what `peft`
-writes (random non-zero A and B on c_attn / c_proj / c_fc, Conv1D's fan_in_fan_out, one rank-stabilised).
-The service must answer what `tokenizer(text)` + `generate()` in `transformers` (and `peft`) give, token
-for token, also with the adapters mixed in one batch. The BERT directories hold a WordPiece tokenizer trained
-here (lower-casing, accents stripped, the [CLS] a [SEP] b [SEP] template): a BertForSequenceClassification
+The directories are what `transformers` writes (tests/hf_directories.py builds them). The GPT-2 directory: a
+random GPT2LMHeadModel and a byte-level BPE in GPT-2's layout (<|endoftext|> last), both through save_pretrained;
+its adapters are what `peft` writes (random non-zero A and B on c_attn / c_proj / c_fc, Conv1D's fan_in_fan_out,
+one rank-stabilised). The service must answer what `tokenizer(text)` + `generate()` in `transformers` (and `peft`)
+give, token for token, also with the adapters mixed in one batch. The BERT directories hold a WordPiece tokenizer
+(lower-casing, accents stripped, the [CLS] a [SEP] b [SEP] template): a BertForSequenceClassification
 whose probabilities must equal transformers', and a BertModel saved as sentence-transformers lays it out
 (max pooling, Normalize) whose /embed vectors must equal transformers' hidden states pooled that way.
 The OPUS-MT directory holds a random MarianMTModel, SentencePiece models and vocab.json, and a
@@ -23,107 +23,30 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from tests.hf_compare import peft_adapter, randomize
-from tests.model.test_hf_marian_tokenizer import PAD as MARIAN_PAD
-from tests.model.test_hf_marian_tokenizer import opus_mt_tokenizer
+from tests.hf_compare import peft_adapter
+from tests.hf_directories import (
+    LABELS,
+    MARIAN_PAD,
+    PAIRS,
+    TEXTS,
+    bert_directory,
+    gpt2_directory,
+    opus_mt_directory,
+    sentence_transformers_layout,
+)
 from tests.service.fixtures import LM
 from tests.service.server import running_server
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-EOT = "<|endoftext|>"
-CORPUS = ["def add(x, y):\n    return x + y\n", "the quick brown fox jumps over the lazy dog", "print('hello')",
-          "for i in range(10):\n    total += i\n"] * 20
 PROMPTS = ["def add(", "the quick", "for i in"]
-TEXTS = ["The quick brown fox", "Élan vital, déjà vu", "print('hello')"]
-PAIRS = [["the fox", "jumps over the dog"], ["Hello", "WORLD"]]
-LABELS = ["negative", "neutral", "positive"]
-BERT_SPECIALS = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]",
-                 "mask_token": "[MASK]"}
 NEW_TOKENS = 8
 ADAPTERS = {  # name -> PEFT LoraConfig fields
     "all-projections": dict(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj", "c_fc"]),
     "attention-rslora": dict(r=2, lora_alpha=4, target_modules=["c_attn"], use_rslora=True),
 }
-
-
-def gpt2_directory(directory: Path) -> Path:
-    """A random GPT-2 and its tokenizer, as transformers saves them."""
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.post_processor = processors.ByteLevel(trim_offsets=False)
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    backend.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, initial_alphabet=alphabet,
-                                                            show_progress=False))
-    backend.add_special_tokens([EOT])
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=EOT, eos_token=EOT,
-                                                     unk_token=EOT)
-    tokenizer.save_pretrained(directory)
-    eot = tokenizer.convert_tokens_to_ids(EOT)
-    config = transformers.GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=2, n_head=4,
-                                     bos_token_id=eot, eos_token_id=eot)
-    randomize(transformers.GPT2LMHeadModel(config), seed=5, eos_id=eot, eos_boost=2.5).save_pretrained(directory)
-    return directory
-
-
-def bert_directory(directory: Path, head: bool) -> Path:
-    """A random BERT (BertForSequenceClassification, or a headless BertModel) with a WordPiece tokenizer."""
-    backend = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    backend.normalizer = normalizers.BertNormalizer(lowercase=True, strip_accents=True)
-    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    backend.decoder = decoders.WordPiece()
-    backend.train_from_iterator(CORPUS + TEXTS, trainers.WordPieceTrainer(
-        vocab_size=200, special_tokens=list(BERT_SPECIALS.values()), show_progress=False))
-    cls, sep = backend.token_to_id("[CLS]"), backend.token_to_id("[SEP]")
-    backend.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend, model_input_names=["input_ids", "token_type_ids", "attention_mask"], **BERT_SPECIALS)
-    tokenizer.save_pretrained(directory)
-    config = transformers.BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2,
-                                     num_attention_heads=4, intermediate_size=48, max_position_embeddings=64,
-                                     pad_token_id=tokenizer.pad_token_id, id2label=dict(enumerate(LABELS)),
-                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    model = transformers.BertForSequenceClassification(config) if head else transformers.BertModel(config)
-    randomize(model, seed=7).save_pretrained(directory)
-    return directory
-
-
-def sentence_transformers_layout(directory: Path) -> Path:
-    """modules.json, 1_Pooling/config.json (max pooling) and 2_Normalize, as sentence-transformers saves them."""
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-               {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
-    (directory / "modules.json").write_text(json.dumps(modules))
-    (directory / "1_Pooling").mkdir()
-    (directory / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"word_embedding_dimension": 32, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": False,
-         "pooling_mode_max_tokens": True, "pooling_mode_mean_sqrt_len_tokens": False}))
-    (directory / "2_Normalize").mkdir()
-    return directory
-
-
-def opus_mt_directory(directory: Path, **overrides) -> Path:
-    """A random OPUS-MT-like translator: EOS 0, the pad id also the decoder start, a final_logits_bias (MarianConfig
-    ``overrides``)."""
-    opus_mt_tokenizer(directory)
-    config = transformers.MarianConfig(**{
-        "vocab_size": MARIAN_PAD + 1, "d_model": 32, "encoder_layers": 2, "decoder_layers": 2,
-        "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64,
-        "max_position_embeddings": 64, "pad_token_id": MARIAN_PAD, "eos_token_id": 0,
-        "decoder_start_token_id": MARIAN_PAD, "dropout": 0.0, **overrides})
-    model = randomize(transformers.MarianMTModel(config), seed=2, eos_id=0, eos_boost=2.0)
-    with torch.no_grad():
-        model.final_logits_bias.normal_(0, 0.5, generator=torch.Generator().manual_seed(2))
-    model.save_pretrained(directory)
-    (directory / "generation_config.json").write_text(json.dumps(
-        {"bad_words_ids": [[MARIAN_PAD]], "forced_eos_token_id": 0, "decoder_start_token_id": MARIAN_PAD,
-         "eos_token_id": 0, "pad_token_id": MARIAN_PAD, "max_length": 64, "num_beams": 4}))
-    return directory
 
 
 def hf_generate(directory: Path, adapter: Path | None, prompt: str, **kwargs) -> list[int]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import pytest
@@ -11,38 +10,46 @@ import torch
 
 from model.lora import adapter_names
 from service.errors import EngineFailure, NotReady, QueueFull, RequestTimeout
-from service.types import GenerateParams
-from tests.service.conftest import ADAPTERS, LM, MT, assert_same, histogram_count, offline, running_engine
+from tests.helpers import StepGate, block_worker, gather_queued, on_stop, stepping, wait_until
+from tests.service.conftest import ADAPTERS, LM, MT, ask, assert_same, histogram_count, offline, running_engine
 
 PROMPTS = ["hello world", "the cat", "a", "numbers 1 2 3", "def main", "le chat", "to be or", "gold"]
 
 
-async def wait_until(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.002)
+def decoding(scheduler) -> bool:
+    """Whether a batch is running: the model call about to happen is a decode step (prefill comes before)."""
+    return scheduler.batch is not None
 
 
-def block_worker(worker) -> threading.Event:
-    """Park the worker thread until the returned event is set."""
-    release = threading.Event()
-    worker.scheduler.call(lambda: release.wait(10))
-    return release
+def first_job_step(scheduler) -> int:
+    """Tokens the running batch's first job has generated (0 before it runs)."""
+    batch = scheduler.batch
+    return batch.jobs[0].search.step if batch is not None else 0
+
+
+def batch_ids(scheduler) -> list[str]:
+    batch = scheduler.batch
+    return [job.id for job in batch.jobs] if batch is not None else []
+
+
+async def sleep_past(moment: float) -> None:
+    """Return once time.monotonic() is past ``moment`` (a deadline that must have expired)."""
+    while time.monotonic() <= moment:
+        await asyncio.sleep(moment - time.monotonic() + 0.001)
 
 
 @pytest.mark.parametrize("model", [LM, MT])
 def test_concurrent_requests_batch_and_match_alone(models_dir, model):
-    params = [GenerateParams(max_new_tokens=6 + 3 * i) for i in range(len(PROMPTS))]
+    params = [dict(max_new_tokens=6 + 3 * i) for i in range(len(PROMPTS))]
 
     async def main():
-        async with running_engine(models_dir, None, max_wait_ms=50) as engine:
+        async with running_engine(models_dir, None) as engine:
             worker = engine.get(model)
-            together = await asyncio.gather(*(worker.generate([p], q, f"r{i}")
-                                              for i, (p, q) in enumerate(zip(PROMPTS, params, strict=True))))
+            together = await gather_queued(worker, [worker.generate(ask(p, **q), f"r{i}")
+                                                    for i, (p, q) in enumerate(zip(PROMPTS, params, strict=True))])
             assert histogram_count(engine, "tserve_batch_size", {"model": model}, le="1.0") < \
                 histogram_count(engine, "tserve_batch_size", {"model": model})  # some steps held > 1 row
-            sequential = [await worker.generate([p], q, f"s{i}") for i, (p, q) in enumerate(zip(PROMPTS, params,
+            sequential = [await worker.generate(ask(p, **q), f"s{i}") for i, (p, q) in enumerate(zip(PROMPTS, params,
                                                                                               strict=True))]
             return together, sequential
 
@@ -53,26 +60,39 @@ def test_concurrent_requests_batch_and_match_alone(models_dir, model):
 
 
 def test_multi_input_request_matches_offline(models_dir):
-    params = GenerateParams(max_new_tokens=12, stop=["e"])
+    params = dict(max_new_tokens=12, stop=["e"])
 
     async def main():
         async with running_engine(models_dir, None) as engine:
-            return await engine.get(LM).generate(PROMPTS[:4], params, "multi")
+            return await engine.get(LM).generate(ask(*PROMPTS[:4], **params), "multi")
 
     assert_same(asyncio.run(main()), offline(models_dir / LM, PROMPTS[:4], params))
 
 
 def test_request_joining_mid_run_equals_alone(models_dir):
-    long = GenerateParams(max_new_tokens=60, min_new_tokens=60)
-    short = GenerateParams(strategy="beam", num_beams=3, max_new_tokens=8)
+    long = dict(max_new_tokens=60, min_new_tokens=60)
+    short = dict(strategy="beam", num_beams=3, max_new_tokens=8)
 
     async def main():
         async with running_engine(models_dir, None) as engine:
             worker = engine.get(MT)
-            first = asyncio.create_task(worker.generate(["hello world"], long, "first"))
-            await wait_until(lambda: (batch := worker.scheduler.batch) is not None and batch.jobs[0].search.step > 5)
-            second = await worker.generate(["the cat"], short, "second")
+            sched = worker.scheduler
+            running = StepGate(sched, when=lambda ids: ids == ["first"] and first_job_step(sched) > 5)
+            first = asyncio.create_task(worker.generate(ask("hello world", **long), "first"))
+            await running.until_parked()  # "first" has decoded a few steps alone
+            second = asyncio.create_task(worker.generate(ask("the cat", **short), "second"))
+            await wait_until(lambda: sched.num_waiting == 1)
+            seen = set()
+
+            def second_left(ids: list[str]) -> bool:
+                seen.update(ids)
+                return "second" in seen and ids == ["first"]
+
+            left = StepGate(sched, when=second_left)  # holds "first" once "second" has joined and left
+            running.release()
+            second = await second
             assert not first.done()  # it really joined a running batch
+            left.release()
             return await first, second
 
     first, second = asyncio.run(main())
@@ -82,18 +102,19 @@ def test_request_joining_mid_run_equals_alone(models_dir):
 
 def test_mixed_strategies_in_one_batch_equal_alone(models_dir):
     cases = [
-        ("hello world", GenerateParams(max_new_tokens=20)),
-        ("the cat", GenerateParams(strategy="beam", num_beams=4, num_return_sequences=2, max_new_tokens=12)),
-        ("a", GenerateParams(strategy="sample", seed=7, num_return_sequences=3, max_new_tokens=15, top_k=20,
+        ("hello world", dict(max_new_tokens=20)),
+        ("the cat", dict(strategy="beam", num_beams=4, num_return_sequences=2, max_new_tokens=12)),
+        ("a", dict(strategy="sample", seed=7, num_return_sequences=3, max_new_tokens=15, top_k=20,
                              temperature=0.8)),
-        ("gold", GenerateParams(strategy="sample", seed=3, top_p=0.9, max_new_tokens=25)),
-        ("def main", GenerateParams(max_new_tokens=10, stop=["a"])),
+        ("gold", dict(strategy="sample", seed=3, top_p=0.9, max_new_tokens=25)),
+        ("def main", dict(max_new_tokens=10, stop=["a"])),
     ]
 
     async def main():
-        async with running_engine(models_dir, None, max_wait_ms=50) as engine:
+        async with running_engine(models_dir, None) as engine:
             worker = engine.get(LM)
-            return await asyncio.gather(*(worker.generate([t], p, f"m{i}") for i, (t, p) in enumerate(cases)))
+            return await gather_queued(worker, [worker.generate(ask(t, **p), f"m{i}")
+                                                for i, (t, p) in enumerate(cases)])
 
     for got, (text, params) in zip(asyncio.run(main()), cases, strict=True):
         assert_same(got, offline(models_dir / LM, [text], params))
@@ -102,13 +123,13 @@ def test_mixed_strategies_in_one_batch_equal_alone(models_dir):
 def test_mixed_adapters_in_one_batch_equal_alone(models_dir, adapters_dir):
     adapter = adapters_dir / LM / ADAPTERS[LM]
     cases = [(p, ADAPTERS[LM] if i % 2 else None) for i, p in enumerate(PROMPTS[:6])]
-    params = GenerateParams(max_new_tokens=16)
+    params = dict(max_new_tokens=16)
 
     async def main():
-        async with running_engine(models_dir, adapters_dir, max_wait_ms=50) as engine:
+        async with running_engine(models_dir, adapters_dir) as engine:
             worker = engine.get(LM)
-            return await asyncio.gather(*(worker.generate([p], GenerateParams(max_new_tokens=16, adapter=a), f"a{i}")
-                                          for i, (p, a) in enumerate(cases)))
+            return await gather_queued(worker, [worker.generate(ask(p, max_new_tokens=16, adapter=a), f"a{i}")
+                                                for i, (p, a) in enumerate(cases)])
 
     results = asyncio.run(main())
     for got, (prompt, name) in zip(results, cases, strict=True):
@@ -118,15 +139,15 @@ def test_mixed_adapters_in_one_batch_equal_alone(models_dir, adapters_dir):
 
 
 def test_stream_events_add_up_to_generate(models_dir):
-    params = GenerateParams(max_new_tokens=20, stop=["e "])
+    params = dict(max_new_tokens=20, stop=["e "])
 
     async def main():
         async with running_engine(models_dir, None) as engine:
             worker = engine.get(LM)
-            events = [e async for e in await worker.stream("hello world", params, "st")]
-            beam_params = GenerateParams(strategy="beam", max_new_tokens=6)
-            beam = [e async for e in await worker.stream("gold", beam_params, "sb")]
-            full = await worker.generate(["hello world"], params, "gen")
+            events = [e async for e in await worker.stream(ask("hello world", **params), "st")]
+            beam_params = dict(strategy="beam", max_new_tokens=6)
+            beam = [e async for e in await worker.stream(ask("gold", **beam_params), "sb")]
+            full = await worker.generate(ask("hello world", **params), "gen")
             return events, beam, full[0]
 
     events, beam, full = asyncio.run(main())
@@ -141,11 +162,11 @@ def test_queue_full_is_immediate(models_dir):
         async with running_engine(models_dir, None, max_queue=2) as engine:
             worker = engine.get(LM)
             release = block_worker(worker)
-            queued = [asyncio.create_task(worker.generate(["a"], GenerateParams(max_new_tokens=2), f"q{i}"))
+            queued = [asyncio.create_task(worker.generate(ask("a", max_new_tokens=2), f"q{i}"))
                       for i in range(2)]
             await wait_until(lambda: worker.scheduler.num_waiting == 2)
             with pytest.raises(QueueFull) as info:  # while the worker is parked: refused without waiting for room
-                await worker.generate(["a"], GenerateParams(max_new_tokens=2), "overflow")
+                await worker.generate(ask("a", max_new_tokens=2), "overflow")
             assert info.value.retry_after > 0 and "max_queue=2" in str(info.value)
             assert not release.is_set() and worker.scheduler.num_waiting == 2
             release.set()
@@ -155,16 +176,24 @@ def test_queue_full_is_immediate(models_dir):
 
 
 def test_deadline_fails_the_request_and_frees_its_rows(models_dir):
+    timeout_s = 0.5  # an idle worker admits a request well within it; the deadline itself passes while it is held
+
     async def main():
-        async with running_engine(models_dir, None, request_timeout_s=0.3) as engine:
+        async with running_engine(models_dir, None, request_timeout_s=timeout_s) as engine:
             worker = engine.get(LM)
-            worker.scheduler.fault_hook = lambda ids: time.sleep(0.01)  # ~100 steps/s at most
+            gate = StepGate(worker.scheduler, when=lambda ids: decoding(worker.scheduler))
+            slow = asyncio.create_task(worker.generate(ask("hello", max_new_tokens=120, min_new_tokens=120), "slow"))
+            await wait_until(lambda: gate.parked or slow.done())
+            assert gate.parked and worker.scheduler.num_rows == 1, "not admitted before its deadline"
+            await sleep_past(time.monotonic() + timeout_s)  # held in its first decode step past its deadline
+            gate.release()
             with pytest.raises(RequestTimeout, match="slow"):
-                await worker.generate(["hello"], GenerateParams(max_new_tokens=120, min_new_tokens=120), "slow")
+                await slow
             assert worker.scheduler.num_rows == 0 and worker.scheduler.num_running == 0
             release = block_worker(worker)  # a queued request times out while waiting too
-            task = asyncio.create_task(worker.generate(["a"], GenerateParams(max_new_tokens=2), "queued"))
-            await asyncio.sleep(0.4)
+            task = asyncio.create_task(worker.generate(ask("a", max_new_tokens=2), "queued"))
+            await wait_until(lambda: worker.scheduler.num_waiting == 1)
+            await sleep_past(time.monotonic() + timeout_s)
             release.set()
             with pytest.raises(RequestTimeout, match="queued"):
                 await task
@@ -176,24 +205,30 @@ def test_cancelled_requests_free_their_rows(models_dir):
     async def main():
         async with running_engine(models_dir, None) as engine:
             worker = engine.get(LM)
-            worker.scheduler.fault_hook = lambda ids: time.sleep(0.002)
-            long = GenerateParams(max_new_tokens=120, min_new_tokens=120)
-            task = asyncio.create_task(worker.generate(["hello"], long, "gone"))
-            await wait_until(lambda: worker.scheduler.num_rows == 1)
+            gate = StepGate(worker.scheduler, when=lambda ids: decoding(worker.scheduler))  # each decode step waits
+            long = dict(max_new_tokens=120, min_new_tokens=120)
+            task = asyncio.create_task(worker.generate(ask("hello", **long), "gone"))
+            await gate.until_parked()
+            assert worker.scheduler.num_rows == 1
             task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # the job is marked cancelled
+            gate.step()  # the held step ends; the next iteration drops the job
             await wait_until(lambda: worker.scheduler.num_rows == 0)
-            stream = await worker.stream("hello", long, "gone-stream")
-            await anext(stream)
+            stream = await worker.stream(ask("hello", **long), "gone-stream")
+            await stepping(gate, anext(stream))
+            await gate.until_parked()
             await stream.aclose()  # the client disconnected
+            gate.step()
             await wait_until(lambda: worker.scheduler.num_rows == 0)
-            out = await worker.generate(["a"], GenerateParams(max_new_tokens=3), "after")
+            gate.release()
+            out = await worker.generate(ask("a", max_new_tokens=3), "after")
             assert len(out) == 1
 
     asyncio.run(main())
 
 
 def test_poisoned_adapter_fails_only_its_request(models_dir, adapters_dir):
-    params = GenerateParams(max_new_tokens=12)
+    params = dict(max_new_tokens=12)
 
     def poison(worker):
         version = worker.registry.acquire("poisoned")
@@ -204,15 +239,15 @@ def test_poisoned_adapter_fails_only_its_request(models_dir, adapters_dir):
         worker.registry.release(version)
 
     async def main():
-        async with running_engine(models_dir, adapters_dir, max_wait_ms=50) as engine:
+        async with running_engine(models_dir, adapters_dir) as engine:
             worker = engine.get(LM)
             await worker.load_adapter("poisoned", adapters_dir / LM / ADAPTERS[LM])
             await asyncio.wrap_future(worker.scheduler.call(lambda: poison(worker)))
-            return await asyncio.gather(
-                worker.generate(["hello world"], params, "good-1"),
-                worker.generate(["the cat"], GenerateParams(max_new_tokens=12, adapter="poisoned"), "bad"),
-                worker.generate(["gold"], GenerateParams(max_new_tokens=12, adapter=ADAPTERS[LM]), "good-2"),
-                return_exceptions=True)
+            return await gather_queued(worker, [
+                worker.generate(ask("hello world", **params), "good-1"),
+                worker.generate(ask("the cat", max_new_tokens=12, adapter="poisoned"), "bad"),
+                worker.generate(ask("gold", max_new_tokens=12, adapter=ADAPTERS[LM]), "good-2"),
+            ], return_exceptions=True)
 
     good1, bad, good2 = asyncio.run(main())
     assert isinstance(bad, EngineFailure) and bad.request_id == "bad" and "'bad'" in str(bad)
@@ -222,7 +257,7 @@ def test_poisoned_adapter_fails_only_its_request(models_dir, adapters_dir):
 
 
 def test_exception_in_a_batched_step_fails_only_the_culprit(models_dir):
-    params = GenerateParams(max_new_tokens=15)
+    params = dict(max_new_tokens=15)
     calls = {"boom": 0}
 
     def hook(ids):
@@ -232,13 +267,13 @@ def test_exception_in_a_batched_step_fails_only_the_culprit(models_dir):
                 raise RuntimeError("injected fault")
 
     async def main():
-        async with running_engine(models_dir, None, max_wait_ms=50) as engine:
+        async with running_engine(models_dir, None) as engine:
             worker = engine.get(MT)
             worker.scheduler.fault_hook = hook
-            results = await asyncio.gather(*(worker.generate([p], params, rid) for p, rid in
-                                             (("hello", "ok-1"), ("the cat", "boom"), ("gold", "ok-2"))),
-                                           return_exceptions=True)
-            after = await worker.generate(["a"], params, "after")  # the engine keeps running
+            results = await gather_queued(worker, [worker.generate(ask(p, **params), rid) for p, rid in
+                                                   (("hello", "ok-1"), ("the cat", "boom"), ("gold", "ok-2"))],
+                                          return_exceptions=True)
+            after = await worker.generate(ask("a", **params), "after")  # the engine keeps running
             return results, after
 
     (ok1, boom, ok2), after = asyncio.run(main())
@@ -252,13 +287,18 @@ def test_stop_drains_in_flight_requests(models_dir):
     async def main():
         async with running_engine(models_dir, None) as engine:
             worker = engine.get(LM)
-            tasks = [asyncio.create_task(worker.generate([p], GenerateParams(max_new_tokens=30), f"d{i}"))
+            gate = StepGate(worker.scheduler, when=lambda ids: decoding(worker.scheduler))
+            tasks = [asyncio.create_task(worker.generate(ask(p, max_new_tokens=30), f"d{i}"))
                      for i, p in enumerate(PROMPTS[:4])]
-            await wait_until(lambda: worker.scheduler.num_running > 0)
-            await engine.stop(drain_timeout_s=10.0)
+            await gate.until_parked()
+            assert worker.scheduler.num_running > 0
+            stop = asyncio.create_task(engine.stop(drain_timeout_s=10.0))
+            await wait_until(lambda: not engine.ready)  # the drain has begun with the requests in flight
+            gate.release()
+            await stop
             results = await asyncio.gather(*tasks)
             with pytest.raises(NotReady):
-                await worker.generate(["a"], GenerateParams(max_new_tokens=2), "late")
+                await worker.generate(ask("a", max_new_tokens=2), "late")
             return results
 
     assert all(len(r) == 1 for r in asyncio.run(main()))
@@ -270,7 +310,7 @@ def test_old_adapter_version_leaves_the_model_once_idle(models_dir, adapters_dir
             worker = engine.get(LM)
             before = set(adapter_names(worker.model))
             await worker.load_adapter(ADAPTERS[LM], adapters_dir / LM / ADAPTERS[LM])
-            await worker.generate(["a"], GenerateParams(max_new_tokens=2, adapter=ADAPTERS[LM]), "x")
+            await worker.generate(ask("a", max_new_tokens=2, adapter=ADAPTERS[LM]), "x")
             after = set(adapter_names(worker.model))
             assert len(after) == 1 and after != before
 
@@ -282,10 +322,12 @@ def test_stop_fails_what_the_drain_deadline_leaves(models_dir):
     async def main():
         async with running_engine(models_dir, None) as engine:
             worker = engine.get(LM)
-            worker.scheduler.fault_hook = lambda ids: time.sleep(0.005)
-            task = asyncio.create_task(worker.generate(["a"], GenerateParams(max_new_tokens=120, min_new_tokens=120),
+            gate = StepGate(worker.scheduler, when=lambda ids: decoding(worker.scheduler))
+            on_stop(worker.scheduler, gate.release)  # held until the drain deadline has passed and the engine stops
+            task = asyncio.create_task(worker.generate(ask("a", max_new_tokens=120, min_new_tokens=120),
                                                        "cut"))
-            await wait_until(lambda: worker.scheduler.num_running > 0)
+            await gate.until_parked()
+            assert worker.scheduler.num_running > 0
             await engine.stop(drain_timeout_s=0.05)
             with pytest.raises(NotReady, match="drain"):
                 await task
@@ -316,14 +358,15 @@ def test_compact_forgets_positions_no_row_can_see(models_dir):
 
 
 def test_rows_per_step_are_capped_and_a_bigger_request_runs_alone(models_dir):
-    cases = [("hello", GenerateParams(strategy="beam", num_beams=4, max_new_tokens=8)),  # 4 rows > cap 2
-             ("the cat", GenerateParams(max_new_tokens=8)), ("gold", GenerateParams(max_new_tokens=8)),
-             ("a", GenerateParams(max_new_tokens=8))]
+    cases = [("hello", dict(strategy="beam", num_beams=4, max_new_tokens=8)),  # 4 rows > cap 2
+             ("the cat", dict(max_new_tokens=8)), ("gold", dict(max_new_tokens=8)),
+             ("a", dict(max_new_tokens=8))]
 
     async def main():
-        async with running_engine(models_dir, None, max_batch_size=2, max_wait_ms=50) as engine:
+        async with running_engine(models_dir, None, max_batch_size=2) as engine:
             worker = engine.get(LM)
-            results = await asyncio.gather(*(worker.generate([t], p, f"c{i}") for i, (t, p) in enumerate(cases)))
+            results = await gather_queued(worker, [worker.generate(ask(t, **p), f"c{i}")
+                                                   for i, (t, p) in enumerate(cases)])
             steps = histogram_count(engine, "tserve_batch_size", {"model": LM})
             assert histogram_count(engine, "tserve_batch_size", {"model": LM}, le="4.0") == steps  # never > 4
             return results
@@ -337,21 +380,27 @@ def test_rows_leaving_shrink_the_visible_span(models_dir):
     async def main():
         async with running_engine(models_dir, None) as engine:
             worker = engine.get(LM)
-            worker.scheduler.fault_hook = lambda ids: time.sleep(0.002)
-            first = asyncio.create_task(worker.generate(["hello world"], GenerateParams(max_new_tokens=40,
+            sched = worker.scheduler
+            late = StepGate(sched, when=lambda ids: ids == ["long"] and first_job_step(sched) > 30)
+            first = asyncio.create_task(worker.generate(ask("hello world", max_new_tokens=40,
                                                                                        min_new_tokens=40), "long"))
-            await wait_until(lambda: (batch := worker.scheduler.batch) is not None and batch.jobs[0].search.step > 30)
-            second = asyncio.create_task(worker.generate(["a"], GenerateParams(max_new_tokens=60, min_new_tokens=60),
+            await late.until_parked()  # "long" is past 30 of its 40 tokens
+            second = asyncio.create_task(worker.generate(ask("a", max_new_tokens=60, min_new_tokens=60),
                                                          "joins"))
+            await wait_until(lambda: sched.num_waiting == 1)
+            alone = StepGate(sched, when=lambda ids: batch_ids(sched) == ["joins"])  # held once "long" has left
+            late.release()
             await first
             assert not second.done()
+            await alone.until_parked()
 
             def span():
                 cache = worker.scheduler.batch.cache
                 return cache.max_length, int(cache.lengths.max())
 
-            visible, longest = await asyncio.wrap_future(worker.scheduler.call(span))
+            visible, longest = span()  # read while the worker is held between steps
             assert visible == longest
+            alone.release()
             await second
 
     asyncio.run(main())
