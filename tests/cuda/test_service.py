@@ -1,0 +1,110 @@
+"""The service end to end on each target: a real ``python -m service`` (uvicorn on 127.0.0.1) told TSERVE_DEVICE and
+TSERVE_DTYPE: generate, beam, stream, classify, embed, and an adapter uploaded while it runs.
+
+In float32 its greedy and beam outputs are the CPU's own (``offline``, float32 on the CPU); in lower precision
+the outputs are checked for form and for agreeing with themselves (streamed and not, uploaded adapter and the
+same files loaded from the adapter directory).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.cuda.conftest import Target, targets
+from tests.helpers import archive, assert_same_outputs, generate
+from tests.service.conftest import ADAPTERS, CLS, LABELS, LM, MT, TEXTS, offline
+from tests.service.fixtures import PROMPTS
+from tests.service.server import running_server, sse_data
+
+
+@pytest.fixture(scope="module", params=targets())
+def target(request) -> Target:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def server(target: Target, models_dir: Path, adapters_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    adapters = tmp_path_factory.mktemp(f"service-{target}") / "adapters"
+    shutil.copytree(adapters_dir, adapters)  # uploads land here, not in the shared fixture
+    with running_server(models_dir, adapters, TSERVE_DEVICE=target.device, TSERVE_DTYPE=target.dtype_name) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with server.client() as c:
+        yield c
+
+
+def _candidates(outputs: list[dict]) -> list[list[dict]]:
+    """Each output's candidates as the API gives several, and as one for a single sequence."""
+    return [o.get("candidates") or [{k: o[k] for k in ("text", "tokens", "score", "finish_reason")}] for o in outputs]
+
+
+def _offline(models_dir: Path, model: str, texts: list[str], **fields) -> list[list[dict]]:
+    """The CPU's outputs (float32, each text alone) for a generate request with ``fields``, as candidates."""
+    return [[{"text": c.text, "tokens": c.tokens, "score": c.score, "finish_reason": c.finish_reason}
+             for c in out.candidates] for out in offline(models_dir / model, texts, fields)]
+
+
+def test_models_run_on_the_target(client, target):
+    for m in client.get("/v1/models").json()["data"]:
+        assert m["device"].split(":")[0] == target.device and m["dtype"] == target.dtype_name, m
+
+
+@pytest.mark.parametrize("model", [LM, MT])
+def test_generate_greedy_and_beam(client, target, models_dir, model):
+    texts = PROMPTS[:4]
+    greedy = generate(client, model, inputs=texts, max_new_tokens=8)["outputs"]
+    beam = generate(client, model, inputs=texts, max_new_tokens=8, strategy="beam", num_beams=3,
+                    num_return_sequences=2)["outputs"]
+    assert all(o["finish_reason"] in ("eos", "length") and len(o["tokens"]) <= 8 for o in greedy)
+    for out in beam:
+        first, second = out["candidates"]
+        assert out["text"] == first["text"] and first["score"] >= second["score"]
+    if target.exact:  # the CPU's own tokens
+        assert_same_outputs(_candidates(greedy), _offline(models_dir, model, texts, max_new_tokens=8))
+        assert_same_outputs(_candidates(beam), _offline(models_dir, model, texts, strategy="beam", max_new_tokens=8,
+                                                        num_beams=3, num_return_sequences=2))
+
+
+@pytest.mark.parametrize("model", [LM, MT])
+def test_stream_equals_non_stream(client, model):
+    body = dict(inputs=[PROMPTS[1]], max_new_tokens=10)
+    whole = generate(client, model, **body)["outputs"][0]
+    with client.stream("POST", f"/v1/models/{model}/generate", json={**body, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_data(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    assert "".join(e["text"] for e in events[:-1]) == whole["text"]
+    assert [e["token"] for e in events[:-1] if e["token"] is not None] == whole["tokens"]
+
+
+def test_classify_and_embed(client, target):
+    r = client.post(f"/v1/models/{CLS}/classify", json={"inputs": [TEXTS[0], [TEXTS[1], TEXTS[2]]]})
+    assert r.status_code == 200, r.text
+    for out in r.json()["outputs"]:
+        assert set(out["probabilities"]) == set(LABELS)
+        assert sum(out["probabilities"].values()) == pytest.approx(1.0, abs=max(1e-5, target.tol))
+        assert out["label"] == max(out["probabilities"], key=out["probabilities"].get)
+    for pooling in ("cls", "mean"):
+        r = client.post(f"/v1/models/{CLS}/embed", json={"inputs": TEXTS[:3], "pooling": pooling})
+        assert r.status_code == 200, r.text
+        assert [len(v) for v in r.json()["embeddings"]] == [32] * 3
+
+
+def test_adapter_uploaded_at_run_time(client, adapters_dir):
+    texts, name = PROMPTS[:4], ADAPTERS[LM]
+    base = generate(client, LM, inputs=texts, max_new_tokens=8)["outputs"]
+    tuned = generate(client, LM, inputs=texts, max_new_tokens=8, adapter=name)["outputs"]
+    assert tuned != base
+    r = client.put(f"/v1/models/{LM}/adapters/uploaded", content=archive(adapters_dir / LM / name, "tar.gz"),
+                   headers={"Content-Type": "application/gzip"})
+    assert r.status_code == 200, r.text
+    uploaded = generate(client, LM, inputs=texts, max_new_tokens=8, adapter="uploaded")["outputs"]
+    assert_same_outputs([uploaded], [tuned])
+    again = generate(client, LM, inputs=texts, max_new_tokens=8)["outputs"]  # the base is served as before
+    assert_same_outputs([again], [base])  # (the same batch: GPU kernels may sum in another order at other sizes)
