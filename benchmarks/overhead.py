@@ -25,14 +25,15 @@ PROMPT = "the service adds what over the engine"
 def measure(models_dir: Path, name: str, new_tokens: int, repeats: int) -> dict[str, float]:
     """Median seconds per generation for "offline", "engine" and "http"."""
     from service.engine import Engine
-    from service.types import EngineSettings, GenerateParams
+    from service.schemas import GenerateRequest
+    from service.types import EngineSettings
     from tests.service.server import running_server
 
     ckpt = load_checkpoint(models_dir / name, device="cpu")
     use_input_major_weights(ckpt.model)  # as the engine does
     prompt = ckpt.tokenizer.encode(PROMPT, add_bos=True)  # what the engine feeds for this text
     config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, eos_token_id=ckpt.config.eos_id)
-    params = GenerateParams(max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    request = GenerateRequest(inputs=[PROMPT], max_new_tokens=new_tokens, min_new_tokens=new_tokens)
     body = {"inputs": [PROMPT], "max_new_tokens": new_tokens, "min_new_tokens": new_tokens}
     loop = asyncio.new_event_loop()
     engine = Engine(EngineSettings(device="cpu", dtype="float32"), models_dir, None)
@@ -44,7 +45,7 @@ def measure(models_dir: Path, name: str, new_tokens: int, repeats: int) -> dict[
         return len(generate_causal(ckpt.model, [prompt], config)[0][0].tokens)
 
     def in_engine() -> int:
-        out = loop.run_until_complete(worker.generate([PROMPT], params, f"bench-{next(counter)}"))
+        out = loop.run_until_complete(worker.generate(request, f"bench-{next(counter)}"))
         return len(out[0].tokens)
 
     times: dict[str, list[float]] = {"offline": [], "engine": [], "http": []}
