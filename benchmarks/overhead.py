@@ -1,7 +1,7 @@
 """What the service adds over the model: one 128-token greedy generation at batch 1, three ways.
 
 - offline: ``model.generation.generate_causal`` on the prompt's ids;
-- engine: ``service.engine.ModelWorker.generate`` in this process (scheduler thread, searches, detokenising);
+- engine: ``service.worker.ModelWorker.generate`` in this process (scheduler thread, searches, detokenising);
 - HTTP: ``POST /v1/models/<name>/generate`` to ``python -m service`` on 127.0.0.1 (uvicorn), one client.
 
 Runs alternate; the server process and this one both use one intra-op thread.

@@ -6,10 +6,11 @@ from typing import Annotated
 
 from fastapi import Depends, Path, Request
 
-from service.engine import Engine, ModelWorker
+from service.engine import Engine
 from service.errors import NotReady
 from service.schemas import NAME_PATTERN
 from service.settings import Settings
+from service.worker import ModelWorker
 
 
 def get_settings(request: Request) -> Settings:

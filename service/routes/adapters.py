@@ -21,12 +21,12 @@ from service import adapter_store, archive_sandbox
 from service.archive import ArchiveError
 from service.auth import require_admin, require_key
 from service.deps import get_settings, get_worker
-from service.engine import ModelWorker
 from service.errors import Conflict, InvalidRequest, NotFound
 from service.http_errors import errors
 from service.schemas import NAME_PATTERN, AdapterInfoSchema, AdapterList
 from service.settings import Settings
 from service.types import AdapterInfo
+from service.worker import ModelWorker
 
 router = APIRouter(prefix="/v1/models/{model}/adapters", tags=["adapters"], dependencies=[Depends(require_key)])
 

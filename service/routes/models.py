@@ -11,7 +11,7 @@ from fastapi.responses import StreamingResponse
 from service.attention import MapSelection
 from service.auth import require_key
 from service.deps import get_engine, get_worker, request_id
-from service.engine import Engine, ModelWorker
+from service.engine import Engine
 from service.http_errors import errors
 from service.routes.sse import SSE_RESPONSE, sse_response
 from service.schemas import (
@@ -29,6 +29,7 @@ from service.schemas import (
     ModelLoadFailure,
 )
 from service.types import ModelInfo
+from service.worker import ModelWorker
 
 router = APIRouter(prefix="/v1/models", tags=["models"], dependencies=[Depends(require_key)])
 

@@ -19,7 +19,7 @@ from fastapi.responses import StreamingResponse
 from model.decoding import Strategy
 from service.auth import require_key
 from service.deps import get_engine, get_settings, request_id, worker_for
-from service.engine import Engine, ModelWorker
+from service.engine import Engine
 from service.errors import InvalidRequest
 from service.http_errors import errors
 from service.routes.sse import SSE_RESPONSE, sse_response
@@ -35,6 +35,7 @@ from service.schemas import (
 )
 from service.settings import Settings
 from service.types import StreamEvent
+from service.worker import ModelWorker
 
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_key)])
 

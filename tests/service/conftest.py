@@ -27,9 +27,10 @@ from model.checkpoint import load_checkpoint
 from model.decoding import GenerationConfig
 from model.generation import generate_causal, generate_seq2seq, stop_strings, trim_stop
 from model.lora_io import load_adapter
-from service.engine import DECODING_FIELDS, Engine
+from service.engine import Engine
 from service.schemas import DEFAULT_NEW_TOKENS, Candidate, GenerateOutput, GenerateRequest
 from service.types import EngineSettings
+from service.worker import DECODING_FIELDS
 from tests.service.fixtures import ADAPTERS, CLS, LABELS, LM, MT, TEXTS, build_models, make_adapter
 
 __all__ = ["ADAPTERS", "CLS", "LABELS", "LM", "MT", "TEXTS", "make_adapter"]

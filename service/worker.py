@@ -1,0 +1,420 @@
+"""One loaded model behind the engine: ``ModelWorker`` validates, encodes, schedules and answers its requests.
+
+A ModelWorker validates requests on the event loop, encodes their text on its tokenizer pool (raising
+InvalidRequest / NotFound / QueueFull before anything is queued), hands them to its scheduler's worker thread
+(service/scheduler.py), which also decodes, and awaits the result. An input is first held to the bytes its
+token limit allows (``Tokenizer.max_token_bytes``), so no text costs more to encode than one that fits, and
+encoding never runs on the event loop. Text encoding (generative families: ``Checkpoint.encode_prompts``,
+shared with the Hugging Face export):
+
+- causal_lm prompt: ``<s>`` + text (so an empty prompt is valid); stop strings end the text;
+- seq2seq source: text + ``</s>``; the decoder starts from ``<s>``;
+- classifier: ``[CLS] a [SEP] (b [SEP])`` with segment ids (``Tokenizer.encode_pair``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+from model.checkpoint import Checkpoint, parameter_count
+from model.classifier import POOLINGS
+from model.decoding import ConfigError, GenerationConfig, Strategy
+from model.generation import generate_seq2seq
+from model.hf.generation import GenerationRules
+from model.hf.sentence import EmbeddingDefaults
+from model.lora import adapter_parameter_count
+from model.tokenizer import Tokenizer
+from service.adapters import AdapterRegistry, check_name
+from service.attention import ALL_MAPS, MapSelection, causal_maps, classifier_maps, seq2seq_maps
+from service.errors import InvalidRequest, NotReady, ServiceError
+from service.jobs import DEADLINE_GRACE_S, CallJob, GenerationJob, Job, PoolingJob, StreamText
+from service.metrics import Metrics
+from service.pooling import PoolingScheduler
+from service.runners import RUNNERS
+from service.scheduler import GenerationScheduler, Scheduler
+from service.schemas import DEFAULT_NEW_TOKENS, GenerateOutput, GenerateRequest
+from service.types import AdapterInfo, AttentionOutput, ClassifyOutput, EngineSettings, ModelInfo, StreamEvent
+
+logger = logging.getLogger(__name__)
+
+# The GenerateRequest fields that are GenerationConfig fields too.
+DECODING_FIELDS = ("strategy", "max_new_tokens", "min_new_tokens", "num_beams", "length_penalty", "early_stopping",
+                   "num_return_sequences", "temperature", "top_k", "top_p", "seed")
+GENERATIVE = ("causal_lm", "seq2seq")
+TOKENIZER_THREADS = 2  # per model: encoding is bounded per input, so two threads keep requests from queueing
+T = TypeVar("T")
+
+
+class ModelWorker:
+    """One loaded model: its scheduler thread, its adapters, its metrics labels."""
+
+    def __init__(self, name: str, checkpoint: Checkpoint, settings: EngineSettings, metrics: Metrics,
+                 adapters_dir: Path | None) -> None:
+        self.name = name
+        self.checkpoint = checkpoint
+        self.model = checkpoint.model
+        self.config = checkpoint.config
+        self.family = checkpoint.family
+        self.settings = settings
+        self.metrics = metrics
+        self.registry = AdapterRegistry(self.model, name, adapters_dir, settings.max_resident_adapters, metrics,
+                                        checkpoint.adapter_layout)
+        self.runner = RUNNERS[self.family](self.model) if self.family in RUNNERS else None  # generative families
+        model_limit = self.runner.max_input_tokens if self.runner is not None else self.config.max_len
+        self.max_input_tokens = min(model_limit, settings.max_input_tokens or model_limit)
+        self.max_new_tokens = min(settings.max_new_tokens, self.runner.room(1)) if self.runner is not None else 0
+        self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix=f"tokenize-{name}")
+        self.scheduler: Scheduler
+        if self.runner is not None:
+            self.scheduler = GenerationScheduler(name, self.runner, checkpoint.tokenizer, settings, metrics,
+                                                 self.registry)
+        else:
+            self.scheduler = PoolingScheduler(name, self.model, list(checkpoint.labels or []), settings, metrics,
+                                              self.registry)
+
+    @property
+    def info(self) -> ModelInfo:
+        p = next(self.model.parameters())
+        adapters = adapter_parameter_count(self.model)
+        return ModelInfo(
+            name=self.name,
+            family=self.family,
+            device=str(p.device),
+            dtype=str(p.dtype).removeprefix("torch."),
+            parameters=parameter_count(self.model) - adapters,
+            adapter_parameters=adapters,
+            vocab_size=self.config.vocab_size,
+            max_input_tokens=self.max_input_tokens,
+            max_new_tokens=self.max_new_tokens,
+            labels=list(self.checkpoint.labels) if self.checkpoint.labels else None,
+            adapters=self.registry.names(),
+            format=self.checkpoint.format,
+            generation_defaults=self.generation_defaults,
+        )
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the worker thread and load the adapters found on disk, up to the resident limit."""
+        self.scheduler.start()
+        for name in self.registry.discover()[: self.settings.max_resident_adapters]:
+            try:
+                await self._on_worker(lambda n=name: self.registry.preload(n))
+            except ServiceError as exc:
+                logger.error("model %r: adapter %r not loaded: %s", self.name, name, exc)
+
+    async def warmup(self) -> None:
+        """One tiny request through the real path (fills caches, catches a broken model early)."""
+        request_id = f"warmup-{self.name}"
+        if self.runner is not None:
+            await self.generate(GenerateRequest(inputs=["warm up"], max_new_tokens=min(2, self.max_new_tokens)),
+                                request_id)
+        else:
+            if self.config.num_labels:
+                await self.classify(["warm up"], None, None, request_id)
+            await self.embed(["warm up"], None, request_id)
+
+    # ---- requests ---------------------------------------------------------------------------------
+
+    async def generate(self, req: GenerateRequest, request_id: str) -> list[GenerateOutput]:
+        """One output per input of ``req`` (``req.stream`` is the HTTP layer's: see :meth:`stream`)."""
+        job = await self._generation_job(req, request_id, stream=False)
+        self._submit(job)
+        return await job.wait()
+
+    async def stream(self, req: GenerateRequest, request_id: str) -> AsyncIterator[StreamEvent]:
+        """Events as tokens come for ``req``'s one input (validation errors raise here, before any event).
+
+        Greedy and sample (num_return_sequences 1) stream token by token; beam search streams its
+        best sequence as a single final event (beams only settle at the end).
+        """
+        if len(req.inputs) != 1:
+            raise InvalidRequest("inputs", f"streaming takes exactly one input, got {len(req.inputs)}")
+        job = await self._generation_job(req, request_id, stream=True)
+        self._submit(job)
+        return self._events(job)
+
+    async def _events(self, job: GenerationJob) -> AsyncIterator[StreamEvent]:
+        finished = False
+        try:
+            while True:
+                remaining = job.deadline - time.monotonic() + DEADLINE_GRACE_S
+                try:
+                    event = await asyncio.wait_for(job.events.get(), max(remaining, 0.0))
+                except TimeoutError:
+                    raise job.timeout_error() from None
+                if isinstance(event, BaseException):
+                    finished = True
+                    raise event
+                finished = event.finish_reason is not None
+                yield event
+                if finished:
+                    return
+        finally:
+            if not finished:
+                job.cancel()  # client gone or timed out: the worker frees its rows at the next step
+
+    async def classify(self, inputs: list[str | tuple[str, str]], adapter: str | None, top_k: int | None,
+                       request_id: str) -> list[ClassifyOutput]:
+        self._require("classify", ("classifier",))
+        if not self.config.num_labels:
+            raise InvalidRequest(None, f"model {self.name!r} has no classification head (an embedding model); "
+                                       "use /embed")
+        self._check_count(inputs)
+        if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
+            raise InvalidRequest("top_k", f"must be an integer >= 1, got {top_k!r}")
+        tok = self.checkpoint.tokenizer
+        pairs = []
+        for i, item in enumerate(inputs):
+            if isinstance(item, str):
+                pair = (item, None)
+            elif isinstance(item, list | tuple) and len(item) == 2 and all(isinstance(t, str) for t in item):
+                pair = (item[0], item[1])
+            else:
+                raise InvalidRequest(f"inputs[{i}]", "expected a string or a pair of strings")
+            for text in filter(None, pair):
+                self._check_size(f"inputs[{i}]", text, tok, self.max_input_tokens)
+            pairs.append(pair)
+        encoded = await self._tokenize(lambda: [self._check_length(i, tok.encode_pair(*pair))
+                                                for i, pair in enumerate(pairs)])
+        job = PoolingJob(request_id, self.settings.request_timeout_s, "classify", encoded,
+                         adapter=self._acquire(adapter), top_k=top_k)
+        self._submit(job)
+        return await job.wait()
+
+    async def embed(self, inputs: list[str], pooling: str | None, request_id: str,
+                    normalize: bool | None = None) -> list[list[float]]:
+        """One vector per input; ``pooling`` and ``normalize`` default to the model's (a sentence-transformers
+        save's modules), else mean pooling, not normalized."""
+        self._require("embed", ("classifier",))
+        self._check_count(inputs)
+        defaults = self.checkpoint.embedding or EmbeddingDefaults()
+        pooling = defaults.pooling if pooling is None else pooling
+        normalize = defaults.normalize if normalize is None else normalize
+        if pooling not in POOLINGS:
+            raise InvalidRequest("pooling", f"must be one of {list(POOLINGS)}, got {pooling!r}")
+        tok = self.checkpoint.tokenizer
+        texts = [self._check_size(f"inputs[{i}]", self._text(i, t), tok, self.max_input_tokens)
+                 for i, t in enumerate(inputs)]
+        encoded = await self._tokenize(lambda: [self._check_length(i, tok.encode_pair(t)) for i, t in enumerate(texts)])
+        job = PoolingJob(request_id, self.settings.request_timeout_s, "embed", encoded, pooling=pooling,
+                         normalize=normalize)
+        self._submit(job)
+        return await job.wait()
+
+    async def attention(self, text: str, target: str | None, request_id: str,
+                        selection: MapSelection = ALL_MAPS) -> AttentionOutput:
+        """Attention maps of one input (seq2seq without ``target``: of its greedy translation), of the layers
+        and heads ``selection`` names (service.attention caps their size).
+
+        Kinds: classifier "encoder_self" (target, when given, is the pair's second text); seq2seq
+        "encoder_self", "decoder_self", "cross" with decoder queries ``<s>`` + target; causal_lm
+        "self" over prompt + target (source_tokens = prompt tokens incl. ``<s>``, target_tokens = target's).
+        """
+        tokenizer = self.checkpoint.prompt_tokenizer
+        text = self._check_size("inputs[0]", self._text(0, text), tokenizer, self.max_input_tokens)
+        if target is not None:
+            if not isinstance(target, str):
+                raise InvalidRequest("target", "expected a string")
+            self._check_size("target", target, self.checkpoint.tokenizer, self.config.max_len, "the model's max_len")
+        selection.check_heads(self.config.n_heads)
+        prepare = {"classifier": self._classifier_attention, "seq2seq": self._seq2seq_attention,
+                   "causal_lm": self._causal_attention}[self.family]
+        fn = await self._tokenize(lambda: prepare(text, target, selection))
+        job = CallJob(request_id, self.settings.request_timeout_s, fn, "attention")
+        self._submit(job)
+        return await job.wait()
+
+    # ---- adapters -----------------------------------------------------------------------------------
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        return self.registry.infos()
+
+    async def load_adapter(self, name: str, directory: Path) -> AdapterInfo:
+        """Load (or atomically replace) ``name`` from ``directory`` inside the adapters directory."""
+        check_name(name)
+        self.registry.check_directory(directory)
+        return await self._on_worker(lambda: self.registry.load(name, Path(directory)))
+
+    async def check_adapter(self, name: str, directory: Path) -> None:
+        """Everything loading ``directory`` as ``name`` checks (InvalidRequest), without loading it."""
+        await self._on_worker(lambda: self.registry.check(name, Path(directory)))
+
+    async def unload_adapter(self, name: str) -> None:
+        self.registry.info(name)  # NotFound before queueing
+        await self._on_worker(lambda: self.registry.unload(name))
+
+    # ---- helpers --------------------------------------------------------------------------------------
+
+    async def _on_worker(self, fn: Any) -> Any:
+        return await asyncio.wrap_future(self.scheduler.call(fn))
+
+    async def _tokenize(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` (encoding) on the tokenizer pool: no input stalls the event loop while it is encoded."""
+        try:
+            encoding = asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn)
+        except RuntimeError:  # the pool is shut down: the engine has stopped
+            raise NotReady(f"model {self.name!r} is not accepting requests (shut down)") from None
+        return await encoding
+
+    def close(self) -> None:
+        """Stop the tokenizer pool (after the scheduler has stopped)."""
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+    def _submit(self, job: Job) -> None:
+        try:
+            self.scheduler.submit(job)
+        except ServiceError:
+            if job.adapter is not None:
+                self.registry.release(job.adapter)
+            raise
+
+    def _acquire(self, adapter: str | None):
+        if adapter is None:
+            return None
+        if not isinstance(adapter, str):
+            raise InvalidRequest("adapter", f"expected a name, got {adapter!r}")
+        return self.registry.acquire(adapter)
+
+    def _require(self, endpoint: str, families: tuple[str, ...]) -> None:
+        if self.family not in families:
+            needs = " or ".join(f"a {f}" for f in families)
+            raise InvalidRequest(None, f"model {self.name!r} is a {self.family}; {endpoint} needs {needs}")
+
+    def _check_count(self, inputs: Any) -> None:
+        if not isinstance(inputs, list | tuple) or not inputs:
+            raise InvalidRequest("inputs", "expected a non-empty list")
+        if len(inputs) > self.settings.max_inputs_per_request:
+            raise InvalidRequest("inputs", f"{len(inputs)} inputs exceeds max_inputs_per_request="
+                                 f"{self.settings.max_inputs_per_request}")
+
+    @staticmethod
+    def _text(i: int, text: Any) -> str:
+        if not isinstance(text, str):
+            raise InvalidRequest(f"inputs[{i}]", f"expected a string, got {type(text).__name__}")
+        return text
+
+    @staticmethod
+    def _check_size(field: str, text: str, tokenizer: Tokenizer, max_tokens: int,
+                    limit: str = "max_input_tokens") -> str:
+        """``text`` if its bytes could fit ``max_tokens`` tokens (the setting or field ``limit``), checked before
+        it is encoded."""
+        size, allowed = len(text.encode("utf-8", "surrogatepass")), max_tokens * tokenizer.max_token_bytes
+        if size > allowed:
+            raise InvalidRequest(field, f"{size} bytes, over the {allowed} that {max_tokens} tokens ({limit}) "
+                                 f"allow: one token of this model covers at most {tokenizer.max_token_bytes} bytes")
+        return text
+
+    def _check_length(self, i: int, encoded: Any) -> Any:
+        ids = encoded[0] if isinstance(encoded, tuple) else encoded
+        if len(ids) > self.max_input_tokens:
+            raise InvalidRequest(f"inputs[{i}]", f"{len(ids)} tokens exceeds max_input_tokens={self.max_input_tokens}")
+        return encoded
+
+    async def prompt_tokens(self, texts: list[str]) -> int:
+        """Input tokens of ``texts`` as generate counts them (prompts already accepted by it)."""
+        return sum(map(len, await self._tokenize(lambda: self.checkpoint.encode_prompts(texts))))
+
+    @property
+    def _rules(self) -> dict[str, Any]:
+        """What the model's own generation config imposes on every search (an HF model's banned tokens, forced
+        EOS, n-gram rule): GenerationConfig fields."""
+        return (self.checkpoint.generation or GenerationRules()).imposed()
+
+    @property
+    def generation_defaults(self) -> dict[str, Any]:
+        """The model's own defaults for what a generate request leaves unset (an HF model's generation config:
+        GenerateRequest fields), within this server's limits."""
+        defaults = dict((self.checkpoint.generation or GenerationRules()).defaults)
+        if "max_new_tokens" in defaults:
+            defaults["max_new_tokens"] = min(defaults["max_new_tokens"], self.max_new_tokens)
+        if "num_beams" in defaults:
+            defaults["num_beams"] = min(defaults["num_beams"], self.settings.max_beams)
+        return defaults
+
+    def generation_config(self, req: GenerateRequest, stream: bool = False) -> GenerationConfig:
+        """The one conversion of a generate request into how to decode: the fields it sets, the model's
+        defaults for those it leaves unset (else the schema's), checked against this server's limits, with the
+        model's EOS and its generation rules."""
+        s = self.settings
+        values = {name: getattr(req, name) for name in DECODING_FIELDS}
+        values |= {k: v for k, v in self.generation_defaults.items()
+                   if k not in req.model_fields_set or values[k] is None}
+        if values["max_new_tokens"] is None:
+            values["max_new_tokens"] = max(1, min(DEFAULT_NEW_TOKENS, self.max_new_tokens))
+        beam = values["strategy"] == Strategy.BEAM
+        limits = (("max_new_tokens", self.max_new_tokens, f"the limit {self.max_new_tokens} (max_new_tokens="
+                   f"{s.max_new_tokens}, model max_len={self.config.max_len})"),
+                  ("num_beams", s.max_beams if beam else None, f"max_beams={s.max_beams}"),
+                  ("num_return_sequences", s.max_return_sequences, f"max_return_sequences={s.max_return_sequences}"))
+        for name, cap, limit in limits:
+            if cap is not None and values[name] > cap:
+                raise InvalidRequest(name, f"{values[name]} exceeds {limit}")
+        if beam and any(req.stop):
+            raise InvalidRequest("stop", "stop strings are not supported with strategy 'beam'")
+        if stream and not beam and values["num_return_sequences"] != 1:
+            raise InvalidRequest("num_return_sequences",
+                                 f"streaming returns one sequence, got {values['num_return_sequences']}")
+        if not beam:
+            values["num_beams"] = 1
+        try:
+            return GenerationConfig(**values, eos_token_id=self.config.eos_id, **self._rules)
+        except ConfigError as exc:
+            raise InvalidRequest(exc.field, exc.message) from None
+
+    async def _generation_job(self, req: GenerateRequest, request_id: str, stream: bool) -> GenerationJob:
+        self._require("generate", GENERATIVE)
+        self._check_count(req.inputs)
+        config = self.generation_config(req, stream)
+        tokenizer = self.checkpoint.prompt_tokenizer
+        texts = [self._check_size(f"inputs[{i}]", text, tokenizer, self.max_input_tokens)
+                 for i, text in enumerate(req.inputs)]
+        prompts = []
+        for i, ids in enumerate(await self._tokenize(lambda: self.checkpoint.encode_prompts(texts))):
+            self._check_length(i, ids)
+            if not ids:  # an imported tokenizer may add nothing to a text that encodes to nothing
+                raise InvalidRequest(f"inputs[{i}]", "the text encodes to no tokens; generation needs at least one")
+            if config.max_new_tokens > self.runner.room(len(ids)):
+                raise InvalidRequest(f"inputs[{i}]", f"{len(ids)} tokens + max_new_tokens={config.max_new_tokens} "
+                                     f"exceeds the model's max_len={self.config.max_len}")
+            prompts.append(ids)
+        stops = [s for s in req.stop if s]
+        text_stream = StreamText(self.checkpoint.tokenizer.decode, stops) if stream else None
+        return GenerationJob(request_id, self.settings.request_timeout_s, prompts, config, stops,
+                             adapter=self._acquire(req.adapter), stream=text_stream)
+
+    # ---- attention: prepared here, run on the worker thread (service.attention) ----------------------------
+
+    def _classifier_attention(self, text: str, target: str | None, selection: MapSelection):
+        ids, segments = self._check_length(0, self.checkpoint.tokenizer.encode_pair(text, target))
+        return lambda: classifier_maps(self.model, self.checkpoint.tokenizer, ids, segments, selection)
+
+    def _seq2seq_attention(self, text: str, target: str | None, selection: MapSelection):
+        src = self._check_length(0, self.checkpoint.encode_prompts([text])[0])
+        tgt = self.checkpoint.tokenizer.encode(target) if target is not None else None
+        if tgt is not None and len(tgt) + 1 > self.config.max_len:
+            raise InvalidRequest("target", f"{len(tgt)} tokens exceeds the model's max_len={self.config.max_len} - 1")
+
+        def run() -> AttentionOutput:
+            out = tgt
+            if out is None:  # attend over the model's own greedy translation
+                config = GenerationConfig(max_new_tokens=self.max_new_tokens, eos_token_id=self.config.eos_id,
+                                          **self._rules)
+                out = generate_seq2seq(self.model, [src], config)[0][0].tokens
+            return seq2seq_maps(self.model, self.checkpoint, src, [self.config.bos_id, *out], selection)
+
+        return run
+
+    def _causal_attention(self, text: str, target: str | None, selection: MapSelection):
+        prompt = self._check_length(0, self.checkpoint.encode_prompts([text])[0])
+        tgt = self.checkpoint.tokenizer.encode(target) if target is not None else None
+        if len(prompt) + len(tgt or []) > self.config.max_len:
+            raise InvalidRequest("target", f"prompt + target ({len(prompt) + len(tgt or [])} tokens) exceeds the "
+                                 f"model's max_len={self.config.max_len}")
+        return lambda: causal_maps(self.model, self.checkpoint.tokenizer, prompt, tgt, selection)
