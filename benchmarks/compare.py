@@ -1,6 +1,9 @@
 """Ours vs Hugging Face ``generate()`` vs CTranslate2 on identical weights: `python -m benchmarks.compare`.
 
-The models are random, of the issue's shape (benchmarks/peers.py builds, exports and converts them);
+``--shape toy`` (the default) is described here; ``--shape opus-mt``, ``bert-base`` and ``gpt2-small`` (the
+shapes people serve, with ONNX Runtime for the classifier) in benchmarks/shape_compare.py.
+
+The toy models are random, of one shape (benchmarks/peers.py builds, exports and converts them);
 min_new_tokens = max_new_tokens fixes every length. Cells:
 
 - causal_lm: greedy at batch 1, 8, 32 and beam 4 at batch 1, 8 (16-token prompts, 128 new tokens);
@@ -21,109 +24,16 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import statistics
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from benchmarks import floor, peers
+from benchmarks import floor, peers, shape_compare, shapes
+from benchmarks.cells import Cell, alternate, kernels, load, rate, ratio_text, versions
 from benchmarks.common import machine_line, markdown_table
 from model.checkpoint import save_checkpoint
-
-logger = logging.getLogger("benchmarks.compare")
-
-
-@dataclass
-class Cell:
-    """One workload and the median seconds of each variant ("engine@threads")."""
-
-    family: str
-    label: str  # "greedy", "beam 4", "forward"
-    batch: int
-    beams: int
-    items: int  # tokens (or sequences) per run, for the rate
-    seconds: dict[str, float] = field(default_factory=dict)
-    pruned: list[str] = field(default_factory=list)  # variants timed by their warm-up only
-
-    def best(self, engine: str) -> tuple[float, int] | None:
-        """(rate, threads) of ``engine`` in its fastest thread count."""
-        found = [(self.items / s, int(v.rsplit("@", 1)[1])) for v, s in self.seconds.items()
-                 if v.rsplit("@", 1)[0] == engine]
-        return max(found) if found else None
-
-    def ratio(self, engine: str, peer: str) -> float | None:
-        a, b = self.best(engine), self.best(peer)
-        return a[0] / b[0] if a and b else None
-
-
-def load() -> str:
-    return "load average " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
-_CALLED: set[tuple[str, str]] = set()  # (family, engine) pairs that have run once in this process
-
-
-def _slow(times: dict[str, list[float]], prune: float) -> list[str]:
-    """Variants whose (warm-up) time is over ``prune`` x the fastest of the same engine."""
-    fastest: dict[str, float] = {}
-    for name, (warm,) in times.items():
-        engine = name.rsplit("@", 1)[0]
-        fastest[engine] = min(fastest.get(engine, warm), warm)
-    return [n for n, (warm,) in times.items() if warm > prune * fastest[n.rsplit("@", 1)[0]]]
-
-
-def alternate(cell: Cell, variants: dict[str, tuple[int, Callable[[], list[int]]]], expected: int,
-              repeats: int, prune: float) -> Cell:
-    """Warm up, then time every variant ``repeats`` times in rotating order; store the medians.
-
-    A thread count whose warm-up took over ``prune`` x the same engine's fastest warm-up, twice, is
-    not timed further (on a shared machine, spinning OpenMP threads can make it 5-30x slower): its
-    faster warm-up stands as its result, which is never an engine's best.
-    """
-    times: dict[str, list[float]] = {v: [] for v in variants}
-    order = list(variants)
-    for name, (threads, run) in variants.items():  # an engine's first call ever may set things up: not timed
-        key = (cell.family, name.rsplit("@", 1)[0])
-        if key not in _CALLED:
-            _CALLED.add(key)
-            torch.set_num_threads(threads)
-            run()
-    for round_ in range(repeats + 1):
-        for name in order[round_ % len(order):] + order[: round_ % len(order)]:
-            threads, run = variants[name]
-            torch.set_num_threads(threads)
-            start = time.perf_counter()
-            produced = run()
-            elapsed = time.perf_counter() - start
-            if any(n != expected for n in produced):
-                raise RuntimeError(f"{name} in {cell.family} {cell.label} b{cell.batch}: produced {produced}, "
-                                   f"expected {expected} each")
-            times[name].append(elapsed)
-        if round_ == 0:
-            slow = _slow(times, prune)
-            for name in slow:  # a second chance: one slow warm-up may be a burst of other work
-                threads, run = variants[name]
-                torch.set_num_threads(threads)
-                start = time.perf_counter()
-                run()
-                times[name] = [min(times[name][0], time.perf_counter() - start)]
-            slow = _slow(times, prune)
-            if slow:
-                logger.info("%s %s b%d: not timing %s further (warm-up over %.1fx its engine's fastest)",
-                            cell.family, cell.label, cell.batch, ", ".join(slow), prune)
-                cell.pruned += slow
-            order = [n for n in order if n not in slow]
-            for name in order:
-                times[name].clear()
-    cell.seconds = {v: statistics.median(t) for v, t in times.items()}
-    logger.info("%s %s b%d: %s", cell.family, cell.label, cell.batch,
-                ", ".join(f"{v} {cell.items / s:,.0f}/s" for v, s in cell.seconds.items()))
-    return cell
 
 
 def decode_cells(models: peers.Models, args: argparse.Namespace, translators: dict) -> list[Cell]:
@@ -170,15 +80,6 @@ def classifier_cells(models: peers.Models, args: argparse.Namespace) -> list[Cel
 ENGINES = ("ours", "ours int8", "HF", "CT2 fp32", "CT2 int8")
 
 
-def _rate(cell: Cell, engine: str) -> str:
-    best = cell.best(engine)
-    return f"{best[0]:,.0f} ({best[1]}t)" if best else "-"
-
-
-def _x(value: float | None) -> str:
-    return f"{value:.2f}x" if value is not None else "-"
-
-
 def results_table(cells: list[Cell]) -> str:
     engines = [e for e in ENGINES if any(c.best(e) for c in cells)]
     peers_ = [e for e in ("HF", "CT2 fp32") if e in engines]
@@ -187,10 +88,10 @@ def results_table(cells: list[Cell]) -> str:
         headers += ["ours int8 / CT2 int8"]
     rows = []
     for c in cells:
-        row = [f"{c.family} {c.label}", c.batch, *[_rate(c, e) for e in engines],
-               *[_x(c.ratio("ours", p)) for p in peers_]]
+        row = [f"{c.family} {c.label}", c.batch, *[rate(c, e) for e in engines],
+               *[ratio_text(c.ratio("ours", p)) for p in peers_]]
         if "CT2 int8" in engines:
-            row.append(_x(c.ratio("ours int8", "CT2 int8")))
+            row.append(ratio_text(c.ratio("ours int8", "CT2 int8")))
         rows.append(row)
     return markdown_table(headers, rows)
 
@@ -243,34 +144,9 @@ def floor_table(cells: list[Cell], rates: floor.Rates, args: argparse.Namespace)
     return markdown_table(headers, rows)
 
 
-def versions() -> str:
-    import transformers
-
-    parts = [f"transformers {transformers.__version__}"]
-    try:
-        import ctranslate2
-
-        parts.append(f"ctranslate2 {ctranslate2.__version__}")
-    except ImportError:
-        parts.append("ctranslate2 not installed")
-    return " · ".join(parts)
-
-
-def kernels() -> str:
-    """Which of our C++ kernels run here (model/native.py), or why none does."""
-    from model import int8_kernel, native, packed_weights
-
-    module, why = int8_kernel.available()
-    int8 = "AVX512-VNNI kernel" if module is not None and int8_kernel.kernel_choice() != "fbgemm" else \
-        f"fbgemm ({why or 'TSERVE_INT8_KERNEL=fbgemm'})"
-    if native.kernels() is None:
-        return f"int8 GEMM {int8}; decoding step: Python replay, MKL, SDPA"
-    packed = "panel GEMM over packed weights" if packed_weights.enabled() else "MKL (TSERVE_PACKED_WEIGHTS=off)"
-    return (f"int8 GEMM {int8}; decoding step (AVX-512): native layers, few-rows GEMV, beyond 4 rows {packed}, "
-            "attention, LayerNorm/activations/cache writes, greedy choice")
-
-
 def run(args: argparse.Namespace) -> str:
+    if args.shape != "toy":
+        return shape_compare.run(args)
     out = [f"Machine: {machine_line()}", f"Peers: {versions()}", f"Ours: {kernels()}",
            f"Threads tried per engine: {args.threads}",
            f"Shape: d_model 512, 6 layers, 8 heads, ffn 2048, vocab 8000, random weights; median of "
@@ -327,7 +203,10 @@ def measure(root: Path, args: argparse.Namespace) -> list[str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="16/8 new tokens, 1 round, smaller batches: a smoke run")
+    parser.add_argument("--shape", choices=["toy", *shapes.SHAPES], default="toy",
+                        help="toy: this module's d_model 512 models (default); the others: benchmarks/shape_compare.py")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: 1 round and fewer cells (toy: also 16/8 new tokens, smaller batches)")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="thread counts tried per engine")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per decoding cell")
     parser.add_argument("--prune", type=float, default=3.0,
@@ -337,6 +216,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-classifier", action="store_true")
     parser.add_argument("--skip-service", action="store_true")
     parser.add_argument("--out", type=Path, help="also write the report to this file")
+    parser.add_argument("--cache", type=Path, default=shapes.DEFAULT_CACHE,
+                        help="where the shapes' model files are kept between runs (default %(default)s)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="the shape's architecture at toy sizes, a few tokens: the test's smoke run")
     args = parser.parse_args(argv)
     args.prompt_len, args.source_len, args.classifier_len = 16, 32, 64
     args.new_tokens, args.seq2seq_new_tokens = 128, 64

@@ -5,8 +5,9 @@ A decoding step must read every weight it multiplies by (and the KV cache it att
 ``max(bytes / bandwidth, flops / matmul rate)``. Bandwidth is measured by reading a buffer as large
 as the step's weights (so a working set that lives in the last-level cache gets that cache's rate);
 the matmul rate by fp32 GEMMs (1024^3, and 512 rows through a 512 x 2048 linear) and, for int8, by
-the faster of fbgemm's dynamic int8 linear and ours (model/kernels/int8_vnni.cpp). Each is the fastest
-of 7 runs at the best of the thread counts tried.
+the faster of fbgemm's dynamic int8 linear and ours (model/kernels/int8_vnni.cpp); a served shape adds
+512 rows through its own FFN linear in both. Each is the fastest of 7 runs at the best of the thread
+counts tried.
 The cross-attention K/V of beams of one source count once. The classifier's floor counts every
 layer in full (ours computes only [CLS] in its last layer, so it can beat it by up to 1/L).
 Sizes come from a :class:`Dims` (default: the toy shape of benchmarks/peers.py; benchmarks/shapes.py
@@ -18,6 +19,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -75,9 +77,21 @@ class Rates:
         size = min(self.bandwidth, key=lambda s: abs(s - nbytes))
         return self.bandwidth[size]
 
+    def best_with(self, other: Rates) -> Rates:
+        """The higher of each rate in two measurements (on a shared machine one may have met other work)."""
+        pick = {"fp32": self.fp32_flops >= other.fp32_flops, "int8": self.int8_ops >= other.int8_ops}
+        pick |= {f"bw{size}": rate >= other.bandwidth.get(size, 0.0) for size, rate in self.bandwidth.items()}
+        return Rates(
+            bandwidth={size: max(rate, other.bandwidth.get(size, 0.0)) for size, rate in self.bandwidth.items()},
+            fp32_flops=max(self.fp32_flops, other.fp32_flops),
+            int8_ops=max(self.int8_ops, other.int8_ops),
+            threads={k: (self if pick.get(k, True) else other).threads.get(k, n) for k, n in self.threads.items()},
+        )
 
-def measure_rates(working_sets: list[int], threads: list[int]) -> Rates:
-    """Best-over-threads read bandwidth per working-set size and GEMM rates."""
+
+def measure_rates(working_sets: list[int], threads: list[int], linears: list[tuple[int, int, int]] = ()) -> Rates:
+    """Best-over-threads read bandwidth per working-set size and GEMM rates; ``linears`` adds (rows, in, out)
+    linears to the GEMMs timed, fp32 and our int8 (a shape's own FFN, larger than the fixed ones)."""
     best: dict[str, tuple[float, int]] = {}
 
     def keep(key: str, value: float, n: int) -> None:
@@ -94,6 +108,8 @@ def measure_rates(working_sets: list[int], threads: list[int]) -> Rates:
                                        torch.qint8)
         packed = torch.ops.quantized.linear_prepack(q, None)
     ours = Int8Linear(w, None)  # the int8 GEMM our models run (the VNNI kernel where it runs, else fbgemm)
+    extra = [(torch.randn(rows, n_in), torch.randn(n_out, n_in) * 0.02) for rows, n_in, n_out in linears]
+    extra = [(xl, wl, Int8Linear(wl, None)) for xl, wl in extra]
     buffers = {size: torch.ones(size // 4) for size in working_sets}
     before = torch.get_num_threads()
     try:
@@ -104,6 +120,10 @@ def measure_rates(working_sets: list[int], threads: list[int]) -> Rates:
                     keep(f"bw{size}", size / _best_seconds(buf.sum), n)
                 keep("fp32", 2 * 1024**3 / _best_seconds(lambda: a @ b), n)
                 keep("fp32", 2 * 512 * 512 * 2048 / _best_seconds(lambda: torch.nn.functional.linear(x32, w32)), n)
+                for xl, wl, wl8 in extra:
+                    flops = 2 * xl.shape[0] * wl.shape[0] * wl.shape[1]
+                    keep("fp32", flops / _best_seconds(partial(torch.nn.functional.linear, xl, wl)), n)
+                    keep("int8", flops / _best_seconds(partial(wl8, xl)), n)
                 for int8_linear in (lambda: torch.ops.quantized.linear_dynamic(x, packed, True), lambda: ours(x)):
                     keep("int8", 2 * 256 * 2048 * 2048 / _best_seconds(int8_linear), n)
     finally:

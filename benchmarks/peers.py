@@ -243,7 +243,12 @@ class CT2Process:
 
     def translate(self, pieces: list[list[str]], beams: int, new_tokens: int) -> list[int]:
         """Tokens generated per source."""
-        self._conn.send((pieces, beams, new_tokens))
+        self._conn.send((pieces, beams, new_tokens, False))
+        return self._reply()
+
+    def tokens(self, pieces: list[list[str]], beams: int, new_tokens: int) -> list[list[str]]:
+        """The best hypothesis of each source, as token strings."""
+        self._conn.send((pieces, beams, new_tokens, True))
         return self._reply()
 
     def close(self) -> None:
@@ -265,11 +270,11 @@ def _serve_translator(conn, ct2_dir: str, compute_type: str, threads: int) -> No
         return
     conn.send("ready")
     while (request := conn.recv()) is not None:
-        pieces, beams, new_tokens = request
+        pieces, beams, new_tokens, want_tokens = request
         try:
             results = translator.translate_batch(
                 pieces, beam_size=max(beams, 1), max_decoding_length=new_tokens, min_decoding_length=new_tokens
             )
-            conn.send([len(r.hypotheses[0]) for r in results])
+            conn.send([r.hypotheses[0] if want_tokens else len(r.hypotheses[0]) for r in results])
         except Exception as exc:
             conn.send(f"{type(exc).__name__}: {exc}")

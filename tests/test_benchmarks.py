@@ -5,15 +5,23 @@ check that each command still builds its models, runs every engine or layout to 
 lengths (the harnesses raise otherwise) and prints every table.
 """
 
+import importlib.util
 import re
+
+import pytest
 
 from benchmarks import compare, decode, layout
 
 
+def _table(report: str, section: str) -> list[list[str]]:
+    """The first table under ``### {section}``, header first."""
+    text = report.split(f"### {section}", 1)[1].split("###", 1)[0]
+    rows = [line.strip("|").split("|") for line in text.splitlines() if line.startswith("| ")]
+    return [[cell.strip() for cell in row] for row in rows]
+
+
 def _results_rows(report: str) -> list[list[str]]:
-    section = report.split("### Results", 1)[1].split("###", 1)[0]
-    rows = [line.strip("|").split("|") for line in section.splitlines() if line.startswith("| ")]
-    return [[cell.strip() for cell in row] for row in rows[1:]]  # without the header
+    return _table(report, "Results")[1:]  # without the header
 
 
 def test_compare_quick_run_reports_every_engine_and_target(tmp_path):
@@ -38,6 +46,34 @@ def test_compare_quick_run_reports_every_engine_and_target(tmp_path):
         assert goal in targets
     assert re.search(r"Read bandwidth by working set: 92 MB: [\d.]+ GB/s", report)
     assert "floor fp32 /s" in report
+
+
+def test_a_served_shape_at_tiny_size_runs_every_installed_engine(tmp_path):
+    """--shape opus-mt --tiny: the HF-layout directory built and cached, ours/HF/CTranslate2 agreeing on greedy
+    tokens, every installed engine timed, and the tables produced."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("sentencepiece")
+    out, cache = tmp_path / "opus-mt.md", tmp_path / "cache"
+    compare.main(["--shape", "opus-mt", "--tiny", "--threads", "1", "--cache", str(cache), "--out", str(out)])
+    report = out.read_text()
+
+    engines = ["ours", "ours int8", "HF"]
+    if importlib.util.find_spec("ctranslate2"):
+        engines += ["CT2 fp32", "CT2 int8"]
+    outputs = _table(report, "Outputs")[1:]
+    assert [row[0] for row in outputs] == [e for e in engines if e != "HF"]
+    assert all(row[2].startswith("same") for row in outputs), outputs
+    results = _table(report, "Results")
+    assert results[0][2:2 + len(engines)] == [f"{e} /s" for e in engines]
+    assert {(row[0], row[1]) for row in results[1:]} == {("opus-mt greedy", "1"), ("opus-mt beam 4", "2")}
+    rate = re.compile(r"^[\d,]+ \(1t\)$")
+    for row in results[1:]:
+        assert all(rate.match(value) and float(value.split()[0].replace(",", "")) > 0
+                   for value in row[2:2 + len(engines)]), row
+        assert re.match(r"^\d+\.\d\dx$", row[2 + len(engines)]), row  # ours / HF
+    assert "ours fp32 >= 1.5x HF" in report.split("### Targets", 1)[1]
+    assert "floor fp32 /s" in report
+    assert (cache / "opus-mt-tiny" / "hf" / "config.json").is_file()  # kept for the next run
 
 
 def test_decode_benchmark_reports_cached_and_uncached_rows():

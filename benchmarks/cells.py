@@ -1,0 +1,149 @@
+"""A cell of the peers comparison and how its engines are timed: alternating, medians, slow thread counts pruned.
+
+benchmarks/compare.py (the toy shape) and benchmarks/shape_compare.py (the HF-layout shapes) share it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+logger = logging.getLogger("benchmarks.compare")
+
+
+@dataclass
+class Cell:
+    """One workload and the median seconds of each variant ("engine@threads")."""
+
+    family: str
+    label: str  # "greedy", "beam 4", "forward"
+    batch: int
+    beams: int
+    items: int  # tokens (or sequences) per run, for the rate
+    length: int = 0  # tokens per input row (prompt, source or sequence) where a table needs it
+    seconds: dict[str, float] = field(default_factory=dict)
+    pruned: list[str] = field(default_factory=list)  # variants timed by their warm-up only
+
+    def best(self, engine: str) -> tuple[float, int] | None:
+        """(rate, threads) of ``engine`` in its fastest thread count."""
+        found = [(self.items / s, int(v.rsplit("@", 1)[1])) for v, s in self.seconds.items()
+                 if v.rsplit("@", 1)[0] == engine]
+        return max(found) if found else None
+
+    def ratio(self, engine: str, peer: str) -> float | None:
+        a, b = self.best(engine), self.best(peer)
+        return a[0] / b[0] if a and b else None
+
+
+def load() -> str:
+    return "load average " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+_CALLED: set[tuple[str, str]] = set()  # (family, engine) pairs that have run once in this process
+
+
+def _slow(times: dict[str, list[float]], prune: float) -> list[str]:
+    """Variants whose (warm-up) time is over ``prune`` x the fastest of the same engine."""
+    fastest: dict[str, float] = {}
+    for name, (warm,) in times.items():
+        engine = name.rsplit("@", 1)[0]
+        fastest[engine] = min(fastest.get(engine, warm), warm)
+    return [n for n, (warm,) in times.items() if warm > prune * fastest[n.rsplit("@", 1)[0]]]
+
+
+def alternate(cell: Cell, variants: dict[str, tuple[int, Callable[[], list[int]]]], expected: int,
+              repeats: int, prune: float) -> Cell:
+    """Warm up, then time every variant ``repeats`` times in rotating order; store the medians.
+
+    A thread count whose warm-up took over ``prune`` x the same engine's fastest warm-up, twice, is
+    not timed further (on a shared machine, spinning OpenMP threads can make it 5-30x slower): its
+    faster warm-up stands as its result, which is never an engine's best.
+    """
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    order = list(variants)
+    for name, (threads, run) in variants.items():  # an engine's first call ever may set things up: not timed
+        key = (cell.family, name.rsplit("@", 1)[0])
+        if key not in _CALLED:
+            _CALLED.add(key)
+            torch.set_num_threads(threads)
+            run()
+    for round_ in range(repeats + 1):
+        for name in order[round_ % len(order):] + order[: round_ % len(order)]:
+            threads, run = variants[name]
+            torch.set_num_threads(threads)
+            start = time.perf_counter()
+            produced = run()
+            elapsed = time.perf_counter() - start
+            if any(n != expected for n in produced):
+                raise RuntimeError(f"{name} in {cell.family} {cell.label} b{cell.batch}: produced {produced}, "
+                                   f"expected {expected} each")
+            times[name].append(elapsed)
+        if round_ == 0:
+            slow = _slow(times, prune)
+            for name in slow:  # a second chance: one slow warm-up may be a burst of other work
+                threads, run = variants[name]
+                torch.set_num_threads(threads)
+                start = time.perf_counter()
+                run()
+                times[name] = [min(times[name][0], time.perf_counter() - start)]
+            slow = _slow(times, prune)
+            if slow:
+                logger.info("%s %s b%d: not timing %s further (warm-up over %.1fx its engine's fastest)",
+                            cell.family, cell.label, cell.batch, ", ".join(slow), prune)
+                cell.pruned += slow
+            order = [n for n in order if n not in slow]
+            for name in order:
+                times[name].clear()
+    cell.seconds = {v: statistics.median(t) for v, t in times.items()}
+    logger.info("%s %s b%d: %s", cell.family, cell.label, cell.batch,
+                ", ".join(f"{v} {cell.items / s:,.0f}/s" for v, s in cell.seconds.items()))
+    return cell
+
+
+def rate(cell: Cell, engine: str) -> str:
+    """``engine``'s best rate in ``cell`` and its thread count, or "-"."""
+    best = cell.best(engine)
+    return f"{best[0]:,.0f} ({best[1]}t)" if best else "-"
+
+
+def ratio_text(value: float | None) -> str:
+    return f"{value:.2f}x" if value is not None else "-"
+
+
+def versions() -> str:
+    import transformers
+
+    parts = [f"transformers {transformers.__version__}"]
+    try:
+        import ctranslate2
+
+        parts.append(f"ctranslate2 {ctranslate2.__version__}")
+    except ImportError:
+        parts.append("ctranslate2 not installed")
+    try:
+        import onnxruntime
+
+        parts.append(f"onnxruntime {onnxruntime.__version__}")
+    except ImportError:
+        parts.append("onnxruntime not installed")
+    return " · ".join(parts)
+
+
+def kernels() -> str:
+    """Which of our C++ kernels run here (model/native.py), or why none does."""
+    from model import int8_kernel, native, packed_weights
+
+    module, why = int8_kernel.available()
+    int8 = "AVX512-VNNI kernel" if module is not None and int8_kernel.kernel_choice() != "fbgemm" else \
+        f"fbgemm ({why or 'TSERVE_INT8_KERNEL=fbgemm'})"
+    if native.kernels() is None:
+        return f"int8 GEMM {int8}; decoding step: Python replay, MKL, SDPA"
+    packed = "panel GEMM over packed weights" if packed_weights.enabled() else "MKL (TSERVE_PACKED_WEIGHTS=off)"
+    return (f"int8 GEMM {int8}; decoding step (AVX-512): native layers, few-rows GEMV, beyond 4 rows {packed}, "
+            "attention, LayerNorm/activations/cache writes, greedy choice")

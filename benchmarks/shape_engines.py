@@ -1,0 +1,265 @@
+"""The engines of benchmarks/shape_compare.py on one shape's files: loading, runners, and the output checks.
+
+Ours: ``load_checkpoint`` of the HF directory, ``prepare_for_inference`` as the service loads it (fp32, and int8
+on a second copy), its generation rules (OPUS-MT's banned pad id). HF: ``from_pretrained`` of the same directory,
+``generate()`` with the directory's generation config. CTranslate2: ``peers.CT2Process`` over the converted
+directory (token strings of vocab.json). ONNX Runtime: an ``InferenceSession`` per model and thread count,
+``ORT_ENABLE_ALL``, one inter-op thread. Every runner does one whole cell and returns what it produced per input
+(tokens per input, or rows per forward) so the caller checks that no engine stopped early.
+
+The checks run before any timing: greedy tokens against HF's (a divergence only where HF's two candidates are
+within :data:`TIE` of each other is a tie), classifier logits against HF's (:data:`LOGITS_RTOL` of their scale).
+A fp32 engine that fails goes into ``Engines.excluded`` and is not timed; int8 agreement is reported only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from benchmarks import peers, shapes
+from model.checkpoint import Checkpoint, load_checkpoint
+from model.decoding import GenerationConfig
+from model.generation import generate_causal, generate_seq2seq
+from model.quantize import prepare_for_inference
+
+logger = logging.getLogger("benchmarks.shape_engines")
+
+Runner = Callable[[], list[int]]
+TIE = 1e-4  # HF logits closer than this (relative to the step's largest) are a tie, either token is right
+LOGITS_RTOL = 1e-3
+
+
+@dataclass
+class Engines:
+    """Every engine of one shape, loaded, and the engines left out (name -> why)."""
+
+    files: shapes.ShapeFiles
+    ours: Checkpoint
+    ours_int8: Checkpoint
+    hf: torch.nn.Module
+    translators: dict[tuple[str, int], peers.CT2Process] = field(default_factory=dict)
+    ort: dict[tuple[str, int], object] = field(default_factory=dict)  # (kind, threads) -> InferenceSession
+    excluded: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def family(self) -> str:
+        return self.files.shape.family
+
+    def close(self) -> None:
+        for translator in self.translators.values():
+            translator.close()
+
+
+def random_ids(shape: shapes.Shape, batch: int, length: int, seed: int) -> torch.Tensor:
+    """Token ids without the special ones: Marian's </s>, <unk> and pad; BERT's five specials (then [CLS] and
+    [SEP] around each row); GPT-2's <|endoftext|>."""
+    low, high = {"seq2seq": (2, shape.vocab - 1), "classifier": (5, shape.vocab),
+                 "causal_lm": (0, shape.vocab - 1)}[shape.family]
+    ids = torch.randint(low, high, (batch, length), generator=torch.Generator().manual_seed(seed))
+    if shape.family == "classifier":
+        ids[:, 0], ids[:, -1] = shapes.BERT_SPECIALS.index("[CLS]"), shapes.BERT_SPECIALS.index("[SEP]")
+    return ids
+
+
+# ---- loading ------------------------------------------------------------------------------------------------
+
+
+def load_engines(files: shapes.ShapeFiles, threads: list[int]) -> Engines:
+    import transformers
+
+    ours, ours_int8 = (load_checkpoint(files.hf, device="cpu") for _ in range(2))
+    prepare_for_inference(ours.model, "none")  # as the service loads a model
+    prepare_for_inference(ours_int8.model, "int8")
+    hf = getattr(transformers, files.shape.architecture).from_pretrained(files.hf).eval()
+    engines = Engines(files, ours, ours_int8, hf)
+    if files.shape.family == "seq2seq":
+        ct2 = shapes.ct2_directory(files)
+        if ct2 is None:
+            logger.warning("ctranslate2 is not installed: its engines are skipped")
+        else:
+            engines.translators = {(kind, n): peers.CT2Process(ct2, kind.replace("fp32", "float32"), n)
+                                   for kind in ("fp32", "int8") for n in threads}
+    if files.shape.family == "classifier":
+        models = shapes.onnx_models(files)
+        if models is None:
+            logger.warning("onnxruntime (or onnx) is not installed: its engines are skipped")
+        else:
+            engines.ort = {(kind, n): ort_session(path, n) for kind, path in zip(("fp32", "int8"), models, strict=True)
+                           for n in threads}
+    return engines
+
+
+def ort_session(path, threads: int):
+    """An ONNX Runtime CPU session: ``threads`` intra-op threads, one inter-op, every graph optimization."""
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+    options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
+    return onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+# ---- runners: each does one whole cell and returns what it produced per input --------------------------------
+
+
+def generation_config(checkpoint: Checkpoint, beams: int, new_tokens: int) -> GenerationConfig:
+    rules = checkpoint.generation.imposed() if checkpoint.generation else {}
+    return GenerationConfig(strategy="beam" if beams > 1 else "greedy", num_beams=max(beams, 1),
+                            max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                            eos_token_id=checkpoint.config.eos_id, **rules)
+
+
+def ours_tokens(checkpoint: Checkpoint, inputs: torch.Tensor, beams: int, new_tokens: int) -> list[list[int]]:
+    generate = generate_seq2seq if checkpoint.family == "seq2seq" else generate_causal
+    return [h[0].tokens for h in generate(checkpoint.model, inputs.tolist(), generation_config(
+        checkpoint, beams, new_tokens))]
+
+
+def ours_decode(checkpoint: Checkpoint, inputs: torch.Tensor, beams: int, new_tokens: int) -> Runner:
+    return lambda: [len(t) for t in ours_tokens(checkpoint, inputs, beams, new_tokens)]
+
+
+def hf_generate(model: torch.nn.Module, inputs: torch.Tensor, beams: int, new_tokens: int, **extra):
+    """HF ``generate()``, no sampling, exactly ``new_tokens`` new tokens; the directory's generation rules."""
+    pad = model.generation_config.pad_token_id
+    with torch.inference_mode():
+        return model.generate(input_ids=inputs, attention_mask=torch.ones_like(inputs), do_sample=False,
+                              num_beams=max(beams, 1), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              pad_token_id=model.generation_config.eos_token_id if pad is None else pad, **extra)
+
+
+def hf_decode(model: torch.nn.Module, inputs: torch.Tensor, beams: int, new_tokens: int) -> Runner:
+    start = 1 if model.config.is_encoder_decoder else inputs.shape[1]  # the decoder start token, or the prompt
+
+    def run() -> list[int]:
+        out = hf_generate(model, inputs, beams, new_tokens)
+        return [out.shape[1] - start] * out.shape[0]
+
+    return run
+
+
+def ct2_pieces(files: shapes.ShapeFiles) -> list[str]:
+    """vocab.json's token strings by id: what CTranslate2's converter took as its vocabulary."""
+    vocab = json.loads((files.hf / "vocab.json").read_text())
+    return [piece for piece, _ in sorted(vocab.items(), key=lambda item: item[1])]
+
+
+def ct2_decode(translator: peers.CT2Process, pieces: list[str], inputs: torch.Tensor, beams: int,
+               new_tokens: int) -> Runner:
+    sources = [[pieces[i] for i in row] for row in inputs.tolist()]
+    return lambda: translator.translate(sources, beams, new_tokens)
+
+
+def rows_of(logits: Callable[..., torch.Tensor], engine: object, ids: torch.Tensor) -> Callable[[], int]:
+    """A forward of ``engine`` over ``ids`` that returns the rows classified."""
+    return lambda: logits(engine, ids).shape[0]
+
+
+def repeated(forward: Callable[[], int], times: int) -> Runner:
+    return lambda: [forward() for _ in range(times)]
+
+
+def ours_classify(checkpoint: Checkpoint, ids: torch.Tensor) -> Callable[[], int]:
+    def forward() -> int:
+        with torch.inference_mode():
+            return checkpoint.model(ids).shape[0]
+
+    return forward
+
+
+def hf_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(input_ids=ids, attention_mask=torch.ones_like(ids), token_type_ids=torch.zeros_like(ids)).logits
+
+
+def ort_logits(session, ids: torch.Tensor) -> torch.Tensor:
+    feed = {"input_ids": ids.numpy(), "attention_mask": torch.ones_like(ids).numpy(),
+            "token_type_ids": torch.zeros_like(ids).numpy()}
+    return torch.from_numpy(session.run(["logits"], feed)[0])
+
+
+# ---- outputs: the same across engines where they should be ------------------------------------------------
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((t for t, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def check_decoding(engines: Engines, length: int, new_tokens: int) -> list[list[str]]:
+    """Greedy tokens of each engine against HF's on three inputs: rows of the outputs table; a fp32 engine that
+    disagrees beyond a tie goes into ``engines.excluded``."""
+    inputs = random_ids(engines.files.shape, 3, length, seed=1234)
+    out = hf_generate(engines.hf, inputs, 1, new_tokens, return_dict_in_generate=True, output_scores=True)
+    start = 1 if engines.family == "seq2seq" else inputs.shape[1]
+    reference = out.sequences[:, start:].tolist()
+    scores = torch.stack(out.scores, 1)  # (inputs, steps, vocab): the processed logits HF chose from
+    candidates = {"ours": ours_tokens(engines.ours, inputs, 1, new_tokens),
+                  "ours int8": ours_tokens(engines.ours_int8, inputs, 1, new_tokens)}
+    if engines.translators:
+        index = {piece: i for i, piece in enumerate(ct2_pieces(engines.files))}
+        sources = [[ct2_pieces(engines.files)[i] for i in row] for row in inputs.tolist()]
+        some = min(engines.translators)[1]
+        for kind in ("fp32", "int8"):
+            strings = engines.translators[kind, some].tokens(sources, 1, new_tokens)
+            candidates[f"CT2 {kind}"] = [[index[s] for s in row] for row in strings]
+    rows = []
+    for engine, tokens in candidates.items():
+        verdicts = []
+        for i, (mine, theirs) in enumerate(zip(tokens, reference, strict=True)):
+            t = _first_difference(mine, theirs)
+            if t is None:
+                continue
+            gap = (scores[i, t, theirs[t]] - scores[i, t, mine[t]]).item() if t < min(len(mine), len(theirs)) \
+                else float("inf")
+            step = scores[i, t][scores[i, t].isfinite()]  # banned tokens are -inf
+            tie = gap <= TIE * max(1.0, step.abs().max().item())
+            verdicts.append((i, t, gap, tie))
+            if "int8" in engine:
+                break  # int8 is expected to part somewhere: report the first input only
+        text, ok = _verdict(verdicts, len(reference), new_tokens, "int8" in engine)
+        if not ok:
+            engines.excluded[engine] = text
+            logger.error("%s %s: %s", engines.files.shape.name, engine, text)
+        rows.append([engine, "greedy tokens vs HF", text])
+    return rows
+
+
+def _verdict(verdicts: list[tuple[int, int, float, bool]], inputs: int, steps: int, int8: bool) -> tuple[str, bool]:
+    if not verdicts:
+        return f"same ({inputs} inputs x {steps} tokens)", True
+    i, t, gap, tie = verdicts[0]
+    where = f"input {i} step {t} (HF's logit for its token {gap:+.2e} over this one's)"
+    if int8:
+        return f"parts from fp32 HF at {where} (int8: reported, not required)", True
+    if all(v[3] for v in verdicts):
+        return f"same up to a tie at {where}", True
+    return f"MISMATCH at {where}: not timed", False
+
+
+def check_classifier(engines: Engines, threads: int) -> list[list[str]]:
+    """Logits of each engine against HF's on four 64-token rows (relative to HF's largest |logit|)."""
+    ids = random_ids(engines.files.shape, 4, 64 if engines.files.shape.dims.d_model > 64 else 16, seed=1234)
+    reference = hf_logits(engines.hf, ids)
+    scale = reference.abs().max().item()
+    with torch.inference_mode():
+        candidates = {"ours": engines.ours.model(ids), "ours int8": engines.ours_int8.model(ids)}
+    for kind in ("fp32", "int8"):
+        if (kind, threads) in engines.ort:
+            candidates[f"ORT {kind}"] = ort_logits(engines.ort[kind, threads], ids)
+    rows = []
+    for engine, got in candidates.items():
+        error = (got - reference).abs().max().item() / scale
+        same_labels = int((got.argmax(-1) == reference.argmax(-1)).sum())
+        text = f"max |diff| {error:.1e} of the logits' scale, argmax equal on {same_labels}/{len(ids)}"
+        if "int8" not in engine and error > LOGITS_RTOL:
+            engines.excluded[engine] = text
+            logger.error("%s %s: logits differ from HF's: %s", engines.files.shape.name, engine, text)
+            text = f"MISMATCH: {text}: not timed"
+        rows.append([engine, "logits vs HF", text + (" (int8: reported, not required)" if "int8" in engine else "")])
+    return rows
