@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model import native
+from model.kernel_layers import Linear
 from model.kv_cache import KVCache
 
 KERNEL_MAX_QUERIES = 16  # longer query blocks (prefill) are SDPA's strength
@@ -64,10 +65,10 @@ class MultiHeadAttention(nn.Module):
         self.n_heads = n_heads
         self.head_dim = d_model // n_heads
         self.dropout = dropout
-        self.q_proj = nn.Linear(d_model, d_model, bias=bias)
-        self.k_proj = nn.Linear(d_model, d_model, bias=bias)
-        self.v_proj = nn.Linear(d_model, d_model, bias=bias)
-        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.q_proj = Linear(d_model, d_model, bias=bias)
+        self.k_proj = Linear(d_model, d_model, bias=bias)
+        self.v_proj = Linear(d_model, d_model, bias=bias)
+        self.out_proj = Linear(d_model, d_model, bias=bias)
         # Optional (D -> 3D) projection computing q, k, v of self-attention in one GEMM (model.quantize
         # builds an int8 one); used only while q/k/v are still the modules it was built from, so a
         # LoRA wrapper around any of them switches back to the separate projections.

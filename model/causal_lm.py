@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from model.config import CausalLMConfig
-from model.fast_step import decode_head, run_decoder
+from model.fast_step import run_decoder
+from model.kernel_layers import Linear
 from model.kv_cache import KVCache
 from model.layers import Embeddings, LayerStack, causal_mask, init_weights
 
@@ -19,7 +20,7 @@ class CausalLM(nn.Module):
         self.config = config
         self.embed = Embeddings(config, config.vocab_size)
         self.decoder = LayerStack(config, config.n_layers)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.d_model, config.vocab_size, bias=False)
         init_weights(self)
         if config.scale_embeddings:
             nn.init.normal_(self.embed.tokens.weight, std=config.d_model**-0.5)
@@ -56,4 +57,4 @@ class CausalLM(nn.Module):
         positions, mask = cache.begin_step(1)
         x = run_decoder(self.decoder, self.embed(tokens[:, None], positions), mask, cache, None)
         cache.end_step(1)
-        return decode_head(self.lm_head, x[:, 0])
+        return self.lm_head(x[:, 0])

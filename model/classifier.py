@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.config import ClassifierConfig
+from model.kernel_layers import LayerNorm, Linear
 from model.layers import Embeddings, LayerStack, init_weights, padding_mask
 
 POOLINGS = ("cls", "mean", "max")
@@ -17,9 +18,9 @@ class MaskedLMHead(nn.Module):
 
     def __init__(self, config: ClassifierConfig, embedding: nn.Embedding) -> None:
         super().__init__()
-        self.dense = nn.Linear(config.d_model, config.d_model)
-        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.decoder = nn.Linear(config.d_model, config.vocab_size)
+        self.dense = Linear(config.d_model, config.d_model)
+        self.norm = LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.decoder = Linear(config.d_model, config.vocab_size)
         self.decoder.weight = embedding.weight
         nn.init.zeros_(self.decoder.bias)
 
@@ -35,12 +36,12 @@ class TransformerClassifier(nn.Module):
         self.config = config
         self.embed = Embeddings(config, config.vocab_size, config.type_vocab_size)
         self.encoder = LayerStack(config, config.n_layers)
-        self.pooler = nn.Linear(config.d_model, config.d_model) if config.pooler else None
+        self.pooler = Linear(config.d_model, config.d_model) if config.pooler else None
         self.dropout = nn.Dropout(config.dropout)
         # num_labels 0: an embedding model without a classification head
-        self.classifier = nn.Linear(config.d_model, config.num_labels) if config.num_labels else None
+        self.classifier = Linear(config.d_model, config.num_labels) if config.num_labels else None
         self.mlm_head = MaskedLMHead(config, self.embed.tokens)
-        self.order_head = nn.Linear(config.d_model, 2)  # sentence order / next sentence: 0 = in order
+        self.order_head = Linear(config.d_model, 2)  # sentence order / next sentence: 0 = in order
         init_weights(self)
         if config.scale_embeddings:
             nn.init.normal_(self.embed.tokens.weight, std=config.d_model**-0.5)

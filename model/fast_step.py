@@ -3,7 +3,7 @@
 A decode step at batch 1 spends as long in Python as in some of its GEMMs: every layer makes a
 dozen nn.Module calls (hooks machinery, attribute lookups) around a dozen tensor ops. This module
 walks the same layers once, keeps for each one plain callables bound to the same parameters
-(``torch.layer_norm`` / ``F.linear`` on the Parameter objects, an ``Int8Linear``'s or a
+(``torch.layer_norm`` / ``model.kernel_layers.linear`` on the Parameter objects, an ``Int8Linear``'s or a
 ``LoRALinear``'s own forward), and replays them per step. It computes exactly what
 ``LayerStack.forward`` computes in eval mode with a cache (tests compare the two in float64);
 training, attention weights and ``keep_last`` take the general path.
@@ -23,12 +23,12 @@ from types import ModuleType
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from model import native, packed_weights
 from model.attention import KERNEL_MAX_HEAD_DIM, MultiHeadAttention, decode_attention
 from model.int8_linear import Int8Linear
+from model.kernel_layers import is_layer_norm, is_plain, linear
 from model.kv_cache import KVCache
 from model.layers import LayerStack, TransformerLayer
 from model.lora import LoRALinear
@@ -38,10 +38,10 @@ Op = Callable[[torch.Tensor], torch.Tensor]
 
 def _op(module: nn.Module) -> Op:
     """A callable computing ``module(x)``: its parameters bound directly when it is a plain Linear/LayerNorm."""
-    if type(module) is nn.Linear:
+    if is_plain(module):
         weight, bias = module.weight, module.bias
-        return lambda x: F.linear(x, weight, bias)
-    if type(module) is nn.LayerNorm:
+        return lambda x: linear(x, weight, bias)
+    if is_layer_norm(module):
         shape, weight, bias, eps = module.normalized_shape, module.weight, module.bias, module.eps
         return lambda x: torch.layer_norm(x, shape, weight, bias, eps)
     return module.forward if not module._forward_hooks and not module._forward_pre_hooks else module
@@ -164,7 +164,7 @@ def _watched(stack: LayerStack) -> list[tuple[dict, str, object]]:
         for parent, kind in parents:
             watched += [(parent._modules, name, parent._modules.get(name)) for name in _WATCHED[kind]]
     for module in stack.modules():
-        if type(module) in (nn.Linear, nn.LayerNorm):
+        if is_plain(module) or is_layer_norm(module):
             watched += [(module._parameters, name, p) for name, p in module._parameters.items()]
     return watched
 
@@ -202,7 +202,7 @@ def _projection(module: nn.Module | None) -> list[torch.Tensor] | None:
         return []
     if type(module) is LoRALinear:  # its base; the adapters' deltas come per step (_NativeStep.deltas)
         module = module.base
-    if type(module) is nn.Linear and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu":
+    if is_plain(module) and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu":
         return [module.weight, _ABSENT if module.bias is None else module.bias]
     if type(module) is Int8Linear and module.backend == "vnni":
         return [module._packed, module._scales, module._sums, _ABSENT if module._bias is None else module._bias]
@@ -214,7 +214,7 @@ def _norm(module: nn.Module | None) -> tuple[list[torch.Tensor], float] | None:
     it cannot."""
     if module is None:
         return [], 0.0
-    if type(module) is not nn.LayerNorm or module.weight is None or module.bias is None:
+    if not is_layer_norm(module) or module.weight is None or module.bias is None:
         return None
     return [module.weight, module.bias], module.eps
 
@@ -345,26 +345,6 @@ def plan_for(stack: LayerStack) -> DecodePlan:
     if plan is None or plan.kernels is not native.kernels() or not plan.current():
         plan = _PLANS[stack] = DecodePlan(stack)
     return plan
-
-
-def decode_head(head: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``head(x)``: the output projection of a decoding step's rows (N, D) -> (N, V).
-
-    A plain Linear on CPU goes through our kernels: the few-rows GEMV (model/kernels/few_rows_linear.cpp),
-    which reads the (tied, input-major) weights faster than MKL's GEMV at up to 4 rows and calls ``F.linear``
-    itself otherwise (another dtype or layout, autograd), and beyond 4 rows the panel GEMM over the weight's
-    packed copy (model/packed_weights.py); LoRA, int8 and hooked heads run as modules.
-    """
-    kernels = native.kernels()
-    plain = type(head) is nn.Linear and not head._forward_hooks and not head._forward_pre_hooks
-    if kernels is None or not plain or head.weight.device.type != "cpu":
-        return head(x)
-    batched = x.shape[0] > packed_weights.MAX_GEMV_ROWS and x.dtype == torch.float32 and not torch.is_grad_enabled()
-    if batched and packed_weights.enabled():
-        panels = packed_weights.packed(kernels, head.weight)
-        if panels is not None:
-            return kernels.packed_linear(x, panels, head.weight.shape[0], head.bias)
-    return kernels.few_rows_linear(x, head.weight, head.bias)
 
 
 def run_decoder(

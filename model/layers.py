@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from model.attention import MultiHeadAttention
 from model.config import TransformerConfig
+from model.kernel_layers import LayerNorm, Linear, activate
 from model.kv_cache import KVCache
 
 
@@ -37,7 +37,7 @@ class Embeddings(nn.Module):
             self.positions = None
             self.register_buffer("sinusoids", sinusoidal_table(config.max_len, config.d_model), persistent=False)
         self.segments = nn.Embedding(type_vocab_size, config.d_model) if type_vocab_size else None
-        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.embedding_norm else None
+        self.norm = LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.embedding_norm else None
         self.dropout = nn.Dropout(config.dropout)
         self.max_len = config.max_len
 
@@ -66,18 +66,15 @@ class FeedForward(nn.Module):
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
-        self.fc2 = nn.Linear(config.d_ff, config.d_model, bias=config.bias)
+        self.fc1 = Linear(config.d_model, config.d_ff, bias=config.bias)
+        self.fc2 = Linear(config.d_ff, config.d_model, bias=config.bias)
         self.activation = config.activation
         self.dropout = nn.Dropout(config.dropout)
 
     def activate(self, h: torch.Tensor) -> torch.Tensor:
-        """The configured nonlinearity: ReLU, GELU, GELU's tanh approximation, or SiLU (swish)."""
-        if self.activation == "relu":
-            return F.relu(h)
-        if self.activation == "silu":
-            return F.silu(h)
-        return F.gelu(h, approximate="tanh" if self.activation == "gelu_tanh" else "none")
+        """The configured nonlinearity (ReLU, GELU, GELU's tanh approximation, or SiLU) of fc1's output ``h``,
+        in place where our kernels compute it."""
+        return activate(h, self.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.activate(self.fc1(x))
@@ -94,13 +91,13 @@ class TransformerLayer(nn.Module):
         super().__init__()
         d, eps = config.d_model, config.layer_norm_eps
         self.self_attn = MultiHeadAttention(d, config.n_heads, config.dropout, config.bias)
-        self.self_attn_norm = nn.LayerNorm(d, eps=eps)
+        self.self_attn_norm = LayerNorm(d, eps=eps)
         self.cross_attn = (
             MultiHeadAttention(d, config.n_heads, config.dropout, config.bias) if cross_attention else None
         )
-        self.cross_attn_norm = nn.LayerNorm(d, eps=eps) if cross_attention else None
+        self.cross_attn_norm = LayerNorm(d, eps=eps) if cross_attention else None
         self.ffn = FeedForward(config)
-        self.ffn_norm = nn.LayerNorm(d, eps=eps)
+        self.ffn_norm = LayerNorm(d, eps=eps)
         self.dropout = nn.Dropout(config.dropout)
         self.pre_norm = config.norm == "pre"
 
@@ -158,7 +155,7 @@ class LayerStack(nn.Module):
     def __init__(self, config: TransformerConfig, n_layers: int, cross_attention: bool = False) -> None:
         super().__init__()
         self.layers = nn.ModuleList(TransformerLayer(config, cross_attention) for _ in range(n_layers))
-        self.final_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.final_norm else None
+        self.final_norm = LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.final_norm else None
 
     def forward(
         self,

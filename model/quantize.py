@@ -18,6 +18,7 @@ from torch import nn
 from model import int8_kernel
 from model.attention import MultiHeadAttention
 from model.int8_linear import Int8Linear
+from model.kernel_layers import is_plain
 from model.layers import TransformerLayer
 from model.layout import use_input_major_weights
 from model.lora import HeadCopies, LoRALinear
@@ -59,7 +60,7 @@ def quantize_int8(model: nn.Module) -> int:
             adapter_dicts.add(id(module.copies))
         if id(module) in adapter_dicts:
             continue
-        targets += [(module, name, child) for name, child in module.named_children() if type(child) is nn.Linear]
+        targets += [(module, name, child) for name, child in module.named_children() if is_plain(child)]
     for _, _, linear in targets:
         if linear.weight.dtype != torch.float32:
             raise QuantizeError(f"int8 quantisation needs float32 weights, got {linear.weight.dtype}")
@@ -76,7 +77,7 @@ def quantize_int8(model: nn.Module) -> int:
 def _fused_qkv(attn: MultiHeadAttention) -> tuple[MultiHeadAttention, Int8Linear | None]:
     """An int8 (D, 3D) projection of ``attn``'s q, k, v, unless an adapter wraps one of them."""
     parts = (attn.q_proj, attn.k_proj, attn.v_proj)
-    if any(type(p) is not nn.Linear for p in parts):
+    if not all(is_plain(p) for p in parts):
         return attn, None
     biases = [p.bias for p in parts]
     bias = torch.cat(biases) if all(b is not None for b in biases) else None

@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from model.config import Seq2SeqConfig
-from model.fast_step import decode_head, run_decoder
+from model.fast_step import run_decoder
+from model.kernel_layers import Linear
 from model.kv_cache import CrossAttentionMemory, KVCache
 from model.layers import Embeddings, LayerStack, causal_mask, init_weights, padding_mask
 
@@ -22,7 +23,7 @@ class Seq2SeqTransformer(nn.Module):
         self.src_embed = self.tgt_embed if shared else Embeddings(config, config.src_vocab_size)
         self.encoder = LayerStack(config, config.n_encoder_layers)
         self.decoder = LayerStack(config, config.n_decoder_layers, cross_attention=True)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=config.head_bias)
+        self.lm_head = Linear(config.d_model, config.vocab_size, bias=config.head_bias)
         init_weights(self)
         if config.scale_embeddings:
             for embed in {id(self.tgt_embed): self.tgt_embed, id(self.src_embed): self.src_embed}.values():
@@ -79,4 +80,4 @@ class Seq2SeqTransformer(nn.Module):
         x = self.tgt_embed(tokens[:, None], positions)
         x = run_decoder(self.decoder, x, mask, cache, cache.cross.attention_mask)
         cache.end_step(1)
-        return decode_head(self.lm_head, x[:, 0])
+        return self.lm_head(x[:, 0])

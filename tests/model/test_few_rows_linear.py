@@ -3,11 +3,9 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from model import native
 from model.decoding import GenerationConfig
-from model.fast_step import decode_head
 from model.generation import generate_causal, generate_seq2seq
 from model.layout import input_major, use_input_major_weights
 from tests.model.conftest import random_ids, tiny_causal_lm, tiny_seq2seq
@@ -77,33 +75,6 @@ def test_bad_shapes_raise_instead_of_reading_out_of_bounds():
         kernel.few_rows_linear(torch.randn(1, 15), weight, bias)
     with torch.no_grad(), pytest.raises(RuntimeError):
         kernel.few_rows_linear(torch.randn(1, 16), weight, torch.randn(23))
-
-
-def test_decode_head_runs_plain_linears_through_the_kernel_and_modules_otherwise(monkeypatch):
-    head = nn.Linear(32, 100, bias=False)
-    use_input_major_weights(head)
-    x = torch.randn(3, 32)
-    calls = []
-    monkeypatch.setattr(native, "kernels", lambda: _Counting(kernel, calls))
-    with torch.no_grad():
-        expected = _reference(x, head.weight, None)
-        torch.testing.assert_close(decode_head(head, x).double(), expected, rtol=1e-5, atol=1e-5)
-        assert len(calls) == 1
-        head.register_forward_hook(lambda module, args, out: out * 2)
-        torch.testing.assert_close(decode_head(head, x), 2 * F.linear(x, head.weight))
-        assert len(calls) == 1  # a hooked head runs as a module
-
-
-class _Counting:
-    def __init__(self, module, calls):
-        self.module, self.calls = module, calls
-
-    def __getattr__(self, name):
-        return getattr(self.module, name)
-
-    def few_rows_linear(self, *args):
-        self.calls.append(args)
-        return self.module.few_rows_linear(*args)
 
 
 @pytest.mark.parametrize("family", ["causal_lm", "seq2seq"])

@@ -68,7 +68,7 @@ def test_marian_logits_equal_transformers(tmp_path, overrides):
 
 @pytest.mark.parametrize("strategy", DECODINGS)
 def test_marian_generation_equals_transformers_on_a_padded_batch(tmp_path, strategy):
-    """OPUS-MT's variant (swish: the native decoding step's SiLU; the head bias in decode_head)."""
+    """OPUS-MT's variant (swish: the native decoding step's SiLU; the head bias in the few-rows GEMV)."""
     directory = save_marian(tmp_path / "marian", seed=10, eos_boost=2.5)  # both endings: EOS and the length limit
     ours_config, hf_kwargs = decoding(strategy)
     ours, _ = load_hf_model(directory)
