@@ -106,6 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds per engine and cell")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="intra-op threads")
     parser.add_argument("--rows", type=int, nargs="+", default=ROWS, help="rows per call")
+    parser.add_argument("--weights", nargs="+", default=[f"{i}:{o}" for i, o in WEIGHTS],
+                        help="weight shapes as IN:OUT (default: the served shapes')")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(machine_line())
@@ -113,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     table = []
     with tempfile.TemporaryDirectory() as folder, torch.no_grad():  # not inference_mode: packed copies need
         # weights whose changes can be seen (model/packed_weights.py)
-        for in_features, out_features in WEIGHTS:
+        for in_features, out_features in (map(int, shape.split(":")) for shape in args.weights):
             generator = torch.Generator().manual_seed(in_features * 7 + out_features)
             weight = torch.randn(out_features, in_features, generator=generator) / in_features**0.5
             bias = torch.randn(out_features, generator=generator)

@@ -256,7 +256,7 @@ def check_classifier(engines: Engines, threads: int) -> list[list[str]]:
     for engine, got in candidates.items():
         error = (got - reference).abs().max().item() / scale
         same_labels = int((got.argmax(-1) == reference.argmax(-1)).sum())
-        text = f"max |diff| {error:.1e} of the logits' scale, argmax equal on {same_labels}/{len(ids)}"
+        text = f"max abs difference {error:.1e} of the logits' scale, argmax equal on {same_labels}/{len(ids)}"
         if "int8" not in engine and error > LOGITS_RTOL:
             engines.excluded[engine] = text
             logger.error("%s %s: logits differ from HF's: %s", engines.files.shape.name, engine, text)

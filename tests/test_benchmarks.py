@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from benchmarks import compare, decode, layout
+from benchmarks import compare, decode, gemm, layout
 
 
 def _table(report: str, section: str) -> list[list[str]]:
@@ -74,6 +74,45 @@ def test_a_served_shape_at_tiny_size_runs_every_installed_engine(tmp_path):
     assert "ours fp32 >= 1.5x HF" in report.split("### Targets", 1)[1]
     assert "floor fp32 /s" in report
     assert (cache / "opus-mt-tiny" / "hf" / "config.json").is_file()  # kept for the next run
+
+
+@pytest.mark.parametrize(("shape", "peers", "cells"), [
+    ("bert-base", ["ORT fp32", "ORT int8"], {("bert-base length 16", "1"), ("bert-base length 16", "4")}),
+    ("gpt2-small", [], {("gpt2-small greedy", "1"), ("gpt2-small beam 4", "1")}),
+])
+def test_the_other_shapes_at_tiny_size_check_outputs_then_time_every_engine(tmp_path, shape, peers, cells):
+    """--shape bert-base / gpt2-small --tiny: ours (and ONNX Runtime, exported and fused, when installed) agree
+    with HF before any timing (logits' argmax / greedy tokens), then every engine is timed."""
+    pytest.importorskip("transformers")
+    if peers and not (importlib.util.find_spec("onnxruntime") and importlib.util.find_spec("onnx")):
+        peers = []
+    out = tmp_path / f"{shape}.md"
+    compare.main(["--shape", shape, "--tiny", "--threads", "1", "--cache", str(tmp_path / "cache"), "--out", str(out)])
+    report = out.read_text()
+
+    outputs = _table(report, "Outputs")[1:]
+    assert [row[0] for row in outputs] == ["ours", "ours int8", *peers]
+    agreed = "argmax equal on 4/4" if shape == "bert-base" else "same"
+    assert all(agreed in row[2] for row in outputs if "int8" not in row[0]), outputs
+    engines = ["ours", "ours int8", "HF", *peers]
+    results = _table(report, "Results")
+    assert results[0][2:2 + len(engines)] == [f"{e} /s" for e in engines]
+    assert {(row[0], row[1]) for row in results[1:]} == cells
+    for row in results[1:]:
+        assert all(float(value.split()[0].replace(",", "")) > 0 for value in row[2:2 + len(engines)]), row
+    assert "floor fp32 /s" in report
+
+
+def test_gemm_benchmark_checks_then_times_every_kernel(capsys):
+    """benchmarks.gemm on a small weight: every engine's product checked against float64 first (it raises
+    otherwise), then one row per row count with each engine's rate against MKL."""
+    gemm.main(["--rounds", "1", "--rows", "1", "8", "--weights", "64:96", "--threads", "1"])
+    table = capsys.readouterr().out.split("| in -> out |", 1)[1]
+    rows = re.findall(r"^\| 64 -> 96 \| (\d+) \| \d+ \| (.+) \|$", table, flags=re.MULTILINE)
+    assert [int(r) for r, _ in rows] == [1, 8]
+    peers = 2 if importlib.util.find_spec("onnxruntime") and importlib.util.find_spec("onnx") else 0
+    for _, cells in rows:
+        assert len(re.findall(r"\d+ \(\d+\.\d\dx\)", cells)) == 2 + peers, cells
 
 
 def test_decode_benchmark_reports_cached_and_uncached_rows():
