@@ -23,6 +23,7 @@ max_batch_size 1); cells that need what the server lacks are skipped.
 Prints the machine line, the configuration, one markdown table with every cell, and the ratios
 against the serving targets (reported, never asserted): batching on / off at 32 clients for greedy
 generation (target >= 4x) and 8 adapters / 1 adapter throughput (target >= 70%).
+Open-loop load (Poisson arrivals, TTFT / ITL percentiles per rate): benchmarks/open_loop.py.
 """
 
 from __future__ import annotations

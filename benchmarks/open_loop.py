@@ -1,0 +1,518 @@
+"""Serving under open-loop load: `python -m benchmarks.open_loop [--models DIR | --shape opus-mt | --url URL]
+--rates 1 2 4 ... --duration S --seed N [--quick] [--plot PATH]`.
+
+For each offered rate, requests arrive as a Poisson process (exponential gaps drawn from a seeded
+``random.Random``) for ``--duration`` seconds, and each is sent at its arrival time whatever is in flight
+(open loop: a slow server does not slow the arrivals, unlike benchmarks/serve.py's closed-loop clients).
+Request i asks for a prompt of a drawn number of words (consecutive alphabetic words of Python's standard
+library source) and a drawn number of output tokens, both uniform over ``--prompt-words`` / ``--output-tokens``
+from the same seed at every rate, decoded greedily with min_new_tokens = max_new_tokens, so every
+completed request makes exactly the tokens drawn. Requests are streamed (``/v1/models/{model}/generate``
+with ``"stream": true``, one server-sent event per token), so the client times the first token (TTFT)
+and every gap between tokens (ITL) itself, from the moment it sent the request.
+
+Bounds: arrivals stop at ``--duration``; requests still running ``--drain`` seconds after that are cancelled
+and counted as unfinished; an arrival that finds ``--max-in-flight`` requests running is not sent and is
+counted as shed. Either one marks the rate as past saturation.
+
+Reported per rate, as vLLM's ``benchmark_serving`` does: completed / failed requests, request and
+output-token throughput (from the start of the arrivals to the last answer), TTFT and ITL
+p50/p90/p99 (ITL pooled over every gap of every completed request), end-to-end latency p50/p99; and
+the saturation rate: the lowest offered rate at which p99 TTFT exceeds ``--ttft-slo`` (1 s). Also the
+mean prompt tokens (the server's ``tserve_prompt_tokens`` counter over the rate), the peak number of
+requests in flight, the server's mean rows per model call (``tserve_batch_size``), the CPU use of the
+server process (read from /proc when it runs here) and of the client's, since they share the machine,
+and the client's send lag (actual minus scheduled send time: whether the load generator kept up).
+
+Models: by default the random-weight checkpoints of benchmarks/serve_setup.py (the causal_lm is
+served); ``--models DIR`` serves a models directory (its first causal_lm, else seq2seq, or
+``--model NAME``); ``--shape opus-mt`` serves benchmarks/shapes.py's random-weight OPUS-MT directory
+(translation requests); ``--url URL`` measures a running server. Servers start with
+tests/service/server.py's ``running_server`` on 127.0.0.1. ``--plot PATH`` writes an SVG of p50/p99
+TTFT and throughput against the offered rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from benchmarks.common import machine_line, markdown_table
+from benchmarks.open_loop_plot import plot_svg
+from benchmarks.serve import batch_sizes, process_cpu_s
+from benchmarks.serve_setup import build_models, stdlib_texts
+from tests.service.server import metric_samples, running_server
+
+logger = logging.getLogger("benchmarks.open_loop")
+
+TTFT_SLO_S = 1.0
+PERCENTILES = (50, 90, 99)
+
+
+# ---- the workload: Poisson arrivals, drawn lengths --------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """What one rate's load looks like, and its bounds."""
+
+    duration_s: float
+    seed: int
+    prompt_words: tuple[int, int]  # inclusive range, uniform
+    output_tokens: tuple[int, int]  # inclusive range, uniform
+    max_in_flight: int
+    drain_s: float
+
+
+@dataclass(frozen=True)
+class PlannedRequest:
+    arrival_s: float  # after the start of the rate's run
+    prompt: str
+    prompt_words: int
+    output_tokens: int
+
+
+def arrival_times(rate: float, duration_s: float, rng: random.Random) -> list[float]:
+    """Poisson arrivals at ``rate`` per second in [0, duration_s): cumulative exponential gaps."""
+    times, t = [], rng.expovariate(rate)
+    while t < duration_s:
+        times.append(t)
+        t += rng.expovariate(rate)
+    return times
+
+
+def plan_requests(rate: float, config: LoadConfig, words: Sequence[str]) -> list[PlannedRequest]:
+    """The requests of one rate. Request i has the same prompt and output length at every rate (their own
+    seeded stream), and the arrivals are the same seeded unit-rate process scaled by 1 / rate."""
+    arrivals = arrival_times(rate, config.duration_s, random.Random(f"arrivals-{config.seed}"))
+    lengths = random.Random(f"lengths-{config.seed}")
+    planned = []
+    for arrival in arrivals:
+        count = lengths.randint(*config.prompt_words)
+        start = lengths.randrange(len(words) - count)
+        planned.append(PlannedRequest(arrival, " ".join(words[start:start + count]), count,
+                                      lengths.randint(*config.output_tokens)))
+    return planned
+
+
+def source_words(limit_chars: int = 300_000) -> list[str]:
+    """The alphabetic words of Python's standard library source, in order (the prompts' material): names,
+    keywords, comments and docstrings without punctuation, so a word is a token or two of a BPE and a
+    prompt's token count follows its word count closely enough to keep prompt + output within a model."""
+    return [word for text in stdlib_texts(limit_chars) for word in text.split() if word.isalpha()]
+
+
+# ---- one request, streamed --------------------------------------------------------------------------
+
+
+@dataclass
+class RequestRecord:
+    """What the client saw of one request (times in seconds)."""
+
+    planned: PlannedRequest
+    send_lag_s: float  # sent this long after its arrival time
+    token_times: list[float] = field(default_factory=list)  # after sending, one per token event
+    e2e_s: float | None = None
+    error: str | None = None
+
+    @property
+    def ttft_s(self) -> float:
+        return self.token_times[0]
+
+    @property
+    def itls_s(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
+
+
+def generate_body(request: PlannedRequest) -> dict:
+    """A streamed greedy generate of exactly the drawn number of tokens."""
+    tokens = request.output_tokens
+    return {"inputs": [request.prompt], "strategy": "greedy", "max_new_tokens": tokens, "min_new_tokens": tokens,
+            "stream": True}
+
+
+async def send(client: httpx.AsyncClient, path: str, request: PlannedRequest, scheduled: float) -> RequestRecord:
+    """Send ``request`` (scheduled at perf_counter ``scheduled``) and time each token event of its stream."""
+    sent = time.perf_counter()
+    record = RequestRecord(request, sent - scheduled)
+    try:
+        async with client.stream("POST", path, json=generate_body(request)) as response:
+            if response.status_code != 200:
+                record.error = f"{response.status_code} {(await response.aread()).decode(errors='replace')[:200]}"
+                return record
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: "):])
+                if "error" in event:  # the stream failed after its first event
+                    record.error = f"{event['error']['code']}: {event['error']['message']}"
+                    return record
+                if event.get("token") is not None:
+                    record.token_times.append(time.perf_counter() - sent)
+    except (httpx.HTTPError, ValueError) as exc:  # ValueError: an event that is not JSON
+        record.error = f"{type(exc).__name__}: {exc}"
+        return record
+    record.e2e_s = time.perf_counter() - sent
+    if len(record.token_times) != request.output_tokens:
+        record.error = f"{len(record.token_times)} token events, expected {request.output_tokens}"
+    return record
+
+
+# ---- one rate, open loop ----------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100) with linear interpolation between closest ranks; nan when empty."""
+    ordered = sorted(values)
+    if not ordered:
+        return math.nan
+    position = (len(ordered) - 1) * q / 100
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+@dataclass
+class RateResult:
+    rate: float  # offered, requests per second
+    planned: int
+    completed: list[RequestRecord]
+    failed: list[RequestRecord]
+    shed: int  # arrivals not sent: the in-flight cap was reached
+    unfinished: int  # cancelled at the drain deadline
+    seconds: float  # from the start of the arrivals to the last answer (or the drain deadline)
+    peak_in_flight: int
+    send_lags_s: list[float]  # of every request sent
+    client_cpu_s: float
+    prompt_tokens: float | None = None  # the server's count over the rate (None: unknown)
+    rows_per_call: float | None = None  # the server's mean tserve_batch_size (decode steps and prefills) over the rate
+    server_cpu_s: float | None = None  # CPU time of the server process over the rate (None: unknown)
+
+    @property
+    def first_error(self) -> str | None:
+        return self.failed[0].error if self.failed else None
+
+    @property
+    def request_throughput(self) -> float:
+        return len(self.completed) / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def token_throughput(self) -> float:
+        tokens = sum(r.planned.output_tokens for r in self.completed)
+        return tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def ttft(self, q: float) -> float:
+        return percentile([r.ttft_s for r in self.completed], q)
+
+    def itl(self, q: float) -> float:
+        return percentile([gap for r in self.completed for gap in r.itls_s], q)
+
+    def e2e(self, q: float) -> float:
+        return percentile([r.e2e_s for r in self.completed], q)
+
+    def saturated(self, slo_s: float) -> bool:
+        """p99 TTFT above ``slo_s``, or requests whose TTFT is unbounded (shed, unfinished) or none completed."""
+        return not self.completed or self.shed > 0 or self.unfinished > 0 or self.ttft(99) > slo_s
+
+
+async def prompt_tokens_counted(client: httpx.AsyncClient, model: str) -> float:
+    """The server's tserve_prompt_tokens counter for ``model`` (all adapters)."""
+    samples = metric_samples((await client.get("/metrics")).text, "tserve_prompt_tokens_total")
+    return sum(value for labels, value in samples.items() if ("model", model) in labels)
+
+
+@dataclass(frozen=True)
+class ServerCounters:
+    """The server's cumulative counters that a rate's result reports the increase of."""
+
+    prompt_tokens: float
+    batch_rows: tuple[float, float]  # (sum, count) of tserve_batch_size
+    cpu_s: float | None
+
+    @classmethod
+    async def read(cls, client: httpx.AsyncClient, model: str, pid: int | None) -> ServerCounters:
+        return cls(await prompt_tokens_counted(client, model), await batch_sizes(client, model), process_cpu_s(pid))
+
+    def since(self, before: ServerCounters) -> dict[str, float | None]:
+        """RateResult's server fields over the time from ``before`` to this reading."""
+        calls = self.batch_rows[1] - before.batch_rows[1]
+        return dict(prompt_tokens=self.prompt_tokens - before.prompt_tokens,
+                    rows_per_call=(self.batch_rows[0] - before.batch_rows[0]) / calls if calls else None,
+                    server_cpu_s=self.cpu_s - before.cpu_s if self.cpu_s is not None and before.cpu_s is not None
+                    else None)
+
+
+async def run_rate(url: str, model: str, rate: float, planned: list[PlannedRequest], config: LoadConfig,
+                   pid: int | None = None) -> RateResult:
+    """Send ``planned`` at their arrival times, never waiting for answers; then wait up to the drain time.
+    ``pid``: the server's process, for its CPU time (None: not reported)."""
+    limits = httpx.Limits(max_connections=config.max_in_flight + 4, max_keepalive_connections=config.max_in_flight)
+    timeout = httpx.Timeout(config.duration_s + config.drain_s + 60.0)
+    path = f"/v1/models/{model}/generate"
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
+        server_before, cpu_before = await ServerCounters.read(client, model, pid), time.process_time()
+        tasks: list[asyncio.Task[RequestRecord]] = []
+        in_flight: set[asyncio.Task[RequestRecord]] = set()
+        shed = peak = 0
+        start = time.perf_counter()
+        for request in planned:
+            scheduled = start + request.arrival_s
+            await asyncio.sleep(max(0.0, scheduled - time.perf_counter()))
+            if len(in_flight) >= config.max_in_flight:
+                shed += 1
+                continue
+            task = asyncio.create_task(send(client, path, request, scheduled))
+            tasks.append(task)
+            in_flight.add(task)
+            task.add_done_callback(in_flight.discard)
+            peak = max(peak, len(in_flight))
+        drain_deadline = start + config.duration_s + config.drain_s
+        await finish(tasks, drain_deadline - time.perf_counter())
+        seconds = time.perf_counter() - start
+        records = [t.result() for t in tasks if not t.cancelled()]
+        unfinished = len(tasks) - len(records)
+        cpu = time.process_time() - cpu_before
+        server = (await ServerCounters.read(client, model, pid)).since(server_before)
+    failed = [r for r in records if r.error]
+    return RateResult(rate, len(planned), [r for r in records if not r.error], failed, shed, unfinished, seconds,
+                      peak, [r.send_lag_s for r in records], cpu, **server)
+
+
+async def finish(tasks: list[asyncio.Task[RequestRecord]], timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` for ``tasks``, then cancel the rest (closing their streams: the server drops them)."""
+    if not tasks:
+        return
+    _, pending = await asyncio.wait(tasks, timeout=max(timeout_s, 0.0))
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+
+
+def saturation_rate(results: Sequence[RateResult], slo_s: float) -> float | None:
+    """The lowest offered rate that is saturated (p99 TTFT above ``slo_s``, ...); None if none is."""
+    saturated = [r.rate for r in results if r.saturated(slo_s)]
+    return min(saturated) if saturated else None
+
+
+def saturation_line(results: Sequence[RateResult], slo_s: float) -> str:
+    rate = saturation_rate(results, slo_s)
+    if rate is None:
+        return f"Saturation (p99 TTFT > {slo_s:g} s): not reached up to {max(r.rate for r in results):g} req/s"
+    below = [r.rate for r in results if r.rate < rate]
+    last = f" (last rate below it: {max(below):g} req/s)" if below else " (the lowest rate measured)"
+    return f"Saturation (p99 TTFT > {slo_s:g} s): {rate:g} req/s{last}"
+
+
+# ---- the report -------------------------------------------------------------------------------------
+
+
+def _ms(values: Sequence[float]) -> str:
+    return " / ".join("-" if math.isnan(v) else f"{v * 1000:,.0f}" for v in values)
+
+
+def table_row(r: RateResult) -> list[object]:
+    sent = r.planned - r.shed
+    prompt = f"{r.prompt_tokens / sent:.0f}" if r.prompt_tokens and sent else "-"
+    return [f"{r.rate:g}", r.planned, len(r.completed), len(r.failed), r.shed, r.unfinished,
+            f"{r.request_throughput:.2f}", f"{r.token_throughput:,.0f}", prompt,
+            _ms([r.ttft(q) for q in PERCENTILES]), _ms([r.itl(q) for q in PERCENTILES]),
+            _ms([r.e2e(50), r.e2e(99)]), r.peak_in_flight, f"{r.rows_per_call:.1f}" if r.rows_per_call else "-",
+            _share(r.server_cpu_s, r.seconds), _share(r.client_cpu_s, r.seconds), _ms([percentile(r.send_lags_s, 99)])]
+
+
+def _share(cpu_s: float | None, seconds: float) -> str:
+    """CPU seconds per wall second, as a percentage of one core."""
+    return f"{cpu_s / seconds:.0%}" if cpu_s is not None and seconds > 0 else "-"
+
+
+def results_table(results: Sequence[RateResult]) -> str:
+    headers = ["rate (req/s)", "planned", "completed", "failed", "shed", "unfinished", "req/s", "output tok/s",
+               "prompt tok (mean)", "TTFT p50/p90/p99 ms", "ITL p50/p90/p99 ms", "E2E p50/p99 ms",
+               "peak in flight", "rows/call", "server CPU", "client CPU", "send lag p99 ms"]
+    return markdown_table(headers, [table_row(r) for r in results])
+
+
+def failure_lines(results: Sequence[RateResult]) -> list[str]:
+    """One line per rate with failed requests: how many, and the first one's error."""
+    return [f"- {r.rate:g} req/s: {len(r.failed)} failed, the first: {r.first_error}" for r in results if r.failed]
+
+
+# ---- the run ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Report:
+    model: str
+    results: list[RateResult]
+    description: list[str]
+    slo_s: float
+    title: str  # the plot's caption (two lines)
+
+    def text(self) -> str:
+        failures = failure_lines(self.results)
+        saturation = saturation_line(self.results, self.slo_s)
+        return "\n".join([*self.description, "", results_table(self.results), "", saturation,
+                          *(["", "Failures:", *failures] if failures else [])])
+
+
+def measure(url: str, model: str, config: LoadConfig, rates: Sequence[float], words: Sequence[str],
+            pid: int | None) -> list[RateResult]:
+    """Each rate in turn (ascending), after one warm-up request."""
+    warm = PlannedRequest(0.0, " ".join(words[:8]), 8, 2)
+    asyncio.run(run_rate(url, model, 1.0, [warm], config))
+    results = []
+    for rate in sorted(rates):
+        result = asyncio.run(run_rate(url, model, rate, plan_requests(rate, config, words), config, pid))
+        logger.info("%g req/s: %d/%d completed, %d failed, %d shed, %d unfinished, p99 TTFT %.3f s", rate,
+                    len(result.completed), result.planned, len(result.failed), result.shed, result.unfinished,
+                    result.ttft(99))
+        results.append(result)
+    return results
+
+
+def pick_model(url: str, wanted: str | None) -> tuple[str, str]:
+    """(name, family) of the model to load: ``wanted``, else the server's first causal_lm, else seq2seq."""
+    models = {m["name"]: m["family"] for m in httpx.get(url + "/v1/models", timeout=30).json()["data"]}
+    if wanted is not None:
+        if wanted not in models:
+            raise SystemExit(f"model {wanted!r} is not served at {url} (it serves {sorted(models)})")
+        return wanted, models[wanted]
+    for family in ("causal_lm", "seq2seq"):
+        names = sorted(name for name, f in models.items() if f == family)
+        if names:
+            return names[0], family
+    raise SystemExit(f"no causal_lm or seq2seq model at {url}")
+
+
+def prepare_models(args: argparse.Namespace, work: Path) -> tuple[Path, str]:
+    """(models directory, what the models are) for the server started here."""
+    if args.models:
+        return Path(args.models), f"checkpoints in {args.models}"
+    models = work / "models"
+    models.mkdir()
+    if args.shape:
+        from benchmarks.shapes import build
+
+        (models / args.shape).symlink_to(build(args.shape).hf.resolve(), target_is_directory=True)
+        return models, f"benchmarks/shapes.py's {args.shape} shape (random weights, HF layout, fp32)"
+    build_models(models)
+    return models, ("random-weight checkpoints of benchmarks/serve_setup.py: causal_lm d_model 256, 4 layers, "
+                    "4 heads, ffn 1024, max_len 256, BPE vocab 8000 trained on Python stdlib source, fp32")
+
+
+@contextmanager
+def server_url(args: argparse.Namespace) -> Iterator[tuple[str, str, int | None]]:
+    """(url, what it serves, its pid if known): ``--url``, or a server started here on the chosen models."""
+    if args.url:
+        yield args.url, f"the server at {args.url}", None
+        return
+    work = Path(tempfile.mkdtemp(prefix="bench-open-loop-"))
+    try:
+        models, source = prepare_models(args, work)
+        env = dict(TSERVE_THREADS=str(args.threads), TSERVE_WARMUP="true", TSERVE_MAX_QUEUE="1024",
+                   TSERVE_REQUEST_TIMEOUT_S="600")
+        with running_server(models, ready_timeout_s=300, **env) as server:
+            yield server.url, source, server.process.pid
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def describe(args: argparse.Namespace, config: LoadConfig, model: str, family: str, source: str,
+             loads: tuple[tuple[float, ...], tuple[float, ...]]) -> list[str]:
+    server = (f"python -m service on 127.0.0.1 (tests/service/server.py), TSERVE_THREADS={args.threads}, "
+              "max_batch_size 32 and max_wait_ms 5 (defaults), max_queue 1024, request timeout 600 s"
+              if not args.url else args.url)
+    return [
+        f"Machine: {machine_line()} (the load generator's process)",
+        f"Load average (1/5/15 min): {'/'.join(f'{x:.2f}' for x in loads[0])} before, "
+        f"{'/'.join(f'{x:.2f}' for x in loads[1])} after",
+        f"Model: {model!r} ({family}), {source}",
+        f"Server: {server}; load generator (httpx, asyncio, streamed generate) in this process on the same machine",
+        f"Load: Poisson arrivals for {config.duration_s:g} s per rate (seed {config.seed}); prompts of "
+        f"{config.prompt_words[0]}-{config.prompt_words[1]} alphabetic words of stdlib source, "
+        f"{config.output_tokens[0]}-{config.output_tokens[1]} output tokens (uniform; greedy, min_new_tokens = "
+        f"max_new_tokens); cancelled {config.drain_s:g} s after the arrivals end; at most {config.max_in_flight} "
+        f"in flight (more are shed); a rate with shed or unfinished requests counts as saturated",
+        "Columns: req/s and output tok/s from the start of the arrivals to the last answer; TTFT from sending to "
+        "the first token event, ITL between token events (all gaps of all completed requests), E2E to the end of "
+        "the stream; prompt tok = the server's tserve_prompt_tokens per request sent; rows/call = mean "
+        "tserve_batch_size, over decode steps and prefills alike (a newcomer's prefill is a call of its own rows); "
+        "server / client CPU = CPU time of the server process (all threads) / of this process per wall second "
+        "(100% = one core); send lag = how late the client sent a request after its arrival time",
+    ]
+
+
+def run(args: argparse.Namespace) -> Report:
+    config = LoadConfig(args.duration, args.seed, tuple(args.prompt_words), tuple(args.output_tokens),
+                        args.max_in_flight, args.drain)
+    words = source_words()
+    load_before = os.getloadavg()
+    with server_url(args) as (url, source, pid):
+        model, family = pick_model(url, args.model)
+        results = measure(url, model, config, args.rates, words, pid)
+    description = describe(args, config, model, family, source, (load_before, os.getloadavg()))
+    threads = "" if args.url else f", server TSERVE_THREADS={args.threads}"
+    title = (f"{model} ({family}), open loop: Poisson arrivals for {config.duration_s:g} s per rate, seed "
+             f"{config.seed}, {config.prompt_words[0]}-{config.prompt_words[1]} prompt words, "
+             f"{config.output_tokens[0]}-{config.output_tokens[1]} output tokens{threads}\n{machine_line()} (client)")
+    return Report(model, results, description, args.ttft_slo, title)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--models", help="serve this models directory (default: build random checkpoints)")
+    where.add_argument("--shape", choices=["opus-mt"], help="serve benchmarks/shapes.py's random-weight shape")
+    where.add_argument("--url", help="measure a running server instead of starting one")
+    parser.add_argument("--model", help="the model to load (default: the first causal_lm, else seq2seq)")
+    parser.add_argument("--rates", type=float, nargs="+", default=[1, 2, 4, 8, 16, 32], help="offered req/s")
+    parser.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per rate")
+    parser.add_argument("--drain", type=float, default=30.0, help="seconds after the last arrival before cancelling")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompt-words", type=int, nargs=2, default=[8, 48], metavar=("LOW", "HIGH"))
+    parser.add_argument("--output-tokens", type=int, nargs=2, default=[16, 128], metavar=("LOW", "HIGH"))
+    parser.add_argument("--max-in-flight", type=int, default=256, help="arrivals beyond it are shed (reported)")
+    parser.add_argument("--ttft-slo", type=float, default=TTFT_SLO_S, help="p99 TTFT (s) that marks saturation")
+    parser.add_argument("--threads", type=int, default=1, help="server torch intra-op threads (TSERVE_THREADS)")
+    parser.add_argument("--plot", help="write an SVG of TTFT and throughput against the rate to this path")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: two low rates, short, few tokens")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rates, args.duration, args.drain = args.rates[:2], min(args.duration, 5.0), min(args.drain, 10.0)
+        args.output_tokens = [min(args.output_tokens[0], 4), min(args.output_tokens[1], 16)]
+    if min(args.rates) <= 0:
+        parser.error("--rates must be positive")
+    for name in ("prompt_words", "output_tokens"):
+        low, high = getattr(args, name)
+        if not 1 <= low <= high:
+            parser.error(f"--{name.replace('_', '-')} needs 1 <= LOW <= HIGH")
+    return args
+
+
+def main(argv: list[str] | None = None) -> Report:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request
+    report = run(args)
+    print(report.text())
+    if args.plot:
+        Path(args.plot).write_text(plot_svg(report.results, report.title, args.ttft_slo))
+    return report
+
+
+if __name__ == "__main__":
+    main()
