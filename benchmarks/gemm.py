@@ -60,6 +60,7 @@ def ort_matmul(weight: torch.Tensor, bias: torch.Tensor, threads: int, int8: boo
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
     options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.add_session_config_entry("session.force_spinning_stop", "1")  # as benchmarks/shape_engines.py
     return onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
