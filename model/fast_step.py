@@ -277,7 +277,7 @@ class _NativeStep:
 
     def panels(self, kernels: ModuleType, rows: int) -> list[torch.Tensor]:
         """Each float32 projection's packed copy (model/packed_weights.py; empty for the others) for a step of
-        ``rows`` rows, or [] where the few-rows GEMV (or MKL, packing off) takes the step."""
+        ``rows`` rows, or [] where the few-rows GEMV (packing off, or rows up to ``MAX_GEMV_ROWS``) takes the step."""
         if rows <= packed_weights.MAX_GEMV_ROWS or not packed_weights.enabled():
             return []
         found = [packed_weights.packed(kernels, p[0]) if len(p) == 2 else None for p in self.projections]

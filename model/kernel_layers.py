@@ -11,9 +11,10 @@ project's AMD EPYC it ran BERT-base's 768 x 3072 weights at 16 rows 3-5x slower 
 a copy packed once (docs/benchmarks.md, "The panel GEMM for every linear layer"). :func:`linear` is the
 one rule for which kernel multiplies:
 
-- more than :data:`model.packed_weights.MAX_GEMV_ROWS` rows: the panel GEMM over the weight's packed copy
-  (model/packed_weights.py; ``TSERVE_PACKED_WEIGHTS=off`` hands them to MKL instead);
-- otherwise the few-rows GEMV over the weights as stored (input-major after model/layout.py).
+- more than :data:`model.packed_weights.MAX_GEMV_ROWS` rows (0: always): the panel GEMM over the weight's
+  packed copy (model/packed_weights.py);
+- otherwise, or with ``TSERVE_PACKED_WEIGHTS=off``, the few-rows GEMV over the weights as stored (input-major
+  after model/layout.py), which hands more than 4 rows to MKL.
 """
 
 from __future__ import annotations

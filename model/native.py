@@ -59,12 +59,14 @@ class KernelOptions:
         lambda value: Path(value) if value else DEFAULT_KERNEL_DIR, shown="~/.cache/tserve/kernels",
     )
     decode_kernels: bool = _option(
-        True, "TSERVE_DECODE_KERNELS", "off: decoding steps use PyTorch ops instead of our AVX-512 kernels", _switch,
+        True, "TSERVE_DECODE_KERNELS", "off: inference uses PyTorch ops (MKL, SDPA) instead of our AVX-512 kernels",
+        _switch,
         shown="auto",
     )
     packed_weights: bool = _option(
         True, "TSERVE_PACKED_WEIGHTS",
-        "off: steps of more than 4 rows use MKL on the weights as stored, not a packed copy of each", _switch,
+        "off: float32 linear layers read the weights as stored (few-rows GEMV, MKL), not a packed copy of each",
+        _switch,
         shown="auto",
     )
     # checked where an int8 layer is made (model.int8_kernel.kernel_choice), as an unknown name always was
@@ -179,15 +181,16 @@ def load_from(directory: Path) -> tuple[ModuleType | None, str]:
 
 @functools.cache
 def kernels() -> ModuleType | None:
-    """The C++ kernels of a decoding step (attention, the native layers, the few-rows GEMV, the greedy choice)
-    where they run on this CPU, unless ``options().decode_kernels`` is off; None: PyTorch ops instead."""
+    """The C++ kernels of inference (the decoding step's attention, native layers and greedy choice, and the
+    linear layers, LayerNorms and activations of model/kernel_layers.py) where they run on this CPU, unless
+    ``options().decode_kernels`` is off; None: PyTorch ops instead."""
     if not options().decode_kernels:
         return None
     module, why = load()
     if module is not None and not module.has_avx512():
         module, why = None, "this CPU has no AVX-512"
     if module is None:
-        logger.info("decoding steps use PyTorch ops (SDPA, MKL): %s", why)
+        logger.info("inference uses PyTorch ops (SDPA, MKL): %s", why)
     return module
 
 

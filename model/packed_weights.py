@@ -1,16 +1,17 @@
-"""Packed copies of float32 weights for the decoding step's GEMMs beyond a few rows.
+"""Packed copies of float32 weights: what every float32 linear layer of inference multiplies by.
 
-Steps of more than :data:`MAX_GEMV_ROWS` rows (batched greedy, beams) multiply each weight on 5-64 rows,
-where our panel GEMM (model/kernels/packed_linear.cpp) beat MKL's by 1.3-1.45x on this project's CPU, but
-only over a copy of the weight laid out in 32-column panels. :func:`packed` makes that copy the first time
-a batched step needs it (so a service that only ever decodes one row per step spends no memory on it),
-keeps it beside the weight for as long as the weight lives, and makes it again when the weight changed
-since (an in-place change such as a LoRA merge bumps its version counter; re-laying it, as
-model/layout.py does, moves its data). Changes made through ``weight.data`` in place bump no counter the
-Parameter shows and go unseen: change weights through the Parameter (under ``torch.no_grad``) or
-``load_state_dict``, as this project does. The copy is as large as the weight:
-``TSERVE_PACKED_WEIGHTS=off`` (``model.native.options().packed_weights``) keeps MKL on the weights as stored
-instead.
+Our panel GEMM (model/kernels/packed_linear.cpp) reads a copy of the weight laid out in 32-column panels,
+one contiguous run per strip of columns. It beat MKL's GEMM by 1.3-1.45x on the batched decoding step and
+by 2-4x at the 16-64 rows of a sentence (MKL repacks the weight on every call), and from one row on it
+matched or beat the few-rows GEMV over the weights as stored (model/kernels/few_rows_linear.cpp): 1.1-1.3x
+end to end at batch 1 (docs/benchmarks.md, "Levers of issue 19"). :func:`packed` makes that copy the first
+time a layer multiplies, keeps it beside the weight for as long as the weight lives, and makes it again
+when the weight changed since (an in-place change such as a LoRA merge bumps its version counter;
+re-laying it, as model/layout.py does, moves its data). Changes made through ``weight.data`` in place bump
+no counter the Parameter shows and go unseen: change weights through the Parameter (under
+``torch.no_grad``) or ``load_state_dict``, as this project does. The copy is as large as the weight:
+``TSERVE_PACKED_WEIGHTS=off`` (``model.native.options().packed_weights``) keeps the few-rows GEMV and MKL
+on the weights as stored instead.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from model import native
 
-MAX_GEMV_ROWS = 4  # up to this many rows the few-rows GEMV reads the weights as stored (few_rows_linear.cpp)
+# Up to this many rows the few-rows GEMV reads the weights as stored instead (few_rows_linear.cpp). It was 4;
+# with the panel GEMM ahead from one row on (1.1-1.3x at batch 1 end to end), none.
+MAX_GEMV_ROWS = 0
 
 # weight -> ((its version, its data pointer) when packed, the panels); keyed by identity, dropped with the weight
 _PACKED: WeakIdKeyDictionary = WeakIdKeyDictionary()

@@ -80,7 +80,7 @@ def test_bad_shapes_raise_instead_of_reading_out_of_bounds():
 @pytest.mark.parametrize("family", ["causal_lm", "seq2seq"])
 @pytest.mark.parametrize("beams", [1, 4])
 def test_generation_with_input_major_weights_equals_the_row_major_model(family, beams):
-    """The service's layout sends every decoding GEMV of up to 4 rows to the kernel: same tokens, close scores."""
+    """Input-major weights (the service's layout) give the row-major model's tokens and close scores."""
     model = tiny_causal_lm() if family == "causal_lm" else tiny_seq2seq()
     generate = generate_causal if family == "causal_lm" else generate_seq2seq
     inputs = random_ids(2, 6).tolist()

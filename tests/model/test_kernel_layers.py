@@ -51,17 +51,17 @@ def _layer(out_features: int = 40, in_features: int = 24, bias: bool = True) -> 
     return layer
 
 
-@pytest.mark.parametrize(("shape", "expected"), [((1, 24), "few_rows_linear"),
-                                                 ((2, 2, 24), "few_rows_linear"),
-                                                 ((5, 24), "packed_linear"),
-                                                 ((3, 7, 24), "packed_linear")])
+@pytest.mark.parametrize("gemv_rows", [packed_weights.MAX_GEMV_ROWS, 4])  # the setting, and a GEMV range
+@pytest.mark.parametrize("shape", [(1, 24), (2, 2, 24), (5, 24), (3, 7, 24)])
 @pytest.mark.parametrize("bias", [True, False])
-def test_inference_rows_pick_the_gemv_or_the_panel_gemm(calls, shape, expected, bias):
+def test_inference_rows_pick_the_gemv_or_the_panel_gemm(calls, monkeypatch, gemv_rows, shape, bias):
+    monkeypatch.setattr(packed_weights, "MAX_GEMV_ROWS", gemv_rows)
     layer = _layer(bias=bias)
     x = torch.randn(shape)
     with torch.no_grad():
         got = layer(x)
-    assert calls == [expected]
+    rows = x.numel() // 24
+    assert calls == ["few_rows_linear" if rows <= gemv_rows else "packed_linear"]
     reference = x.double() @ layer.weight.double().t() + (layer.bias.double() if bias else 0)
     assert got.shape == (*shape[:-1], 40)
     torch.testing.assert_close(got.double(), reference, rtol=1e-5, atol=1e-5)
@@ -111,7 +111,6 @@ def test_a_served_classifier_runs_every_projection_on_our_kernels_and_agrees_wit
 def test_plain_means_float_linear_layers_only():
     assert is_plain(Linear(2, 3)) and is_plain(nn.Linear(2, 3))
     assert not is_plain(nn.LayerNorm(3)) and not is_plain(nn.Sequential(Linear(2, 3)))
-    assert packed_weights.MAX_GEMV_ROWS == 4  # the shapes above straddle it
 
 
 def test_layer_norm_inference_on_the_kernel_equals_torch_in_float64():
