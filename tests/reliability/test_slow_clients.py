@@ -216,13 +216,18 @@ def test_connections_over_the_cap_get_503_while_the_held_ones_are_served(models_
         health_latencies(server, 1)  # 200 again: their slots are free
 
 
+# Long enough that the client's sending thread, once the server reads again, is never still waiting for a
+# core this long on a loaded 2-core machine (0.5 s once was: a 408 in a full run).
+UNREAD_BODY_TIMEOUT_S = 2.0
+
+
 async def body_size_app(scope: Scope, receive: Receive, send: Send) -> None:
-    """Busy for 1.5 s before it reads the body, then answers with the body's size."""
+    """Busy for twice the test's body timeout before it reads the body, then answers with the body's size."""
     if scope["type"] == "lifespan":
         while (await receive())["type"] != "lifespan.shutdown":
             await send({"type": "lifespan.startup.complete"})
         return await send({"type": "lifespan.shutdown.complete"})
-    await asyncio.sleep(1.5)
+    await asyncio.sleep(2 * UNREAD_BODY_TIMEOUT_S)
     size, more = 0, True
     while more:
         message = await receive()
@@ -233,7 +238,7 @@ async def body_size_app(scope: Scope, receive: Receive, send: Send) -> None:
 
 def test_time_the_server_is_not_reading_the_body_does_not_count():
     port = free_port()
-    settings = Settings(port=port, body_timeout_s=0.5, log_level="warning")
+    settings = Settings(port=port, body_timeout_s=UNREAD_BODY_TIMEOUT_S, log_level="warning")
     server = uvicorn.Server(server_config(body_size_app, settings))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
