@@ -95,6 +95,25 @@ class KVCache:
             lengths=torch.zeros(batch, dtype=torch.long, device=device),
         )
 
+    def load_prefixes(self, prefixes: list[torch.Tensor | None]) -> None:
+        """Start each row of this empty cache from K/V computed before (model.prefix_cache): per row a
+        (layers, 2, heads, n, head_dim) tensor of its first n positions, or None. Rows given the same tensor
+        object are written together."""
+        lengths = [p.shape[3] if p is not None else 0 for p in prefixes]
+        self._reserve(max(lengths))
+        groups: dict[int, tuple[torch.Tensor, list[int]]] = {}
+        for row, prefix in enumerate(prefixes):
+            if prefix is not None:
+                groups.setdefault(id(prefix), (prefix, []))[1].append(row)
+        for prefix, rows in groups.values():
+            index, n = torch.tensor(rows, device=self.lengths.device), prefix.shape[3]
+            for layer, (keys, values) in enumerate(zip(self.keys, self.values, strict=True)):
+                keys[index, :, :n] = prefix[layer, 0].to(keys.dtype)
+                values[index, :, :n] = prefix[layer, 1].to(values.dtype)
+        self.lengths = torch.tensor(lengths, dtype=torch.long, device=self.lengths.device)
+        self.max_length = max(lengths)
+        self.uniform = len(set(lengths)) == 1
+
     @property
     def batch_size(self) -> int:
         return self.lengths.shape[0]

@@ -57,21 +57,33 @@ class Seq2SeqTransformer(nn.Module):
         )
         return self.lm_head(x), {"encoder": enc_maps, "decoder": dec_maps}
 
+    def cross_kv(self, memory: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every decoder layer's cross-attention keys and values of ``memory`` (B, S, D), each (B, H, S, Dh)."""
+        keys, values = zip(*(layer.cross_attn.project_kv(memory) for layer in self.decoder.layers), strict=True)
+        return list(keys), list(values)
+
     def new_cache(self, memory: torch.Tensor, src_mask: torch.Tensor, capacity: int) -> KVCache:
         """A decoding cache with the cross-attention K/V of ``memory`` computed once per layer."""
+        keys, values = self.cross_kv(memory)
+        return self.cache_for(CrossAttentionMemory(keys=keys, values=values, mask=src_mask), capacity)
+
+    def cache_for(self, cross: CrossAttentionMemory, capacity: int) -> KVCache:
+        """An empty decoding cache over the encoded sources ``cross`` (one row per source)."""
         c = self.config
-        cache = KVCache.empty(
-            c.n_decoder_layers, memory.shape[0], c.n_heads, c.head_dim, capacity, memory.device, memory.dtype
-        )
-        keys, values = zip(*(layer.cross_attn.project_kv(memory) for layer in self.decoder.layers), strict=True)
-        cache.cross = CrossAttentionMemory(keys=list(keys), values=list(values), mask=src_mask)
+        keys = cross.keys[0]
+        cache = KVCache.empty(c.n_decoder_layers, keys.shape[0], c.n_heads, c.head_dim, capacity, keys.device,
+                              keys.dtype)
+        cache.cross = cross
         return cache
 
     def start(self, src: torch.Tensor, capacity: int) -> tuple[torch.Tensor, KVCache]:
         """Encode ``src`` and feed BOS: returns the first-token logits (B, V) and the cache."""
         memory, src_mask, _ = self.encode(src)
-        cache = self.new_cache(memory, src_mask, capacity)
-        bos = torch.full((src.shape[0],), self.config.bos_id, dtype=torch.long, device=src.device)
+        return self.start_from(self.new_cache(memory, src_mask, capacity))
+
+    def start_from(self, cache: KVCache) -> tuple[torch.Tensor, KVCache]:
+        """Feed BOS to every row of a fresh ``cache``: the first-token logits (B, V) and the cache."""
+        bos = torch.full((cache.batch_size,), self.config.bos_id, dtype=torch.long, device=cache.lengths.device)
         return self.decode_step(bos, cache), cache
 
     def decode_step(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:

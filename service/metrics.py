@@ -55,6 +55,12 @@ class Metrics:
         self.resident_adapters = Gauge("tserve_resident_adapters", "LoRA adapters in memory", ["model"], registry=r)
         self.model_load_seconds = Gauge("tserve_model_load_seconds", "Time to load the checkpoint", ["model"],
                                         registry=r)
+        self.prefix_cache_queries = Counter("tserve_prefix_cache_queries", "Prompt / source tokens looked up in the "
+                                            "prefix cache", ["model"], registry=r)
+        self.prefix_cache_hits = Counter("tserve_prefix_cache_hits", "Prompt / source tokens found in the prefix "
+                                         "cache (their K/V reused, not computed)", ["model"], registry=r)
+        self.prefix_cache_bytes = Gauge("tserve_prefix_cache_bytes", "Memory held by the prefix cache", ["model"],
+                                        registry=r)
         self._gpu_memory: Gauge | None = None
         self._lock = threading.Lock()  # workers of several CUDA models may report at once
 

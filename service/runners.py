@@ -4,16 +4,24 @@ A runner prefills rows (a causal LM's prompts, a translator's sources) into logi
 and a KV cache, decodes one step for the running rows, and knows the family's limits: how many input tokens
 it takes, how many new tokens fit after an input, and which tokens a search's output continues (what
 ``no_repeat_ngram_size`` counts). The scheduler only schedules.
+
+With a prefix cache (model.prefix_cache) a prefill reuses what earlier or running requests computed: a causal
+LM's rows start from their prompts' longest cached block chains and compute only the rest (prefixes that
+several rows of the batch share are computed once first); a translator's rows reuse identical sources'
+cross-attention K/V and encode only the others.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 import torch
 
 from model.causal_lm import CausalLM
-from model.kv_cache import KVCache
+from model.kv_cache import CrossAttentionMemory, KVCache
+from model.lora import use_adapters
+from model.prefix_cache import Entry, PrefixCache, shared_prefixes
 from model.seq2seq import Seq2SeqTransformer
 from model.tokenizer import pad_batch
 
@@ -26,10 +34,11 @@ class GenerationRunner(ABC):
 
     family: str
 
-    def __init__(self, model: CausalLM | Seq2SeqTransformer) -> None:
+    def __init__(self, model: CausalLM | Seq2SeqTransformer, prefix_cache: PrefixCache | None = None) -> None:
         self.model = model
         self.config = model.config
         self.device = next(model.parameters()).device
+        self.prefix_cache = prefix_cache
 
     @property
     @abstractmethod
@@ -45,8 +54,9 @@ class GenerationRunner(ABC):
         """The tokens each input's output continues."""
 
     @abstractmethod
-    def prefill(self, inputs: list[list[int]]) -> tuple[torch.Tensor, KVCache]:
-        """(rows, V) logits of every input's first new token, and the rows' cache."""
+    def prefill(self, inputs: list[list[int]], adapters: Sequence[str | None]) -> tuple[torch.Tensor, KVCache]:
+        """(rows, V) logits of every input's first new token, and the rows' cache. ``adapters``: each row's adapter
+        (None: the base model), which the model is already set to; a prefix is reused only under the same one."""
 
     def decode(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """(rows, V) logits of the next token after ``tokens`` (rows,), appended to ``cache``."""
@@ -72,10 +82,50 @@ class CausalRunner(GenerationRunner):
     def prefixes(self, inputs: list[list[int]]) -> list[list[int]]:
         return inputs
 
-    def prefill(self, inputs: list[list[int]]) -> tuple[torch.Tensor, KVCache]:
-        ids, lengths = self._padded(inputs)
-        cache = self.model.new_cache(len(inputs), capacity=ids.shape[1] + DECODE_HEADROOM)
+    def prefill(self, inputs: list[list[int]], adapters: Sequence[str | None]) -> tuple[torch.Tensor, KVCache]:
+        if self.prefix_cache is None:
+            return self._prefill(inputs, [None] * len(inputs))
+        self._prefill_shared(inputs, adapters)
+        logits, cache = self._prefill(inputs, self._reused(inputs, adapters, count=True))
+        self._store(inputs, adapters, cache)
+        return logits, cache
+
+    def _prefill(self, inputs: list[list[int]], prefixes: list[torch.Tensor | None]) -> tuple[torch.Tensor, KVCache]:
+        """Prefill each input after its reused prefix K/V (layers, 2, H, n, Dh), or from the start (None)."""
+        reused = [p.shape[3] if p is not None else 0 for p in prefixes]
+        ids, lengths = self._padded([tokens[n:] for tokens, n in zip(inputs, reused, strict=True)])
+        cache = self.model.new_cache(len(inputs), capacity=max(reused) + ids.shape[1] + DECODE_HEADROOM)
+        if any(reused):
+            cache.load_prefixes(prefixes)
         return self.model.prefill(ids, lengths, cache), cache
+
+    def _reused(self, inputs: list[list[int]], adapters: Sequence[str | None], count: bool) -> list:
+        """Each input's longest cached prefix as one tensor (None: nothing cached); rows with one chain share it."""
+        joined: dict[tuple[int, ...], torch.Tensor] = {}
+        prefixes = []
+        for tokens, adapter in zip(inputs, adapters, strict=True):
+            chain = self.prefix_cache.match(adapter, tokens, count=count)
+            key = tuple(e.serial for e in chain)
+            if chain and key not in joined:
+                joined[key] = torch.cat([e.kv for e in chain], dim=3) if len(chain) > 1 else chain[0].kv
+            prefixes.append(joined[key] if chain else None)
+        return prefixes
+
+    def _prefill_shared(self, inputs: list[list[int]], adapters: Sequence[str | None]) -> None:
+        """Compute and cache, once, the prefixes several rows share that the cache lacks."""
+        wanted = [(list(inputs[row][:n]), adapters[row]) for row, n in shared_prefixes(inputs, adapters)
+                  if self.prefix_cache.cached_tokens(adapters[row], inputs[row]) < n]
+        if not wanted:
+            return
+        prompts, names = [p for p, _ in wanted], [a for _, a in wanted]
+        with use_adapters(self.model, _selection(names)):
+            _, cache = self._prefill(prompts, self._reused(prompts, names, count=False))
+        self._store(prompts, names, cache)
+
+    def _store(self, inputs: list[list[int]], adapters: Sequence[str | None], cache: KVCache) -> None:
+        for row, (tokens, adapter) in enumerate(zip(inputs, adapters, strict=True)):
+            keys, values = [k[row] for k in cache.keys], [v[row] for v in cache.values]
+            self.prefix_cache.store_prompt(adapter, tokens, keys, values)
 
 
 class Seq2SeqRunner(GenerationRunner):
@@ -93,9 +143,54 @@ class Seq2SeqRunner(GenerationRunner):
     def prefixes(self, inputs: list[list[int]]) -> list[list[int]]:
         return [[self.config.bos_id] for _ in inputs]
 
-    def prefill(self, inputs: list[list[int]]) -> tuple[torch.Tensor, KVCache]:
-        ids, _ = self._padded(inputs)
-        return self.model.start(ids, capacity=DECODE_HEADROOM)
+    def prefill(self, inputs: list[list[int]], adapters: Sequence[str | None]) -> tuple[torch.Tensor, KVCache]:
+        if self.prefix_cache is None:
+            ids, _ = self._padded(inputs)
+            return self.model.start(ids, capacity=DECODE_HEADROOM)
+        entries = [self.prefix_cache.match_source(a, tokens) for tokens, a in zip(inputs, adapters, strict=True)]
+        missing: dict[tuple[str | None, tuple[int, ...]], list[int]] = {}  # identical sources are encoded once
+        for row, entry in enumerate(entries):
+            if entry is None:
+                missing.setdefault((adapters[row], tuple(inputs[row])), []).append(row)
+        if missing:
+            for entry, rows in zip(self._encode(list(missing)), missing.values(), strict=True):
+                for row in rows:
+                    entries[row] = entry
+        return self.model.start_from(self.model.cache_for(_cross_memory(entries), DECODE_HEADROOM))
+
+    def _encode(self, sources: list[tuple[str | None, tuple[int, ...]]]) -> list[Entry]:
+        """Encode (adapter, source) pairs in one batch and cache each one's cross-attention K/V."""
+        with use_adapters(self.model, _selection([a for a, _ in sources])):
+            ids, _ = self._padded([list(tokens) for _, tokens in sources])
+            memory, _, _ = self.model.encode(ids)
+            keys, values = self.model.cross_kv(memory)
+        entries = []
+        for row, (adapter, tokens) in enumerate(sources):
+            kv = torch.stack([torch.stack((k[row, :, : len(tokens)], v[row, :, : len(tokens)]))
+                              for k, v in zip(keys, values, strict=True)])
+            entries.append(self.prefix_cache.store_source(adapter, tokens, kv))
+        return entries
+
+
+def _selection(adapters: Sequence[str | None]) -> list[str | None] | None:
+    """The per-row adapter selection for ``adapters`` (None when every row runs the base model)."""
+    return list(adapters) if any(a is not None for a in adapters) else None
+
+
+def _cross_memory(entries: list[Entry]) -> CrossAttentionMemory:
+    """The cross-attention memory of rows whose sources' K/V are ``entries`` (right-padded, padding masked)."""
+    longest = max(e.tokens for e in entries)
+    layers, _, heads, _, head_dim = entries[0].kv.shape
+    like = entries[0].kv
+    keys = [like.new_zeros(len(entries), heads, longest, head_dim) for _ in range(layers)]
+    values = [like.new_zeros(len(entries), heads, longest, head_dim) for _ in range(layers)]
+    for row, entry in enumerate(entries):
+        for layer in range(layers):
+            keys[layer][row, :, : entry.tokens] = entry.kv[layer, 0]
+            values[layer][row, :, : entry.tokens] = entry.kv[layer, 1]
+    lengths = torch.tensor([e.tokens for e in entries], device=like.device)
+    mask = (torch.arange(longest, device=like.device) < lengths[:, None])[:, None, None, :]  # (B, 1, 1, S)
+    return CrossAttentionMemory(keys=keys, values=values, mask=mask)
 
 
 RUNNERS: dict[str, type[GenerationRunner]] = {"causal_lm": CausalRunner, "seq2seq": Seq2SeqRunner}

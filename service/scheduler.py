@@ -315,6 +315,7 @@ class GenerationScheduler(Scheduler):
         self.device = runner.device
         self._ttft, self._itl = metrics.ttft.labels(name), metrics.itl.labels(name)  # children resolved once
         self._generated: dict[str | None, Any] = {}  # adapter -> tserve_generation_tokens_total child
+        self._prefix_seen = (0, 0)  # the prefix cache's (queried, hit) tokens already counted in metrics
 
     @property
     def num_running(self) -> int:
@@ -413,7 +414,7 @@ class GenerationScheduler(Scheduler):
         prompts = [p for job in jobs for p in job.prompts]
         rows = [a for job in jobs for a in [internal_name(job)] * len(job.prompts)]
         try:
-            logits, cache = self._call_model(jobs, rows, self.runner.prefill, prompts)
+            logits, cache = self._call_model(jobs, rows, self.runner.prefill, prompts, rows)
         except Exception as exc:
             if len(jobs) == 1:
                 logger.exception("model %r: request %r failed in prefill", self.name, jobs[0].id)
@@ -423,7 +424,18 @@ class GenerationScheduler(Scheduler):
             parts = [self._prefill([job]) for job in jobs]
             return RunningBatch.concatenate([b for b, _ in parts]), [o for _, out in parts for o in out]
         self.metrics.batch_size.labels(self.name).observe(len(prompts))
+        self._prefix_cache_metrics()
         return RunningBatch(jobs, cache), self._split(jobs, logits)
+
+    def _prefix_cache_metrics(self) -> None:
+        store = self.runner.prefix_cache
+        if store is None:
+            return
+        seen = self._prefix_seen
+        self._prefix_seen = (store.stats.queried_tokens, store.stats.hit_tokens)
+        self.metrics.prefix_cache_queries.labels(self.name).inc(self._prefix_seen[0] - seen[0])
+        self.metrics.prefix_cache_hits.labels(self.name).inc(self._prefix_seen[1] - seen[1])
+        self.metrics.prefix_cache_bytes.labels(self.name).set(store.nbytes)
 
     def _split(self, jobs: list[GenerationJob], logits: torch.Tensor) -> list[tuple[GenerationJob, torch.Tensor, bool]]:
         """Per-job logits slices and whether they are all finite (one device sync per model call)."""

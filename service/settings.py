@@ -130,6 +130,13 @@ class Settings:
         "limit (ulimit -n)",
         int,
     )
+    prefix_cache_mb: float = _setting(
+        256.0,
+        "TSERVE_PREFIX_CACHE_MB",
+        "memory per generative model for reused prompt prefixes (causal LM) and encoded sources (seq2seq), "
+        "least recently used evicted; 0 turns prefix caching off",
+        float,
+    )
     log_level: str = _setting("info", "TSERVE_LOG_LEVEL", "logging level: " + ", ".join(LOG_LEVELS), str)
     warmup: bool = _setting(True, "TSERVE_WARMUP", "run one tiny request per model before reporting ready", _bool)
     quantize: str = _setting(
@@ -157,7 +164,7 @@ class Settings:
         for name in positive:
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name} ({_env(name)}) must be >= 1, got {getattr(self, name)}")
-        for name in ("max_wait_ms", "drain_timeout_s"):
+        for name in ("max_wait_ms", "drain_timeout_s", "prefix_cache_mb"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise SettingsError(f"{name} ({_env(name)}) must be a finite number >= 0, got {value}")
@@ -215,6 +222,7 @@ class Settings:
             max_resident_adapters=self.max_resident_adapters,
             warmup=self.warmup,
             quantize=self.quantize,
+            prefix_cache_bytes=int(self.prefix_cache_mb * 2**20),
         )
 
 

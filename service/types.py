@@ -76,3 +76,4 @@ class EngineSettings:
     max_resident_adapters: int = 8
     warmup: bool = True
     quantize: str = "none"  # model.quantize.mode_for spec: "int8", or per model "name=int8,..."
+    prefix_cache_bytes: int = 256 << 20  # per generative model (model.prefix_cache); 0 = off

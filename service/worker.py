@@ -29,6 +29,7 @@ from model.generation import generate_seq2seq
 from model.hf.generation import GenerationRules
 from model.hf.sentence import EmbeddingDefaults
 from model.lora import adapter_parameter_count
+from model.prefix_cache import PrefixCache
 from model.tokenizer import Tokenizer
 from service.adapters import AdapterRegistry, check_name
 from service.attention import ALL_MAPS, MapSelection, causal_maps, classifier_maps, seq2seq_maps
@@ -65,7 +66,10 @@ class ModelWorker:
         self.metrics = metrics
         self.registry = AdapterRegistry(self.model, name, adapters_dir, settings.max_resident_adapters, metrics,
                                         checkpoint.adapter_layout)
-        self.runner = RUNNERS[self.family](self.model) if self.family in RUNNERS else None  # generative families
+        self.runner = None  # generative families only
+        if self.family in RUNNERS:
+            prefix_cache = PrefixCache(settings.prefix_cache_bytes) if settings.prefix_cache_bytes > 0 else None
+            self.runner = RUNNERS[self.family](self.model, prefix_cache)
         model_limit = self.runner.max_input_tokens if self.runner is not None else self.config.max_len
         self.max_input_tokens = min(model_limit, settings.max_input_tokens or model_limit)
         self.max_new_tokens = min(settings.max_new_tokens, self.runner.room(1)) if self.runner is not None else 0

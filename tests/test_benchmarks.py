@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from benchmarks import compare, decode, gemm, layout
+from benchmarks import compare, decode, gemm, layout, prefix_cache
 
 
 def _table(report: str, section: str) -> list[list[str]]:
@@ -132,3 +132,15 @@ def test_layout_benchmark_compares_every_cell(capsys):
     table = capsys.readouterr().out.split("| cell |", 1)[1]
     cells = re.findall(r"^\| (.+?) \| [\d,]+ \| [\d,]+ \| \d+\.\d\dx \|$", table, flags=re.MULTILINE)
     assert len(cells) == 11 and "classifier b64 (seq/s)" in cells
+
+
+def test_prefix_cache_benchmark_times_both_bursts_with_the_cache_off_and_on():
+    """--tiny: two servers (cache off, on), a cold and a warm burst on each; every request streams its tokens (the
+    harness raises otherwise); the cache-on server reports hits, most of the prompt tokens in the warm burst."""
+    report = prefix_cache.main(["--tiny", "--threads", "1"])
+    rows = re.findall(r"^\| (cold|warm) \| ([\d,]+) \| [\d,]+ \| ([\d,]+) \| [\d,]+ \| \d+\.\dx \| (\d+)% \|$",
+                      report, flags=re.MULTILINE)
+    assert [r[0] for r in rows] == ["cold", "warm"]
+    hits = {kind: int(share) for kind, _, _, share in rows}
+    assert hits["cold"] > 0  # the burst's shared prefix was computed once and reused by every row
+    assert hits["warm"] > 50  # prefix 64 tokens of about 74
