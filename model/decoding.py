@@ -13,6 +13,9 @@ Conventions:
   finished sequence scores logprob / length ** length_penalty; `early_stopping` True, False or
   "never" as HF defines them (`BeamSearch._open`); at the length limit the best `num_beams`
   candidates finish, whatever their token.
+- With ``config.logprobs = N``, every hypothesis also lists each of its tokens' log-prob (log_softmax of the
+  raw logits, as ``logprob`` sums them; the terminator's is in ``logprob`` only) and the N likeliest tokens
+  at that position with theirs, best first (the distribution the token was picked from, before bans).
 - With a seed, input i of a sampling search draws from its own generator seeded `seed + i`, and
   draws noise for all its samples every step, so an input samples the same whatever else shares
   the batch. The engine builds one search per request, so a seeded request is reproducible.
@@ -57,6 +60,8 @@ class Hypothesis:
     score: float  # greedy/sample: == logprob; beam: logprob / length ** length_penalty
     logprob: float  # sum of log_softmax(raw logits) of the chosen tokens, terminator included
     finish_reason: str  # "eos" | "stop" | "length"
+    token_logprobs: list[float] | None = None  # config.logprobs set: one per token of ``tokens``
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # config.logprobs = N: per token, N (id, log-prob)
 
 
 # ---- searches ---------------------------------------------------------------------------------
@@ -119,6 +124,11 @@ def _empty(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return empty, empty.clone()
 
 
+def _top(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The n likeliest tokens of every row (at most the vocabulary): (log-probs, ids), each (rows, n), best first."""
+    return log_probs(logits).topk(min(n, logits.size(1)), dim=-1)
+
+
 class _IndependentSearch(Search):
     """Rows that never interact: `samples` rows per input, each ends on its own and then leaves."""
 
@@ -140,7 +150,7 @@ class _IndependentSearch(Search):
     def _choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Next token (R,) of every live row and its log-prob (R,)."""
 
-    def _start(self, device: torch.device) -> None:
+    def _start(self, device: torch.device, vocab: int) -> None:
         n = self.num_inputs * self.samples
         self._slots = torch.arange(n, device=device)
         self._tokens = torch.zeros(n, self.config.max_new_tokens, dtype=torch.long, device=device)
@@ -149,13 +159,18 @@ class _IndependentSearch(Search):
         self._length = torch.zeros(n, dtype=torch.long, device=device)  # tokens kept per slot
         self._stop_ids = torch.tensor(self.config.stop_token_ids, dtype=torch.long, device=device)
         self._all_slots = self._slots  # `_slots` stays this tensor until a row leaves
+        if self.config.logprobs is not None:  # per slot and position: the token's log-prob, the top N
+            top = min(self.config.logprobs, vocab)
+            self._token_lp = torch.zeros(n, self.config.max_new_tokens, device=device)
+            self._top_lp = torch.zeros(n, self.config.max_new_tokens, top, device=device)
+            self._top_ids = torch.zeros(n, self.config.max_new_tokens, top, dtype=torch.long, device=device)
 
     def advance(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self._check_logits(logits)
         if self.done:
             return _empty(logits.device)
         if self._slots is None:  # one row per input -> `samples` rows per input
-            self._start(logits.device)
+            self._start(logits.device, logits.size(1))
             parents = torch.arange(self.num_inputs, device=logits.device).repeat_interleave(self.samples)
             logits = logits.index_select(0, parents) if self.samples > 1 else logits
         else:
@@ -164,10 +179,16 @@ class _IndependentSearch(Search):
         whole = slots is self._all_slots  # no row has left yet: slot i is row i
         if parents is None:
             parents = slots if whole else torch.arange(self.num_rows, device=logits.device)
+        raw = logits
         if self.config.no_repeat_ngram_size:
             logits = self._mask_repeats(logits.clone(), (slots // self.samples).tolist(),
                                         self._tokens[slots, : self.step].tolist())
         tokens, chosen = self._choose(logits)
+        if self.config.logprobs is not None:
+            self._token_lp[slots, self.step] = chosen
+            if self.config.logprobs:
+                values, ids = _top(raw, self.config.logprobs)
+                self._top_lp[slots, self.step], self._top_ids[slots, self.step] = values, ids
         if whole:  # slices instead of indexed writes
             self._tokens[:, self.step] = tokens
             self._logprob += chosen
@@ -204,9 +225,20 @@ class _IndependentSearch(Search):
     def results(self) -> list[list[Hypothesis]]:
         self._check_done()
         columns = (self._tokens.tolist(), self._length.tolist(), self._logprob.tolist(), self._reason.tolist())
-        hyps = [Hypothesis(tokens[:length], logprob, logprob, _REASON[code])
-                for tokens, length, logprob, code in zip(*columns, strict=True)]
+        hyps = [Hypothesis(tokens[:length], logprob, logprob, _REASON[code], *self.alternatives(slot, 0, length))
+                for slot, (tokens, length, logprob, code) in enumerate(zip(*columns, strict=True))]
         return [hyps[i * self.samples: (i + 1) * self.samples] for i in range(self.num_inputs)]
+
+    def alternatives(self, slot: int, start: int, end: int) -> tuple[list[float] | None, list | None]:
+        """(token log-probs, top-N lists) of slot ``slot`` (input * samples + sample) at positions [start, end);
+        (None, None) without config.logprobs, top-N None when N is 0. Valid for positions already generated."""
+        if self.config.logprobs is None:
+            return None, None
+        token_lp = self._token_lp[slot, start:end].tolist()
+        if not self.config.logprobs:
+            return token_lp, None
+        ids, values = self._top_ids[slot, start:end].tolist(), self._top_lp[slot, start:end].tolist()
+        return token_lp, [list(zip(i, v, strict=True)) for i, v in zip(ids, values, strict=True)]
 
 
 class GreedySearch(_IndependentSearch):
@@ -279,6 +311,7 @@ class BeamSearch(Search):
         self._scores: torch.Tensor | None = None  # (S, width) sum of log-probs per beam; -inf = empty
         self._history: torch.Tensor | None = None  # (S * width, step) tokens of each row
         self._finish_ids: torch.Tensor | None = None  # EOS + stop ids, on the logits' device
+        self._alternatives: _BeamAlternatives | None = None  # config.logprobs set: each row's per-token record
 
     @property
     def num_rows(self) -> int:
@@ -298,8 +331,12 @@ class BeamSearch(Search):
             self._scores = torch.zeros(self.num_inputs, 1, device=device)
             self._history = torch.zeros(self.num_inputs, 0, dtype=torch.long, device=device)
             self._finish_ids = torch.tensor(self.config.finish_token_ids, device=device)
+            if self.config.logprobs is not None:
+                self._alternatives = _BeamAlternatives(self.num_inputs, min(self.config.logprobs, vocab), device)
         sentences, width = self._scores.shape
         logprobs = log_probs(logits)
+        if self._alternatives is not None:
+            self._alternatives.observe(logprobs)  # before the bans below change it in place
         if self.config.no_repeat_ngram_size:  # before mask_banned: a forced EOS wins over a repeat
             self._mask_repeats(logprobs, self._sentences.repeat_interleave(width).tolist(), self._history.tolist())
         logprobs = mask_banned(logprobs, self.step, self.config, inplace=True)
@@ -334,6 +371,8 @@ class BeamSearch(Search):
             tokens, parents = live_tokens[keep].flatten(), live_rows[keep].flatten()
             self._sentences, self._scores = self._sentences[keep], live_scores[keep]
         self._history = torch.cat([self._history[parents], tokens[:, None]], dim=1)
+        if self._alternatives is not None:
+            self._alternatives.extend(parents, tokens)
         return tokens, parents
 
     def _finalize(self, scores: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, select: torch.Tensor) -> None:
@@ -346,13 +385,16 @@ class BeamSearch(Search):
         rows, tokens = rows[where_s, where_c], tokens[where_s, where_c].tolist()
         columns = (self._sentences[where_s].tolist(), self._history[rows].tolist(), tokens,
                    scores[where_s, where_c].tolist())
-        for input_index, history, token, logprob in zip(*columns, strict=True):
+        for i, (input_index, history, token, logprob) in enumerate(zip(*columns, strict=True)):
             if token == self.config.eos_token_id:
                 hyp = Hypothesis(history, logprob / penalty, logprob, "eos")
             elif token in self.config.stop_token_ids:
                 hyp = Hypothesis(history, logprob / penalty, logprob, "stop")
             else:
                 hyp = Hypothesis(history + [token], logprob / penalty, logprob, "length")
+            if self._alternatives is not None:
+                ended = hyp.finish_reason != "length"  # the terminator is not a token of the hypothesis
+                hyp.token_logprobs, hyp.top_logprobs = self._alternatives.row(int(rows[i]), token, ended)
             self._nbest[input_index].add(hyp)
 
     def _open(self, live_scores: torch.Tensor) -> torch.Tensor:
@@ -381,6 +423,45 @@ class BeamSearch(Search):
         self._check_done()
         n = self.config.num_return_sequences
         return [sorted(nbest.hyps, key=lambda h: h.score, reverse=True)[:n] for nbest in self._nbest]
+
+
+class _BeamAlternatives:
+    """What config.logprobs asks of beam search: per live row, each token's log-prob and the top N at its position,
+    reordered with the rows (parents) every step like the token history."""
+
+    def __init__(self, rows: int, top: int, device: torch.device) -> None:
+        self.top = top  # N, at most the vocabulary
+        self.token_lp = torch.zeros(rows, 0, device=device)  # (rows, step)
+        self.top_lp = torch.zeros(rows, 0, top, device=device)  # (rows, step, N)
+        self.top_ids = torch.zeros(rows, 0, top, dtype=torch.long, device=device)
+        self._step: torch.Tensor | None = None  # this step's log-probs (rows, V)
+        self._step_top: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def observe(self, logprobs: torch.Tensor) -> None:
+        """This step's log-probs of every row (copied: the search masks its own in place)."""
+        self._step = logprobs.clone()
+        if self.top:
+            self._step_top = self._step.topk(self.top, dim=-1)
+
+    def extend(self, parents: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Rows continue rows ``parents`` with ``tokens``."""
+        chosen = self._step[parents, tokens]
+        self.token_lp = torch.cat([self.token_lp[parents], chosen[:, None]], dim=1)
+        if self.top:
+            values, ids = self._step_top
+            self.top_lp = torch.cat([self.top_lp[parents], values[parents][:, None]], dim=1)
+            self.top_ids = torch.cat([self.top_ids[parents], ids[parents][:, None]], dim=1)
+
+    def row(self, parent: int, token: int, ended: bool) -> tuple[list[float], list | None]:
+        """A hypothesis finishing from row ``parent`` with ``token`` (left out when it is the terminator)."""
+        token_lp = self.token_lp[parent].tolist() + ([] if ended else [float(self._step[parent, token])])
+        if not self.top:
+            return token_lp, None
+        ids, values = self.top_ids[parent].tolist(), self.top_lp[parent].tolist()
+        if not ended:
+            ids.append(self._step_top[1][parent].tolist())
+            values.append(self._step_top[0][parent].tolist())
+        return token_lp, [list(zip(i, v, strict=True)) for i, v in zip(ids, values, strict=True)]
 
 
 def make_search(config: GenerationConfig, num_inputs: int, stop_fn: StopFn | None = None,

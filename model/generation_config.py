@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Literal
 
+MAX_LOGPROBS = 20  # most alternatives per generated token a search records (OpenAI's top_logprobs cap)
+
 
 class ConfigError(ValueError):
     """A GenerationConfig field (``field``) out of its domain; ``str(exc)`` is "field message"."""
@@ -58,6 +60,7 @@ class GenerationConfig:
     forced_eos: bool = False  # the last allowed token is EOS, with log-prob 0 (HF's forced_eos_token_id)
     renormalize: bool = False  # beam: log-probs renormalized over the allowed tokens (HF's renormalize_logits)
     no_repeat_ngram_size: int = 0  # > 0: no n-gram of this size occurs twice in prefix + output (as HF)
+    logprobs: int | None = None  # N: record each token's log-prob and the N likeliest tokens at its position
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -98,6 +101,8 @@ class GenerationConfig:
             ids = getattr(self, name)
             require(all(isinstance(t, int) and t >= 0 for t in ids), name, f"must be ints >= 0, got {ids!r}")
         require(self.eos_token_id not in self.banned_token_ids, "eos_token_id", "cannot be banned")
+        require(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+                "logprobs", f"must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
     def finish_token_ids(self) -> tuple[int, ...]:

@@ -7,6 +7,7 @@ configured key (no early exit), and neither the header nor a key is ever logged.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from typing import Annotated
 
@@ -50,6 +51,16 @@ def require_key(
 ) -> str:
     """Dependency of every /v1 route; returns the caller's role."""
     return _role(credentials, settings)
+
+
+def client_key(
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    role: Annotated[str, Depends(require_key)],
+) -> str | None:
+    """Who is asking, for the per-key queue cap: a digest of the caller's (checked) key; None with auth off."""
+    if role == "open":
+        return None
+    return hashlib.sha256(credentials.credentials.encode("utf-8", "surrogateescape")).hexdigest()[:16]
 
 
 def require_admin(role: Annotated[str, Depends(require_key)]) -> None:

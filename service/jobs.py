@@ -17,8 +17,8 @@ from model.decoding import GenerationConfig, Hypothesis
 from model.generation import trim_stop
 from service.adapters import AdapterVersion
 from service.errors import RequestTimeout
-from service.schemas import Candidate, GenerateOutput
-from service.types import StreamEvent
+from service.schemas import Alternative, Candidate, GenerateOutput, TokenLogprob
+from service.types import DEFAULT_QUEUE, StreamEvent
 
 # The worker enforces deadlines; the awaiting coroutine gives up this much later if the worker is stuck.
 DEADLINE_GRACE_S = 5.0
@@ -40,6 +40,7 @@ class Job:
         self.admitted_at: float | None = None
         self.cancelled = False  # written by the event loop, read by the worker
         self.done = False  # written by the worker once the job is resolved or failed
+        self.queue = DEFAULT_QUEUE  # its priority and client (set by the worker before it is submitted)
 
     @property
     def rows(self) -> int:
@@ -181,13 +182,13 @@ class StreamText:
         self.tokens: list[int] = []
         self.emitted = ""
 
-    def feed(self, token: int) -> StreamEvent:
+    def feed(self, token: int, logprobs: list[TokenLogprob] | None = None) -> StreamEvent:
         self.tokens.append(token)
         text = trim_stop(self.decode(self.tokens), self.stops)
         safe = text[: _safe_length(text, self.stops)]
         delta = safe[len(self.emitted):] if safe.startswith(self.emitted) else ""
         self.emitted += delta
-        return StreamEvent(text=delta, token=token)
+        return StreamEvent(text=delta, token=token, logprobs=logprobs)
 
     def finish(self, hyp: Hypothesis) -> StreamEvent:
         text = trim_stop(self.decode(hyp.tokens), self.stops)
@@ -195,7 +196,10 @@ class StreamText:
         self.emitted += delta
         # A sequence ended by length or stop_fn keeps its last token, which no event carried yet.
         token = hyp.tokens[-1] if len(hyp.tokens) > len(self.tokens) else None
-        return StreamEvent(text=delta, token=token, finish_reason=hyp.finish_reason)
+        logprobs = token_logprobs(hyp, self.decode)
+        if logprobs is not None:
+            logprobs = logprobs[-1:] if token is not None else []
+        return StreamEvent(text=delta, token=token, finish_reason=hyp.finish_reason, logprobs=logprobs)
 
 
 def _safe_length(text: str, stops: list[str]) -> int:
@@ -208,16 +212,41 @@ def _safe_length(text: str, stops: list[str]) -> int:
     return len(text) - hold
 
 
+def logprob_entries(tokens: Sequence[int], token_lp: Sequence[float], tops: Sequence[list] | None,
+                    decode: Callable[[Sequence[int]], str]) -> list[TokenLogprob]:
+    """The API's entry per token: its log-prob, and the top (id, log-prob) alternatives when recorded."""
+    tops = tops if tops is not None else [None] * len(tokens)
+    return [
+        TokenLogprob(token=token, text=decode([token]), logprob=logprob,
+                     top_logprobs=None if top is None else [Alternative(token=t, text=decode([t]), logprob=lp)
+                                                            for t, lp in top])
+        for token, logprob, top in zip(tokens, token_lp, tops, strict=True)
+    ]
+
+
+def token_logprobs(hyp: Hypothesis, decode: Callable[[Sequence[int]], str]) -> list[TokenLogprob] | None:
+    """The entries of every token of ``hyp`` (None when the search recorded no log-probs)."""
+    if hyp.token_logprobs is None:
+        return None
+    return logprob_entries(hyp.tokens, hyp.token_logprobs, hyp.top_logprobs, decode)
+
+
 def generate_outputs(results: list[list[Hypothesis]], decode: Callable[[Sequence[int]], str],
                      stops: list[str], many: bool) -> list[GenerateOutput]:
     """One GenerateOutput per input from a finished search's hypotheses (best first); with ``many`` (several
-    sequences asked for) every candidate too, else the field stays unset."""
+    sequences asked for) every candidate too, else the field stays unset (as logprobs does unless asked for)."""
     outputs = []
     for hyps in results:
-        candidates = [Candidate(text=trim_stop(decode(h.tokens), stops), tokens=list(h.tokens), score=float(h.score),
-                                finish_reason=h.finish_reason) for h in hyps]
-        best = candidates[0]
-        output = GenerateOutput(**dict(best), candidates=candidates) if many else GenerateOutput(**dict(best))
+        candidates = []
+        for h in hyps:
+            candidate = Candidate(text=trim_stop(decode(h.tokens), stops), tokens=list(h.tokens),
+                                  score=float(h.score), finish_reason=h.finish_reason)
+            if h.token_logprobs is not None:
+                candidate.logprobs = token_logprobs(h, decode)
+            candidates.append(candidate)
+        best = dict(candidates[0]) if candidates[0].logprobs is not None else \
+            candidates[0].model_dump(exclude={"logprobs"})
+        output = GenerateOutput(**best, candidates=candidates) if many else GenerateOutput(**best)
         outputs.append(output)
     return outputs
 
@@ -227,5 +256,6 @@ def final_stream_event(results: list[list[Hypothesis]], stream: StreamText, beam
     best = results[0][0]
     if beam:
         text = trim_stop(stream.decode(best.tokens), stream.stops)
-        return StreamEvent(text=text, token=None, finish_reason=best.finish_reason)
+        return StreamEvent(text=text, token=None, finish_reason=best.finish_reason,
+                           logprobs=token_logprobs(best, stream.decode))
     return stream.finish(best)

@@ -41,7 +41,7 @@ from model.tokenizer import Tokenizer
 from service.adapters import AdapterRegistry
 from service.batch import RunningBatch, compact, internal_name
 from service.errors import EngineFailure, NotReady, QueueFull, ServiceError
-from service.jobs import CallJob, GenerationJob, Job, final_stream_event, generate_outputs
+from service.jobs import CallJob, GenerationJob, Job, final_stream_event, generate_outputs, logprob_entries
 from service.metrics import Metrics, adapter_label
 from service.runners import GenerationRunner
 from service.types import EngineSettings
@@ -84,10 +84,14 @@ class Scheduler:
         with self._cond:
             if not self._accepting:
                 raise NotReady(f"model {self.name!r} is not accepting requests (shutting down)")
+            retry = round(min(30.0, max(0.1, self._latency * len(self._waiting) / self.settings.max_batch_size)), 2)
             if len(self._waiting) >= self.settings.max_queue:
-                retry = min(30.0, max(0.1, self._latency * len(self._waiting) / self.settings.max_batch_size))
                 raise QueueFull(f"model {self.name!r}: {len(self._waiting)} requests are waiting "
-                                f"(max_queue={self.settings.max_queue}); retry later", retry_after=round(retry, 2))
+                                f"(max_queue={self.settings.max_queue}); retry later", retry_after=retry)
+            cap, client = self.settings.max_queue_per_key, job.queue.client
+            if cap is not None and client is not None and sum(j.queue.client == client for j in self._waiting) >= cap:
+                raise QueueFull(f"model {self.name!r}: {cap} requests of this API key are waiting "
+                                f"(max_queue_per_key={cap}); retry later", retry_after=retry)
             self._waiting.append(job)
             self.metrics.waiting.labels(self.name).set(len(self._waiting))
             self._cond.notify()
@@ -190,24 +194,26 @@ class Scheduler:
         return False, max_wait - waited
 
     def _take(self, budget: int, alone_ok: bool) -> list[Job]:
-        """Pop waiting jobs FIFO while their rows fit ``budget``; dead ones are failed or dropped."""
+        """Take waiting jobs, lowest priority value first and FIFO within one, while their rows fit ``budget``
+        (the first that does not fit stops the taking); dead ones are failed or dropped."""
         now = time.monotonic()
         taken: list[Job] = []
         with self._cond:
-            alive = deque()
+            alive = []
             for job in self._waiting:  # purge the whole queue: a waiting job's deadline also counts
                 if job.cancelled or job.expired(now):
                     self._finish(job, exc=job.timeout_error())
                 else:
                     alive.append(job)
-            self._waiting = alive
-            while self._waiting:
-                rows = self._waiting[0].rows
-                if rows > budget and not (alone_ok and not taken):
+            order = sorted(alive, key=lambda j: j.queue.priority)  # stable: arrival order within a priority
+            for job in order:
+                if job.rows > budget and not (alone_ok and not taken):
                     break
-                taken.append(self._waiting.popleft())
-                budget -= rows
+                taken.append(job)
+                budget -= job.rows
                 alone_ok = False
+            chosen = {id(j) for j in taken}
+            self._waiting = deque(j for j in alive if id(j) not in chosen)
             self.metrics.waiting.labels(self.name).set(len(self._waiting))
         self._taken = taken
         return taken
@@ -469,7 +475,7 @@ class GenerationScheduler(Scheduler):
                 self._complete(job)
             else:
                 if job.stream is not None and job.config.strategy != "beam":
-                    job.emit(job.stream.feed(int(next_tokens[0])))
+                    job.emit(job.stream.feed(int(next_tokens[0]), self._stream_logprobs(job, int(next_tokens[0]))))
                 index.append(parents + offset)
                 tokens.append(next_tokens)
                 keep.append(job)
@@ -483,6 +489,14 @@ class GenerationScheduler(Scheduler):
             if index.numel() < rows:
                 compact(batch.cache)
         batch.jobs, batch.tokens = keep, torch.cat(tokens)
+
+    def _stream_logprobs(self, job: GenerationJob, token: int) -> list | None:
+        """The log-prob entry of a streamed sequence's newest token (one input, one sequence: slot 0)."""
+        if job.config.logprobs is None:
+            return None
+        step = job.search.step
+        token_lp, top = job.search.alternatives(0, step - 1, step)
+        return logprob_entries([token], token_lp, top, self.tokenizer.decode)
 
     def _token_metrics(self, job: GenerationJob, rows: int, now: float) -> None:
         counter = self._generated.get(job.adapter_name)

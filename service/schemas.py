@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from model import lora_config
 from model.decoding import Strategy
+from model.generation_config import MAX_LOGPROBS
 from service.attention import MAX_ATTENTION_VALUES
 
 NAME_PATTERN = f"^{lora_config.NAME_PATTERN}$"  # model and adapter names
@@ -26,6 +27,8 @@ MAX_SEED = 2**62  # input i samples with seed + i: room left below torch's 2**63
 
 Text = Annotated[str, Field(min_length=1, description="Non-empty text.")]
 Name = Annotated[str, Field(pattern=NAME_PATTERN, description=f"{lora_config.NAME_RULE}.")]
+Priority = Annotated[int, Field(ge=-(2**31), le=2**31 - 1, description="Among requests waiting for this model, lower "
+                                "values are taken first (FIFO within a priority); running requests are not preempted.")]
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED, description="0 <= seed <= 2**62.")]
 
 
@@ -164,6 +167,24 @@ class GenerateRequest(RequestModel):
     stop: list[Text] = Field(default_factory=list, max_length=16, description="Stop strings (cut from the text).")
     adapter: Name | None = Field(None, description="LoRA adapter to apply.")
     stream: bool = Field(False, description="Server-sent events of tokens (one input, one sequence).")
+    priority: Priority = 0
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="Return each generated token's log-probability and the N "
+        f"likeliest tokens at its position (0 <= N <= {MAX_LOGPROBS}): log-softmax of the model's logits, before "
+        "temperature, top-k / top-p and bans. Beam search: the returned sequences' own paths."
+    )
+
+
+class Alternative(BaseModel):
+    token: int
+    text: str = Field(description="The token decoded alone (part of a UTF-8 character shows as U+FFFD).")
+    logprob: float
+
+
+class TokenLogprob(Alternative):
+    top_logprobs: list[Alternative] | None = Field(
+        None, description="The likeliest tokens at this position, best first (logprobs > 0)."
+    )
 
 
 class Candidate(BaseModel):
@@ -171,6 +192,10 @@ class Candidate(BaseModel):
     tokens: list[int] = Field(description="Generated token ids.")
     score: float | None = Field(description="Sequence log-probability (length-penalised for beam).")
     finish_reason: str = Field(description="eos, length or stop.")
+    logprobs: list[TokenLogprob] | None = Field(
+        None, description="With logprobs: one entry per token of tokens (an ending EOS or stop token's "
+        "log-probability counts in score only)."
+    )
 
 
 class GenerateOutput(Candidate):
@@ -194,6 +219,7 @@ class ClassifyRequest(RequestModel):
     inputs: list[TextOrPair] = Field(min_length=1, description="Texts or [text, text] pairs.")
     adapter: Name | None = None
     top_k: int | None = Field(None, ge=1, description="Return only the k likeliest labels' probabilities.")
+    priority: Priority = 0
 
 
 class Classification(BaseModel):
@@ -216,6 +242,7 @@ class EmbedRequest(RequestModel):
         None, description="Unit-length vectors. Default: the model's (a sentence-transformers Normalize module), "
         "else false."
     )
+    priority: Priority = 0
 
 
 class EmbedResponse(BaseModel):
@@ -255,7 +282,7 @@ class StreamOptions(RequestModel):
 
 class CompletionRequest(RequestModel):
     """OpenAI's /v1/completions body. Fields that would change the meaning but are not supported
-    (echo, logprobs, suffix, best_of != n, penalties, logit_bias) are rejected rather than ignored."""
+    (echo, suffix, best_of != n, penalties, logit_bias) are rejected rather than ignored."""
 
     model: str = Field(min_length=1, max_length=129, description="A causal_lm model, or 'model:adapter'.")
     prompt: one_or_many(Text, Annotated[list[Text], Field(min_length=1)]) = Field(
@@ -272,20 +299,33 @@ class CompletionRequest(RequestModel):
     stream_options: StreamOptions | None = None
     seed: Seed | None = None
     user: str | None = Field(None, description="Accepted and ignored.")
+    priority: Priority = 0  # an extension, as vLLM's
     # Accepted only at their neutral values:
     best_of: int | None = Field(None, ge=1, description="Only null or equal to n.")
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="Log-probabilities of each completion token and of the N likeliest "
+        f"tokens at its position (0 <= N <= {MAX_LOGPROBS}; the chosen token is always listed too)."
+    )
     echo: bool = Field(False, description="Only false.")
-    logprobs: int | None = Field(None, description="Only null.")
     suffix: str | None = Field(None, description="Only null.")
     frequency_penalty: float = Field(0.0, description="Only 0.")
     presence_penalty: float = Field(0.0, description="Only 0.")
     logit_bias: dict[str, float] | None = Field(None, description="Only null or empty.")
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completion log-probabilities, one entry per completion token in every list."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int] = Field(description="Where each token's text starts in the choice's text.")
+
+
 class CompletionChoice(BaseModel):
     text: str
     index: int
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None
 
 

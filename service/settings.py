@@ -73,6 +73,11 @@ class Settings:
     max_batch_size: int = _setting(32, "TSERVE_MAX_BATCH_SIZE", "most requests one forward pass batches", int)
     max_wait_ms: float = _setting(5.0, "TSERVE_MAX_WAIT_MS", "how long a batch waits for more requests (ms)", float)
     max_queue: int = _setting(256, "TSERVE_MAX_QUEUE", "queued requests per model before 429", int)
+    max_queue_per_key: int | None = _setting(
+        None, "TSERVE_MAX_QUEUE_PER_KEY",
+        "queued requests per model and API key before 429 for that key (with API keys; default: no cap)",
+        _optional_int,
+    )
     max_new_tokens: int = _setting(256, "TSERVE_MAX_NEW_TOKENS", "cap on max_new_tokens / max_tokens", int)
     max_beams: int = _setting(8, "TSERVE_MAX_BEAMS", "cap on num_beams", int)
     max_return_sequences: int = _setting(8, "TSERVE_MAX_RETURN_SEQUENCES", "cap on num_return_sequences / n", int)
@@ -172,7 +177,7 @@ class Settings:
             value = getattr(self, name)
             if not math.isfinite(value) or value <= 0:
                 raise SettingsError(f"{name} ({_env(name)}) must be a finite number > 0, got {value}")
-        for name in ("max_input_tokens", "threads"):
+        for name in ("max_input_tokens", "threads", "max_queue_per_key"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise SettingsError(f"{name} ({_env(name)}) must be >= 1, got {getattr(self, name)}")
         if self.port > 65535:
@@ -213,6 +218,7 @@ class Settings:
             max_batch_size=self.max_batch_size,
             max_wait_ms=self.max_wait_ms,
             max_queue=self.max_queue,
+            max_queue_per_key=self.max_queue_per_key,
             max_input_tokens=self.max_input_tokens,
             max_new_tokens=self.max_new_tokens,
             max_beams=self.max_beams,

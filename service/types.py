@@ -12,6 +12,7 @@ class StreamEvent:
     text: str  # new text since the previous event (held back while it could start a stop string)
     token: int | None  # the token this event adds, if exactly one
     finish_reason: str | None = None  # set on the last event only
+    logprobs: list | None = None  # with logprobs: service.schemas.TokenLogprob of each token this event adds
 
 
 @dataclass
@@ -58,6 +59,18 @@ class ModelInfo:
     generation_defaults: dict = field(default_factory=dict)  # what generate uses for fields a request leaves unset
 
 
+@dataclass(frozen=True)
+class QueueTag:
+    """Where a request waits: lower ``priority`` is taken first (FIFO within one), and ``client`` (a digest of
+    the caller's API key; None without auth) is what the per-key queue cap counts."""
+
+    priority: int = 0
+    client: str | None = None
+
+
+DEFAULT_QUEUE = QueueTag()  # priority 0, no client
+
+
 @dataclass
 class EngineSettings:
     """What the engine needs to know; the HTTP layer's Settings builds one."""
@@ -67,6 +80,7 @@ class EngineSettings:
     max_batch_size: int = 32  # rows per model step (generation) / inputs per forward (classify, embed)
     max_wait_ms: float = 5.0  # how long an idle worker waits to fill a batch
     max_queue: int = 256  # waiting requests per model before QueueFull
+    max_queue_per_key: int | None = None  # waiting requests per model and API key before QueueFull (None: no cap)
     max_input_tokens: int | None = None  # None -> the model's limit
     max_new_tokens: int = 256
     max_beams: int = 8

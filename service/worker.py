@@ -40,13 +40,22 @@ from service.pooling import PoolingScheduler
 from service.runners import RUNNERS
 from service.scheduler import GenerationScheduler, Scheduler
 from service.schemas import DEFAULT_NEW_TOKENS, GenerateOutput, GenerateRequest
-from service.types import AdapterInfo, AttentionOutput, ClassifyOutput, EngineSettings, ModelInfo, StreamEvent
+from service.types import (
+    DEFAULT_QUEUE,
+    AdapterInfo,
+    AttentionOutput,
+    ClassifyOutput,
+    EngineSettings,
+    ModelInfo,
+    QueueTag,
+    StreamEvent,
+)
 
 logger = logging.getLogger(__name__)
 
 # The GenerateRequest fields that are GenerationConfig fields too.
 DECODING_FIELDS = ("strategy", "max_new_tokens", "min_new_tokens", "num_beams", "length_penalty", "early_stopping",
-                   "num_return_sequences", "temperature", "top_k", "top_p", "seed")
+                   "num_return_sequences", "temperature", "top_k", "top_p", "seed", "logprobs")
 GENERATIVE = ("causal_lm", "seq2seq")
 TOKENIZER_THREADS = 2  # per model: encoding is bounded per input, so two threads keep requests from queueing
 T = TypeVar("T")
@@ -126,13 +135,15 @@ class ModelWorker:
 
     # ---- requests ---------------------------------------------------------------------------------
 
-    async def generate(self, req: GenerateRequest, request_id: str) -> list[GenerateOutput]:
+    async def generate(self, req: GenerateRequest, request_id: str, queue: QueueTag = DEFAULT_QUEUE
+                       ) -> list[GenerateOutput]:
         """One output per input of ``req`` (``req.stream`` is the HTTP layer's: see :meth:`stream`)."""
         job = await self._generation_job(req, request_id, stream=False)
-        self._submit(job)
+        self._submit(job, queue)
         return await job.wait()
 
-    async def stream(self, req: GenerateRequest, request_id: str) -> AsyncIterator[StreamEvent]:
+    async def stream(self, req: GenerateRequest, request_id: str, queue: QueueTag = DEFAULT_QUEUE
+                     ) -> AsyncIterator[StreamEvent]:
         """Events as tokens come for ``req``'s one input (validation errors raise here, before any event).
 
         Greedy and sample (num_return_sequences 1) stream token by token; beam search streams its
@@ -141,7 +152,7 @@ class ModelWorker:
         if len(req.inputs) != 1:
             raise InvalidRequest("inputs", f"streaming takes exactly one input, got {len(req.inputs)}")
         job = await self._generation_job(req, request_id, stream=True)
-        self._submit(job)
+        self._submit(job, queue)
         return self._events(job)
 
     async def _events(self, job: GenerationJob) -> AsyncIterator[StreamEvent]:
@@ -165,7 +176,7 @@ class ModelWorker:
                 job.cancel()  # client gone or timed out: the worker frees its rows at the next step
 
     async def classify(self, inputs: list[str | tuple[str, str]], adapter: str | None, top_k: int | None,
-                       request_id: str) -> list[ClassifyOutput]:
+                       request_id: str, queue: QueueTag = DEFAULT_QUEUE) -> list[ClassifyOutput]:
         self._require("classify", ("classifier",))
         if not self.config.num_labels:
             raise InvalidRequest(None, f"model {self.name!r} has no classification head (an embedding model); "
@@ -189,11 +200,11 @@ class ModelWorker:
                                                 for i, pair in enumerate(pairs)])
         job = PoolingJob(request_id, self.settings.request_timeout_s, "classify", encoded,
                          adapter=self._acquire(adapter), top_k=top_k)
-        self._submit(job)
+        self._submit(job, queue)
         return await job.wait()
 
     async def embed(self, inputs: list[str], pooling: str | None, request_id: str,
-                    normalize: bool | None = None) -> list[list[float]]:
+                    normalize: bool | None = None, queue: QueueTag = DEFAULT_QUEUE) -> list[list[float]]:
         """One vector per input; ``pooling`` and ``normalize`` default to the model's (a sentence-transformers
         save's modules), else mean pooling, not normalized."""
         self._require("embed", ("classifier",))
@@ -209,7 +220,7 @@ class ModelWorker:
         encoded = await self._tokenize(lambda: [self._check_length(i, tok.encode_pair(t)) for i, t in enumerate(texts)])
         job = PoolingJob(request_id, self.settings.request_timeout_s, "embed", encoded, pooling=pooling,
                          normalize=normalize)
-        self._submit(job)
+        self._submit(job, queue)
         return await job.wait()
 
     async def attention(self, text: str, target: str | None, request_id: str,
@@ -271,7 +282,8 @@ class ModelWorker:
         """Stop the tokenizer pool (after the scheduler has stopped)."""
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
-    def _submit(self, job: Job) -> None:
+    def _submit(self, job: Job, queue: QueueTag = DEFAULT_QUEUE) -> None:
+        job.queue = queue
         try:
             self.scheduler.submit(job)
         except ServiceError:

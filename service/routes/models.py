@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
 from service.attention import MapSelection
-from service.auth import require_key
+from service.auth import client_key, require_key
 from service.deps import get_engine, get_worker, request_id
 from service.engine import Engine
 from service.http_errors import errors
@@ -28,13 +28,14 @@ from service.schemas import (
     ModelList,
     ModelLoadFailure,
 )
-from service.types import ModelInfo
+from service.types import ModelInfo, QueueTag
 from service.worker import ModelWorker
 
 router = APIRouter(prefix="/v1/models", tags=["models"], dependencies=[Depends(require_key)])
 
 Worker = Annotated[ModelWorker, Depends(get_worker)]
 RequestId = Annotated[str, Depends(request_id)]
+Client = Annotated[str | None, Depends(client_key)]
 _COMMON = (400, 401, 404, 413, 422, 429, 500, 503, 504)
 
 
@@ -54,7 +55,10 @@ async def list_models(request: Request, engine: Annotated[Engine, Depends(get_en
 
 
 def stream_event(e: Any) -> dict[str, Any]:
-    return {"text": e.text, "token": e.token, "finish_reason": e.finish_reason}
+    event = {"text": e.text, "token": e.token, "finish_reason": e.finish_reason}
+    if e.logprobs is not None:
+        event["logprobs"] = [entry.model_dump(exclude_none=True) for entry in e.logprobs]
+    return event
 
 
 @router.post(
@@ -65,33 +69,36 @@ def stream_event(e: Any) -> dict[str, Any]:
     responses={200: SSE_RESPONSE, **errors(*_COMMON)},
 )
 async def generate(
-    req: GenerateRequest, request: Request, worker: Worker, rid: RequestId
+    req: GenerateRequest, request: Request, worker: Worker, rid: RequestId, client: Client
 ) -> GenerateResponse | StreamingResponse:
     """Translate (seq2seq) or continue (causal_lm) each input: greedy, beam or sampling.
 
     With `"stream": true` (one input), tokens arrive as server-sent events `data: {"text", "token",
-    "finish_reason"}`, the last one with a finish_reason, then `data: [DONE]`.
+    "finish_reason"}` (and `"logprobs"`, the entries of the tokens the event adds, when asked for), the last one
+    with a finish_reason, then `data: [DONE]`.
     """
     request.state.adapter = req.adapter
+    queue = QueueTag(req.priority, client)
     if req.stream:
-        return await sse_response(await worker.stream(req, rid), stream_event, rid)
-    return GenerateResponse(outputs=await worker.generate(req, rid))
+        return await sse_response(await worker.stream(req, rid, queue), stream_event, rid)
+    return GenerateResponse(outputs=await worker.generate(req, rid, queue))
 
 
 @router.post("/{model}/classify", name="classify", response_model=ClassifyResponse, responses=errors(*_COMMON))
-async def classify(req: ClassifyRequest, request: Request, worker: Worker, rid: RequestId) -> ClassifyResponse:
+async def classify(req: ClassifyRequest, request: Request, worker: Worker, rid: RequestId,
+                   client: Client) -> ClassifyResponse:
     """Label each text or [text, text] pair, with every label's probability (top_k: the k likeliest)."""
     request.state.adapter = req.adapter
-    outputs = await worker.classify(list(req.inputs), req.adapter, req.top_k, rid)
+    outputs = await worker.classify(list(req.inputs), req.adapter, req.top_k, rid, QueueTag(req.priority, client))
     return ClassifyResponse(
         outputs=[Classification(label=o.label, score=o.score, probabilities=dict(o.probabilities)) for o in outputs]
     )
 
 
 @router.post("/{model}/embed", name="embed", response_model=EmbedResponse, responses=errors(*_COMMON))
-async def embed(req: EmbedRequest, worker: Worker, rid: RequestId) -> EmbedResponse:
+async def embed(req: EmbedRequest, worker: Worker, rid: RequestId, client: Client) -> EmbedResponse:
     """One vector per input: the encoder's [CLS] state, or the mean or max over its tokens."""
-    vectors = await worker.embed(req.inputs, req.pooling, rid, req.normalize)
+    vectors = await worker.embed(req.inputs, req.pooling, rid, req.normalize, QueueTag(req.priority, client))
     return EmbedResponse(embeddings=vectors, dimensions=len(vectors[0]) if vectors else 0)
 
 

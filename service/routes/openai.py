@@ -17,7 +17,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
 from model.decoding import Strategy
-from service.auth import require_key
+from service.auth import client_key, require_key
 from service.deps import get_engine, get_settings, request_id, worker_for
 from service.engine import Engine
 from service.errors import InvalidRequest
@@ -28,13 +28,15 @@ from service.schemas import (
     MIN_TEMPERATURE,
     MIN_TOP_P,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     GenerateRequest,
+    TokenLogprob,
     Usage,
 )
 from service.settings import Settings
-from service.types import StreamEvent
+from service.types import QueueTag, StreamEvent
 from service.worker import ModelWorker
 
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_key)])
@@ -58,7 +60,6 @@ def check_completion(req: CompletionRequest, settings: Settings) -> None:
             raise InvalidRequest(field, f"{value} exceeds this server's limit of {cap} (setting {setting})")
     unsupported = {
         "echo": req.echo,
-        "logprobs": req.logprobs is not None,
         "suffix": req.suffix is not None,
         "best_of": req.best_of is not None and req.best_of != req.n,
         "frequency_penalty": req.frequency_penalty != 0,
@@ -85,13 +86,30 @@ def finish_reason(reason: str | None) -> str | None:
     return "length" if reason == "length" else "stop"
 
 
+def completion_logprobs(entries: list[TokenLogprob] | None, offset: int) -> CompletionLogprobs | None:
+    """OpenAI's legacy logprobs object of ``entries`` (tokens whose text starts at character ``offset``); the
+    top_logprobs dicts hold the chosen token too, as OpenAI's do."""
+    if entries is None:
+        return None
+    offsets = []
+    for entry in entries:
+        offsets.append(offset)
+        offset += len(entry.text)
+    tops = None
+    if entries and entries[0].top_logprobs is not None:
+        tops = [{a.text: a.logprob for a in e.top_logprobs} | {e.text: e.logprob} for e in entries]
+    return CompletionLogprobs(tokens=[e.text for e in entries], token_logprobs=[e.logprob for e in entries],
+                              top_logprobs=tops, text_offset=offsets)
+
+
 def completion_request(req: CompletionRequest, prompts: list[str], adapter: str | None,
                        worker: ModelWorker) -> GenerateRequest:
     """The engine's request for an OpenAI completion: top-p sampling, or greedy as temperature / top_p -> 0.
     Built without validating again: CompletionRequest's own checks ran, and the engine checks the limits."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     max_tokens = req.max_tokens or max(1, min(DEFAULT_MAX_TOKENS, worker.max_new_tokens))
-    common = dict(inputs=prompts, max_new_tokens=max_tokens, stop=stop, adapter=adapter, seed=req.seed)
+    common = dict(inputs=prompts, max_new_tokens=max_tokens, stop=stop, adapter=adapter, seed=req.seed,
+                  logprobs=req.logprobs)
     if req.temperature < MIN_TEMPERATURE or req.top_p < MIN_TOP_P:  # both tend to greedy in the limit
         return GenerateRequest.model_construct(strategy=Strategy.GREEDY, **common)
     return GenerateRequest.model_construct(strategy=Strategy.SAMPLE, temperature=req.temperature, top_p=req.top_p,
@@ -110,6 +128,7 @@ async def completions(
     engine: Annotated[Engine, Depends(get_engine)],
     settings: Annotated[Settings, Depends(get_settings)],
     rid: Annotated[str, Depends(request_id)],
+    client: Annotated[str | None, Depends(client_key)],
 ) -> CompletionResponse | StreamingResponse:
     """OpenAI-compatible text completion (also streamed as OpenAI's SSE chunks, ending `data: [DONE]`)."""
     name, _, adapter = req.model.partition(":")
@@ -127,10 +146,11 @@ async def completions(
         "created": int(time.time()),
         "model": req.model,
     }
+    queue = QueueTag(req.priority, client)
     try:
         if req.stream:
-            return await _stream(worker, prompts, req, generate, head, rid)
-        outputs = await worker.generate(generate, rid)
+            return await _stream(worker, prompts, req, generate, head, rid, queue)
+        outputs = await worker.generate(generate, rid, queue)
     except InvalidRequest as exc:
         raise openai_names(exc) from None
     choices, completion_tokens = [], 0
@@ -138,7 +158,8 @@ async def completions(
         sequences = out.candidates if generate.num_return_sequences > 1 else [out] * req.n
         for j, seq in enumerate(sequences):
             reason = finish_reason(seq.finish_reason)
-            choices.append(CompletionChoice(text=seq.text, index=i * req.n + j, finish_reason=reason))
+            choices.append(CompletionChoice(text=seq.text, index=i * req.n + j, finish_reason=reason,
+                                            logprobs=completion_logprobs(seq.logprobs, 0)))
             completion_tokens += len(seq.tokens)
     prompt = await worker.prompt_tokens(prompts)
     usage = Usage(prompt_tokens=prompt, completion_tokens=completion_tokens, total_tokens=prompt + completion_tokens)
@@ -152,6 +173,7 @@ async def _stream(
     generate: GenerateRequest,
     head: dict[str, Any],
     rid: str,
+    queue: QueueTag,
 ) -> StreamingResponse:
     """One engine stream per (prompt, choice), merged; chunk index = prompt * n + choice.
 
@@ -163,17 +185,23 @@ async def _stream(
     try:
         for k, prompt in enumerate(p for p in prompts for _ in range(req.n)):
             seed = None if generate.seed is None else generate.seed + k
-            streams.append(await worker.stream(generate.model_copy(update={"inputs": [prompt], "seed": seed}), rid))
+            streams.append(await worker.stream(generate.model_copy(update={"inputs": [prompt], "seed": seed}), rid,
+                                               queue))
         prompt_count = await worker.prompt_tokens(prompts) if include_usage else 0  # once each, as unstreamed
     except BaseException:
         _discard(streams)
         raise
     generated = [0] * len(streams)
+    offsets = [0] * len(streams)  # characters of text the stream's token entries covered so far
 
     def chunk(item: tuple[int, StreamEvent]) -> dict[str, Any]:
         index, e = item
         generated[index] += e.token is not None
-        choice = {"text": e.text, "index": index, "logprobs": None, "finish_reason": finish_reason(e.finish_reason)}
+        logprobs = completion_logprobs(e.logprobs, offsets[index])
+        if logprobs is not None:
+            offsets[index] += sum(len(t) for t in logprobs.tokens)
+            logprobs = logprobs.model_dump()
+        choice = {"text": e.text, "index": index, "logprobs": logprobs, "finish_reason": finish_reason(e.finish_reason)}
         return {**head, "choices": [choice], **({"usage": None} if include_usage else {})}
 
     def usage_chunk() -> list[dict[str, Any]]:

@@ -4,6 +4,7 @@ process holds the work at a known point (the way kill_points.py stops training m
 
 While a worker is parked, ``DIR/parked-<model>`` exists; it goes when the worker moves on. A parked worker also
 moves on once the engine stops its scheduler (at the drain deadline of a shutdown), and then only into the stop.
+Every model call appends its job ids, one line per call, to ``DIR/calls-<model>`` (the order of the work).
 The test side is :class:`ServerGate`.
 """
 
@@ -42,6 +43,11 @@ class ServerGate:
     def parked(self, model: str) -> bool:
         return (self.directory / f"parked-{model}").exists()
 
+    def calls(self, model: str) -> list[list[str]]:
+        """The job ids of each model call of ``model`` so far, in order."""
+        path = self.directory / f"calls-{model}"
+        return [line.split() for line in path.read_text().splitlines()] if path.exists() else []
+
 
 def install(directory: Path) -> None:
     hold = directory / HOLD
@@ -50,8 +56,11 @@ def install(directory: Path) -> None:
     def init(self: Scheduler, *args, **kwargs) -> None:
         real_init(self, *args, **kwargs)
         parked, stopping = directory / f"parked-{self.name}", threading.Event()
+        calls = directory / f"calls-{self.name}"
 
         def park(ids: list[str]) -> None:
+            with calls.open("a") as log:
+                log.write(" ".join(ids) + "\n")
             if not hold.exists() or stopping.is_set():
                 return
             parked.write_text(" ".join(ids) + "\n")

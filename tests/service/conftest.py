@@ -28,6 +28,7 @@ from model.decoding import GenerationConfig
 from model.generation import generate_causal, generate_seq2seq, stop_strings, trim_stop
 from model.lora_io import load_adapter
 from service.engine import Engine
+from service.jobs import token_logprobs
 from service.schemas import DEFAULT_NEW_TOKENS, Candidate, GenerateOutput, GenerateRequest
 from service.types import EngineSettings
 from service.worker import DECODING_FIELDS
@@ -100,7 +101,8 @@ def offline(model_dir: Path, texts: list[str], fields: dict[str, Any], adapter_d
             hyps = generate_seq2seq(ckpt.model, [ckpt.src_tokenizer.encode(text, add_eos=True)], config,
                                     adapters=adapters)[0]
         candidates = [Candidate(text=trim_stop(ckpt.tokenizer.decode(h.tokens), req.stop), tokens=h.tokens,
-                                score=h.score, finish_reason=h.finish_reason) for h in hyps]
+                                score=h.score, finish_reason=h.finish_reason,
+                                logprobs=token_logprobs(h, ckpt.tokenizer.decode)) for h in hyps]
         outputs.append(GenerateOutput(**dict(candidates[0]), candidates=candidates))
     return outputs
 
@@ -114,7 +116,23 @@ def assert_same(got: list[GenerateOutput], want: list[GenerateOutput]) -> None:
         assert [(c.text, c.tokens, c.finish_reason) for c in g_all] == \
             [(c.text, c.tokens, c.finish_reason) for c in w_all]
         assert [c.score for c in g_all] == pytest.approx([c.score for c in w_all], abs=1e-4)
+        for g_c, w_c in zip(g_all, w_all, strict=True):
+            assert_same_logprobs(g_c.logprobs, w_c.logprobs)
         assert (g.text, g.tokens, g.finish_reason) == (w.text, w.tokens, w.finish_reason)
+
+
+def assert_same_logprobs(got: list | None, want: list | None) -> None:
+    """Same tokens and alternatives; log-probs equal up to float rounding (both None when not asked for)."""
+    assert (got is None) == (want is None)
+    if got is None:
+        return
+    assert [(e.token, e.text) for e in got] == [(e.token, e.text) for e in want]
+    assert [e.logprob for e in got] == pytest.approx([e.logprob for e in want], abs=1e-4)
+    for g, w in zip(got, want, strict=True):
+        assert (g.top_logprobs is None) == (w.top_logprobs is None)
+        if g.top_logprobs is not None:
+            assert [a.token for a in g.top_logprobs] == [a.token for a in w.top_logprobs]
+            assert [a.logprob for a in g.top_logprobs] == pytest.approx([a.logprob for a in w.top_logprobs], abs=1e-4)
 
 
 def histogram_count(engine: Engine, name: str, labels: dict[str, str], le: str | None = None) -> float:

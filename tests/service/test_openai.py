@@ -140,10 +140,37 @@ def test_model_colon_adapter(client):
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
 
 
+def test_logprobs_fill_openais_object_and_agree_with_the_native_route(client):
+    body = complete(client, model=LM, prompt=PROMPTS[1], max_tokens=6, temperature=0, logprobs=3)
+    choice = body["choices"][0]
+    lp = choice["logprobs"]
+    assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    native_out = native(client, LM, inputs=[PROMPTS[1]], max_new_tokens=6, logprobs=3)[0]
+    entries = native_out["logprobs"]
+    assert lp["tokens"] == [e["text"] for e in entries] and "".join(lp["tokens"]).startswith(choice["text"])
+    assert lp["token_logprobs"] == pytest.approx([e["logprob"] for e in entries], abs=1e-5)
+    assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(len(entries))]
+    for top, entry in zip(lp["top_logprobs"], entries, strict=True):
+        assert top[entry["text"]] == pytest.approx(entry["logprob"], abs=1e-5)  # the chosen token is listed
+        assert len(top) <= 4 and max(top.values()) == pytest.approx(entry["top_logprobs"][0]["logprob"], abs=1e-5)
+    assert sum(lp["token_logprobs"]) == pytest.approx(native_out["score"], abs=1e-3) or \
+        native_out["finish_reason"] == "eos"  # an ending EOS counts in the score only
+    streamed = [c for c in stream(client, model=LM, prompt=PROMPTS[1], max_tokens=6, temperature=0, logprobs=3)
+                if c != "[DONE]"]
+    tokens = [t for c in streamed if c["choices"][0]["logprobs"] for t in c["choices"][0]["logprobs"]["tokens"]]
+    values = [v for c in streamed if c["choices"][0]["logprobs"]
+              for v in c["choices"][0]["logprobs"]["token_logprobs"]]
+    offsets = [o for c in streamed if c["choices"][0]["logprobs"] for o in c["choices"][0]["logprobs"]["text_offset"]]
+    assert tokens == lp["tokens"] and values == pytest.approx(lp["token_logprobs"], abs=1e-5)
+    assert offsets == lp["text_offset"]
+    assert complete(client, model=LM, prompt=PROMPTS[1], max_tokens=3)["choices"][0]["logprobs"] is None
+
+
 @pytest.mark.parametrize(
     ("extra", "status", "field"),
     [
-        ({"logprobs": 1}, 422, "logprobs"),
+        ({"logprobs": 21}, 422, "logprobs"),
+        ({"logprobs": -1}, 422, "logprobs"),
         ({"echo": True}, 422, "echo"),
         ({"best_of": 3}, 422, "best_of"),
         ({"suffix": "!"}, 422, "suffix"),
