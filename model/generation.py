@@ -48,15 +48,19 @@ def generate_seq2seq(
     sources: Sequence[Sequence[int]],
     config: GenerationConfig,
     adapters: AdapterSelection = None,
+    targets: Sequence[Sequence[int]] | None = None,
 ) -> list[list[Hypothesis]]:
-    """Translate each source; returns per source the hypotheses of ``config`` (best first)."""
+    """Translate each source; returns per source the hypotheses of ``config`` (best first). ``targets``: per source,
+    the start of its translation (target tokens) to continue; the hypotheses hold what follows it."""
+    targets = [list(t) for t in targets] if targets is not None else [[] for _ in sources]
     _check_lengths([len(s) for s in sources], 0, model.config.max_src_len, "source")
-    _check_lengths([0], config.max_new_tokens + 1, model.config.max_len, "output")
+    _check_lengths([len(t) for t in targets], config.max_new_tokens + 1, model.config.max_len, "output")
     device = next(model.parameters()).device
     src, _ = pad_batch(sources, model.config.pad_id)
-    search = make_search(config, len(sources), prefixes=[[model.config.bos_id]] * len(sources))
+    search = make_search(config, len(sources), prefixes=[[model.config.bos_id, *t] for t in targets])
     with torch.inference_mode(), _AdapterRows(model, adapters, len(sources)) as rows:
-        first, cache = model.start(src.to(device), capacity=config.max_new_tokens + 1)
+        capacity = config.max_new_tokens + 1 + max(map(len, targets))
+        first, cache = model.start(src.to(device), capacity=capacity, targets=targets)
         return run_search(search, first, lambda t: model.decode_step(t, cache), rows.select_with(cache.select))
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -10,6 +12,7 @@ from model.fast_step import run_decoder
 from model.kernel_layers import Linear
 from model.kv_cache import CrossAttentionMemory, KVCache
 from model.layers import Embeddings, LayerStack, causal_mask, init_weights, padding_mask
+from model.tokenizer import pad_batch
 
 
 class Seq2SeqTransformer(nn.Module):
@@ -76,15 +79,26 @@ class Seq2SeqTransformer(nn.Module):
         cache.cross = cross
         return cache
 
-    def start(self, src: torch.Tensor, capacity: int) -> tuple[torch.Tensor, KVCache]:
-        """Encode ``src`` and feed BOS: returns the first-token logits (B, V) and the cache."""
+    def start(self, src: torch.Tensor, capacity: int, targets: Sequence[Sequence[int]] | None = None
+              ) -> tuple[torch.Tensor, KVCache]:
+        """Encode ``src`` and feed BOS (then each row's target prefix): the next-token logits (B, V) and the cache."""
         memory, src_mask, _ = self.encode(src)
-        return self.start_from(self.new_cache(memory, src_mask, capacity))
+        return self.start_from(self.new_cache(memory, src_mask, capacity), targets)
 
-    def start_from(self, cache: KVCache) -> tuple[torch.Tensor, KVCache]:
-        """Feed BOS to every row of a fresh ``cache``: the first-token logits (B, V) and the cache."""
-        bos = torch.full((cache.batch_size,), self.config.bos_id, dtype=torch.long, device=cache.lengths.device)
-        return self.decode_step(bos, cache), cache
+    def start_from(self, cache: KVCache, targets: Sequence[Sequence[int]] | None = None
+                   ) -> tuple[torch.Tensor, KVCache]:
+        """Feed BOS to every row of a fresh ``cache``, followed by the row's ``targets`` prefix when given (the start
+        of a translation to continue): the logits (B, V) of the token after them, and the cache."""
+        device = cache.lengths.device
+        if not targets or not any(targets):
+            bos = torch.full((cache.batch_size,), self.config.bos_id, dtype=torch.long, device=device)
+            return self.decode_step(bos, cache), cache
+        starts = [[self.config.bos_id, *t] for t in targets]
+        ids, lengths = (t.to(device) for t in pad_batch(starts, self.config.pad_id))
+        positions, mask = cache.begin_step(ids.shape[1])
+        x, _ = self.decoder(self.tgt_embed(ids, positions), mask, memory_mask=cache.cross.attention_mask, cache=cache)
+        cache.end_step(lengths, max_advance=ids.shape[1])
+        return self.lm_head(x[torch.arange(ids.shape[0], device=device), lengths - 1]), cache
 
     def decode_step(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Feed one target token per row (N,); return next-token logits (N, V)."""

@@ -134,10 +134,12 @@ class GenerationJob(Job):
     """A generation request: one Search over its inputs, owning some rows of the running batch."""
 
     def __init__(self, request_id: str, timeout_s: float, prompts: list[list[int]], config: GenerationConfig,
-                 stops: list[str], adapter: AdapterVersion | None = None, stream: StreamText | None = None) -> None:
+                 stops: list[str], adapter: AdapterVersion | None = None, stream: StreamText | None = None,
+                 targets: list[list[int]] | None = None) -> None:
         super().__init__(request_id, timeout_s, adapter)
         self.endpoint = "stream" if stream is not None else "generate"
         self.prompts = prompts
+        self.targets = targets if targets is not None else [[] for _ in prompts]  # seq2seq target prefixes
         self.config = config
         self.stops = stops
         self.search = None  # model.decoding.Search, made at admission
@@ -231,15 +233,31 @@ def token_logprobs(hyp: Hypothesis, decode: Callable[[Sequence[int]], str]) -> l
     return logprob_entries(hyp.tokens, hyp.token_logprobs, hyp.top_logprobs, decode)
 
 
+def continuation(decode: Callable[[Sequence[int]], str], prefix: Sequence[int]) -> Callable[[Sequence[int]], str]:
+    """``decode`` of tokens that follow ``prefix``: their text after the prefix's (a subword tokenizer's decode of
+    them alone could lose the space or bytes they share with it)."""
+    if not prefix:
+        return decode
+    head = decode(prefix)
+
+    def after(tokens: Sequence[int]) -> str:
+        text = decode([*prefix, *tokens])
+        return text[len(head):] if text.startswith(head) else decode(tokens)
+
+    return after
+
+
 def generate_outputs(results: list[list[Hypothesis]], decode: Callable[[Sequence[int]], str],
-                     stops: list[str], many: bool) -> list[GenerateOutput]:
+                     stops: list[str], many: bool, targets: list[list[int]] | None = None) -> list[GenerateOutput]:
     """One GenerateOutput per input from a finished search's hypotheses (best first); with ``many`` (several
-    sequences asked for) every candidate too, else the field stays unset (as logprobs does unless asked for)."""
+    sequences asked for) every candidate too, else the field stays unset (as logprobs does unless asked for).
+    ``targets``: per input, the target prefix its tokens follow (the text is decoded after it)."""
     outputs = []
-    for hyps in results:
+    for i, hyps in enumerate(results):
+        text_of = continuation(decode, targets[i]) if targets is not None else decode
         candidates = []
         for h in hyps:
-            candidate = Candidate(text=trim_stop(decode(h.tokens), stops), tokens=list(h.tokens),
+            candidate = Candidate(text=trim_stop(text_of(h.tokens), stops), tokens=list(h.tokens),
                                   score=float(h.score), finish_reason=h.finish_reason)
             if h.token_logprobs is not None:
                 candidate.logprobs = token_logprobs(h, decode)

@@ -50,13 +50,15 @@ class GenerationRunner(ABC):
         """Most new tokens that fit after an input of ``input_tokens`` tokens."""
 
     @abstractmethod
-    def prefixes(self, inputs: list[list[int]]) -> list[list[int]]:
-        """The tokens each input's output continues."""
+    def prefixes(self, inputs: list[list[int]], targets: list[list[int]]) -> list[list[int]]:
+        """The tokens each input's output continues (``targets``: a translation's target prefixes, else empty)."""
 
     @abstractmethod
-    def prefill(self, inputs: list[list[int]], adapters: Sequence[str | None]) -> tuple[torch.Tensor, KVCache]:
+    def prefill(self, inputs: list[list[int]], adapters: Sequence[str | None], targets: list[list[int]]
+                ) -> tuple[torch.Tensor, KVCache]:
         """(rows, V) logits of every input's first new token, and the rows' cache. ``adapters``: each row's adapter
-        (None: the base model), which the model is already set to; a prefix is reused only under the same one."""
+        (None: the base model), which the model is already set to; a prefix is reused only under the same one.
+        ``targets``: per row, a translation's target prefix to continue (empty lists for a causal LM)."""
 
     def decode(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """(rows, V) logits of the next token after ``tokens`` (rows,), appended to ``cache``."""
@@ -79,10 +81,13 @@ class CausalRunner(GenerationRunner):
     def room(self, input_tokens: int) -> int:
         return self.config.max_len - input_tokens
 
-    def prefixes(self, inputs: list[list[int]]) -> list[list[int]]:
+    def prefixes(self, inputs: list[list[int]], targets: list[list[int]]) -> list[list[int]]:
         return inputs
 
-    def prefill(self, inputs: list[list[int]], adapters: Sequence[str | None]) -> tuple[torch.Tensor, KVCache]:
+    def prefill(self, inputs: list[list[int]], adapters: Sequence[str | None], targets: list[list[int]]
+                ) -> tuple[torch.Tensor, KVCache]:
+        if any(targets):
+            raise ValueError("a causal LM continues its prompt: target prefixes are for seq2seq models")
         if self.prefix_cache is None:
             return self._prefill(inputs, [None] * len(inputs))
         self._prefill_shared(inputs, adapters)
@@ -140,13 +145,15 @@ class Seq2SeqRunner(GenerationRunner):
     def room(self, input_tokens: int) -> int:
         return self.config.max_len - 1  # the decoder start token takes one position
 
-    def prefixes(self, inputs: list[list[int]]) -> list[list[int]]:
-        return [[self.config.bos_id] for _ in inputs]
+    def prefixes(self, inputs: list[list[int]], targets: list[list[int]]) -> list[list[int]]:
+        return [[self.config.bos_id, *t] for t in targets]
 
-    def prefill(self, inputs: list[list[int]], adapters: Sequence[str | None]) -> tuple[torch.Tensor, KVCache]:
+    def prefill(self, inputs: list[list[int]], adapters: Sequence[str | None], targets: list[list[int]]
+                ) -> tuple[torch.Tensor, KVCache]:
+        capacity = DECODE_HEADROOM + max(map(len, targets))
         if self.prefix_cache is None:
             ids, _ = self._padded(inputs)
-            return self.model.start(ids, capacity=DECODE_HEADROOM)
+            return self.model.start(ids, capacity=capacity, targets=targets)
         entries = [self.prefix_cache.match_source(a, tokens) for tokens, a in zip(inputs, adapters, strict=True)]
         missing: dict[tuple[str | None, tuple[int, ...]], list[int]] = {}  # identical sources are encoded once
         for row, entry in enumerate(entries):
@@ -156,7 +163,7 @@ class Seq2SeqRunner(GenerationRunner):
             for entry, rows in zip(self._encode(list(missing)), missing.values(), strict=True):
                 for row in rows:
                     entries[row] = entry
-        return self.model.start_from(self.model.cache_for(_cross_memory(entries), DECODE_HEADROOM))
+        return self.model.start_from(self.model.cache_for(_cross_memory(entries), capacity), targets)
 
     def _encode(self, sources: list[tuple[str | None, tuple[int, ...]]]) -> list[Entry]:
         """Encode (adapter, source) pairs in one batch and cache each one's cross-attention K/V."""

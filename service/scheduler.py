@@ -368,7 +368,8 @@ class GenerationScheduler(Scheduler):
     def _start_search(self, job: GenerationJob) -> bool:
         try:
             stop_fn = stop_strings(self.tokenizer, job.stops)
-            job.search = make_search(job.config, len(job.prompts), stop_fn, prefixes=self.runner.prefixes(job.prompts))
+            job.search = make_search(job.config, len(job.prompts), stop_fn,
+                                     prefixes=self.runner.prefixes(job.prompts, job.targets))
         except Exception as exc:
             self._finish(job, exc=self._failure(job, exc))
             return False
@@ -418,9 +419,10 @@ class GenerationScheduler(Scheduler):
 
     def _prefill(self, jobs: list[GenerationJob]) -> tuple[RunningBatch | None, list]:
         prompts = [p for job in jobs for p in job.prompts]
+        targets = [t for job in jobs for t in job.targets]
         rows = [a for job in jobs for a in [internal_name(job)] * len(job.prompts)]
         try:
-            logits, cache = self._call_model(jobs, rows, self.runner.prefill, prompts, rows)
+            logits, cache = self._call_model(jobs, rows, self.runner.prefill, prompts, rows, targets)
         except Exception as exc:
             if len(jobs) == 1:
                 logger.exception("model %r: request %r failed in prefill", self.name, jobs[0].id)
@@ -515,4 +517,4 @@ class GenerationScheduler(Scheduler):
         if job.stream is not None:
             job.emit(final_stream_event(results, job.stream, job.config.strategy == "beam"))
         self._finish(job, generate_outputs(results, self.tokenizer.decode, job.stops,
-                                           many=job.config.num_return_sequences > 1))
+                                           many=job.config.num_return_sequences > 1, targets=job.targets))

@@ -168,6 +168,10 @@ class GenerateRequest(RequestModel):
     adapter: Name | None = Field(None, description="LoRA adapter to apply.")
     stream: bool = Field(False, description="Server-sent events of tokens (one input, one sequence).")
     priority: Priority = 0
+    target_prefix: list[str] | None = Field(
+        None, description="seq2seq only, one per input: the start of its translation (typed by a user) to "
+        "continue; the outputs hold what follows it (with logprobs, the alternatives at the next position)."
+    )
     logprobs: int | None = Field(
         None, ge=0, le=MAX_LOGPROBS, description="Return each generated token's log-probability and the N "
         f"likeliest tokens at its position (0 <= N <= {MAX_LOGPROBS}): log-softmax of the model's logits, before "

@@ -34,7 +34,7 @@ from model.tokenizer import Tokenizer
 from service.adapters import AdapterRegistry, check_name
 from service.attention import ALL_MAPS, MapSelection, causal_maps, classifier_maps, seq2seq_maps
 from service.errors import InvalidRequest, NotReady, ServiceError
-from service.jobs import DEADLINE_GRACE_S, CallJob, GenerationJob, Job, PoolingJob, StreamText
+from service.jobs import DEADLINE_GRACE_S, CallJob, GenerationJob, Job, PoolingJob, StreamText, continuation
 from service.metrics import Metrics
 from service.pooling import PoolingScheduler
 from service.runners import RUNNERS
@@ -400,10 +400,34 @@ class ModelWorker:
                 raise InvalidRequest(f"inputs[{i}]", f"{len(ids)} tokens + max_new_tokens={config.max_new_tokens} "
                                      f"exceeds the model's max_len={self.config.max_len}")
             prompts.append(ids)
+        targets = await self._target_prefixes(req, config)
         stops = [s for s in req.stop if s]
-        text_stream = StreamText(self.checkpoint.tokenizer.decode, stops) if stream else None
+        text_stream = None
+        if stream:
+            text_stream = StreamText(continuation(self.checkpoint.tokenizer.decode, targets[0] if targets else []),
+                                     stops)
         return GenerationJob(request_id, self.settings.request_timeout_s, prompts, config, stops,
-                             adapter=self._acquire(req.adapter), stream=text_stream)
+                             adapter=self._acquire(req.adapter), stream=text_stream, targets=targets)
+
+    async def _target_prefixes(self, req: GenerateRequest, config: GenerationConfig) -> list[list[int]] | None:
+        """The target tokens of ``req.target_prefix`` (seq2seq: one per input), checked against the model's length."""
+        if req.target_prefix is None:
+            return None
+        if self.family != "seq2seq":
+            raise InvalidRequest("target_prefix", f"continues a translation: model {self.name!r} is a {self.family} "
+                                 "model, whose outputs already continue their input")
+        if len(req.target_prefix) != len(req.inputs):
+            raise InvalidRequest("target_prefix", f"needs one entry per input ({len(req.inputs)}), got "
+                                 f"{len(req.target_prefix)}")
+        tokenizer, room = self.checkpoint.tokenizer, self.config.max_len - 1 - config.max_new_tokens
+        texts = [self._check_size(f"target_prefix[{i}]", self._text(i, t), tokenizer, max(room, 1), "max_len")
+                 for i, t in enumerate(req.target_prefix)]
+        targets = await self._tokenize(lambda: [tokenizer.encode(t) for t in texts])
+        for i, ids in enumerate(targets):
+            if len(ids) > room:
+                raise InvalidRequest(f"target_prefix[{i}]", f"{len(ids)} tokens + max_new_tokens="
+                                     f"{config.max_new_tokens} exceeds the model's max_len={self.config.max_len} - 1")
+        return targets
 
     # ---- attention: prepared here, run on the worker thread (service.attention) ----------------------------
 

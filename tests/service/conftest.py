@@ -28,7 +28,7 @@ from model.decoding import GenerationConfig
 from model.generation import generate_causal, generate_seq2seq, stop_strings, trim_stop
 from model.lora_io import load_adapter
 from service.engine import Engine
-from service.jobs import token_logprobs
+from service.jobs import continuation, token_logprobs
 from service.schemas import DEFAULT_NEW_TOKENS, Candidate, GenerateOutput, GenerateRequest
 from service.types import EngineSettings
 from service.worker import DECODING_FIELDS
@@ -92,15 +92,17 @@ def offline(model_dir: Path, texts: list[str], fields: dict[str, Any], adapter_d
     config = GenerationConfig(**decoding, eos_token_id=ckpt.config.eos_id)
     adapters = "ref" if adapter_dir is not None else None
     outputs = []
-    for text in texts:
+    for i, text in enumerate(texts):
+        target = ckpt.tokenizer.encode(req.target_prefix[i]) if req.target_prefix is not None else []
         if ckpt.family == "causal_lm":
             stop_fn = stop_strings(ckpt.tokenizer, req.stop)
             ids = ckpt.tokenizer.encode(text, add_bos=True)
             hyps = generate_causal(ckpt.model, [ids], config, adapters=adapters, stop_fn=stop_fn)[0]
         else:
             hyps = generate_seq2seq(ckpt.model, [ckpt.src_tokenizer.encode(text, add_eos=True)], config,
-                                    adapters=adapters)[0]
-        candidates = [Candidate(text=trim_stop(ckpt.tokenizer.decode(h.tokens), req.stop), tokens=h.tokens,
+                                    adapters=adapters, targets=[target])[0]
+        text_of = continuation(ckpt.tokenizer.decode, target)
+        candidates = [Candidate(text=trim_stop(text_of(h.tokens), req.stop), tokens=h.tokens,
                                 score=h.score, finish_reason=h.finish_reason,
                                 logprobs=token_logprobs(h, ckpt.tokenizer.decode)) for h in hyps]
         outputs.append(GenerateOutput(**dict(candidates[0]), candidates=candidates))
