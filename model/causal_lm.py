@@ -58,3 +58,11 @@ class CausalLM(nn.Module):
         x = run_decoder(self.decoder, self.embed(tokens[:, None], positions), mask, cache, None)
         cache.end_step(1)
         return self.lm_head(x[:, 0])
+
+    def verify_step(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Feed t tokens per row (B, t) (a fed token and a speculative draft); return the logits (B, t, V) after each.
+        The cache keeps all t positions; :meth:`KVCache.truncate` forgets the rejected ones."""
+        positions, mask = cache.begin_step(ids.shape[1])
+        x = run_decoder(self.decoder, self.embed(ids, positions), mask, cache, None)
+        cache.end_step(ids.shape[1])
+        return self.lm_head(x)

@@ -11,9 +11,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 from model.causal_lm import CausalLM
-from model.decoding import GenerationConfig, Hypothesis, StopFn, make_search, run_search
+from model.decoding import ConfigError, GenerationConfig, Hypothesis, Search, StopFn, Strategy, make_search, run_search
+from model.kv_cache import KVCache
 from model.lora import AdapterSelection, set_adapters, use_adapters
 from model.seq2seq import Seq2SeqTransformer
+from model.speculative import NgramDrafter, SpeculativeConfig, verify
 from model.tokenizer import Tokenizer, pad_batch
 
 
@@ -28,8 +30,10 @@ def generate_causal(
     adapters: AdapterSelection = None,
     stop_fn: StopFn | None = None,
     use_cache: bool = True,
+    speculative: SpeculativeConfig | None = None,
 ) -> list[list[Hypothesis]]:
-    """Continue each prompt; returns per prompt the hypotheses of ``config`` (best first)."""
+    """Continue each prompt; returns per prompt the hypotheses of ``config`` (best first). ``speculative``: draft
+    and verify several tokens per step (model.speculative; one prompt, greedy or one sample: same outputs)."""
     _check_lengths([len(p) for p in prompts], config.max_new_tokens, model.config.max_len, "prompt")
     device = next(model.parameters()).device
     ids, lengths = (t.to(device) for t in pad_batch(prompts, model.config.pad_id))
@@ -40,7 +44,29 @@ def generate_causal(
             return run_search(search, state.logits(), state.step, rows.select_with(state.select))
         cache = model.new_cache(len(prompts), capacity=ids.shape[1] + config.max_new_tokens)
         first = model.prefill(ids, lengths, cache)
+        if speculative is not None:
+            return _run_speculative(model, search, first, cache, NgramDrafter(speculative, list(prompts[0])))
         return run_search(search, first, lambda t: model.decode_step(t, cache), rows.select_with(cache.select))
+
+
+def _run_speculative(model: CausalLM, search: Search, first: torch.Tensor, cache: KVCache,
+                     drafter: NgramDrafter) -> list[list[Hypothesis]]:
+    """A single-row search driven by draft-and-verify steps (model.speculative)."""
+    if search.num_rows != 1 or search.config.strategy == Strategy.BEAM or search.config.num_return_sequences != 1:
+        raise ConfigError("speculative", "needs one prompt and one greedy or sampled sequence")
+    tokens, _ = search.advance(first)
+    while not search.done:
+        drafter.append(int(tokens[0]))
+        room = search.config.max_new_tokens - search.step - 1
+        draft = drafter.draft(min(drafter.config.num_tokens, room)) if room > 0 else []
+        before = cache.lengths
+        fed = torch.tensor([[int(tokens[0]), *draft]], device=before.device)
+        verdict = verify(search, model.verify_step(fed, cache)[0], draft)
+        cache.truncate(before + 1 + verdict.accepted)
+        for token in verdict.tokens[:-1]:
+            drafter.append(token)
+        tokens = verdict.next_token
+    return search.results()
 
 
 def generate_seq2seq(

@@ -176,6 +176,13 @@ class KVCache:
             self.max_length += longest
         self._write_positions = None
 
+    def truncate(self, lengths: torch.Tensor) -> None:
+        """Forget each row's positions from ``lengths`` (B,) on (at most the current lengths): speculative tokens
+        that were rejected. Their keys and values stay finite, masked, and are overwritten by the next steps."""
+        self.lengths = lengths
+        self.max_length = int(lengths.max()) if lengths.numel() else 0
+        self.uniform = bool((lengths == self.max_length).all())
+
     def snapshot(self) -> tuple[torch.Tensor, int, bool]:
         """What a step changes in the rows' bookkeeping; :meth:`rollback` returns to it."""
         return self.lengths, self.max_length, self.uniform

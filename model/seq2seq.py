@@ -107,3 +107,11 @@ class Seq2SeqTransformer(nn.Module):
         x = run_decoder(self.decoder, x, mask, cache, cache.cross.attention_mask)
         cache.end_step(1)
         return self.lm_head(x[:, 0])
+
+    def verify_step(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Feed t target tokens per row (B, t) (a fed token and a speculative draft); return the logits (B, t, V)
+        after each. The cache keeps all t positions; :meth:`KVCache.truncate` forgets the rejected ones."""
+        positions, mask = cache.begin_step(ids.shape[1])
+        x = run_decoder(self.decoder, self.tgt_embed(ids, positions), mask, cache, cache.cross.attention_mask)
+        cache.end_step(ids.shape[1])
+        return self.lm_head(x)

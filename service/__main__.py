@@ -119,10 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write("python -m service: --models (or TSERVE_MODELS) is required\n")
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if settings.threads is not None:
-        import torch
+    from service.threads import keep_serial
 
-        torch.set_num_threads(settings.threads)
+    keep_serial()  # model workers set their own threads (service.threads)
     from service.app import create_app
 
     config = server_config(create_app(settings), settings)

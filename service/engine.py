@@ -13,6 +13,7 @@ from model.checkpoint import load_checkpoint
 from model.quantize import mode_for, prepare_for_inference
 from service.errors import NotFound, NotReady
 from service.metrics import Metrics
+from service.threads import available_cores, worker_threads
 from service.types import EngineSettings, ModelInfo
 from service.worker import ModelWorker
 
@@ -51,6 +52,11 @@ class Engine:
         dirs = sorted({*dirs, *(d for d in interrupted if not d.exists())})
         if not dirs:
             raise NoModelsLoaded(f"models directory {self.models_dir} holds no model directories")
+        threads = worker_threads(self.settings.threads, len(dirs))
+        if threads * len(dirs) > available_cores():
+            logger.warning("%d model workers x %d intra-op threads exceed the %d CPU cores: every parallel region "
+                           "will wait for a sleeping thread (service.threads); leave TSERVE_THREADS unset to share "
+                           "the cores", len(dirs), threads, available_cores())
         for directory in dirs:
             name = directory.name
             start = time.perf_counter()
@@ -60,7 +66,7 @@ class Engine:
                                                      self.settings.dtype)
                 prepare_for_inference(checkpoint.model, mode_for(self.settings.quantize, name))
                 worker = ModelWorker(name, checkpoint, self.settings, self.metrics, self.adapters_dir)
-                await worker.start()
+                await worker.start(threads)
                 self.metrics.model_load_seconds.labels(name).set(time.perf_counter() - start)
                 if self.settings.warmup:
                     await worker.warmup()

@@ -15,6 +15,7 @@ from typing import Any
 
 from model.decoding import GenerationConfig, Hypothesis
 from model.generation import trim_stop
+from model.speculative import NgramDrafter, SpeculativeConfig
 from service.adapters import AdapterVersion
 from service.errors import RequestTimeout
 from service.schemas import Alternative, Candidate, GenerateOutput, TokenLogprob
@@ -135,11 +136,13 @@ class GenerationJob(Job):
 
     def __init__(self, request_id: str, timeout_s: float, prompts: list[list[int]], config: GenerationConfig,
                  stops: list[str], adapter: AdapterVersion | None = None, stream: StreamText | None = None,
-                 targets: list[list[int]] | None = None) -> None:
+                 targets: list[list[int]] | None = None, speculative: SpeculativeConfig | None = None) -> None:
         super().__init__(request_id, timeout_s, adapter)
         self.endpoint = "stream" if stream is not None else "generate"
         self.prompts = prompts
         self.targets = targets if targets is not None else [[] for _ in prompts]  # seq2seq target prefixes
+        self.speculative = speculative  # drafting (one input, one sequence)
+        self.drafter: NgramDrafter | None = None  # made with the search, fed every token the search picks
         self.config = config
         self.stops = stops
         self.search = None  # model.decoding.Search, made at admission

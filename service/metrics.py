@@ -61,6 +61,11 @@ class Metrics:
                                          "cache (their K/V reused, not computed)", ["model"], registry=r)
         self.prefix_cache_bytes = Gauge("tserve_prefix_cache_bytes", "Memory held by the prefix cache", ["model"],
                                         registry=r)
+        self.spec_draft_tokens = Counter("tserve_spec_decode_draft_tokens", "Draft tokens proposed by speculative "
+                                         "decoding", ["model"], registry=r)
+        self.spec_accepted_tokens = Counter("tserve_spec_decode_accepted_tokens", "Draft tokens the model's own "
+                                            "choice confirmed (the acceptance rate is their ratio)", ["model"],
+                                            registry=r)
         self._gpu_memory: Gauge | None = None
         self._lock = threading.Lock()  # workers of several CUDA models may report at once
 

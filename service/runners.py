@@ -64,6 +64,15 @@ class GenerationRunner(ABC):
         """(rows, V) logits of the next token after ``tokens`` (rows,), appended to ``cache``."""
         return self.model.decode_step(tokens, cache)
 
+    def verify(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """(rows, t, V) logits after each of ``tokens`` (rows, t): the fed token and a draft (model.speculative);
+        the cache keeps all t positions until it is truncated."""
+        return self.model.verify_step(tokens, cache)
+
+    @abstractmethod
+    def draft_source(self, input_ids: list[int], target: list[int]) -> list[int]:
+        """The tokens an n-gram drafter starts from, before the output's own (in the output's vocabulary)."""
+
     def _padded(self, inputs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         ids, lengths = pad_batch(inputs, self.config.pad_id)
         return ids.to(self.device), lengths.to(self.device)
@@ -83,6 +92,9 @@ class CausalRunner(GenerationRunner):
 
     def prefixes(self, inputs: list[list[int]], targets: list[list[int]]) -> list[list[int]]:
         return inputs
+
+    def draft_source(self, input_ids: list[int], target: list[int]) -> list[int]:
+        return list(input_ids)
 
     def prefill(self, inputs: list[list[int]], adapters: Sequence[str | None], targets: list[list[int]]
                 ) -> tuple[torch.Tensor, KVCache]:
@@ -147,6 +159,11 @@ class Seq2SeqRunner(GenerationRunner):
 
     def prefixes(self, inputs: list[list[int]], targets: list[list[int]]) -> list[list[int]]:
         return [[self.config.bos_id, *t] for t in targets]
+
+    def draft_source(self, input_ids: list[int], target: list[int]) -> list[int]:
+        """The source too where it shares the target's vocabulary (names, numbers, placeholders are copied)."""
+        source = list(input_ids) if self.config.src_vocab_size is None else []
+        return [*source, self.config.bos_id, *target]
 
     def prefill(self, inputs: list[list[int]], adapters: Sequence[str | None], targets: list[list[int]]
                 ) -> tuple[torch.Tensor, KVCache]:

@@ -37,6 +37,7 @@ from torch import nn
 from model.decoding import make_search
 from model.generation import stop_strings
 from model.lora import set_adapters
+from model.speculative import verify
 from model.tokenizer import Tokenizer
 from service.adapters import AdapterRegistry
 from service.batch import RunningBatch, compact, internal_name
@@ -44,11 +45,16 @@ from service.errors import EngineFailure, NotReady, QueueFull, ServiceError
 from service.jobs import CallJob, GenerationJob, Job, final_stream_event, generate_outputs, logprob_entries
 from service.metrics import Metrics, adapter_label
 from service.runners import GenerationRunner
+from service.speculation import drafts_for, fed_tokens, start_drafter
+from service.threads import use_threads
 from service.types import EngineSettings
 
 logger = logging.getLogger(__name__)
 
 FaultHook = Callable[[list[str]], None]  # called with the job ids of every model call (tests inject faults)
+# A model call's share for one job: its logits ((rows, V), or (rows, t, V) after a verification step), whether they
+# are finite, and the draft it verified (None: none).
+Output = tuple[GenerationJob, torch.Tensor, bool, list[int] | None]
 
 
 class Scheduler:
@@ -73,10 +79,13 @@ class Scheduler:
         self._stepping = False  # an iteration is under way (its jobs may be neither waiting nor running)
         self._routing: tuple | None = None  # (registry.changes, per-row adapters) of the last set_adapters
         self._thread = threading.Thread(target=self._loop, name=f"tserve-{name}", daemon=True)
+        self._threads: int | None = None  # intra-op threads of the worker thread (start)
 
     # ---- event loop side ------------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, threads: int | None = None) -> None:
+        """Start the worker thread; ``threads``: its intra-op threads (None: leave torch's setting)."""
+        self._threads = threads
         self._thread.start()
 
     def submit(self, job: Job) -> None:
@@ -140,6 +149,8 @@ class Scheduler:
     # ---- worker thread ----------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        if self._threads is not None:
+            use_threads(self._threads)
         while True:
             with self._cond:
                 while not self._controls and self._stopping is None:
@@ -373,6 +384,7 @@ class GenerationScheduler(Scheduler):
         except Exception as exc:
             self._finish(job, exc=self._failure(job, exc))
             return False
+        start_drafter(job, self.runner.draft_source(job.prompts[0], job.targets[0]))
         self.metrics.prompt_tokens.labels(self.name, adapter_label(job.adapter_name)).inc(job.prompt_tokens)
         return True
 
@@ -387,11 +399,17 @@ class GenerationScheduler(Scheduler):
 
     # -- model calls, each isolating failures per job ------------------------------------------------
 
-    def _decode(self, batch: RunningBatch) -> list[tuple[GenerationJob, torch.Tensor, bool]]:
+    def _decode(self, batch: RunningBatch) -> list[Output]:
+        """One step of the running rows: a plain decode step, or a verification step when a job drafted."""
         cache = batch.cache
         snapshot = cache.snapshot()
+        drafts = drafts_for(batch.jobs)
         try:
-            logits = self._call_model(batch.jobs, batch.adapter_rows(), self.runner.decode, batch.tokens, cache)
+            if drafts is None:
+                logits = self._call_model(batch.jobs, batch.adapter_rows(), self.runner.decode, batch.tokens, cache)
+            else:
+                fed = fed_tokens(batch, drafts)
+                logits = self._call_model(batch.jobs, batch.adapter_rows(), self.runner.verify, fed, cache)
         except Exception as exc:
             # Nothing was committed (lengths advance last), so the rows can be replayed job by job.
             cache.rollback(snapshot)
@@ -399,9 +417,9 @@ class GenerationScheduler(Scheduler):
                            self.name, len(batch.jobs), exc)
             return self._decode_alone(batch)
         self.metrics.batch_size.labels(self.name).observe(batch.rows)
-        return self._split(batch.jobs, logits)
+        return self._split(batch.jobs, logits, drafts)
 
-    def _decode_alone(self, batch: RunningBatch) -> list[tuple[GenerationJob, torch.Tensor, bool]]:
+    def _decode_alone(self, batch: RunningBatch) -> list[Output]:
         survivors, outputs = [], []
         for job in batch.jobs:
             sub = batch.sub(job)
@@ -445,39 +463,59 @@ class GenerationScheduler(Scheduler):
         self.metrics.prefix_cache_hits.labels(self.name).inc(self._prefix_seen[1] - seen[1])
         self.metrics.prefix_cache_bytes.labels(self.name).set(store.nbytes)
 
-    def _split(self, jobs: list[GenerationJob], logits: torch.Tensor) -> list[tuple[GenerationJob, torch.Tensor, bool]]:
-        """Per-job logits slices and whether they are all finite (one device sync per model call)."""
-        finite = torch.isfinite(logits).all(dim=-1).tolist()
+    def _split(self, jobs: list[GenerationJob], logits: torch.Tensor,
+               drafts: list[list[int] | None] | None = None) -> list[Output]:
+        """Per-job logits slices ((rows, V), or (rows, t, V) after a verification step), whether they are all
+        finite (one device sync per model call), and the job's draft."""
+        # A row's sum is finite exactly when all its logits are (a NaN or an infinity carries through a sum; finite
+        # logits cannot overflow it): one reduction instead of a (rows, V) mask.
+        finite = torch.isfinite(logits.reshape(logits.shape[0], -1).sum(dim=-1)).tolist()
         out, offset = [], 0
-        for job in jobs:
+        for i, job in enumerate(jobs):
             rows = job.search.num_rows
-            out.append((job, logits[offset: offset + rows], all(finite[offset: offset + rows])))
+            draft = drafts[i] if drafts is not None else None
+            out.append((job, logits[offset: offset + rows], all(finite[offset: offset + rows]), draft))
             offset += rows
         return out
 
     # -- advancing the searches ----------------------------------------------------------------------
 
-    def _update_from_output(self, outputs: list[tuple[GenerationJob, torch.Tensor, bool]]) -> None:
+    def _update_from_output(self, outputs: list[Output]) -> None:
         batch, now = self.batch, time.monotonic()
         index, tokens, keep, offset = [], [], [], 0
-        for job, logits, finite in outputs:
-            rows = logits.shape[0]
+        excess: list[int] = []  # per row, verified positions it does not keep (a verification step's rows)
+        for job, logits, finite, draft in outputs:
+            rows, step = logits.shape[0], job.search.step
+            verified = logits.dim() == 3
             try:
                 if not finite:
                     adapter = f" (adapter {job.adapter_name!r})" if job.adapter is not None else ""
                     raise FloatingPointError(f"the model produced non-finite logits{adapter}")
-                next_tokens, parents = job.search.advance(logits)
+                if draft is not None and verified:
+                    verdict = verify(job.search, logits[0, : 1 + len(draft)], draft)
+                    picked, accepted, next_tokens = verdict.tokens, verdict.accepted, verdict.next_token
+                    parents = torch.zeros(1, dtype=torch.long, device=logits.device)
+                    self._speculation_metrics(len(draft), accepted)
+                else:
+                    next_tokens, parents = job.search.advance(logits[:, 0] if verified else logits)
+                    picked, accepted = next_tokens[:1].tolist(), 0
             except Exception as exc:
                 logger.error("model %r: request %r failed: %s", self.name, job.id, exc)
                 self._finish(job, exc=self._failure(job, exc))
                 offset += rows
+                excess += [0] * rows
                 continue
-            self._token_metrics(job, rows, now)
+            excess += [logits.shape[1] - 1 - accepted if verified else 0] * rows
+            self._token_metrics(job, rows * (job.search.step - step), now)
+            if job.stream is not None and job.config.strategy != "beam":
+                for i, token in enumerate(picked):  # a finishing token comes with the final event
+                    job.emit(job.stream.feed(token, self._stream_logprobs(job, token, step + i)))
             if job.search.done:
                 self._complete(job)
             else:
-                if job.stream is not None and job.config.strategy != "beam":
-                    job.emit(job.stream.feed(int(next_tokens[0]), self._stream_logprobs(job, int(next_tokens[0]))))
+                if job.drafter is not None:
+                    for token in picked:
+                        job.drafter.append(token)
                 index.append(parents + offset)
                 tokens.append(next_tokens)
                 keep.append(job)
@@ -485,6 +523,8 @@ class GenerationScheduler(Scheduler):
         if not keep:
             self.batch = None
             return
+        if any(excess):  # forget the rejected draft positions (before select reorders the rows)
+            batch.cache.truncate(batch.cache.lengths - torch.tensor(excess, device=batch.cache.lengths.device))
         index, rows = torch.cat(index), batch.rows  # rows before select: select shrinks the cache
         if index.numel() != rows or not torch.equal(index, torch.arange(rows, device=index.device)):
             batch.cache.select(index)
@@ -492,13 +532,16 @@ class GenerationScheduler(Scheduler):
                 compact(batch.cache)
         batch.jobs, batch.tokens = keep, torch.cat(tokens)
 
-    def _stream_logprobs(self, job: GenerationJob, token: int) -> list | None:
-        """The log-prob entry of a streamed sequence's newest token (one input, one sequence: slot 0)."""
+    def _stream_logprobs(self, job: GenerationJob, token: int, position: int) -> list | None:
+        """The log-prob entry of a streamed sequence's token at ``position`` (one input, one sequence: slot 0)."""
         if job.config.logprobs is None:
             return None
-        step = job.search.step
-        token_lp, top = job.search.alternatives(0, step - 1, step)
+        token_lp, top = job.search.alternatives(0, position, position + 1)
         return logprob_entries([token], token_lp, top, self.tokenizer.decode)
+
+    def _speculation_metrics(self, drafted: int, accepted: int) -> None:
+        self.metrics.spec_draft_tokens.labels(self.name).inc(drafted)
+        self.metrics.spec_accepted_tokens.labels(self.name).inc(accepted)
 
     def _token_metrics(self, job: GenerationJob, rows: int, now: float) -> None:
         counter = self._generated.get(job.adapter_name)

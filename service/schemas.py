@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 from model import lora_config
 from model.decoding import Strategy
 from model.generation_config import MAX_LOGPROBS
+from model.speculative import MAX_SPECULATIVE_TOKENS
 from service.attention import MAX_ATTENTION_VALUES
 
 NAME_PATTERN = f"^{lora_config.NAME_PATTERN}$"  # model and adapter names
@@ -137,6 +138,14 @@ class ModelList(BaseModel):
 # ---- generate ------------------------------------------------------------------------------------
 
 
+class SpeculativeRequest(RequestModel):
+    method: Literal["ngram", "none"] = Field(
+        "ngram", description="ngram: draft the tokens that followed the latest earlier occurrence of the text's last "
+        "1-3 tokens (prompt lookup), verified by the model in one step; none: no drafting (overrides a default)."
+    )
+    num_tokens: int = Field(4, ge=1, le=MAX_SPECULATIVE_TOKENS, description="Draft tokens per step.")
+
+
 class GenerateRequest(RequestModel):
     """A field left unset takes the model's generation default (GET /v1/models: generation_defaults), else the
     default below."""
@@ -168,6 +177,10 @@ class GenerateRequest(RequestModel):
     adapter: Name | None = Field(None, description="LoRA adapter to apply.")
     stream: bool = Field(False, description="Server-sent events of tokens (one input, one sequence).")
     priority: Priority = 0
+    speculative: SpeculativeRequest | None = Field(
+        None, description="Draft-and-verify decoding (one input, greedy or one sample): the same tokens, fewer model "
+        "steps when the text repeats itself. Default: the model's (setting speculative)."
+    )
     target_prefix: list[str] | None = Field(
         None, description="seq2seq only, one per input: the start of its translation (typed by a user) to "
         "continue; the outputs hold what follows it (with logprobs, the alternatives at the next position)."

@@ -14,8 +14,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from model.generation_config import ConfigError
 from model.native import KernelOptions
 from model.quantize import QuantizeError, mode_for
+from model.speculative import speculative_for
 from service.types import EngineSettings
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -109,7 +111,8 @@ class Settings:
         _keys,
     )
     threads: int | None = _setting(
-        None, "TSERVE_THREADS", "torch intra-op threads (default: torch's choice)", _optional_int
+        None, "TSERVE_THREADS", "torch intra-op threads of each model's worker (default: the CPU cores divided among "
+        "the models, at least 1)", _optional_int
     )
     drain_timeout_s: float = _setting(
         30.0, "TSERVE_DRAIN_TIMEOUT_S", "on shutdown, how long in-flight requests may finish", float
@@ -141,6 +144,14 @@ class Settings:
         "memory per generative model for reused prompt prefixes (causal LM) and encoded sources (seq2seq), "
         "least recently used evicted; 0 turns prefix caching off",
         float,
+    )
+    speculative: str = _setting(
+        "none",
+        "TSERVE_SPECULATIVE",
+        "draft-and-verify decoding for requests that leave \"speculative\" unset (one input, greedy or one sample): "
+        "none, ngram:K (prompt lookup, K draft tokens per step), or per model name=... entries plus an optional "
+        "bare default, e.g. none,code=ngram:4",
+        str,
     )
     log_level: str = _setting("info", "TSERVE_LOG_LEVEL", "logging level: " + ", ".join(LOG_LEVELS), str)
     warmup: bool = _setting(True, "TSERVE_WARMUP", "run one tiny request per model before reporting ready", _bool)
@@ -190,6 +201,10 @@ class Settings:
             mode_for(self.quantize, "")
         except QuantizeError as exc:
             raise SettingsError(f"quantize ({_env('quantize')}): {exc}") from None
+        try:
+            speculative_for(self.speculative, "")
+        except ConfigError as exc:
+            raise SettingsError(f"speculative ({_env('speculative')}): {exc.message}") from None
 
     @property
     def auth_enabled(self) -> bool:
@@ -229,6 +244,8 @@ class Settings:
             warmup=self.warmup,
             quantize=self.quantize,
             prefix_cache_bytes=int(self.prefix_cache_mb * 2**20),
+            speculative=self.speculative,
+            threads=self.threads,
         )
 
 

@@ -91,3 +91,5 @@ class EngineSettings:
     warmup: bool = True
     quantize: str = "none"  # model.quantize.mode_for spec: "int8", or per model "name=int8,..."
     prefix_cache_bytes: int = 256 << 20  # per generative model (model.prefix_cache); 0 = off
+    speculative: str = "none"  # model.speculative.speculative_for spec: the models' default drafting
+    threads: int | None = None  # intra-op threads per model worker (None: service.threads.worker_threads decides)

@@ -30,6 +30,7 @@ from model.hf.generation import GenerationRules
 from model.hf.sentence import EmbeddingDefaults
 from model.lora import adapter_parameter_count
 from model.prefix_cache import PrefixCache
+from model.speculative import SpeculativeConfig, speculative_for
 from model.tokenizer import Tokenizer
 from service.adapters import AdapterRegistry, check_name
 from service.attention import ALL_MAPS, MapSelection, causal_maps, classifier_maps, seq2seq_maps
@@ -82,6 +83,7 @@ class ModelWorker:
         model_limit = self.runner.max_input_tokens if self.runner is not None else self.config.max_len
         self.max_input_tokens = min(model_limit, settings.max_input_tokens or model_limit)
         self.max_new_tokens = min(settings.max_new_tokens, self.runner.room(1)) if self.runner is not None else 0
+        self._default_speculative = speculative_for(settings.speculative, name)
         self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix=f"tokenize-{name}")
         self.scheduler: Scheduler
         if self.runner is not None:
@@ -113,9 +115,10 @@ class ModelWorker:
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
-    async def start(self) -> None:
-        """Start the worker thread and load the adapters found on disk, up to the resident limit."""
-        self.scheduler.start()
+    async def start(self, threads: int | None = None) -> None:
+        """Start the worker thread (with ``threads`` intra-op threads: service.threads) and load the adapters found
+        on disk, up to the resident limit."""
+        self.scheduler.start(threads)
         for name in self.registry.discover()[: self.settings.max_resident_adapters]:
             try:
                 await self._on_worker(lambda n=name: self.registry.preload(n))
@@ -401,13 +404,29 @@ class ModelWorker:
                                      f"exceeds the model's max_len={self.config.max_len}")
             prompts.append(ids)
         targets = await self._target_prefixes(req, config)
+        speculative = self._speculative(req, config)
         stops = [s for s in req.stop if s]
         text_stream = None
         if stream:
             text_stream = StreamText(continuation(self.checkpoint.tokenizer.decode, targets[0] if targets else []),
                                      stops)
         return GenerationJob(request_id, self.settings.request_timeout_s, prompts, config, stops,
-                             adapter=self._acquire(req.adapter), stream=text_stream, targets=targets)
+                             adapter=self._acquire(req.adapter), stream=text_stream, targets=targets,
+                             speculative=speculative)
+
+    def _speculative(self, req: GenerateRequest, config: GenerationConfig) -> SpeculativeConfig | None:
+        """How ``req`` drafts: its own "speculative" field, else the model's default where the request can
+        speculate (one input, greedy or one sample)."""
+        eligible = len(req.inputs) == 1 and config.strategy != Strategy.BEAM and config.num_return_sequences == 1
+        if req.speculative is None:
+            return self._default_speculative if eligible else None
+        if req.speculative.method == "none":
+            return None
+        if not eligible:
+            raise InvalidRequest("speculative", "drafting needs one input and one sequence (greedy or sample), got "
+                                 f"{len(req.inputs)} inputs, strategy {config.strategy.value}, "
+                                 f"num_return_sequences {config.num_return_sequences}")
+        return SpeculativeConfig(req.speculative.method, req.speculative.num_tokens)
 
     async def _target_prefixes(self, req: GenerateRequest, config: GenerationConfig) -> list[list[int]] | None:
         """The target tokens of ``req.target_prefix`` (seq2seq: one per input), checked against the model's length."""

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from benchmarks import compare, decode, gemm, layout, prefix_cache
+from benchmarks import compare, decode, gemm, layout, prefix_cache, speculative
 
 
 def _table(report: str, section: str) -> list[list[str]]:
@@ -144,3 +144,13 @@ def test_prefix_cache_benchmark_times_both_bursts_with_the_cache_off_and_on():
     hits = {kind: int(share) for kind, _, _, share in rows}
     assert hits["cold"] > 0  # the burst's shared prefix was computed once and reused by every row
     assert hits["warm"] > 50  # prefix 64 tokens of about 74
+
+
+def test_speculative_benchmark_checks_equal_outputs_and_reports_the_acceptance():
+    """--tiny: a random toy causal LM completes stdlib code plain and speculative (the harness raises if their tokens
+    differ); the report has its row with a speed-up and, since drafts were proposed, an acceptance rate."""
+    report = speculative.main(["--tiny", "--threads", "1"])
+    row = re.search(r"^\| code \| code \| 3 \| (\d+) \| [\d,]+ \| [\d,]+ \| (\d+\.\d\d)x \| (\d+)% \| (\d+\.\d\d) \|$",
+                    report, flags=re.MULTILINE)
+    assert row is not None, report
+    assert int(row.group(1)) == 3 * 16 and float(row.group(4)) >= 1.0

@@ -1,0 +1,120 @@
+"""Speculative decoding by prompt lookup (n-gram drafting), verified by the model itself.
+
+A draft is a guess of the next k tokens: the tokens that followed the latest earlier occurrence of the sequence's
+last n tokens (n from ``ngram_max`` down to ``ngram_min``), in the prompt or in what was generated (code and
+translations copy a lot). The model then runs the token it was going to feed plus the draft in one step (k + 1
+positions), and the row's own search walks the k + 1 logits: it picks a token from the first; while that token
+equals the next draft token, the following logits are valid too (they were computed after exactly that token),
+so it picks again; the first pick that differs from the draft (or a pick after the whole draft) is fed next, and
+the cache forgets the rejected draft positions.
+
+Every token is therefore chosen by the search from the model's distribution given the true prefix: greedy output
+is the plain greedy output, and sampling keeps the target distribution exactly (for a one-token draft "q", the
+speculative sampling rule of Leviathan et al. and Chen et al. accepts with probability p(q) and otherwise draws
+from p without q, renormalized, which is the same as drawing from p and checking for q). A seeded sampler draws
+the same noise per position as without speculation, so seeded outputs are unchanged too. Beam search does not
+speculate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from model.decoding import Search
+from model.generation_config import ConfigError, require
+
+MAX_SPECULATIVE_TOKENS = 16  # draft tokens per step; more costs a longer verification step for little gain
+METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How to draft: ``method`` "ngram" (prompt lookup) proposing up to ``num_tokens`` tokens per step."""
+
+    method: str = "ngram"
+    num_tokens: int = 4
+    ngram_max: int = 3  # longest tail looked up
+    ngram_min: int = 1  # shortest tail looked up
+
+    def __post_init__(self) -> None:
+        require(self.method in METHODS, "method", f"must be one of {list(METHODS)}, got {self.method!r}")
+        require(isinstance(self.num_tokens, int) and 1 <= self.num_tokens <= MAX_SPECULATIVE_TOKENS, "num_tokens",
+                f"must be an int in [1, {MAX_SPECULATIVE_TOKENS}], got {self.num_tokens!r}")
+        require(1 <= self.ngram_min <= self.ngram_max, "ngram_min", f"must be in [1, ngram_max={self.ngram_max}]")
+
+
+def speculative_for(spec: str, name: str) -> SpeculativeConfig | None:
+    """The drafting ``spec`` gives model ``name`` (None: none): "none" or "ngram:K" (K draft tokens per step), or
+    "name=..." entries and an optional bare default, e.g. "none,code=ngram:4"."""
+    default, chosen = None, {}
+    for entry in (e.strip() for e in spec.split(",")):
+        if not entry:
+            continue
+        key, _, value = entry.rpartition("=")
+        method, _, count = value.partition(":")
+        if value == "none":
+            config = None
+        elif method in METHODS and count.isdigit():
+            config = SpeculativeConfig(method, int(count))
+        else:
+            raise ConfigError("speculative", f"{value!r} in {spec!r}: expected none or ngram:K")
+        if key:
+            chosen[key] = config
+        else:
+            default = config
+    return chosen.get(name, default)
+
+
+class NgramDrafter:
+    """Prompt lookup over one growing sequence: for every n in [ngram_min, ngram_max], where each n-gram was last
+    followed by a token (an index kept up to date as tokens arrive, so a lookup is a few dict reads)."""
+
+    def __init__(self, config: SpeculativeConfig, tokens: list[int]) -> None:
+        self.config = config
+        self.tokens: list[int] = []
+        self._next: dict[tuple[int, ...], int] = {}  # n-gram -> where the token after its latest occurrence is
+        for token in tokens:
+            self.append(token)
+
+    def append(self, token: int) -> None:
+        """Add the sequence's next token."""
+        end = len(self.tokens)
+        for n in range(self.config.ngram_min, min(self.config.ngram_max, end) + 1):
+            self._next[tuple(self.tokens[end - n:end])] = end
+        self.tokens.append(token)
+
+    def draft(self, limit: int) -> list[int]:
+        """Up to ``limit`` tokens guessed to follow the sequence (empty when its tail never occurred before)."""
+        for n in range(min(self.config.ngram_max, len(self.tokens)), self.config.ngram_min - 1, -1):
+            start = self._next.get(tuple(self.tokens[-n:]))
+            if start is not None:
+                return self.tokens[start:start + limit]
+        return []
+
+
+@dataclass
+class Verdict:
+    """What one verification step gave a single-row search."""
+
+    tokens: list[int]  # chosen, in order (the accepted draft tokens, then the search's own pick)
+    accepted: int  # how many draft tokens were accepted (their K/V stay in the cache)
+    next_token: torch.Tensor | None  # (1,) what to feed next; None once the search is done
+
+
+def verify(search: Search, logits: torch.Tensor, draft: list[int]) -> Verdict:
+    """Walk a single-row search over ``logits`` (1 + len(draft), V), computed after the fed token and each draft
+    token; stop at the first pick that is not the next draft token, or when the search ends."""
+    if search.num_rows != 1:
+        raise ConfigError("speculative", f"speculates for a single row, the search has {search.num_rows}")
+    chosen: list[int] = []
+    for position in range(len(draft) + 1):
+        tokens, _ = search.advance(logits[position:position + 1])
+        if search.done:  # the finishing pick, kept or not, is in the search's results
+            return Verdict(chosen, position, None)
+        token = int(tokens[0])
+        chosen.append(token)
+        if position == len(draft) or token != draft[position]:
+            return Verdict(chosen, position, tokens)
+    raise AssertionError("unreachable: the loop returns at its last position")

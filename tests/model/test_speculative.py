@@ -1,0 +1,125 @@
+"""Speculative decoding by prompt lookup: the drafter's lookups, outputs equal to plain decoding (greedy, seeded
+sampling, EOS and stop strings inside a draft), and the sampled distribution against the model's exact one."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from model.decoding import GenerationConfig
+from model.generation import generate_causal
+from model.generation_config import ConfigError
+from model.speculative import NgramDrafter, SpeculativeConfig, speculative_for
+from tests.model.conftest import tiny_causal_lm
+from tests.model.helpers import eos_friendly
+
+REPETITIVE = [9, 10, 11, 12, 13, 9, 10, 11, 14, 15, 9, 10, 16, 17, 11, 12, 13, 9]
+
+
+def counting_verify_steps(model) -> list[int]:
+    """Record the width of every verification step of ``model`` (the real step runs)."""
+    widths: list[int] = []
+    step = model.verify_step
+
+    def counted(ids, cache):
+        widths.append(ids.shape[1])
+        return step(ids, cache)
+
+    model.verify_step = counted
+    return widths
+
+
+def test_the_drafter_continues_the_latest_earlier_occurrence_of_the_longest_tail():
+    drafter = NgramDrafter(SpeculativeConfig(num_tokens=4), [5, 6, 7, 8, 1, 6, 7, 9, 2, 7])
+    assert drafter.draft(3) == [9, 2, 7]  # tail (7,): its latest earlier occurrence is followed by 9, 2, 7
+    drafter.append(8)  # tail (7, 8) occurred at the start: followed by 1, 6, 7, 9
+    assert drafter.draft(4) == [1, 6, 7, 9]
+    assert drafter.draft(2) == [1, 6]
+    assert NgramDrafter(SpeculativeConfig(), [1, 2, 3]).draft(4) == []  # a tail never seen before
+    drafter = NgramDrafter(SpeculativeConfig(ngram_min=2, ngram_max=2), [4, 5, 6, 4, 7, 4])
+    assert drafter.draft(3) == []  # only (7, 4) is looked up, and it never occurred before
+
+
+def test_model_defaults_are_parsed_per_model():
+    assert speculative_for("none,code=ngram:4", "code") == SpeculativeConfig("ngram", 4)
+    assert speculative_for("none,code=ngram:4", "translation") is None
+    assert speculative_for("ngram:2", "any") == SpeculativeConfig("ngram", 2)
+    for bad in ("ngram", "ngram:0", "ngram:17", "medusa:2"):
+        with pytest.raises(ConfigError):
+            speculative_for(bad, "any")
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 8])
+@pytest.mark.parametrize("fields", [dict(), dict(strategy="sample", seed=11, temperature=0.7, top_k=12),
+                                    dict(min_new_tokens=5)])
+def test_speculative_outputs_equal_plain_decoding(num_tokens, fields):
+    model = eos_friendly(tiny_causal_lm(max_len=128, vocab_size=24))
+    widths = counting_verify_steps(model)
+    spec = SpeculativeConfig(num_tokens=num_tokens)
+    finished = set()
+    for length in (4, 10, len(REPETITIVE)):
+        prompt = REPETITIVE[:length]
+        config = GenerationConfig(max_new_tokens=40, eos_token_id=2, logprobs=2, **fields)
+        plain = generate_causal(model, [prompt], config)[0][0]
+        fast = generate_causal(model, [prompt], config, speculative=spec)[0][0]
+        assert (fast.tokens, fast.finish_reason) == (plain.tokens, plain.finish_reason)
+        assert fast.logprob == pytest.approx(plain.logprob, abs=1e-4)
+        assert fast.token_logprobs == pytest.approx(plain.token_logprobs, abs=1e-4)
+        finished.add(plain.finish_reason)
+    assert max(widths) > 1  # drafts were verified, not only single steps
+    assert finished == {"eos", "length"}  # an EOS inside a draft, and the length limit
+
+
+def test_a_stop_string_inside_an_accepted_draft_ends_where_plain_decoding_ends():
+    model = tiny_causal_lm(max_len=128, vocab_size=24)
+    config = GenerationConfig(max_new_tokens=30, eos_token_id=2)
+    plain = generate_causal(model, [REPETITIVE], config)[0][0]
+    stop_at = plain.tokens[5]
+    stop_fn = lambda _input, tokens: tokens[-1] == stop_at  # noqa: E731
+    want = generate_causal(model, [REPETITIVE], config, stop_fn=stop_fn)[0][0]
+    got = generate_causal(model, [REPETITIVE], config, stop_fn=stop_fn, speculative=SpeculativeConfig(num_tokens=6))
+    assert (got[0][0].tokens, got[0][0].finish_reason) == (want.tokens, "stop")
+
+
+def chi_square_critical(df: int, z: float = 3.29) -> float:
+    """The chi-square quantile for a one-sided normal z (3.29: p = 0.0005), Wilson-Hilferty approximation."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_sampling_with_drafts_keeps_the_models_distribution():
+    """The pair of the 2nd and 3rd sampled tokens (both picked in verification steps) over 1,500 seeds, against its
+    exact probability under the model (float64, summed over the 1st token): a chi-square test at p = 0.0005."""
+    vocab = 10
+    model = tiny_causal_lm(max_len=64, vocab_size=vocab)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.4)  # (tied to the embeddings) spread: about ten likely tokens per step
+    widths = counting_verify_steps(model)
+    prompt = [7, 8, 9, 7, 8, 9, 8, 7, 9, 9]  # every sampled token has occurred: there is always a draft
+    samples = Counter()
+    for seed in range(1500):
+        config = GenerationConfig(strategy="sample", seed=seed, max_new_tokens=3, eos_token_id=2, min_new_tokens=3)
+        tokens = generate_causal(model, [prompt], config, speculative=SpeculativeConfig(num_tokens=2))[0][0].tokens
+        samples[tuple(tokens[1:3])] += 1
+    assert sum(w > 1 for w in widths) > 500
+    reference = tiny_causal_lm(max_len=64, vocab_size=vocab).double()
+    reference.load_state_dict(model.state_dict())
+    exact = torch.zeros(vocab, vocab, dtype=torch.float64)
+    with torch.no_grad():
+        banned = torch.tensor([2])  # min_new_tokens: EOS may not be sampled
+        first = torch.log_softmax(reference(torch.tensor([prompt]))[0, -1].index_fill(0, banned, -math.inf), -1).exp()
+        for a in range(vocab):
+            second = reference(torch.tensor([prompt + [a]]))[0, -1].index_fill(0, banned, -math.inf).softmax(-1)
+            for b in range(vocab):
+                third = reference(torch.tensor([prompt + [a, b]]))[0, -1].index_fill(0, banned, -math.inf)
+                exact[b] += first[a] * second[b] * third.softmax(-1)
+    n = sum(samples.values())
+    cells = [(samples[(b, c)], n * float(exact[b, c])) for b in range(vocab) for c in range(vocab)]
+    big = [(o, e) for o, e in cells if e >= 5]
+    rest = (sum(o for o, e in cells if e < 5), sum(e for o, e in cells if e < 5))
+    bins = big + ([rest] if rest[1] > 0 else [])
+    statistic = sum((o - e) ** 2 / e for o, e in bins)
+    assert len(big) >= 5
+    assert statistic < chi_square_critical(len(bins) - 1), (statistic, len(bins))

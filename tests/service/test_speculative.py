@@ -1,0 +1,101 @@
+"""Speculative decoding in the running batch: speculating requests (asked for, or by the model's default) give
+the outputs of plain offline decoding, mixed in one batch with requests that do not speculate, streamed or not;
+the metrics count drafts and acceptances; what cannot speculate is refused (or, for a default, not drafted)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from service.errors import InvalidRequest
+from tests.helpers import gather_queued
+from tests.service.conftest import LM, MT, ask, assert_same, offline, running_engine
+
+REPEATING = "the cat sat on the mat and the cat sat on the mat and the cat"
+NGRAM = {"method": "ngram", "num_tokens": 4}
+CASES = [
+    (REPEATING, dict(max_new_tokens=24, speculative=NGRAM, logprobs=2)),
+    (REPEATING, dict(strategy="sample", seed=5, temperature=0.8, max_new_tokens=24, speculative=NGRAM)),
+    ("hello world, hello world, hello", dict(max_new_tokens=20, speculative={"method": "ngram", "num_tokens": 2})),
+    (REPEATING, dict(max_new_tokens=16)),  # does not speculate, same batch
+    ("numbers 0 1 2 3", dict(strategy="beam", num_beams=2, max_new_tokens=8)),
+]
+
+
+def counter(engine, name: str, model: str) -> float:
+    return engine.metrics.registry.get_sample_value(name, {"model": model}) or 0.0
+
+
+def without_speculation(fields: dict) -> dict:
+    return {k: v for k, v in fields.items() if k != "speculative"}
+
+
+def test_speculating_requests_in_a_mixed_batch_equal_plain_decoding(models_dir):
+    async def main():
+        async with running_engine(models_dir, None) as engine:
+            worker = engine.get(LM)
+            outputs = await gather_queued(worker, [worker.generate(ask(text, **fields), f"r{i}")
+                                                   for i, (text, fields) in enumerate(CASES)])
+            drafted = counter(engine, "tserve_spec_decode_draft_tokens_total", LM)
+            accepted = counter(engine, "tserve_spec_decode_accepted_tokens_total", LM)
+            return outputs, drafted, accepted
+
+    outputs, drafted, accepted = asyncio.run(main())
+    for (text, fields), got in zip(CASES, outputs, strict=True):
+        assert_same(got, offline(models_dir / LM, [text], without_speculation(fields)))
+    assert drafted > 0 and 0 < accepted <= drafted
+
+
+def test_a_streamed_speculating_request_sends_every_token(models_dir):
+    fields = dict(max_new_tokens=24, logprobs=1)
+
+    async def main():
+        async with running_engine(models_dir, None) as engine:
+            worker = engine.get(LM)
+            events = [e async for e in await worker.stream(ask(REPEATING, stream=True, speculative=NGRAM, **fields),
+                                                           "streamed")]
+            return events, counter(engine, "tserve_spec_decode_accepted_tokens_total", LM)
+
+    events, accepted = asyncio.run(main())
+    want = offline(models_dir / LM, [REPEATING], fields)[0]
+    assert accepted > 0  # some steps gave several tokens, each its own event
+    assert [e.token for e in events if e.token is not None] == want.tokens
+    assert "".join(e.text for e in events) == want.text
+    assert [entry.logprob for e in events for entry in (e.logprobs or [])] == \
+        pytest.approx([entry.logprob for entry in want.logprobs], abs=1e-4)
+
+
+def test_the_models_default_speculates_where_it_can_and_a_request_can_turn_it_off(models_dir):
+    fields = dict(max_new_tokens=20)
+
+    async def main():
+        async with running_engine(models_dir, None, speculative=f"none,{MT}=ngram:3,{LM}=ngram:3") as engine:
+            worker = engine.get(LM)
+            default = await worker.generate(ask(REPEATING, **fields), "default")
+            drafted = counter(engine, "tserve_spec_decode_draft_tokens_total", LM)
+            off = await worker.generate(ask(REPEATING, speculative={"method": "none"}, **fields), "off")
+            two = await worker.generate(ask(REPEATING, REPEATING, **fields), "two-inputs")  # cannot: plain
+            assert counter(engine, "tserve_spec_decode_draft_tokens_total", LM) == drafted
+            translated = await engine.get(MT).generate(ask("delete the file", max_new_tokens=10), "mt")
+            return default, drafted, off, two, translated
+
+    default, drafted, off, two, translated = asyncio.run(main())
+    want = offline(models_dir / LM, [REPEATING], fields)
+    assert drafted > 0
+    assert_same(default, want)
+    assert_same(off, want)
+    assert_same(two, offline(models_dir / LM, [REPEATING, REPEATING], fields))
+    assert_same(translated, offline(models_dir / MT, ["delete the file"], dict(max_new_tokens=10)))
+
+
+@pytest.mark.parametrize("fields", [dict(strategy="beam", num_beams=2),
+                                    dict(strategy="sample", num_return_sequences=2)])
+def test_a_request_that_cannot_speculate_is_refused(models_dir, fields):
+    async def main():
+        async with running_engine(models_dir, None) as engine:
+            with pytest.raises(InvalidRequest, match="one input and one sequence") as caught:
+                await engine.get(LM).generate(ask(REPEATING, speculative=NGRAM, **fields), "bad")
+            assert caught.value.field == "speculative"
+
+    asyncio.run(main())
