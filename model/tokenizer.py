@@ -244,6 +244,19 @@ class Tokenizer:
             [self._valid(ids) for ids in seqs], skip_special_tokens=skip_special_tokens
         )
 
+    @property
+    def byte_level(self) -> bool:
+        """Whether this is lossless byte-level BPE (ours, GPT-2's): what grammar libraries can read."""
+        try:
+            _check_byte_level(self._backend)
+        except TokenizerError:
+            return False
+        return True
+
+    def backend_json(self) -> str:
+        """The tokenizer.json text of the backend (what other libraries load)."""
+        return self._backend.to_str()
+
     def token_strings(self, ids: Sequence[int]) -> list[str]:
         """Readable piece per id ('Ġthe' -> ' the'); a partial UTF-8 character shows as '\ufffd'."""
         pieces = []

@@ -53,7 +53,7 @@ class Engine:
         if not dirs:
             raise NoModelsLoaded(f"models directory {self.models_dir} holds no model directories")
         threads = worker_threads(self.settings.threads, len(dirs))
-        if threads * len(dirs) > available_cores():
+        if threads > 1 and threads * len(dirs) > available_cores():
             logger.warning("%d model workers x %d intra-op threads exceed the %d CPU cores: every parallel region "
                            "will wait for a sleeping thread (service.threads); leave TSERVE_THREADS unset to share "
                            "the cores", len(dirs), threads, available_cores())

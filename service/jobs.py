@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from model.constraints import CompiledConstraint, RowMatchers
 from model.decoding import GenerationConfig, Hypothesis
 from model.generation import trim_stop
 from model.speculative import NgramDrafter, SpeculativeConfig
@@ -136,13 +137,16 @@ class GenerationJob(Job):
 
     def __init__(self, request_id: str, timeout_s: float, prompts: list[list[int]], config: GenerationConfig,
                  stops: list[str], adapter: AdapterVersion | None = None, stream: StreamText | None = None,
-                 targets: list[list[int]] | None = None, speculative: SpeculativeConfig | None = None) -> None:
+                 targets: list[list[int]] | None = None, speculative: SpeculativeConfig | None = None,
+                 constraint: CompiledConstraint | None = None) -> None:
         super().__init__(request_id, timeout_s, adapter)
         self.endpoint = "stream" if stream is not None else "generate"
         self.prompts = prompts
         self.targets = targets if targets is not None else [[] for _ in prompts]  # seq2seq target prefixes
         self.speculative = speculative  # drafting (one input, one sequence)
         self.drafter: NgramDrafter | None = None  # made with the search, fed every token the search picks
+        self.constraint = constraint  # the grammar every output matches
+        self.matchers: RowMatchers | None = None  # one per row of the search, made with it
         self.config = config
         self.stops = stops
         self.search = None  # model.decoding.Search, made at admission

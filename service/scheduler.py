@@ -384,6 +384,12 @@ class GenerationScheduler(Scheduler):
         except Exception as exc:
             self._finish(job, exc=self._failure(job, exc))
             return False
+        try:
+            if job.constraint is not None:
+                job.matchers = job.constraint.rows(len(job.prompts))
+        except Exception as exc:
+            self._finish(job, exc=self._failure(job, exc))
+            return False
         start_drafter(job, self.runner.draft_source(job.prompts[0], job.targets[0]))
         self.metrics.prompt_tokens.labels(self.name, adapter_label(job.adapter_name)).inc(job.prompt_tokens)
         return True
@@ -497,7 +503,12 @@ class GenerationScheduler(Scheduler):
                     parents = torch.zeros(1, dtype=torch.long, device=logits.device)
                     self._speculation_metrics(len(draft), accepted)
                 else:
-                    next_tokens, parents = job.search.advance(logits[:, 0] if verified else logits)
+                    step_logits = logits[:, 0] if verified else logits
+                    if job.matchers is not None:
+                        step_logits = job.matchers.mask(step_logits)
+                    next_tokens, parents = job.search.advance(step_logits)
+                    if job.matchers is not None and not job.search.done:
+                        job.matchers.advance(next_tokens, parents)
                     picked, accepted = next_tokens[:1].tolist(), 0
             except Exception as exc:
                 logger.error("model %r: request %r failed: %s", self.name, job.id, exc)

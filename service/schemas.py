@@ -8,11 +8,12 @@ number) is a 422 naming the field instead of a silent default or coercion.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from model import lora_config
+from model.constraints import MAX_CHOICES
 from model.decoding import Strategy
 from model.generation_config import MAX_LOGPROBS
 from model.speculative import MAX_SPECULATIVE_TOKENS
@@ -138,6 +139,27 @@ class ModelList(BaseModel):
 # ---- generate ------------------------------------------------------------------------------------
 
 
+class ConstraintRequest(RequestModel):
+    """Exactly one of the three."""
+
+    json_schema: dict[str, Any] | bool | None = Field(None, description="The output is JSON valid under this schema.")
+    # Its size is checked with the grammar's (MAX_GRAMMAR_CHARS), not here: the body limit may be smaller.
+    regex: str | None = Field(None, min_length=1, description="The output matches this regular expression (whole).")
+    choice: list[Text] | None = Field(None, min_length=1, max_length=MAX_CHOICES,
+                                      description="The output is one of these strings.")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> ConstraintRequest:
+        given = [name for name in ("json_schema", "regex", "choice") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of json_schema, regex, choice (got {given or 'none'})")
+        return self
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in ("json_schema", "regex", "choice") if getattr(self, name) is not None)
+
+
 class SpeculativeRequest(RequestModel):
     method: Literal["ngram", "none"] = Field(
         "ngram", description="ngram: draft the tokens that followed the latest earlier occurrence of the text's last "
@@ -177,6 +199,11 @@ class GenerateRequest(RequestModel):
     adapter: Name | None = Field(None, description="LoRA adapter to apply.")
     stream: bool = Field(False, description="Server-sent events of tokens (one input, one sequence).")
     priority: Priority = 0
+    constraint: ConstraintRequest | None = Field(
+        None, description="Constrained decoding (causal_lm): every output matches a JSON schema, a regular "
+        "expression or one of a list of strings (greedy, sampling or beam search; each sequence its own state). "
+        "A constraint that is malformed, too large or impossible is a 422 before any decoding."
+    )
     speculative: SpeculativeRequest | None = Field(
         None, description="Draft-and-verify decoding (one input, greedy or one sample): the same tokens, fewer model "
         "steps when the text repeats itself. Default: the model's (setting speculative)."
@@ -297,6 +324,18 @@ class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(RequestModel):
+    name: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(RequestModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class CompletionRequest(RequestModel):
     """OpenAI's /v1/completions body. Fields that would change the meaning but are not supported
     (echo, suffix, best_of != n, penalties, logit_bias) are rejected rather than ignored."""
@@ -317,6 +356,14 @@ class CompletionRequest(RequestModel):
     seed: Seed | None = None
     user: str | None = Field(None, description="Accepted and ignored.")
     priority: Priority = 0  # an extension, as vLLM's
+    # Constrained decoding under vLLM's names (at most one of the four):
+    guided_json: dict[str, Any] | str | None = Field(None, description="A JSON schema (object or its JSON text).")
+    guided_regex: str | None = Field(None, min_length=1)
+    guided_choice: list[Text] | None = Field(None, min_length=1, max_length=MAX_CHOICES)
+    response_format: ResponseFormat | None = Field(
+        None, description='{"type": "json_object"} (any JSON object) or {"type": "json_schema", "json_schema": '
+        '{"schema": {...}}}; {"type": "text"} constrains nothing.'
+    )
     # Accepted only at their neutral values:
     best_of: int | None = Field(None, ge=1, description="Only null or equal to n.")
     logprobs: int | None = Field(

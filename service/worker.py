@@ -24,6 +24,8 @@ from typing import Any, TypeVar
 
 from model.checkpoint import Checkpoint, parameter_count
 from model.classifier import POOLINGS
+from model.constraints import CompiledConstraint, Constraint, ConstraintError
+from model.constraints import compile as compile_constraint
 from model.decoding import ConfigError, GenerationConfig, Strategy
 from model.generation import generate_seq2seq
 from model.hf.generation import GenerationRules
@@ -404,7 +406,8 @@ class ModelWorker:
                                      f"exceeds the model's max_len={self.config.max_len}")
             prompts.append(ids)
         targets = await self._target_prefixes(req, config)
-        speculative = self._speculative(req, config)
+        constraint = await self._constraint(req)
+        speculative = self._speculative(req, config, constrained=constraint is not None)
         stops = [s for s in req.stop if s]
         text_stream = None
         if stream:
@@ -412,20 +415,38 @@ class ModelWorker:
                                      stops)
         return GenerationJob(request_id, self.settings.request_timeout_s, prompts, config, stops,
                              adapter=self._acquire(req.adapter), stream=text_stream, targets=targets,
-                             speculative=speculative)
+                             speculative=speculative, constraint=constraint)
 
-    def _speculative(self, req: GenerateRequest, config: GenerationConfig) -> SpeculativeConfig | None:
+    async def _constraint(self, req: GenerateRequest) -> CompiledConstraint | None:
+        """``req.constraint`` checked against this model's vocabulary (compiled off the event loop)."""
+        if req.constraint is None:
+            return None
+        if self.family != "causal_lm":
+            raise InvalidRequest("constraint", f"constrained decoding is for causal_lm models; {self.name!r} is a "
+                                 f"{self.family} model")
+        constraint = Constraint(req.constraint.kind, getattr(req.constraint, req.constraint.kind))
+        try:
+            return await self._tokenize(lambda: compile_constraint(constraint, self.checkpoint.tokenizer))
+        except ConstraintError as exc:
+            raise InvalidRequest(f"constraint.{constraint.kind}", str(exc)) from None
+        except (ValueError, TypeError, RuntimeError) as exc:  # the library's own refusals
+            raise InvalidRequest(f"constraint.{constraint.kind}", f"cannot be used: {exc}") from None
+
+    def _speculative(self, req: GenerateRequest, config: GenerationConfig, constrained: bool
+                     ) -> SpeculativeConfig | None:
         """How ``req`` drafts: its own "speculative" field, else the model's default where the request can
-        speculate (one input, greedy or one sample)."""
-        eligible = len(req.inputs) == 1 and config.strategy != Strategy.BEAM and config.num_return_sequences == 1
+        speculate (one input, greedy or one sample, no constraint)."""
+        eligible = (len(req.inputs) == 1 and config.strategy != Strategy.BEAM and config.num_return_sequences == 1
+                    and not constrained)
         if req.speculative is None:
             return self._default_speculative if eligible else None
         if req.speculative.method == "none":
             return None
         if not eligible:
-            raise InvalidRequest("speculative", "drafting needs one input and one sequence (greedy or sample), got "
-                                 f"{len(req.inputs)} inputs, strategy {config.strategy.value}, "
-                                 f"num_return_sequences {config.num_return_sequences}")
+            raise InvalidRequest("speculative", "drafting needs one input and one sequence (greedy or sample) "
+                                 f"without a constraint, got {len(req.inputs)} inputs, strategy "
+                                 f"{config.strategy.value}, num_return_sequences {config.num_return_sequences}"
+                                 f"{', a constraint' if constrained else ''}")
         return SpeculativeConfig(req.speculative.method, req.speculative.num_tokens)
 
     async def _target_prefixes(self, req: GenerateRequest, config: GenerationConfig) -> list[list[int]] | None:

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from benchmarks import compare, decode, gemm, layout, prefix_cache, speculative
+from benchmarks import compare, decode, gemm, grammar, layout, prefix_cache, speculative
 
 
 def _table(report: str, section: str) -> list[list[str]]:
@@ -154,3 +154,14 @@ def test_speculative_benchmark_checks_equal_outputs_and_reports_the_acceptance()
                     report, flags=re.MULTILINE)
     assert row is not None, report
     assert int(row.group(1)) == 3 * 16 and float(row.group(4)) >= 1.0
+
+
+def test_grammar_benchmark_walks_every_installed_library_over_both_grammars():
+    """Each installed library compiles both grammars and masks every step of the valid outputs (a token outside
+    a library's mask would stop its walk with an error); a library that is not installed gets its row saying so."""
+    report = grammar.main(["--vocab", "600", "--repeats", "1", "--corpus-chars", "100000"])
+    rows = re.findall(r"^\| \d+ \| (json_schema|regex) \| ([\w-]+) \| (.+?) \|", report, flags=re.MULTILINE)
+    assert {(kind, library) for kind, library, _ in rows} == {(k, lib) for k in ("json_schema", "regex")
+                                                               for lib in ("llguidance", "outlines-core", "xgrammar")}
+    measured = {library for _, library, compile_ms in rows if compile_ms != "not installed"}
+    assert {"llguidance", "outlines-core"} <= measured

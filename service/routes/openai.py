@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -31,6 +32,7 @@ from service.schemas import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    ConstraintRequest,
     GenerateRequest,
     TokenLogprob,
     Usage,
@@ -102,6 +104,34 @@ def completion_logprobs(entries: list[TokenLogprob] | None, offset: int) -> Comp
                               top_logprobs=tops, text_offset=offsets)
 
 
+def completion_constraint(req: CompletionRequest) -> ConstraintRequest | None:
+    """The constraint of vLLM's guided_* fields or OpenAI's response_format (at most one of them)."""
+    given = {name: value for name, value in (("guided_json", req.guided_json), ("guided_regex", req.guided_regex),
+                                             ("guided_choice", req.guided_choice))
+             if value is not None}
+    if req.response_format is not None and req.response_format.type != "text":
+        given["response_format"] = req.response_format
+    if len(given) > 1:
+        raise InvalidRequest(sorted(given)[1], f"give at most one of {sorted(given)}")
+    if not given:
+        return None
+    (field, value), = given.items()
+    try:
+        if field == "guided_json":
+            return ConstraintRequest(json_schema=json.loads(value) if isinstance(value, str) else value)
+        if field == "guided_regex":
+            return ConstraintRequest(regex=value)
+        if field == "guided_choice":
+            return ConstraintRequest(choice=value)
+        if value.type == "json_object":
+            return ConstraintRequest(json_schema={"type": "object"})
+        if value.json_schema is None:
+            raise InvalidRequest("response_format.json_schema", "is required with type json_schema")
+        return ConstraintRequest(json_schema=value.json_schema.schema_)
+    except (ValueError, TypeError) as exc:  # not JSON, or not a schema object
+        raise InvalidRequest(field, f"is not a usable JSON schema: {exc}") from None
+
+
 def completion_request(req: CompletionRequest, prompts: list[str], adapter: str | None,
                        worker: ModelWorker) -> GenerateRequest:
     """The engine's request for an OpenAI completion: top-p sampling, or greedy as temperature / top_p -> 0.
@@ -109,7 +139,7 @@ def completion_request(req: CompletionRequest, prompts: list[str], adapter: str 
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     max_tokens = req.max_tokens or max(1, min(DEFAULT_MAX_TOKENS, worker.max_new_tokens))
     common = dict(inputs=prompts, max_new_tokens=max_tokens, stop=stop, adapter=adapter, seed=req.seed,
-                  logprobs=req.logprobs)
+                  logprobs=req.logprobs, constraint=completion_constraint(req))
     if req.temperature < MIN_TEMPERATURE or req.top_p < MIN_TOP_P:  # both tend to greedy in the limit
         return GenerateRequest.model_construct(strategy=Strategy.GREEDY, **common)
     return GenerateRequest.model_construct(strategy=Strategy.SAMPLE, temperature=req.temperature, top_p=req.top_p,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import httpx
@@ -166,10 +168,38 @@ def test_logprobs_fill_openais_object_and_agree_with_the_native_route(client):
     assert complete(client, model=LM, prompt=PROMPTS[1], max_tokens=3)["choices"][0]["logprobs"] is None
 
 
+def test_guided_fields_and_response_format_constrain_the_completion(client):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                                  "maximum": 9}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    for extra in ({"guided_json": schema}, {"guided_json": json.dumps(schema)},
+                  {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}):
+        text = complete(client, model=LM, prompt="hello", max_tokens=60, temperature=0, **extra)["choices"][0]["text"]
+        value = json.loads(text)
+        assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool) and 0 <= value["n"] <= 9
+    choice = complete(client, model=LM, prompt="hello", max_tokens=120, temperature=0,
+                      response_format={"type": "json_object"})["choices"][0]
+    # Any object: nothing bounds its keys' length, so the length limit may cut it (then it is an object's start).
+    if choice["finish_reason"] == "stop":
+        assert isinstance(json.loads(choice["text"]), dict)
+    else:
+        assert choice["text"].startswith("{")
+    choices = complete(client, model=LM, prompt=["hello", "to be"], max_tokens=10, temperature=1.0, seed=3, n=2,
+                       guided_choice=["alpha", "beta"])["choices"]
+    assert len(choices) == 4 and all(c["text"] in ("alpha", "beta") for c in choices)
+    text = complete(client, model=LM, prompt="hello", max_tokens=20, temperature=0,
+                    guided_regex="[0-9]{3}-[a-z]{2}")["choices"][0]["text"]
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", text)
+
+
 @pytest.mark.parametrize(
     ("extra", "status", "field"),
     [
         ({"logprobs": 21}, 422, "logprobs"),
+        ({"guided_regex": "[a-z"}, 422, "constraint.regex"),
+        ({"guided_json": "{not json"}, 422, "guided_json"),
+        ({"guided_choice": ["a"], "guided_regex": "a"}, 422, "guided_regex"),
+        ({"response_format": {"type": "json_schema"}}, 422, "response_format.json_schema"),
         ({"logprobs": -1}, 422, "logprobs"),
         ({"echo": True}, 422, "echo"),
         ({"best_of": 3}, 422, "best_of"),
