@@ -90,6 +90,21 @@ def generate_seq2seq(
         return run_search(search, first, lambda t: model.decode_step(t, cache), rows.select_with(cache.select))
 
 
+def prompt_logprobs(model: CausalLM, prompt: Sequence[int], top: int = 0
+                    ) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
+    """Each prompt token's log-prob given the tokens before it (None for the first) and, with ``top`` > 0, the
+    ``top`` likeliest tokens at its position: what OpenAI's ``echo`` reports. One forward, no cache."""
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        logprobs = torch.log_softmax(model(torch.tensor([list(prompt)], device=device))[0, :-1].float(), dim=-1)
+        chosen = logprobs.gather(1, torch.tensor(list(prompt[1:]), device=device)[:, None])[:, 0].tolist()
+        tops: list[list[tuple[int, float]] | None] = [None] * (len(prompt) - 1)
+        if top:
+            values, ids = logprobs.topk(min(top, logprobs.shape[1]), dim=-1)
+            tops = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+    return [None, *chosen], [None, *tops]
+
+
 def stop_strings(tokenizer: Tokenizer, stops: Sequence[str]) -> StopFn | None:
     """A stop_fn ending a sequence once its decoded text contains any of ``stops``."""
     stops = [s for s in stops if s]
@@ -176,4 +191,4 @@ class _Recompute:
         self.sequences = [list(self.sequences[i]) for i in index.tolist()]
 
 
-__all__ = ["InputTooLongError", "generate_causal", "generate_seq2seq", "stop_strings", "trim_stop"]
+__all__ = ["InputTooLongError", "generate_causal", "generate_seq2seq", "prompt_logprobs", "stop_strings", "trim_stop"]

@@ -338,13 +338,14 @@ class ResponseFormat(RequestModel):
 
 class CompletionRequest(RequestModel):
     """OpenAI's /v1/completions body. Fields that would change the meaning but are not supported
-    (echo, suffix, best_of != n, penalties, logit_bias) are rejected rather than ignored."""
+    (suffix, best_of != n, penalties, logit_bias) are rejected rather than ignored."""
 
     model: str = Field(min_length=1, max_length=129, description="A causal_lm model, or 'model:adapter'.")
     prompt: one_or_many(Text, Annotated[list[Text], Field(min_length=1)]) = Field(
         description="A prompt or a list of prompts."
     )
-    max_tokens: int | None = Field(None, ge=1, description=f"Default {DEFAULT_MAX_TOKENS} (or the model's cap).")
+    max_tokens: int | None = Field(None, ge=0, description=f"Default {DEFAULT_MAX_TOKENS} (or the model's cap); 0 "
+                                   "only with echo (score the prompt, generate nothing).")
     temperature: float = Field(1.0, ge=0.0, le=2.0, description=f"Below {MIN_TEMPERATURE:g}: greedy decoding.")
     top_p: float = Field(1.0, ge=0.0, le=1.0, description=f"Below {MIN_TOP_P:g}: greedy decoding.")
     n: int = Field(1, ge=1, description="Completions per prompt.")
@@ -370,7 +371,8 @@ class CompletionRequest(RequestModel):
         None, ge=0, le=MAX_LOGPROBS, description="Log-probabilities of each completion token and of the N likeliest "
         f"tokens at its position (0 <= N <= {MAX_LOGPROBS}; the chosen token is always listed too)."
     )
-    echo: bool = Field(False, description="Only false.")
+    echo: bool = Field(False, description="Prepend each prompt to its completion text; with logprobs, the prompt "
+                       "tokens' log-probabilities come first (the first token's is null). Not with stream.")
     suffix: str | None = Field(None, description="Only null.")
     frequency_penalty: float = Field(0.0, description="Only 0.")
     presence_penalty: float = Field(0.0, description="Only 0.")
@@ -378,11 +380,12 @@ class CompletionRequest(RequestModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """OpenAI's legacy completion log-probabilities, one entry per completion token in every list."""
+    """OpenAI's legacy completion log-probabilities, one entry per token in every list (with echo, the prompt's
+    tokens first: the very first one has no log-probability)."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int] = Field(description="Where each token's text starts in the choice's text.")
 
 

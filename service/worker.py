@@ -27,10 +27,10 @@ from model.classifier import POOLINGS
 from model.constraints import CompiledConstraint, Constraint, ConstraintError
 from model.constraints import compile as compile_constraint
 from model.decoding import ConfigError, GenerationConfig, Strategy
-from model.generation import generate_seq2seq
+from model.generation import generate_seq2seq, prompt_logprobs
 from model.hf.generation import GenerationRules
 from model.hf.sentence import EmbeddingDefaults
-from model.lora import adapter_parameter_count
+from model.lora import adapter_parameter_count, use_adapters
 from model.prefix_cache import PrefixCache
 from model.speculative import SpeculativeConfig, speculative_for
 from model.tokenizer import Tokenizer
@@ -337,6 +337,28 @@ class ModelWorker:
         if len(ids) > self.max_input_tokens:
             raise InvalidRequest(f"inputs[{i}]", f"{len(ids)} tokens exceeds max_input_tokens={self.max_input_tokens}")
         return encoded
+
+    async def echo(self, texts: list[str], adapter: str | None, top: int, request_id: str,
+                   queue: QueueTag = DEFAULT_QUEUE) -> list[tuple[list[int], list[float | None], list | None]]:
+        """Per text, its prompt tokens (a BOS the model adds left out), each one's log-prob given the tokens before
+        it (None for a first token) and, with ``top`` > 0, the ``top`` likeliest (id, log-prob) at its position."""
+        self._require("echo", ("causal_lm",))
+        prompts = await self._tokenize(lambda: self.checkpoint.encode_prompts(texts))
+        version = self._acquire(adapter)
+
+        def run() -> list[tuple[list[int], list[float | None], list | None]]:
+            out = []
+            with use_adapters(self.model, version.internal if version is not None else None):
+                for prompt in prompts:
+                    token_lp, tops = prompt_logprobs(self.model, prompt, top)
+                    start = 1 if len(prompt) > 1 and prompt[0] == self.config.bos_id else 0
+                    out.append((prompt[start:], token_lp[start:], tops[start:] if top else None))
+            return out
+
+        job = CallJob(request_id, self.settings.request_timeout_s, run, "echo")
+        job.adapter = version
+        self._submit(job, queue)
+        return await job.wait()
 
     async def prompt_tokens(self, texts: list[str]) -> int:
         """Input tokens of ``texts`` as generate counts them (prompts already accepted by it)."""

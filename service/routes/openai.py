@@ -11,7 +11,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
@@ -33,6 +33,7 @@ from service.schemas import (
     CompletionRequest,
     CompletionResponse,
     ConstraintRequest,
+    GenerateOutput,
     GenerateRequest,
     TokenLogprob,
     Usage,
@@ -60,8 +61,11 @@ def check_completion(req: CompletionRequest, settings: Settings) -> None:
     for field, value, cap, setting in caps:
         if value > cap:
             raise InvalidRequest(field, f"{value} exceeds this server's limit of {cap} (setting {setting})")
+    if req.echo and req.stream:
+        raise InvalidRequest("echo", "is not supported with stream")
+    if req.max_tokens == 0 and not req.echo:
+        raise InvalidRequest("max_tokens", "0 generates nothing: it needs echo (to score the prompt)")
     unsupported = {
-        "echo": req.echo,
         "suffix": req.suffix is not None,
         "best_of": req.best_of is not None and req.best_of != req.n,
         "frequency_penalty": req.frequency_penalty != 0,
@@ -104,6 +108,23 @@ def completion_logprobs(entries: list[TokenLogprob] | None, offset: int) -> Comp
                               top_logprobs=tops, text_offset=offsets)
 
 
+def echo_logprobs(decode: Callable[[list[int]], str], prompt: list[int], prompt_lp: list[float | None],
+                  prompt_tops: list | None, completion: list[TokenLogprob]) -> CompletionLogprobs:
+    """OpenAI's logprobs object over the prompt's tokens, then the completion's."""
+    tokens = [decode([t]) for t in prompt] + [e.text for e in completion]
+    tops: list[dict[str, float] | None] | None = None
+    if prompt_tops is not None:
+        tops = [None if top is None else {decode([t]): lp for t, lp in top} | {tokens[k]: prompt_lp[k]}
+                for k, top in enumerate(prompt_tops)]
+        tops += [{a.text: a.logprob for a in e.top_logprobs or []} | {e.text: e.logprob} for e in completion]
+    offsets, offset = [], 0
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return CompletionLogprobs(tokens=tokens, token_logprobs=[*prompt_lp, *(e.logprob for e in completion)],
+                              top_logprobs=tops, text_offset=offsets)
+
+
 def completion_constraint(req: CompletionRequest) -> ConstraintRequest | None:
     """The constraint of vLLM's guided_* fields or OpenAI's response_format (at most one of them)."""
     given = {name: value for name, value in (("guided_json", req.guided_json), ("guided_regex", req.guided_regex),
@@ -137,7 +158,9 @@ def completion_request(req: CompletionRequest, prompts: list[str], adapter: str 
     """The engine's request for an OpenAI completion: top-p sampling, or greedy as temperature / top_p -> 0.
     Built without validating again: CompletionRequest's own checks ran, and the engine checks the limits."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    max_tokens = req.max_tokens or max(1, min(DEFAULT_MAX_TOKENS, worker.max_new_tokens))
+    max_tokens = req.max_tokens
+    if max_tokens is None:
+        max_tokens = max(1, min(DEFAULT_MAX_TOKENS, worker.max_new_tokens))
     common = dict(inputs=prompts, max_new_tokens=max_tokens, stop=stop, adapter=adapter, seed=req.seed,
                   logprobs=req.logprobs, constraint=completion_constraint(req))
     if req.temperature < MIN_TEMPERATURE or req.top_p < MIN_TOP_P:  # both tend to greedy in the limit
@@ -180,16 +203,25 @@ async def completions(
     try:
         if req.stream:
             return await _stream(worker, prompts, req, generate, head, rid, queue)
-        outputs = await worker.generate(generate, rid, queue)
+        echoed = await worker.echo(prompts, adapter or None, req.logprobs or 0, rid, queue) if req.echo else None
+        if req.max_tokens == 0:
+            outputs = [GenerateOutput(text="", tokens=[], score=0.0, finish_reason="length", logprobs=[])
+                       for _ in prompts]
+        else:
+            outputs = await worker.generate(generate, rid, queue)
     except InvalidRequest as exc:
         raise openai_names(exc) from None
     choices, completion_tokens = [], 0
     for i, out in enumerate(outputs):
         sequences = out.candidates if generate.num_return_sequences > 1 else [out] * req.n
         for j, seq in enumerate(sequences):
-            reason = finish_reason(seq.finish_reason)
-            choices.append(CompletionChoice(text=seq.text, index=i * req.n + j, finish_reason=reason,
-                                            logprobs=completion_logprobs(seq.logprobs, 0)))
+            text, logprobs = seq.text, completion_logprobs(seq.logprobs, 0)
+            if echoed is not None:
+                text = prompts[i] + seq.text
+                if req.logprobs is not None:
+                    logprobs = echo_logprobs(worker.checkpoint.tokenizer.decode, *echoed[i], seq.logprobs or [])
+            choices.append(CompletionChoice(text=text, index=i * req.n + j, logprobs=logprobs,
+                                            finish_reason=finish_reason(seq.finish_reason)))
             completion_tokens += len(seq.tokens)
     prompt = await worker.prompt_tokens(prompts)
     usage = Usage(prompt_tokens=prompt, completion_tokens=completion_tokens, total_tokens=prompt + completion_tokens)

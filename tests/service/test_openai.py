@@ -8,6 +8,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from tests.service.conftest import ADAPTERS, LM, MT
 from tests.service.server import running_server, sse_data
@@ -168,6 +169,32 @@ def test_logprobs_fill_openais_object_and_agree_with_the_native_route(client):
     assert complete(client, model=LM, prompt=PROMPTS[1], max_tokens=3)["choices"][0]["logprobs"] is None
 
 
+def test_echo_returns_the_prompt_and_its_logprobs_then_the_completions(client, models_dir):
+    from model.checkpoint import load_checkpoint
+
+    body = complete(client, model=LM, prompt=PROMPTS[0], max_tokens=5, temperature=0, logprobs=2, echo=True)
+    plain = complete(client, model=LM, prompt=PROMPTS[0], max_tokens=5, temperature=0, logprobs=2)
+    choice, alone = body["choices"][0], plain["choices"][0]
+    assert choice["text"] == PROMPTS[0] + alone["text"]
+    lp = choice["logprobs"]
+    n = len(lp["tokens"]) - len(alone["logprobs"]["tokens"])
+    assert "".join(lp["tokens"][:n]) == PROMPTS[0]
+    assert lp["token_logprobs"][n:] == pytest.approx(alone["logprobs"]["token_logprobs"], abs=1e-5)
+    assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(len(lp["tokens"]))]
+    # The prompt's log-probs against a float64 forward of the checkpoint (after the BOS the model adds).
+    ckpt = load_checkpoint(models_dir / LM, device="cpu")
+    ids = ckpt.tokenizer.encode(PROMPTS[0], add_bos=True)
+    reference = ckpt.model.double()
+    with torch.no_grad():
+        logprobs = torch.log_softmax(reference(torch.tensor([ids]))[0], dim=-1)
+    want = [float(logprobs[k - 1, ids[k]]) for k in range(1, len(ids))]
+    assert lp["token_logprobs"][:n] == pytest.approx(want, abs=1e-4)
+    scored = complete(client, model=LM, prompt=[PROMPTS[0], PROMPTS[1]], max_tokens=0, echo=True, logprobs=0)
+    assert [c["text"] for c in scored["choices"]] == PROMPTS[:2]
+    assert scored["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(want, abs=1e-4)
+    assert scored["usage"]["completion_tokens"] == 0
+
+
 def test_guided_fields_and_response_format_constrain_the_completion(client):
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
                                                                                   "maximum": 9}},
@@ -201,7 +228,8 @@ def test_guided_fields_and_response_format_constrain_the_completion(client):
         ({"guided_choice": ["a"], "guided_regex": "a"}, 422, "guided_regex"),
         ({"response_format": {"type": "json_schema"}}, 422, "response_format.json_schema"),
         ({"logprobs": -1}, 422, "logprobs"),
-        ({"echo": True}, 422, "echo"),
+        ({"echo": True, "stream": True}, 422, "echo"),
+        ({"max_tokens": 0}, 422, "max_tokens"),
         ({"best_of": 3}, 422, "best_of"),
         ({"suffix": "!"}, 422, "suffix"),
         ({"presence_penalty": 0.5}, 422, "presence_penalty"),
