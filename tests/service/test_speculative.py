@@ -10,7 +10,7 @@ import pytest
 
 from service.errors import InvalidRequest
 from tests.helpers import gather_queued
-from tests.service.conftest import LM, MT, ask, assert_same, offline, running_engine
+from tests.service.conftest import ADAPTERS, LM, MT, ask, assert_same, offline, running_engine
 
 REPEATING = "the cat sat on the mat and the cat sat on the mat and the cat"
 NGRAM = {"method": "ngram", "num_tokens": 4}
@@ -31,19 +31,24 @@ def without_speculation(fields: dict) -> dict:
     return {k: v for k, v in fields.items() if k != "speculative"}
 
 
-def test_speculating_requests_in_a_mixed_batch_equal_plain_decoding(models_dir):
+def test_speculating_requests_in_a_mixed_batch_equal_plain_decoding(models_dir, adapters_dir):
+    tuned = dict(max_new_tokens=20, speculative=NGRAM, adapter=ADAPTERS[LM])  # its rows verify through the adapter
+
     async def main():
-        async with running_engine(models_dir, None) as engine:
+        async with running_engine(models_dir, adapters_dir) as engine:
             worker = engine.get(LM)
-            outputs = await gather_queued(worker, [worker.generate(ask(text, **fields), f"r{i}")
-                                                   for i, (text, fields) in enumerate(CASES)])
+            requests = [worker.generate(ask(text, **fields), f"r{i}") for i, (text, fields) in enumerate(CASES)]
+            requests.append(worker.generate(ask(REPEATING, **tuned), "tuned"))
+            outputs = await gather_queued(worker, requests)
             drafted = counter(engine, "tserve_spec_decode_draft_tokens_total", LM)
             accepted = counter(engine, "tserve_spec_decode_accepted_tokens_total", LM)
             return outputs, drafted, accepted
 
     outputs, drafted, accepted = asyncio.run(main())
-    for (text, fields), got in zip(CASES, outputs, strict=True):
+    for (text, fields), got in zip(CASES, outputs, strict=False):
         assert_same(got, offline(models_dir / LM, [text], without_speculation(fields)))
+    adapter_fields = {k: v for k, v in without_speculation(tuned).items() if k != "adapter"}
+    assert_same(outputs[-1], offline(models_dir / LM, [REPEATING], adapter_fields, adapters_dir / LM / ADAPTERS[LM]))
     assert drafted > 0 and 0 < accepted <= drafted
 
 
