@@ -2,10 +2,10 @@
 
 A ModelWorker validates requests on the event loop, encodes their text on its tokenizer pool (raising
 InvalidRequest / NotFound / QueueFull before anything is queued), hands them to its scheduler's worker thread
-(service/scheduler.py), which also decodes, and awaits the result. An input is first held to the bytes its
-token limit allows (``Tokenizer.max_token_bytes``), so no text costs more to encode than one that fits, and
-encoding never runs on the event loop. Text encoding (generative families: ``Checkpoint.encode_prompts``,
-shared with the Hugging Face export):
+(service/scheduler.py; generation: service/continuous_batching.py), which also decodes, and awaits the result.
+An input is first held to the bytes its token limit allows (``Tokenizer.max_token_bytes``), so no text costs
+more to encode than one that fits, and encoding never runs on the event loop. Text encoding (generative
+families: ``Checkpoint.encode_prompts``, shared with the Hugging Face export):
 
 - causal_lm prompt: ``<s>`` + text (so an empty prompt is valid); stop strings end the text;
 - seq2seq source: text + ``</s>``; the decoder starts from ``<s>``;
@@ -36,12 +36,13 @@ from model.speculative import SpeculativeConfig, speculative_for
 from model.tokenizer import Tokenizer
 from service.adapters import AdapterRegistry, check_name
 from service.attention import ALL_MAPS, MapSelection, causal_maps, classifier_maps, seq2seq_maps
+from service.continuous_batching import GenerationScheduler
 from service.errors import InvalidRequest, NotReady, ServiceError
 from service.jobs import DEADLINE_GRACE_S, CallJob, GenerationJob, Job, PoolingJob, StreamText, continuation
 from service.metrics import Metrics
 from service.pooling import PoolingScheduler
 from service.runners import RUNNERS
-from service.scheduler import GenerationScheduler, Scheduler
+from service.scheduler import Scheduler
 from service.schemas import DEFAULT_NEW_TOKENS, GenerateOutput, GenerateRequest
 from service.types import (
     DEFAULT_QUEUE,

@@ -92,7 +92,7 @@ BEAM = {"inputs": ["x"], "strategy": "beam"}
         (f"{LM}/generate", {**SAMPLE, "top_p": 0}, "top_p", "greater than or equal to 0.000001"),
         (f"{LM}/generate", {**X, "num_return_sequences": 10**6}, "num_return_sequences", "max_return_sequences"),
         (f"{LM}/generate", {**X, "seed": 2**64}, "seed", "less than or equal to"),
-        ("completions", {"model": LM, "prompt": "x", "max_tokens": -1}, "max_tokens", "greater than or equal to 1"),
+        ("completions", {"model": LM, "prompt": "x", "max_tokens": -1}, "max_tokens", "greater than or equal to 0"),
         ("completions", {"model": LM, "prompt": "x", "max_tokens": 10**30}, "max_tokens", "exceeds the limit 16"),
         ("completions", {"model": LM, "prompt": "x", "n": 0}, "n", "greater than or equal to 1"),
         ("completions", {"model": LM, "prompt": "x", "n": 10**6}, "n", "max_return_sequences"),
