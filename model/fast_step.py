@@ -227,10 +227,11 @@ class _NativeStep:
     projections: list[list[torch.Tensor]]  # flat: each layer's, one per kernels.Slot (as the bound stack holds them)
     adapted: list[tuple[int, LoRALinear]]  # (index in projections, module): LoRA-wrapped ones, bound by their bases
 
-    def deltas(self, rows: int) -> list[list[torch.Tensor]] | None:
+    def deltas(self, rows: int, tokens: int = 1) -> list[list[torch.Tensor]] | None:
         """This step's LoRA deltas per projection (model.lora.RowDeltas as lists; [] where a projection adds
         none, and [] for the whole step when none does), or None when one must come from the Python replay
-        (training mode, autograd, non-finite adapter weights)."""
+        (training mode, autograd, non-finite adapter weights). With several ``tokens`` per row, each row's
+        scales repeat for its tokens (the kernel adds deltas per token row)."""
         deltas: list[list[torch.Tensor]] = []
         for index, module in self.adapted:
             stackable = module.stackable()
@@ -241,7 +242,10 @@ class _NativeStep:
                 return None
             if not deltas:
                 deltas = [[] for _ in self.projections]
-            deltas[index] = list(found)
+            a, b, scales = found
+            if tokens > 1 and scales.shape[0] == rows:
+                scales = scales.repeat_interleave(tokens, dim=0)
+            deltas[index] = [a, b, scales]
         return deltas
 
     @classmethod
@@ -291,7 +295,7 @@ class _NativeStep:
         step_cache = kernels.StepCache(
             keys=cache.keys, values=cache.values,
             cross_keys=cross.keys if cross is not None else [], cross_values=cross.values if cross is not None else [],
-            start=cache.max_length, visible=cache.max_length + 1,
+            start=cache.max_length, visible=cache.max_length + x.shape[1],
             write_positions=None if cache.uniform else cache.write_positions,
             self_mask=mask, memory_mask=memory_mask, group=cross.group_size if cross is not None else 1,
         )
@@ -318,9 +322,9 @@ class DecodePlan:
     ) -> torch.Tensor:
         kernels = self.kernels if self.native is not None else None
         deltas = (
-            self.native.deltas(x.shape[0])
+            self.native.deltas(x.shape[0], x.shape[1])
             if kernels is not None
-            and x.shape[1] == 1
+            and x.shape[1] <= kernels.MAX_STEP_TOKENS
             and x.dtype == torch.float32
             and cache.keys[0].dtype == torch.float32
             and not torch.is_grad_enabled()

@@ -19,7 +19,6 @@ from __future__ import annotations
 from types import ModuleType
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from model import native
 
@@ -27,8 +26,10 @@ from model import native
 # with the panel GEMM ahead from one row on (1.1-1.3x at batch 1 end to end), none.
 MAX_GEMV_ROWS = 0
 
-# weight -> ((its version, its data pointer) when packed, the panels); keyed by identity, dropped with the weight
-_PACKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# The attribute a weight keeps its copy in: ((its version, its data pointer) when packed, the panels). On the
+# tensor itself, it lives and dies with the weight, and reading it is an attribute lookup (0.08 us; the
+# weak-keyed dictionary it replaces took 1.1 us a call, every linear layer of every step).
+_ATTRIBUTE = "_tserve_packed"
 
 
 def enabled() -> bool:
@@ -42,7 +43,8 @@ def packed(kernels: ModuleType, weight: torch.Tensor) -> torch.Tensor | None:
     if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.is_inference():
         return None
     state = (weight._version, weight.data_ptr())
-    entry = _PACKED.get(weight)
+    entry = getattr(weight, _ATTRIBUTE, None)
     if entry is None or entry[0] != state:
-        entry = _PACKED[weight] = (state, kernels.pack_weight(weight))
+        entry = (state, kernels.pack_weight(weight))
+        setattr(weight, _ATTRIBUTE, entry)
     return entry[1]

@@ -21,11 +21,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("rows_layer_norm", &rows_layer_norm, "LayerNorm over the last dim (the native step's)", release());
   module.def("rows_activate_", &rows_activate_, "an Activation in place", release());
   module.def("rows_add_", &rows_add_, "y += x in place", release());
-  module.def("rows_cache_write", &rows_cache_write, "cache[:, :, position] = src (B, H, 1, Dh)", release());
+  module.def("rows_cache_write", &rows_cache_write, "cache[:, :, position:position + t] = src (B, H, t, Dh)", release());
   module.def("lora_delta_add_", &lora_delta_add_, "y += ((x A^T) * scales) B^T in place (LoRA deltas)", release());
 
   // The native step's contract (kernels.h), by name: model/fast_step.py reads the values from here.
   using pybind11::arg;
+  module.attr("MAX_STEP_TOKENS") = kMaxStepTokens;
   pybind11::enum_<Activation>(module, "Activation", "FeedForward's activations, by their config names")
       .value("relu", kRelu)
       .value("gelu", kGelu)

@@ -38,12 +38,12 @@ torch::Tensor project(const torch::Tensor& x, const Tensors& p, const Tensors* d
 }
 
 struct Step {
-  int64_t rows, heads, d, dh;
+  int64_t rows, tokens, heads, d, dh;  // tokens per row: 1, or a speculative draft's verification (model/speculative.py)
   bool pre_norm;
   Activation activation;
 
-  torch::Tensor split(const torch::Tensor& t) const { return t.view({rows, 1, heads, dh}).transpose(1, 2); }
-  torch::Tensor merge(const torch::Tensor& t) const { return t.transpose(1, 2).reshape({rows, 1, d}); }
+  torch::Tensor split(const torch::Tensor& t) const { return t.view({rows, tokens, heads, dh}).transpose(1, 2); }
+  torch::Tensor merge(const torch::Tensor& t) const { return t.transpose(1, 2).reshape({rows, tokens, d}); }
 
   // Pre-LN: x + f(LN(x)); post-LN: LN(x + f(x)). f's result is fresh: the residual is added into it.
   template <class F>
@@ -93,13 +93,14 @@ DecoderStack::DecoderStack(std::vector<Tensors> projections, std::vector<Tensors
 torch::Tensor DecoderStack::step(torch::Tensor x, const StepCache& cache, const std::vector<Tensors>& deltas,
                                  const Tensors& panels) const {
   const int64_t count = layers();
-  TORCH_CHECK(x.dim() == 3 && x.size(1) == 1, "decode step: x must be (B, 1, D)");
+  TORCH_CHECK(x.dim() == 3 && x.size(1) >= 1 && x.size(1) <= kMaxStepTokens, "decode step: x must be (B, t, D), t <= ",
+              kMaxStepTokens);
   TORCH_CHECK(static_cast<int64_t>(cache.keys.size()) == count && static_cast<int64_t>(cache.values.size()) == count &&
               (deltas.empty() || deltas.size() == projections.size()) &&
               (panels.empty() || panels.size() == projections.size()) &&
               cache.cross_keys.size() == cache.cross_values.size() && cache.group >= 1,
               "decode step: per-layer argument counts disagree");
-  const Step s{x.size(0), heads, x.size(2), x.size(2) / heads, pre_norm, activation};
+  const Step s{x.size(0), x.size(1), heads, x.size(2), x.size(2) / heads, pre_norm, activation};
   const Tensors &keys = cache.keys, &values = cache.values;
   const optional<torch::Tensor>& positions = cache.write_positions;
   torch::Tensor rows;
@@ -115,13 +116,13 @@ torch::Tensor DecoderStack::step(torch::Tensor x, const StepCache& cache, const 
     x = s.sublayer(x, n[kSelfAttnNorm], e[kSelfAttnNorm], [&](const torch::Tensor& h) {
       torch::Tensor q, k, v;
       if (!p[kQkv].empty()) {
-        auto qkv = project(h, p[kQkv], panel(kQkv)).view({s.rows, 1, 3, heads, s.dh}).permute({2, 0, 3, 1, 4});
+        auto qkv = project(h, p[kQkv], panel(kQkv)).view({s.rows, s.tokens, 3, heads, s.dh}).permute({2, 0, 3, 1, 4});
         q = qkv[0], k = qkv[1], v = qkv[2];
       } else {
         q = s.split(project(h, p[kQ], delta(kQ), panel(kQ))), k = s.split(project(h, p[kK], delta(kK), panel(kK)));
         v = s.split(project(h, p[kV], delta(kV), panel(kV)));
       }
-      if (rows.defined()) {  // advanced indices on dims 0 and 2: (B, 1, H, Dh) values
+      if (rows.defined()) {  // advanced indices on dims 0 and 2: (B, t, H, Dh) values
         torch::Tensor layer_keys = keys[l], layer_values = values[l];  // handles to the cache buffers
         layer_keys.index_put_({rows, torch::indexing::Slice(), *positions}, k.transpose(1, 2));
         layer_values.index_put_({rows, torch::indexing::Slice(), *positions}, v.transpose(1, 2));

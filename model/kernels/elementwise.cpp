@@ -161,8 +161,8 @@ void rows_cache_write(const torch::Tensor& cache, int64_t position, const torch:
                       position < cache.size(2) && cache.scalar_type() == at::kFloat && src.scalar_type() == at::kFloat &&
                       cache.device().is_cpu() && src.device().is_cpu() && cache.stride(3) == 1 && src.stride(3) == 1 &&
                       !(at::GradMode::is_enabled() && (cache.requires_grad() || src.requires_grad()));
-  if (!direct) {
-    cache.narrow(2, position, 1).copy_(src);
+  if (!direct) {  // several positions (a verification step), or anything the copy below does not cover
+    cache.narrow(2, position, src.size(2)).copy_(src);
     return;
   }
   const int64_t heads = cache.size(1), dh = cache.size(3);

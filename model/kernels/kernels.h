@@ -35,12 +35,16 @@ void lora_delta_add_(const torch::Tensor& y, const torch::Tensor& x, const torch
 using Tensors = std::vector<torch::Tensor>;
 
 // One step's KV cache and masks (model.kv_cache.KVCache after begin_step), built per step.
+// Most tokens per row one native step takes (a speculative draft plus the fed token; the attention kernel's own
+// limit is 16 queries per head).
+constexpr int64_t kMaxStepTokens = 16;
+
 struct StepCache {
   Tensors keys, values;              // per layer: the cache buffers (B, H, capacity, Dh)
   Tensors cross_keys, cross_values;  // per layer: cross-attention's (B, H, S, Dh); empty without it
   int64_t start;                     // the position every row writes at (uniform rows)
   int64_t visible;                   // keys visible after the write
-  c10::optional<torch::Tensor> write_positions;  // (B, 1) per-row positions of ragged rows, instead of start
+  c10::optional<torch::Tensor> write_positions;  // (B, t) per-row positions of ragged rows, instead of start
   c10::optional<torch::Tensor> self_mask, memory_mask;  // bool masks of self- and cross-attention
   int64_t group;                     // rows repeat their source in runs of `group` (beams)
 };

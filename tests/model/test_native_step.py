@@ -75,6 +75,42 @@ def _assert_equal(model, cache, tol=1e-6):
                                    rtol=tol)
 
 
+def _verification_step(model, cache, tokens: int, native: bool) -> torch.Tensor:
+    """One step of ``tokens`` tokens per row (a speculative verification) through the decode plan, natively or
+    through the Python replay, on a copy of ``cache``."""
+    plan = plan_for(model.decoder)
+    kept, counted = plan.native, _Watched(plan.native)
+    plan.native = counted if native else None
+    try:
+        copied = copy.deepcopy(cache)
+        ids = random_ids(cache.batch_size, tokens, seed=7)
+        causal = hasattr(model, "embed")
+        embed, memory_mask = (model.embed, None) if causal else (model.tgt_embed, copied.cross.mask)
+        positions, mask = copied.begin_step(tokens)
+        out = run_decoder(model.decoder, embed(ids, positions), mask, copied, memory_mask)
+    finally:
+        plan.native = kept
+    assert counted.calls == (1 if native else 0)
+    return out
+
+
+@pytest.mark.parametrize("ragged", [False, True], ids=["uniform", "ragged"])
+@pytest.mark.parametrize("adapter", [None, ["x", None, "y"]], ids=["base", "per-row-adapters"])
+def test_native_step_over_several_tokens_per_row_equals_the_python_replay(ragged, adapter):
+    """A verification step (the fed token and a 4-token draft per row) runs natively: causal masks among the new
+    tokens, ragged rows, per-row LoRA deltas repeated for each token of a row."""
+    lm = _with_adapters(tiny_causal_lm())
+    cache = causal_cache(lm, ragged)
+    with use_adapters(lm, adapter):
+        native = _verification_step(lm, cache, 5, native=True)
+        python = _verification_step(lm, cache, 5, native=False)
+    torch.testing.assert_close(native, python, atol=1e-5, rtol=1e-5)
+    mt = tiny_seq2seq()
+    mt_cache = seq2seq_cache(mt, ragged)
+    torch.testing.assert_close(_verification_step(mt, mt_cache, 3, native=True),
+                               _verification_step(mt, mt_cache, 3, native=False), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("ragged", [False, True], ids=["uniform", "ragged"])
 def test_native_step_equals_the_python_replay(norm, ragged):
     """Pre-/post-LN, GELU/ReLU, uniform and ragged caches (per-row writes, masks), padded sources."""

@@ -115,7 +115,7 @@ def test_batched_generation_is_the_same_with_packed_weights(family, strategy):
             with native.using_options(packed_weights=packing == "auto"):
                 results[packing] = generate(model, inputs, config)
         fc1 = model.decoder.layers[0].ffn.fc1.base.weight
-        assert packed_weights._PACKED[fc1][0] == (fc1._version, fc1.data_ptr())  # packed, and up to date
+        assert getattr(fc1, packed_weights._ATTRIBUTE)[0] == (fc1._version, fc1.data_ptr())  # packed, up to date
         for a, b in zip(results["auto"], results["off"], strict=True):
             assert [h.tokens for h in a] == [h.tokens for h in b]
             torch.testing.assert_close(torch.tensor([h.score for h in a]), torch.tensor([h.score for h in b]),
