@@ -215,7 +215,8 @@ class GenerateRequest(RequestModel):
     logprobs: int | None = Field(
         None, ge=0, le=MAX_LOGPROBS, description="Return each generated token's log-probability and the N "
         f"likeliest tokens at its position (0 <= N <= {MAX_LOGPROBS}): log-softmax of the model's logits, before "
-        "temperature, top-k / top-p and bans. Beam search: the returned sequences' own paths."
+        "temperature, top-k / top-p and bans (with a constraint: over the tokens it allows). Beam search: the "
+        "returned sequences' own paths."
     )
 
 
