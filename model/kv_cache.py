@@ -52,6 +52,18 @@ class CrossAttentionMemory:
         """``mask`` for attention, or None when no source has padding (SDPA's unmasked path is faster)."""
         return None if bool(self.mask.all()) else self.mask
 
+    @classmethod
+    def of_sources(cls, sources: list[torch.Tensor]) -> CrossAttentionMemory:
+        """The memory of rows whose sources' K/V were computed apart: each (layers, 2, H, S_i, Dh), right-padded
+        to the longest (the padding masked), as model.prefix_cache keeps them."""
+        longest = max(kv.shape[3] for kv in sources)
+        layers = sources[0].shape[0]
+        lengths = torch.tensor([kv.shape[3] for kv in sources], device=sources[0].device)
+        mask = (torch.arange(longest, device=lengths.device) < lengths[:, None])[:, None, None, :]  # (B, 1, 1, S)
+        return cls(keys=[_cat_padded([kv[layer, 0][None] for kv in sources], 2, longest) for layer in range(layers)],
+                   values=[_cat_padded([kv[layer, 1][None] for kv in sources], 2, longest) for layer in range(layers)],
+                   mask=mask)
+
     def select(self, index: torch.Tensor) -> CrossAttentionMemory:
         """The memory for rows ``index``; beams reordered within their source keep the K/V as they are."""
         sources = self.sources.index_select(0, index)

@@ -236,7 +236,9 @@ class GenerationScheduler(Scheduler):
                     next_tokens, parents = job.search.advance(step_logits)
                     if job.matchers is not None and not job.search.done:
                         job.matchers.advance(next_tokens, parents)
-                    picked, accepted = next_tokens[:1].tolist(), 0
+                    accepted = 0
+                    # Read back (a device sync) only for a stream or a drafter: one input, one row.
+                    picked = next_tokens[:1].tolist() if job.stream is not None or job.drafter is not None else []
             except Exception as exc:
                 logger.error("model %r: request %r failed: %s", self.name, job.id, exc)
                 self._finish(job, exc=self._failure(job, exc))

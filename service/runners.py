@@ -180,7 +180,8 @@ class Seq2SeqRunner(GenerationRunner):
             for entry, rows in zip(self._encode(list(missing)), missing.values(), strict=True):
                 for row in rows:
                     entries[row] = entry
-        return self.model.start_from(self.model.cache_for(_cross_memory(entries), capacity), targets)
+        cross = CrossAttentionMemory.of_sources([e.kv for e in entries])
+        return self.model.start_from(self.model.cache_for(cross, capacity), targets)
 
     def _encode(self, sources: list[tuple[str | None, tuple[int, ...]]]) -> list[Entry]:
         """Encode (adapter, source) pairs in one batch and cache each one's cross-attention K/V."""
@@ -199,22 +200,6 @@ class Seq2SeqRunner(GenerationRunner):
 def _selection(adapters: Sequence[str | None]) -> list[str | None] | None:
     """The per-row adapter selection for ``adapters`` (None when every row runs the base model)."""
     return list(adapters) if any(a is not None for a in adapters) else None
-
-
-def _cross_memory(entries: list[Entry]) -> CrossAttentionMemory:
-    """The cross-attention memory of rows whose sources' K/V are ``entries`` (right-padded, padding masked)."""
-    longest = max(e.tokens for e in entries)
-    layers, _, heads, _, head_dim = entries[0].kv.shape
-    like = entries[0].kv
-    keys = [like.new_zeros(len(entries), heads, longest, head_dim) for _ in range(layers)]
-    values = [like.new_zeros(len(entries), heads, longest, head_dim) for _ in range(layers)]
-    for row, entry in enumerate(entries):
-        for layer in range(layers):
-            keys[layer][row, :, : entry.tokens] = entry.kv[layer, 0]
-            values[layer][row, :, : entry.tokens] = entry.kv[layer, 1]
-    lengths = torch.tensor([e.tokens for e in entries], device=like.device)
-    mask = (torch.arange(longest, device=like.device) < lengths[:, None])[:, None, None, :]  # (B, 1, 1, S)
-    return CrossAttentionMemory(keys=keys, values=values, mask=mask)
 
 
 RUNNERS: dict[str, type[GenerationRunner]] = {"causal_lm": CausalRunner, "seq2seq": Seq2SeqRunner}
