@@ -35,6 +35,7 @@ from model.generation_config import ConfigError as ConfigError  # re-exported: t
 from model.generation_config import GenerationConfig, Strategy, require
 from model.logits import (
     NEG_INF,
+    banned_ids,
     greedy_choice,
     gumbel_argmax,
     log_probs,
@@ -102,6 +103,11 @@ class Search(ABC):
     @abstractmethod
     def results(self) -> list[list[Hypothesis]]:
         """Finished hypotheses per input, once done."""
+
+    def choices_ahead(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The one row's picks (t,) and their log-probs (t,) at its next t steps, each from the logits (t, V) after
+        the picks before it, where they can be made at once (greedy, the same bans at every step); else None."""
+        return None
 
     def _check_logits(self, logits: torch.Tensor) -> None:
         if logits.dim() != 2 or logits.size(0) != self.num_rows:  # (messages built only on failure: every step)
@@ -222,6 +228,47 @@ class _IndependentSearch(Search):
             reason.masked_fill_(reason == 0, _LENGTH)
         return reason
 
+    def _finish_code(self, slot: int, sequence: list[int]) -> int:
+        """``_finish_codes`` for one slot whose generated tokens are ``sequence`` (its last one just picked)."""
+        token, config = sequence[-1], self.config
+        if token == config.eos_token_id:
+            return _EOS
+        if token in config.stop_token_ids:
+            return _STOP_TOKEN
+        if (self.stop_fn is not None and len(sequence) >= config.min_new_tokens
+                and self.stop_fn(slot // self.samples, sequence)):
+            return _STOP_FN
+        return _LENGTH if len(sequence) >= config.max_new_tokens else 0
+
+    def extend(self, tokens: torch.Tensor, chosen: torch.Tensor, raw: torch.Tensor) -> int:
+        """Record consecutive picks (m,) of the search's one live row, with their log-probs (m,) and the raw logits
+        they were picked from (m, V) (a verified draft: model.speculative), up to and including the first pick that
+        finishes the row; return how many were recorded."""
+        if self.num_rows != 1 or self._slots is None:
+            raise ValueError(f"extend() records one started row's picks, the search has {self.num_rows} rows")
+        slot, start = int(self._slots[0]), self.step
+        sequence = self._tokens[slot, :start].tolist() if self.stop_fn is not None else [0] * start
+        code = 0
+        for token in tokens.tolist():  # a few tokens: Python beats a handful of tensor ops here
+            sequence.append(token)
+            code = self._finish_code(slot, sequence)
+            if code:
+                break
+        kept = len(sequence) - start
+        self._tokens[slot, start: start + kept] = tokens[:kept]
+        self._logprob[slot] += chosen[:kept].sum()
+        if self.config.logprobs is not None:
+            self._token_lp[slot, start: start + kept] = chosen[:kept]
+            if self.config.logprobs:
+                values, ids = _top(raw[:kept], self.config.logprobs)
+                self._top_lp[slot, start: start + kept], self._top_ids[slot, start: start + kept] = values, ids
+        self.step += kept
+        if code:
+            self._reason[slot] = code
+            self._length[slot] = self.step - (code in (_EOS, _STOP_TOKEN))
+            self._slots = self._slots[:0]
+        return kept
+
     def results(self) -> list[list[Hypothesis]]:
         self._check_done()
         columns = (self._tokens.tolist(), self._length.tolist(), self._logprob.tolist(), self._reason.tolist())
@@ -250,6 +297,14 @@ class GreedySearch(_IndependentSearch):
 
     def _choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return greedy_choice(logits, self.step, self.config)
+
+    def choices_ahead(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        config, last = self.config, self.step + logits.size(0) - 1
+        if (self.num_rows != 1 or self._slots is None or config.no_repeat_ngram_size
+                or (config.forced_eos and self.step <= config.max_new_tokens - 1 <= last)
+                or banned_ids(self.step, config) != banned_ids(last, config)):
+            return None
+        return greedy_choice(logits, self.step, config)
 
 
 class SampleSearch(_IndependentSearch):

@@ -105,13 +105,30 @@ class Verdict:
 
 def verify(search: Search, logits: torch.Tensor, draft: list[int]) -> Verdict:
     """Walk a single-row search over ``logits`` (1 + len(draft), V), computed after the fed token and each draft
-    token; stop at the first pick that is not the next draft token, or when the search ends."""
+    token; stop at the first pick that is not the next draft token, or when the search ends. A greedy search picks
+    at every position at once and records the kept picks in one call (``choices_ahead``, ``extend``)."""
     if search.num_rows != 1:
         raise ConfigError("speculative", f"speculates for a single row, the search has {search.num_rows}")
+    ahead = search.choices_ahead(logits)
+    if ahead is None:
+        return _verify_stepwise(search, logits, draft)
+    tokens, chosen = ahead
+    picks = tokens.tolist()
+    agreed = 0
+    while agreed < len(draft) and picks[agreed] == draft[agreed]:
+        agreed += 1
+    kept = search.extend(tokens[: agreed + 1], chosen[: agreed + 1], logits[: agreed + 1])
+    if search.done:  # the finishing pick, kept or not, is in the search's results
+        return Verdict(picks[: kept - 1], kept - 1, None)
+    return Verdict(picks[: agreed + 1], agreed, tokens[agreed: agreed + 1])
+
+
+def _verify_stepwise(search: Search, logits: torch.Tensor, draft: list[int]) -> Verdict:
+    """``verify`` one position at a time: the search advances on each position's logits in turn."""
     chosen: list[int] = []
     for position in range(len(draft) + 1):
         tokens, _ = search.advance(logits[position:position + 1])
-        if search.done:  # the finishing pick, kept or not, is in the search's results
+        if search.done:
             return Verdict(chosen, position, None)
         token = int(tokens[0])
         chosen.append(token)

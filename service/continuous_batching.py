@@ -58,6 +58,8 @@ class GenerationScheduler(Scheduler):
         self.batch: RunningBatch | None = None
         self.device = runner.device
         self._ttft, self._itl = metrics.ttft.labels(name), metrics.itl.labels(name)  # children resolved once
+        self._drafted = metrics.spec_draft_tokens.labels(name)
+        self._accepted = metrics.spec_accepted_tokens.labels(name)
         self._generated: dict[str | None, Any] = {}  # adapter -> tserve_generation_tokens_total child
         self._prefix_seen = (0, 0)  # the prefix cache's (queried, hit) tokens already counted in metrics
 
@@ -75,6 +77,11 @@ class GenerationScheduler(Scheduler):
     def num_rows(self) -> int:
         batch = self.batch
         return batch.rows if batch is not None else 0
+
+    def _ready(self, now: float) -> tuple[bool, float | None]:
+        """Step whenever a job runs or waits: an idle model starts a lone request at once (``max_wait_ms`` is for
+        the pooled families), because jobs that arrive meanwhile join the running batch at the next step."""
+        return bool(self.num_running or self._waiting), None
 
     def _iteration(self) -> None:
         self._drop_dead(time.monotonic())
@@ -280,8 +287,8 @@ class GenerationScheduler(Scheduler):
         return logprob_entries([token], token_lp, top, self.tokenizer.decode)
 
     def _speculation_metrics(self, drafted: int, accepted: int) -> None:
-        self.metrics.spec_draft_tokens.labels(self.name).inc(drafted)
-        self.metrics.spec_accepted_tokens.labels(self.name).inc(accepted)
+        self._drafted.inc(drafted)
+        self._accepted.inc(accepted)
 
     def _token_metrics(self, job: GenerationJob, rows: int, now: float) -> None:
         counter = self._generated.get(job.adapter_name)

@@ -73,7 +73,9 @@ class Settings:
     device: str = _setting("auto", "TSERVE_DEVICE", "torch device: auto (CUDA when available), cpu, cuda, cuda:N", str)
     dtype: str = _setting("auto", "TSERVE_DTYPE", "weights dtype: auto, float32, float16, bfloat16", str)
     max_batch_size: int = _setting(32, "TSERVE_MAX_BATCH_SIZE", "most requests one forward pass batches", int)
-    max_wait_ms: float = _setting(5.0, "TSERVE_MAX_WAIT_MS", "how long a batch waits for more requests (ms)", float)
+    max_wait_ms: float = _setting(5.0, "TSERVE_MAX_WAIT_MS", "how long an idle classifier / embedder waits to fill "
+                                  "a batch (ms); generation starts at once (later requests join its running batch)",
+                                  float)
     max_queue: int = _setting(256, "TSERVE_MAX_QUEUE", "queued requests per model before 429", int)
     max_queue_per_key: int | None = _setting(
         None, "TSERVE_MAX_QUEUE_PER_KEY",

@@ -42,7 +42,8 @@ def fed_tokens(batch: RunningBatch, drafts: list[list[int] | None]) -> torch.Ten
     rows: list[list[int]] = []
     tokens = iter(batch.tokens.tolist())
     for job, draft in zip(batch.jobs, drafts, strict=True):
+        draft = draft or []
         for _ in range(job.search.num_rows):
             token = next(tokens)
-            rows.append([token, *(draft or [])] + [token] * (width - 1 - len(draft or [])))
-    return torch.tensor(rows, dtype=batch.tokens.dtype, device=batch.tokens.device)
+            rows.append([token, *draft, *[token] * (width - 1 - len(draft))])
+    return torch.tensor(rows, dtype=batch.tokens.dtype).to(batch.tokens.device, non_blocking=True)

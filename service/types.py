@@ -78,7 +78,7 @@ class EngineSettings:
     device: str = "auto"
     dtype: str = "auto"
     max_batch_size: int = 32  # rows per model step (generation) / inputs per forward (classify, embed)
-    max_wait_ms: float = 5.0  # how long an idle worker waits to fill a batch
+    max_wait_ms: float = 5.0  # how long an idle pooled-family worker waits to fill a batch
     max_queue: int = 256  # waiting requests per model before QueueFull
     max_queue_per_key: int | None = None  # waiting requests per model and API key before QueueFull (None: no cap)
     max_input_tokens: int | None = None  # None -> the model's limit

@@ -84,6 +84,46 @@ def test_a_stop_string_inside_an_accepted_draft_ends_where_plain_decoding_ends()
     assert (got[0][0].tokens, got[0][0].finish_reason) == (want.tokens, "stop")
 
 
+@pytest.mark.parametrize("fields", [dict(), dict(stop_token_ids=(3,), logprobs=3), dict(min_new_tokens=6),
+                                    dict(forced_eos=True, banned_token_ids=(5,)), dict(stop=True)])
+def test_a_greedy_walk_in_one_call_records_what_the_stepwise_walk_records(fields):
+    """verify() on a greedy search (choices_ahead + extend) against the same walk one advance per position, over
+    random logits whose drafts agree for a random stretch: the verdicts, the results and the alternatives match."""
+    from model.decoding import make_search
+    from model.speculative import _verify_stepwise, verify
+
+    generator = torch.Generator().manual_seed(0)
+    stop_fn = (lambda _input, tokens: sum(tokens) % 7 == 0) if fields.pop("stop", False) else None  # noqa: E731
+    config = GenerationConfig(max_new_tokens=12, eos_token_id=2, **fields)
+    ended, at_once = set(), []
+    for _ in range(40):
+        searches = [make_search(config, 1, stop_fn) for _ in range(2)]
+        ahead = searches[0].choices_ahead
+        searches[0].choices_ahead = lambda logits, ahead=ahead: at_once.append(ahead(logits)) or at_once[-1]
+        first = torch.randn(1, 8, generator=generator)
+        for search in searches:
+            search.advance(first)
+        while not searches[0].done:
+            logits = torch.randn(1 + int(torch.randint(0, 5, (1,), generator=generator)), 8, generator=generator)
+            draft = logits[:-1].argmax(-1).tolist()  # the picks where nothing is banned ...
+            cut = int(torch.randint(0, len(draft) + 1, (1,), generator=generator))
+            draft[cut:] = [(t + 1) % 8 for t in draft[cut:]]  # ... up to a random disagreement
+            room = config.max_new_tokens - searches[0].step
+            logits, draft = logits[:room], draft[: room - 1]
+            fast, slow = verify(searches[0], logits, draft), _verify_stepwise(searches[1], logits, draft)
+            assert (fast.tokens, fast.accepted, fast.next_token is None) == (slow.tokens, slow.accepted,
+                                                                               slow.next_token is None)
+            assert searches[0].step == searches[1].step and searches[1].done == searches[0].done
+        fast_result, slow_result = searches[0].results()[0][0], searches[1].results()[0][0]
+        assert (fast_result.tokens, fast_result.finish_reason) == (slow_result.tokens, slow_result.finish_reason)
+        assert fast_result.logprob == pytest.approx(slow_result.logprob, abs=1e-5)
+        assert fast_result.top_logprobs == slow_result.top_logprobs or fast_result.top_logprobs == pytest.approx(
+            slow_result.top_logprobs)
+        ended.add(fast_result.finish_reason)
+    assert len(ended) > 1 or config.forced_eos  # rows ended in more than one way (forced_eos: always "eos")
+    assert sum(choice is not None for choice in at_once) > len(at_once) / 2  # mostly the one-call walk
+
+
 def chi_square_critical(df: int, z: float = 3.29) -> float:
     """The chi-square quantile for a one-sided normal z (3.29: p = 0.0005), Wilson-Hilferty approximation."""
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3

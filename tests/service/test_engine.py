@@ -280,3 +280,16 @@ def test_model_info_counts_the_adapters_parameters_apart(models_dir, adapters_di
     assert with_adapter.adapters == [ADAPTERS[LM]] and without.adapters == []
     assert with_adapter.parameters == without.parameters == own
     assert with_adapter.adapter_parameters > 0 and without.adapter_parameters == 0
+
+
+def test_a_lone_generation_request_starts_without_waiting_for_company(models_dir):
+    """Continuous batching never holds a request back to fill a batch: with a collate wait of an hour, a lone
+    generate (both families) still completes; the 120 s bound only turns a hang into a failure."""
+
+    async def main():
+        async with running_engine(models_dir, None, max_wait_ms=3_600_000) as engine:
+            for name in (LM, MT):
+                outputs = await asyncio.wait_for(engine.get(name).generate(ask("hello", max_new_tokens=3), name), 120)
+                assert len(outputs) == 1 and 1 <= len(outputs[0].tokens) <= 3
+
+    asyncio.run(main())
