@@ -1,17 +1,18 @@
-"""Speculative decoding (prompt lookup) at batch 1: `python -m benchmarks.speculative [--models DIR]
-[--new-tokens 64] [--prompts 16] [--num-tokens 4] [--threads 2] [--tiny]`.
+"""Speculative decoding at batch 1: `python -m benchmarks.speculative [--models DIR] [--new-tokens 64]
+[--prompts 16] [--num-tokens 4] [--threads 2] [--draft-model NAME] [--tiny]`.
 
 Two workloads, each request alone (batch 1) through the engine in this process (service.worker, its scheduler
 thread): **code**, completions of windows of Python's standard library source by the models directory's causal
 LM (default `code`), and **translation**, copy-heavy messages (paths, placeholders, options, numbers) by its
 seq2seq model (default `translation`). Greedy, exactly ``--new-tokens`` per request where the model allows
 (``min_new_tokens``; a translation ends at its EOS); every request runs plain and with
-``"speculative": {"method": "ngram", "num_tokens": K}``,
-alternating which goes first, and both outputs must be equal (the harness raises otherwise). Reported per
-workload: generated tokens per second plain and speculative over all requests, their ratio, the acceptance rate
-(accepted / drafted draft tokens, from the engine's counters) and the tokens per model step of the speculative
+``"speculative": {"method": "ngram", "num_tokens": K}`` (with ``--draft-model NAME``, the code workload drafts
+with that model of the models directory instead: ``"method": "draft_model"``), alternating which goes first, and
+both outputs must be equal (the harness raises otherwise). Reported per workload: generated tokens per second
+plain and speculative over all requests, their ratio, the acceptance rate (accepted / drafted draft tokens, from
+the engine's counters) and the tokens per model step of the speculative
 runs. ``--models`` defaults to `checkpoints/models` (`make train-quick`); ``--tiny`` builds a random-weight causal
-LM instead (code only: the suite's smoke run).
+LM instead, and a smaller one with its tokenizer, `code-draft` (code only: the suite's smoke run).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class Workload:
     model: str
     prompts: list[str]
     force_length: bool  # min_new_tokens = max_new_tokens (code); a translation ends at its EOS
+    method: str = "ngram"
     plain_s: float = 0.0
     speculative_s: float = 0.0
     tokens: int = 0
@@ -87,12 +89,13 @@ def code_prompts(tokenizer: Tokenizer, count: int, max_tokens: int, seed: int) -
 
 
 def build_tiny(directory: Path) -> None:
-    """A random-weight causal LM ("code") with a BPE over some stdlib source."""
+    """A random-weight causal LM ("code") with a BPE over some stdlib source, and a smaller one ("code-draft")."""
     tokenizer = Tokenizer.train(stdlib_texts(200_000), vocab_size=1000)
     torch.manual_seed(0)
-    model = CausalLM(CausalLMConfig(vocab_size=tokenizer.vocab_size, d_model=64, n_heads=4, d_ff=128, n_layers=2,
-                                    max_len=256, dropout=0.0)).eval()
-    save_checkpoint(directory / "code", model, tokenizer)
+    for name, width, layers in (("code", 64, 2), ("code-draft", 32, 1)):
+        model = CausalLM(CausalLMConfig(vocab_size=tokenizer.vocab_size, d_model=width, n_heads=4, d_ff=2 * width,
+                                        n_layers=layers, max_len=256, dropout=0.0)).eval()
+        save_checkpoint(directory / name, model, tokenizer)
 
 
 async def run_workload(engine, workload: Workload, new_tokens: int, num_tokens: int) -> None:
@@ -105,7 +108,7 @@ async def run_workload(engine, workload: Workload, new_tokens: int, num_tokens: 
         room = min(new_tokens, worker.max_new_tokens)
         fields = dict(inputs=[prompt], max_new_tokens=room, min_new_tokens=room if workload.force_length else 0)
         plain = GenerateRequest(**fields)
-        fast = GenerateRequest(**fields, speculative={"method": "ngram", "num_tokens": num_tokens})
+        fast = GenerateRequest(**fields, speculative={"method": workload.method, "num_tokens": num_tokens})
         outputs = {}
         for kind in (("plain", "fast") if i % 2 == 0 else ("fast", "plain")):
             before = (metric("tserve_spec_decode_draft_tokens_total", labels) or 0.0,
@@ -144,11 +147,12 @@ def run(args: argparse.Namespace) -> str:
         code = load_checkpoint(models / args.code, device="cpu")
         max_prompt = code.config.max_len - min(args.new_tokens, code.config.max_len // 2) - 2
         workloads = [Workload("code", args.code, code_prompts(code.tokenizer, args.prompts, max_prompt, args.seed),
-                              force_length=True)]
+                              force_length=True, method="draft_model" if args.draft_model else "ngram")]
         if not args.tiny and (models / args.translation).is_dir():
             workloads.append(Workload("translation", args.translation, MESSAGES[: args.prompts], force_length=False))
         loop = asyncio.new_event_loop()
-        settings = EngineSettings(device="cpu", dtype="float32", prefix_cache_bytes=0, threads=args.threads)
+        settings = EngineSettings(device="cpu", dtype="float32", prefix_cache_bytes=0, threads=args.threads,
+                                  draft_model=f"{args.code}={args.draft_model}" if args.draft_model else "")
         engine = Engine(settings, models, None)
         loop.run_until_complete(engine.start())
         try:
@@ -167,14 +171,16 @@ def report(args: argparse.Namespace, workloads: list[Workload]) -> str:
     rows = []
     for w in workloads:
         plain, fast = w.tokens / w.plain_s, w.tokens / w.speculative_s
-        rows.append([w.name, w.model, len(w.prompts), w.tokens, f"{plain:,.0f}", f"{fast:,.0f}", f"{fast / plain:.2f}x",
+        rows.append([w.name, w.model, w.method, len(w.prompts), w.tokens, f"{plain:,.0f}", f"{fast:,.0f}",
+                     f"{fast / plain:.2f}x",
                      f"{w.accepted / w.drafted:.0%}" if w.drafted else "-", f"{w.tokens / max(w.steps, 1):.2f}"])
-    table = markdown_table(["workload", "model", "requests", "tokens", "plain tok/s", "speculative tok/s",
+    table = markdown_table(["workload", "model", "drafts", "requests", "tokens", "plain tok/s", "speculative tok/s",
                             "speed-up", "acceptance", "tokens / step"], rows)
     return "\n".join([
         f"Machine: {machine_line()}",
         f"Engine in this process, batch 1, greedy, code: exactly {args.new_tokens} new tokens (or the model's room), "
-        f"translation: up to {args.new_tokens} (its EOS ends it); ngram drafts of {args.num_tokens} tokens; "
+        f"translation: up to {args.new_tokens} (its EOS ends it); drafts of {args.num_tokens} tokens"
+        f"{f' (code: by the draft model {args.draft_model!r})' if args.draft_model else ''}; "
         f"intra-op threads per model worker: {args.threads or 'the default (cores / models)'}, the main thread "
         "serial as in python -m service; prefix cache off; plain and speculative "
         "alternate per request and give equal tokens",
@@ -193,6 +199,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-tokens", type=int, default=4, help="draft tokens per step")
     parser.add_argument("--threads", type=int, default=None,
                         help="intra-op threads per model worker (default: the cores divided among the models)")
+    parser.add_argument("--draft-model", default=None,
+                        help="a smaller causal LM of the models directory (same tokenizer) drafting for --code")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny", action="store_true", help="a random toy causal LM, code only, few requests")
     args = parser.parse_args(argv)

@@ -15,7 +15,7 @@ from model.decoding import ConfigError, GenerationConfig, Hypothesis, Search, St
 from model.kv_cache import KVCache
 from model.lora import AdapterSelection, set_adapters, use_adapters
 from model.seq2seq import Seq2SeqTransformer
-from model.speculative import NgramDrafter, SpeculativeConfig, verify
+from model.speculative import Drafter, SpeculativeConfig, make_drafter, verify
 from model.tokenizer import Tokenizer, pad_batch
 
 
@@ -31,9 +31,11 @@ def generate_causal(
     stop_fn: StopFn | None = None,
     use_cache: bool = True,
     speculative: SpeculativeConfig | None = None,
+    draft_model: CausalLM | None = None,
 ) -> list[list[Hypothesis]]:
     """Continue each prompt; returns per prompt the hypotheses of ``config`` (best first). ``speculative``: draft
-    and verify several tokens per step (model.speculative; one prompt, greedy or one sample: same outputs)."""
+    and verify several tokens per step (model.speculative; one prompt, greedy or one sample: same outputs), with
+    ``draft_model`` for the method "draft_model"."""
     _check_lengths([len(p) for p in prompts], config.max_new_tokens, model.config.max_len, "prompt")
     device = next(model.parameters()).device
     ids, lengths = (t.to(device) for t in pad_batch(prompts, model.config.pad_id))
@@ -45,12 +47,13 @@ def generate_causal(
         cache = model.new_cache(len(prompts), capacity=ids.shape[1] + config.max_new_tokens)
         first = model.prefill(ids, lengths, cache)
         if speculative is not None:
-            return _run_speculative(model, search, first, cache, NgramDrafter(speculative, list(prompts[0])))
+            drafter = make_drafter(speculative, list(prompts[0]), draft_model)
+            return _run_speculative(model, search, first, cache, drafter)
         return run_search(search, first, lambda t: model.decode_step(t, cache), rows.select_with(cache.select))
 
 
 def _run_speculative(model: CausalLM, search: Search, first: torch.Tensor, cache: KVCache,
-                     drafter: NgramDrafter) -> list[list[Hypothesis]]:
+                     drafter: Drafter) -> list[list[Hypothesis]]:
     """A single-row search driven by draft-and-verify steps (model.speculative)."""
     if search.num_rows != 1 or search.config.strategy == Strategy.BEAM or search.config.num_return_sequences != 1:
         raise ConfigError("speculative", "needs one prompt and one greedy or sampled sequence")

@@ -124,7 +124,7 @@ class GenerationScheduler(Scheduler):
         except Exception as exc:
             self._finish(job, exc=self._failure(job, exc))
             return False
-        start_drafter(job, self.runner.draft_source(job.prompts[0], job.targets[0]))
+        start_drafter(job, self.runner.draft_source(job.prompts[0], job.targets[0]), self.runner.draft_model)
         self.metrics.prompt_tokens.labels(self.name, adapter_label(job.adapter_name)).inc(job.prompt_tokens)
         return True
 

@@ -9,8 +9,10 @@ import os
 import time
 from pathlib import Path
 
-from model.checkpoint import load_checkpoint
+from model.checkpoint import Checkpoint, load_checkpoint
+from model.generation_config import ConfigError
 from model.quantize import mode_for, prepare_for_inference
+from model.speculative import check_draft_model, draft_model_for
 from service.errors import NotFound, NotReady
 from service.metrics import Metrics
 from service.threads import available_cores, worker_threads
@@ -65,7 +67,8 @@ class Engine:
                 checkpoint = await asyncio.to_thread(load_checkpoint, directory, self.settings.device,
                                                      self.settings.dtype)
                 prepare_for_inference(checkpoint.model, mode_for(self.settings.quantize, name))
-                worker = ModelWorker(name, checkpoint, self.settings, self.metrics, self.adapters_dir)
+                draft = await self._draft_for(name, checkpoint)
+                worker = ModelWorker(name, checkpoint, self.settings, self.metrics, self.adapters_dir, draft)
                 await worker.start(threads)
                 self.metrics.model_load_seconds.labels(name).set(time.perf_counter() - start)
                 if self.settings.warmup:
@@ -85,6 +88,21 @@ class Engine:
             reasons = "".join(f"\n  {name}: {error}" for name, error in self.load_errors.items())
             raise NoModelsLoaded(f"no model in {self.models_dir} loaded:{reasons}")
         self.ready = True
+
+    async def _draft_for(self, name: str, checkpoint: Checkpoint) -> Checkpoint | None:
+        """The draft model (settings.draft_model) of model ``name``, loaded for it alone; raises when it cannot
+        draft for it (not found, another family or tokenizer), which fails the model's load with that reason."""
+        draft_name = draft_model_for(self.settings.draft_model, name, checkpoint.family)
+        if draft_name is None:
+            return None
+        if not (self.models_dir / draft_name).is_dir():
+            raise ConfigError("draft_model", f"draft model {draft_name!r} for {name!r} is not a model directory")
+        draft = await asyncio.to_thread(load_checkpoint, self.models_dir / draft_name, self.settings.device,
+                                        self.settings.dtype)
+        prepare_for_inference(draft.model, mode_for(self.settings.quantize, draft_name))
+        check_draft_model(checkpoint.model, checkpoint.tokenizer.backend.get_vocab(), draft.model,
+                          draft.tokenizer.backend.get_vocab())
+        return draft
 
     def _public(self, message: str) -> str:
         """``message`` with the models directory's paths made relative to it (no server paths in answers)."""

@@ -16,7 +16,7 @@ from typing import Any
 from model.constraints import CompiledConstraint, RowMatchers
 from model.decoding import GenerationConfig, Hypothesis
 from model.generation import trim_stop
-from model.speculative import NgramDrafter, SpeculativeConfig
+from model.speculative import Drafter, SpeculativeConfig
 from service.adapters import AdapterVersion
 from service.errors import RequestTimeout
 from service.schemas import Alternative, Candidate, GenerateOutput, TokenLogprob
@@ -144,7 +144,7 @@ class GenerationJob(Job):
         self.prompts = prompts
         self.targets = targets if targets is not None else [[] for _ in prompts]  # seq2seq target prefixes
         self.speculative = speculative  # drafting (one input, one sequence)
-        self.drafter: NgramDrafter | None = None  # made with the search, fed every token the search picks
+        self.drafter: Drafter | None = None  # made with the search, fed every token the search picks
         self.constraint = constraint  # the grammar every output matches
         self.matchers: RowMatchers | None = None  # one per row of the search, made with it
         self.config = config

@@ -34,11 +34,13 @@ class GenerationRunner(ABC):
 
     family: str
 
-    def __init__(self, model: CausalLM | Seq2SeqTransformer, prefix_cache: PrefixCache | None = None) -> None:
+    def __init__(self, model: CausalLM | Seq2SeqTransformer, prefix_cache: PrefixCache | None = None,
+                 draft_model: CausalLM | None = None) -> None:
         self.model = model
         self.config = model.config
         self.device = next(model.parameters()).device
         self.prefix_cache = prefix_cache
+        self.draft_model = draft_model  # drafts for speculative method draft_model (model.speculative)
 
     @property
     @abstractmethod

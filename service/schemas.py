@@ -161,9 +161,11 @@ class ConstraintRequest(RequestModel):
 
 
 class SpeculativeRequest(RequestModel):
-    method: Literal["ngram", "none"] = Field(
+    method: Literal["ngram", "draft_model", "none"] = Field(
         "ngram", description="ngram: draft the tokens that followed the latest earlier occurrence of the text's last "
-        "1-3 tokens (prompt lookup), verified by the model in one step; none: no drafting (overrides a default)."
+        "1-3 tokens (prompt lookup); draft_model: the greedy continuation of the model's draft model (a smaller "
+        "causal LM with its tokenizer, setting draft_model; GET /v1/models names it); either is verified by the "
+        "model in one step; none: no drafting (overrides a default)."
     )
     num_tokens: int = Field(4, ge=1, le=MAX_SPECULATIVE_TOKENS, description="Draft tokens per step.")
 

@@ -17,7 +17,7 @@ from typing import Any
 from model.generation_config import ConfigError
 from model.native import KernelOptions
 from model.quantize import QuantizeError, mode_for
-from model.speculative import speculative_for
+from model.speculative import draft_model_for, speculative_for
 from service.types import EngineSettings
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -151,8 +151,15 @@ class Settings:
         "none",
         "TSERVE_SPECULATIVE",
         "draft-and-verify decoding for requests that leave \"speculative\" unset (one input, greedy or one sample): "
-        "none, ngram:K (prompt lookup, K draft tokens per step), or per model name=... entries plus an optional "
-        "bare default, e.g. none,code=ngram:4",
+        "none, ngram:K (prompt lookup, K draft tokens per step), draft_model:K (the model's draft model), or per "
+        "model name=... entries plus an optional bare default, e.g. none,code=ngram:4",
+        str,
+    )
+    draft_model: str = _setting(
+        "",
+        "TSERVE_DRAFT_MODEL",
+        "the smaller causal LM (a directory of the models directory, same tokenizer) that drafts for speculative "
+        "method draft_model: TARGET=DRAFT entries, or one DRAFT for every other causal LM; empty: none",
         str,
     )
     log_level: str = _setting("info", "TSERVE_LOG_LEVEL", "logging level: " + ", ".join(LOG_LEVELS), str)
@@ -207,6 +214,10 @@ class Settings:
             speculative_for(self.speculative, "")
         except ConfigError as exc:
             raise SettingsError(f"speculative ({_env('speculative')}): {exc.message}") from None
+        try:
+            draft_model_for(self.draft_model, "")
+        except ConfigError as exc:
+            raise SettingsError(f"draft_model ({_env('draft_model')}): {exc.message}") from None
 
     @property
     def auth_enabled(self) -> bool:
@@ -247,6 +258,7 @@ class Settings:
             quantize=self.quantize,
             prefix_cache_bytes=int(self.prefix_cache_mb * 2**20),
             speculative=self.speculative,
+            draft_model=self.draft_model,
             threads=self.threads,
         )
 

@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import torch
 
-from model.speculative import NgramDrafter
+from model.causal_lm import CausalLM
+from model.speculative import make_drafter
 from service.batch import RunningBatch
 from service.jobs import GenerationJob
 
 
-def start_drafter(job: GenerationJob, source: list[int]) -> None:
-    """Give a speculating job its drafter over ``source`` (the runner's draft_source of its input)."""
+def start_drafter(job: GenerationJob, source: list[int], draft_model: CausalLM | None) -> None:
+    """Give a speculating job its drafter over ``source`` (the runner's draft_source of its input); method
+    draft_model drafts with ``draft_model`` (the worker refused such requests when there is none)."""
     if job.speculative is not None and job.search.num_rows == 1:
-        job.drafter = NgramDrafter(job.speculative, source)
+        job.drafter = make_drafter(job.speculative, source, draft_model)
 
 
 def drafts_for(jobs: list[GenerationJob]) -> list[list[int] | None] | None:

@@ -57,6 +57,7 @@ class ModelInfo:
     adapters: list[str]
     format: str = "tserve"  # "hf": loaded from a Hugging Face directory
     generation_defaults: dict = field(default_factory=dict)  # what generate uses for fields a request leaves unset
+    draft_model: str | None = None  # the model that drafts for speculative method draft_model
 
 
 @dataclass(frozen=True)
@@ -92,4 +93,5 @@ class EngineSettings:
     quantize: str = "none"  # model.quantize.mode_for spec: "int8", or per model "name=int8,..."
     prefix_cache_bytes: int = 256 << 20  # per generative model (model.prefix_cache); 0 = off
     speculative: str = "none"  # model.speculative.speculative_for spec: the models' default drafting
+    draft_model: str = ""  # model.speculative.draft_model_for spec: which model drafts for which
     threads: int | None = None  # intra-op threads per model worker (None: service.threads.worker_threads decides)

@@ -69,7 +69,7 @@ class ModelWorker:
     """One loaded model: its scheduler thread, its adapters, its metrics labels."""
 
     def __init__(self, name: str, checkpoint: Checkpoint, settings: EngineSettings, metrics: Metrics,
-                 adapters_dir: Path | None) -> None:
+                 adapters_dir: Path | None, draft: Checkpoint | None = None) -> None:
         self.name = name
         self.checkpoint = checkpoint
         self.model = checkpoint.model
@@ -82,11 +82,16 @@ class ModelWorker:
         self.runner = None  # generative families only
         if self.family in RUNNERS:
             prefix_cache = PrefixCache(settings.prefix_cache_bytes) if settings.prefix_cache_bytes > 0 else None
-            self.runner = RUNNERS[self.family](self.model, prefix_cache)
+            self.runner = RUNNERS[self.family](self.model, prefix_cache, draft.model if draft is not None else None)
+        self.draft_name = draft.path.name if draft is not None and draft.path is not None else None
         model_limit = self.runner.max_input_tokens if self.runner is not None else self.config.max_len
         self.max_input_tokens = min(model_limit, settings.max_input_tokens or model_limit)
         self.max_new_tokens = min(settings.max_new_tokens, self.runner.room(1)) if self.runner is not None else 0
         self._default_speculative = speculative_for(settings.speculative, name)
+        if self._default_speculative is not None and self._default_speculative.method == "draft_model" \
+                and self.draft_name is None:
+            raise ConfigError("speculative", f"model {name!r} defaults to draft_model drafting but has no draft "
+                              "model (setting draft_model)")
         self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix=f"tokenize-{name}")
         self.scheduler: Scheduler
         if self.runner is not None:
@@ -114,6 +119,7 @@ class ModelWorker:
             adapters=self.registry.names(),
             format=self.checkpoint.format,
             generation_defaults=self.generation_defaults,
+            draft_model=self.draft_name,
         )
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -470,6 +476,9 @@ class ModelWorker:
                                  f"without a constraint, got {len(req.inputs)} inputs, strategy "
                                  f"{config.strategy.value}, num_return_sequences {config.num_return_sequences}"
                                  f"{', a constraint' if constrained else ''}")
+        if req.speculative.method == "draft_model" and self.draft_name is None:
+            raise InvalidRequest("speculative.method", f"model {self.name!r} has no draft model (setting "
+                                 "draft_model); use ngram")
         return SpeculativeConfig(req.speculative.method, req.speculative.num_tokens)
 
     async def _target_prefixes(self, req: GenerateRequest, config: GenerationConfig) -> list[list[int]] | None:

@@ -146,12 +146,15 @@ def test_prefix_cache_benchmark_times_both_bursts_with_the_cache_off_and_on():
     assert hits["warm"] > 50  # prefix 64 tokens of about 74
 
 
-def test_speculative_benchmark_checks_equal_outputs_and_reports_the_acceptance():
-    """--tiny: a random toy causal LM completes stdlib code plain and speculative (the harness raises if their tokens
-    differ); the report has its row with a speed-up and, since drafts were proposed, an acceptance rate."""
-    report = speculative.main(["--tiny", "--threads", "1"])
-    row = re.search(r"^\| code \| code \| 3 \| (\d+) \| [\d,]+ \| [\d,]+ \| (\d+\.\d\d)x \| (\d+)% \| (\d+\.\d\d) \|$",
-                    report, flags=re.MULTILINE)
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_benchmark_checks_equal_outputs_and_reports_the_acceptance(method):
+    """--tiny: a random toy causal LM completes stdlib code plain and speculative, drafting by prompt lookup or by a
+    smaller random model (the harness raises if their tokens differ); the report has its row with a speed-up and,
+    since drafts were proposed, an acceptance rate."""
+    report = speculative.main(["--tiny", "--threads", "1"] + (["--draft-model", "code-draft"] if method != "ngram"
+                                                               else []))
+    row = re.search(rf"^\| code \| code \| {method} \| 3 \| (\d+) \| [\d,]+ \| [\d,]+ \| (\d+\.\d\d)x \| (\d+)% \| "
+                    r"(\d+\.\d\d) \|$", report, flags=re.MULTILINE)
     assert row is not None, report
     assert int(row.group(1)) == 3 * 16 and float(row.group(4)) >= 1.0
 

@@ -3,6 +3,7 @@ sampling, EOS and stop strings inside a draft), and the sampled distribution aga
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import Counter
 
@@ -12,7 +13,14 @@ import torch
 from model.decoding import GenerationConfig
 from model.generation import generate_causal
 from model.generation_config import ConfigError
-from model.speculative import NgramDrafter, SpeculativeConfig, speculative_for
+from model.speculative import (
+    ModelDrafter,
+    NgramDrafter,
+    SpeculativeConfig,
+    check_draft_model,
+    draft_model_for,
+    speculative_for,
+)
 from tests.model.conftest import tiny_causal_lm
 from tests.model.helpers import eos_friendly
 
@@ -122,6 +130,68 @@ def test_a_greedy_walk_in_one_call_records_what_the_stepwise_walk_records(fields
         ended.add(fast_result.finish_reason)
     assert len(ended) > 1 or config.forced_eos  # rows ended in more than one way (forced_eos: always "eos")
     assert sum(choice is not None for choice in at_once) > len(at_once) / 2  # mostly the one-call walk
+
+
+def naive_greedy(model, tokens: list[int], count: int) -> list[int]:
+    """``count`` argmax tokens after ``tokens``, each from a full forward pass without any cache."""
+    tokens = list(tokens)
+    with torch.no_grad():
+        for _ in range(count):
+            tokens.append(int(model(torch.tensor([tokens]))[0, -1].argmax()))
+    return tokens[-count:]
+
+
+def test_a_draft_model_drafts_its_own_greedy_continuation_across_rejections():
+    draft_model = tiny_causal_lm(max_len=64, vocab_size=24, d_model=16, d_ff=32)
+    generator = torch.Generator().manual_seed(5)
+    drafter = ModelDrafter(SpeculativeConfig("draft_model", 4), draft_model, REPETITIVE[:6])
+    with torch.inference_mode():
+        for _ in range(8):
+            draft = drafter.draft(4)
+            assert draft == naive_greedy(draft_model, drafter.tokens, 4)
+            accepted = int(torch.randint(0, 5, (1,), generator=generator))  # some drafted tokens, then another one
+            for token in [*draft[:accepted], int(torch.randint(3, 24, (1,), generator=generator))]:
+                drafter.append(token)
+        room = draft_model.config.max_len - len(drafter.tokens)
+        assert len(drafter.draft(room + 5)) == room  # never past the draft model's positions
+
+
+@pytest.mark.parametrize("fields", [dict(), dict(strategy="sample", seed=3, temperature=0.8), dict(logprobs=2)])
+@pytest.mark.parametrize("draft", ["other", "itself"])
+def test_drafts_of_a_draft_model_leave_outputs_as_plain_decoding_gives_them(fields, draft):
+    """A different small model (some drafts rejected) or the model itself (every draft accepted) as the draft."""
+    model = eos_friendly(tiny_causal_lm(max_len=128, vocab_size=24))
+    draft_model = copy.deepcopy(model) if draft == "itself" else tiny_causal_lm(max_len=128, vocab_size=24,
+                                                                                 d_model=16, d_ff=32)
+    widths, seen = counting_verify_steps(model), []
+    config = GenerationConfig(max_new_tokens=30, eos_token_id=2, **fields)
+    for prompt in (REPETITIVE[:5], REPETITIVE[:11], REPETITIVE):
+        plain = generate_causal(model, [prompt], config)[0][0]
+        widths.clear()
+        fast = generate_causal(model, [prompt], config, speculative=SpeculativeConfig("draft_model", 3),
+                               draft_model=draft_model)[0][0]
+        assert (fast.tokens, fast.finish_reason) == (plain.tokens, plain.finish_reason)
+        assert fast.logprob == pytest.approx(plain.logprob, abs=1e-4)
+        seen += widths
+        if draft == "itself" and config.strategy == "greedy":  # every draft accepted: 4 tokens per step
+            assert len(widths) <= math.ceil(len(plain.tokens) / 4) + 1
+    assert max(seen) == 4  # drafts of 3 were verified
+
+
+def test_a_draft_model_must_share_the_models_vocabulary_and_be_named_well():
+    target, vocab = tiny_causal_lm(vocab_size=24), {f"t{i}": i for i in range(24)}
+    check_draft_model(target, vocab, tiny_causal_lm(vocab_size=24, d_model=16), dict(vocab))
+    with pytest.raises(ConfigError, match="vocabularies"):
+        check_draft_model(target, vocab, tiny_causal_lm(vocab_size=30), {f"t{i}": i for i in range(30)})
+    with pytest.raises(ConfigError, match="vocabularies"):
+        check_draft_model(target, vocab, tiny_causal_lm(vocab_size=24), {**vocab, "t0": 5, "t5": 0})
+    assert draft_model_for("code=code-small", "code") == "code-small"
+    assert draft_model_for("code=code-small", "other") is None
+    assert draft_model_for("small,big=medium", "big") == "medium" and draft_model_for("small", "small") is None
+    assert draft_model_for("", "code") is None
+    for bad in ("code=", "=small"):
+        with pytest.raises(ConfigError):
+            draft_model_for(bad, "code")
 
 
 def chi_square_critical(df: int, z: float = 3.29) -> float:

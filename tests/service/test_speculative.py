@@ -5,9 +5,15 @@ the metrics count drafts and acceptances; what cannot speculate is refused (or, 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from pathlib import Path
 
 import pytest
+import torch
 
+from model.causal_lm import CausalLM
+from model.checkpoint import load_checkpoint, save_checkpoint
+from model.tokenizer import Tokenizer
 from service.errors import InvalidRequest
 from tests.helpers import gather_queued
 from tests.service.conftest import ADAPTERS, LM, MT, ask, assert_same, offline, running_engine
@@ -102,5 +108,64 @@ def test_a_request_that_cannot_speculate_is_refused(models_dir, fields):
             with pytest.raises(InvalidRequest, match="one input and one sequence") as caught:
                 await engine.get(LM).generate(ask(REPEATING, speculative=NGRAM, **fields), "bad")
             assert caught.value.field == "speculative"
+
+    asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def draft_models_dir(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The test's causal LM and translator, with two would-be draft models: "lm-draft" (the LM's tokenizer, a
+    smaller random model) and "lm-alien" (another vocabulary)."""
+    root = tmp_path_factory.mktemp("drafts")
+    for name in (LM, MT):
+        (root / name).symlink_to(models_dir / name)
+    target = load_checkpoint(models_dir / LM, device="cpu")
+    torch.manual_seed(1)
+    small = dataclasses.replace(target.config, d_model=16, n_heads=2, d_ff=32, n_layers=1)
+    save_checkpoint(root / "lm-draft", CausalLM(small).eval(), target.tokenizer)
+    alien = Tokenizer.train(["a small corpus of other words, " * 20], vocab_size=270)
+    save_checkpoint(root / "lm-alien", CausalLM(dataclasses.replace(small, vocab_size=alien.vocab_size)).eval(),
+                    alien)
+    return root
+
+
+def test_drafts_of_a_draft_model_in_a_mixed_batch_equal_plain_decoding(draft_models_dir, adapters_dir):
+    draft = {"method": "draft_model", "num_tokens": 3}
+    cases = [(REPEATING, dict(max_new_tokens=24, speculative=draft, logprobs=1)),
+             (REPEATING, dict(strategy="sample", seed=7, temperature=0.9, max_new_tokens=20, speculative=draft)),
+             ("hello world, hello world, hello", dict(max_new_tokens=20, speculative=NGRAM)),
+             ("numbers 0 1 2 3", dict(max_new_tokens=12, speculative=draft, adapter=ADAPTERS[LM]))]
+
+    async def main():
+        async with running_engine(draft_models_dir, adapters_dir, draft_model=f"{LM}=lm-draft") as engine:
+            worker = engine.get(LM)
+            assert worker.info.draft_model == "lm-draft" and engine.get("lm-draft").info.draft_model is None
+            requests = [worker.generate(ask(text, **fields), f"d{i}") for i, (text, fields) in enumerate(cases)]
+            return await gather_queued(worker, requests), counter(engine, "tserve_spec_decode_draft_tokens_total", LM)
+
+    outputs, drafted = asyncio.run(main())
+    for (text, fields), got in zip(cases, outputs, strict=True):
+        plain = {k: v for k, v in without_speculation(fields).items() if k != "adapter"}
+        adapter = adapters_dir / LM / fields["adapter"] if "adapter" in fields else None
+        assert_same(got, offline(draft_models_dir / LM, [text], plain, adapter))
+    assert drafted > 0
+
+
+def test_a_draft_model_that_cannot_draft_fails_its_targets_load_with_the_reason(draft_models_dir):
+    async def main():
+        async with running_engine(draft_models_dir, None, draft_model=f"{LM}=lm-alien,{MT}=lm-draft") as engine:
+            return engine.load_errors, sorted(m.name for m in engine.models())
+
+    errors, loaded = asyncio.run(main())
+    assert "vocabularies" in errors[LM] and "causal LM" in errors[MT]
+    assert loaded == ["lm-alien", "lm-draft"]
+
+
+def test_asking_for_a_draft_model_where_none_is_configured_is_a_clear_error(models_dir):
+    async def main():
+        async with running_engine(models_dir, None) as engine:
+            with pytest.raises(InvalidRequest, match="no draft model") as caught:
+                await engine.get(LM).generate(ask(REPEATING, speculative={"method": "draft_model"}), "no-draft")
+            assert caught.value.field == "speculative.method"
 
     asyncio.run(main())
