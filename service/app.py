@@ -18,6 +18,7 @@ from service.http_errors import install_error_handlers
 from service.middleware import BodyLimitMiddleware, DisconnectMiddleware, MetricsMiddleware, RequestIdMiddleware
 from service.routes import ROUTERS
 from service.settings import Settings
+from service.vllm_metrics import VllmCompatCollector
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         finally:
             await engine.stop(settings.drain_timeout_s)
 
+    if settings.metrics_compat == "vllm":
+        engine.metrics.registry.register(VllmCompatCollector(engine))
     app = FastAPI(title="tserve", version="0.1.0", description=DESCRIPTION, lifespan=lifespan)
     app.state.settings = settings
     app.state.engine = engine

@@ -68,10 +68,14 @@ class GenerationScheduler(Scheduler):
         batch = self.batch
         return len(batch.jobs) if batch is not None else 0
 
-    def _running_jobs(self) -> list[Job]:
-        batch, self.batch = self.batch, None
-        running = batch.jobs if batch is not None else []
-        return running + [job for job in self._taken if not job.done and job not in running]
+    def _drop_running(self) -> None:
+        self.batch = None
+
+    def running_jobs(self) -> list[Job]:
+        """The running batch's jobs, then those taken this iteration (being prefilled)."""
+        batch = self.batch
+        running = list(batch.jobs) if batch is not None else []
+        return running + [job for job in list(self._taken) if not job.done and job not in running]
 
     @property
     def num_rows(self) -> int:

@@ -120,6 +120,10 @@ class Engine:
     def models(self) -> list[ModelInfo]:
         return [w.info for _, w in sorted(self._workers.items())]
 
+    def workers(self) -> list[ModelWorker]:
+        """The loaded models' workers, by name."""
+        return [w for _, w in sorted(self._workers.items())]
+
     async def stop(self, drain_timeout_s: float) -> None:
         """Refuse new requests (NotReady), let in-flight ones finish until the deadline, then stop threads."""
         self.ready = False

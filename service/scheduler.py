@@ -108,6 +108,15 @@ class Scheduler:
     def num_running(self) -> int:
         return sum(not job.done for job in self._taken)
 
+    def waiting_jobs(self) -> list[Job]:
+        """The queued jobs, oldest first (a copy: callable from any thread)."""
+        with self._cond:
+            return list(self._waiting)
+
+    def running_jobs(self) -> list[Job]:
+        """The jobs being computed (a copy: callable from any thread)."""
+        return [job for job in list(self._taken) if not job.done]
+
     def close(self) -> None:
         """Refuse new jobs (NotReady); queued and running ones carry on."""
         with self._cond:
@@ -285,13 +294,14 @@ class Scheduler:
 
     def _abort_running(self, exc: BaseException) -> None:
         """Fail every running job (each with its own EngineFailure when ``exc`` is not a ServiceError)."""
-        for job in self._running_jobs():
+        for job in self.running_jobs():
             self._finish(job, exc=exc if isinstance(exc, ServiceError) else self._failure(job, exc))
         self._taken = []
+        self._drop_running()
         self.metrics.running.labels(self.name).set(0)
 
-    def _running_jobs(self) -> list[Job]:
-        return [job for job in self._taken if not job.done]
+    def _drop_running(self) -> None:
+        """Forget the running work whose jobs were just failed (beyond the taken jobs: a family's own state)."""
 
     def _iteration(self) -> None:
         raise NotImplementedError

@@ -19,6 +19,7 @@ from model.native import KernelOptions
 from model.quantize import QuantizeError, mode_for
 from model.speculative import draft_model_for, speculative_for
 from service.types import EngineSettings
+from service.vllm_metrics import COMPAT_MODES
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -162,6 +163,14 @@ class Settings:
         "method draft_model: TARGET=DRAFT entries, or one DRAFT for every other causal LM; empty: none",
         str,
     )
+    metrics_compat: str = _setting(
+        "none",
+        "TSERVE_METRICS_COMPAT",
+        "also export the gauges a gateway routes by under another server's names: vllm (vllm:num_requests_waiting, "
+        "vllm:num_requests_running, vllm:kv_cache_usage_perc, vllm:lora_requests_info, as the Gateway API "
+        "Inference Extension reads them) or none",
+        str,
+    )
     log_level: str = _setting("info", "TSERVE_LOG_LEVEL", "logging level: " + ", ".join(LOG_LEVELS), str)
     warmup: bool = _setting(True, "TSERVE_WARMUP", "run one tiny request per model before reporting ready", _bool)
     quantize: str = _setting(
@@ -202,6 +211,9 @@ class Settings:
                 raise SettingsError(f"{name} ({_env(name)}) must be >= 1, got {getattr(self, name)}")
         if self.port > 65535:
             raise SettingsError(f"port ({_env('port')}) must be <= 65535, got {self.port}")
+        if self.metrics_compat not in COMPAT_MODES:
+            raise SettingsError(f"metrics_compat ({_env('metrics_compat')}) must be one of {COMPAT_MODES}, got "
+                                f"{self.metrics_compat!r}")
         if self.log_level not in LOG_LEVELS:
             raise SettingsError(f"log_level ({_env('log_level')}) must be one of {LOG_LEVELS}, got {self.log_level!r}")
         if any(not k.isascii() or not k.isprintable() or " " in k for k in self.api_keys + self.admin_keys):
