@@ -37,11 +37,12 @@ ENV PATH=/opt/venv/bin:$PATH
 # The torch wheel index: cpu for the default image, cuXYZ (e.g. cu128) for the GPU image. The wheel
 # is torch==2.13.0 either way (the pin in requirements.txt; +cpu / +cuXYZ are local version labels).
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
-COPY requirements.txt constraints.txt /tmp/deps/
+COPY requirements.txt requirements-otel.txt constraints.txt /tmp/deps/
 # torch alone from its index, then every other pin from PyPI (torch's own dependencies included,
-# all pinned by constraints.txt).
+# all pinned by constraints.txt), OpenTelemetry included (tracing stays off until an endpoint is set).
 RUN pip install --no-cache-dir --no-deps --index-url "${TORCH_INDEX}" "$(grep -E '^torch==' /tmp/deps/requirements.txt)" \
-    && pip install --no-cache-dir -r /tmp/deps/requirements.txt -c /tmp/deps/constraints.txt \
+    && pip install --no-cache-dir -r /tmp/deps/requirements.txt -r /tmp/deps/requirements-otel.txt \
+       -c /tmp/deps/constraints.txt \
     && python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 # The C++ kernels (model/native.py: int8 on AVX512-VNNI, the decoding step), compiled here so that the
 # runtime image needs no compiler: g++ (and Python's headers where the base image has none), then one

@@ -13,11 +13,13 @@ from pathlib import Path
 from fastapi import FastAPI
 from starlette.types import Scope
 
+from service import tracing
 from service.engine import Engine
 from service.http_errors import install_error_handlers
 from service.middleware import BodyLimitMiddleware, DisconnectMiddleware, MetricsMiddleware, RequestIdMiddleware
 from service.routes import ROUTERS
 from service.settings import Settings
+from service.tracing import TracingMiddleware
 from service.vllm_metrics import VllmCompatCollector
 
 logger = logging.getLogger(__name__)
@@ -60,6 +62,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             yield
         finally:
             await engine.stop(settings.drain_timeout_s)
+            tracing.shutdown()
 
     if settings.metrics_compat == "vllm":
         engine.metrics.registry.register(VllmCompatCollector(engine))
@@ -78,4 +81,6 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, limit_for=_body_limit(settings))
     app.add_middleware(MetricsMiddleware)
     app.add_middleware(RequestIdMiddleware)
+    if tracing.configure(settings.otlp_traces_endpoint):
+        app.add_middleware(TracingMiddleware)  # outermost: the request's span covers every answer
     return app

@@ -300,7 +300,9 @@ class GenerationScheduler(Scheduler):
             counter = self._generated[job.adapter_name] = self.metrics.generation_tokens.labels(
                 self.name, adapter_label(job.adapter_name))
         counter.inc(rows)
+        job.generated_tokens += rows
         if job.last_token_at is None:
+            job.first_token_at = now
             self._ttft.observe(now - job.arrival)
         else:
             self._itl.observe(now - job.last_token_at)

@@ -40,6 +40,7 @@ class Job:
         self.timeout_s = timeout_s
         self.adapter = adapter  # pinned version (released by the worker when the job leaves)
         self.admitted_at: float | None = None
+        self.finished_at: float | None = None  # when the worker resolved or failed it (service.tracing reads these)
         self.cancelled = False  # written by the event loop, read by the worker
         self.done = False  # written by the worker once the job is resolved or failed
         self.queue = DEFAULT_QUEUE  # its priority and client (set by the worker before it is submitted)
@@ -153,6 +154,8 @@ class GenerationJob(Job):
         self.stream = stream
         self.events: asyncio.Queue | None = asyncio.Queue() if stream is not None else None
         self.last_token_at: float | None = None
+        self.first_token_at: float | None = None
+        self.generated_tokens = 0  # over all rows
 
     @property
     def rows(self) -> int:

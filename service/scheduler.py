@@ -260,6 +260,7 @@ class Scheduler:
         if job.done:
             return
         job.done = True
+        job.finished_at = time.monotonic()
         if job.adapter is not None:
             self.registry.release(job.adapter)
         self._outbox.append((job, value, exc))

@@ -7,6 +7,7 @@ below as markdown for the README.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -18,6 +19,7 @@ from model.generation_config import ConfigError
 from model.native import KernelOptions
 from model.quantize import QuantizeError, mode_for
 from model.speculative import draft_model_for, speculative_for
+from service import tracing
 from service.types import EngineSettings
 from service.vllm_metrics import COMPAT_MODES
 
@@ -171,6 +173,14 @@ class Settings:
         "Inference Extension reads them) or none",
         str,
     )
+    otlp_traces_endpoint: str = _setting(
+        "",
+        "TSERVE_OTLP_TRACES_ENDPOINT",
+        "OTLP/HTTP traces URL (e.g. http://collector:4318/v1/traces) to export a span per request to (service/"
+        "tracing.py; needs requirements-otel.txt); empty: OpenTelemetry's OTEL_EXPORTER_OTLP_ENDPOINT decides, "
+        "unset = off",
+        str,
+    )
     log_level: str = _setting("info", "TSERVE_LOG_LEVEL", "logging level: " + ", ".join(LOG_LEVELS), str)
     warmup: bool = _setting(True, "TSERVE_WARMUP", "run one tiny request per model before reporting ready", _bool)
     quantize: str = _setting(
@@ -211,6 +221,10 @@ class Settings:
                 raise SettingsError(f"{name} ({_env(name)}) must be >= 1, got {getattr(self, name)}")
         if self.port > 65535:
             raise SettingsError(f"port ({_env('port')}) must be <= 65535, got {self.port}")
+        if tracing.endpoint_configured(self.otlp_traces_endpoint) and importlib.util.find_spec(
+                "opentelemetry.sdk") is None:
+            raise SettingsError("an OTLP traces endpoint is set (otlp_traces_endpoint or OTEL_EXPORTER_OTLP_*) but "
+                                "OpenTelemetry is not installed: pip install -r requirements-otel.txt")
         if self.metrics_compat not in COMPAT_MODES:
             raise SettingsError(f"metrics_compat ({_env('metrics_compat')}) must be one of {COMPAT_MODES}, got "
                                 f"{self.metrics_compat!r}")

@@ -34,6 +34,7 @@ from model.lora import adapter_parameter_count, use_adapters
 from model.prefix_cache import PrefixCache
 from model.speculative import SpeculativeConfig, speculative_for
 from model.tokenizer import Tokenizer
+from service import tracing
 from service.adapters import AdapterRegistry, check_name
 from service.attention import ALL_MAPS, MapSelection, causal_maps, classifier_maps, seq2seq_maps
 from service.continuous_batching import GenerationScheduler
@@ -152,7 +153,7 @@ class ModelWorker:
         """One output per input of ``req`` (``req.stream`` is the HTTP layer's: see :meth:`stream`)."""
         job = await self._generation_job(req, request_id, stream=False)
         self._submit(job, queue)
-        return await job.wait()
+        return await self._result(job)
 
     async def stream(self, req: GenerateRequest, request_id: str, queue: QueueTag = DEFAULT_QUEUE
                      ) -> AsyncIterator[StreamEvent]:
@@ -168,7 +169,7 @@ class ModelWorker:
         return self._events(job)
 
     async def _events(self, job: GenerationJob) -> AsyncIterator[StreamEvent]:
-        finished = False
+        finished, error, last = False, None, None
         try:
             while True:
                 remaining = job.deadline - time.monotonic() + DEADLINE_GRACE_S
@@ -179,13 +180,17 @@ class ModelWorker:
                 if isinstance(event, BaseException):
                     finished = True
                     raise event
-                finished = event.finish_reason is not None
+                finished, last = event.finish_reason is not None, event
                 yield event
                 if finished:
                     return
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
             if not finished:
                 job.cancel()  # client gone or timed out: the worker frees its rows at the next step
+            tracing.record_job(job, self.name, [last] if last is not None and finished else None, error)
 
     async def classify(self, inputs: list[str | tuple[str, str]], adapter: str | None, top_k: int | None,
                        request_id: str, queue: QueueTag = DEFAULT_QUEUE) -> list[ClassifyOutput]:
@@ -213,7 +218,7 @@ class ModelWorker:
         job = PoolingJob(request_id, self.settings.request_timeout_s, "classify", encoded,
                          adapter=self._acquire(adapter), top_k=top_k)
         self._submit(job, queue)
-        return await job.wait()
+        return await self._result(job)
 
     async def embed(self, inputs: list[str], pooling: str | None, request_id: str,
                     normalize: bool | None = None, queue: QueueTag = DEFAULT_QUEUE) -> list[list[float]]:
@@ -233,7 +238,7 @@ class ModelWorker:
         job = PoolingJob(request_id, self.settings.request_timeout_s, "embed", encoded, pooling=pooling,
                          normalize=normalize)
         self._submit(job, queue)
-        return await job.wait()
+        return await self._result(job)
 
     async def attention(self, text: str, target: str | None, request_id: str,
                         selection: MapSelection = ALL_MAPS) -> AttentionOutput:
@@ -256,7 +261,7 @@ class ModelWorker:
         fn = await self._tokenize(lambda: prepare(text, target, selection))
         job = CallJob(request_id, self.settings.request_timeout_s, fn, "attention")
         self._submit(job)
-        return await job.wait()
+        return await self._result(job)
 
     # ---- adapters -----------------------------------------------------------------------------------
 
@@ -293,6 +298,16 @@ class ModelWorker:
     def close(self) -> None:
         """Stop the tokenizer pool (after the scheduler has stopped)."""
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _result(self, job: Job) -> Any:
+        """``job``'s result, its trace recorded however it ends (service.tracing)."""
+        try:
+            value = await job.wait()
+        except BaseException as exc:
+            tracing.record_job(job, self.name, None, exc)
+            raise
+        tracing.record_job(job, self.name, value, None)
+        return value
 
     def _submit(self, job: Job, queue: QueueTag = DEFAULT_QUEUE) -> None:
         job.queue = queue
@@ -365,7 +380,7 @@ class ModelWorker:
         job = CallJob(request_id, self.settings.request_timeout_s, run, "echo")
         job.adapter = version
         self._submit(job, queue)
-        return await job.wait()
+        return await self._result(job)
 
     async def prompt_tokens(self, texts: list[str]) -> int:
         """Input tokens of ``texts`` as generate counts them (prompts already accepted by it)."""

@@ -84,7 +84,8 @@ def test_dockerfile_stages_user_healthcheck_volumes_and_pins():
     for image in re.findall(r"^ARG \w+_IMAGE=(\S+)", text, re.MULTILINE):
         assert re.search(r":\d+\.\d+\.\d+", image), f"base image {image} is not pinned to an exact version tag"
     # Dependencies come from the pinned files only.
-    assert "-r /tmp/deps/requirements.txt -c /tmp/deps/constraints.txt" in parts["build"]
+    assert "-r /tmp/deps/requirements.txt -r /tmp/deps/requirements-otel.txt" in parts["build"]
+    assert "-c /tmp/deps/constraints.txt" in parts["build"]
     assert "torch==2.13.0" in (ROOT / "requirements.txt").read_text().split()
 
 
