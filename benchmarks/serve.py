@@ -20,6 +20,10 @@ classifier), with the adapters of ``--adapters DIR`` if it holds 8 per model, el
 ``--url URL`` measures a running server (``--url-unbatched URL`` a second one started with
 max_batch_size 1); cells that need what the server lacks are skipped.
 
+``--tracing`` adds a third server (batching on) that exports a span per request over OTLP/HTTP to a receiver in
+this process (service/tracing.py), and runs every base-model cell on it right after the untraced one: the
+overhead of tracing, as a throughput ratio and server CPU per request.
+
 Prints the machine line, the configuration, one markdown table with every cell, and the ratios
 against the serving targets (reported, never asserted): batching on / off at 32 clients for greedy
 generation (target >= 4x) and 8 adapters / 1 adapter throughput (target >= 70%).
@@ -45,7 +49,7 @@ import httpx
 
 from benchmarks.common import machine_line, markdown_table
 from benchmarks.serve_setup import NUM_ADAPTERS, build_models, find_models, prepare_adapters, prompts_from, stdlib_texts
-from tests.service.server import metric_samples, running_server
+from tests.service.server import metric_samples, otlp_receiver, running_server
 
 logger = logging.getLogger("benchmarks.serve")
 
@@ -61,12 +65,19 @@ class Cell:
     clients: int
     batching: bool
     adapters: int  # distinct adapters in the mix (0 = base model)
+    traced: bool = False  # on the server that exports OpenTelemetry spans (--tracing)
 
     @property
     def label(self) -> str:
         adapters = {0: "no adapter", 1: "1 adapter"}.get(self.adapters, f"{self.adapters} adapters")
         clients = f"{self.clients} client{'s' if self.clients != 1 else ''}"
-        return f"{self.endpoint}, {clients}, batching {'on' if self.batching else 'off'}, {adapters}"
+        traced = ", traced" if self.traced else ""
+        return f"{self.endpoint}, {clients}, batching {'on' if self.batching else 'off'}, {adapters}{traced}"
+
+    @property
+    def server(self) -> tuple[bool, bool]:
+        """Which server runs the cell: (batching, traced)."""
+        return self.batching, self.traced
 
 
 @dataclass
@@ -188,6 +199,9 @@ def plan(args: argparse.Namespace, workload: Workload) -> list[Cell]:
     Compared cells run back to back, so a change in the machine's load between them is less likely.
     """
     cells = [Cell(e, c, b, 0) for e in args.endpoints for c in args.clients for b in (True, False)]
+    if args.tracing:  # each right after its untraced twin
+        cells = [twin for cell in cells for twin in (cell, Cell(cell.endpoint, cell.clients, True, 0, True))
+                 if not twin.traced or cell.batching]
     cells += [Cell(e, c, True, k) for e in args.adapter_endpoints for c in args.adapter_clients
               for k in (1, NUM_ADAPTERS)]
     return [cell for cell in cells if workload.model_of(cell) is not None]
@@ -197,15 +211,17 @@ def requests_for(cell: Cell, args: argparse.Namespace) -> int:
     return max(args.min_requests, args.requests_per_client * cell.clients)
 
 
-def measure(urls: dict[bool, tuple[str, int | None] | None], cells: list[Cell], workload: Workload,
-            args: argparse.Namespace) -> dict[Cell, Result]:
+Servers = dict[tuple[bool, bool], tuple[str, int | None] | None]  # (batching, traced) -> (url, pid)
+
+
+def measure(urls: Servers, cells: list[Cell], workload: Workload, args: argparse.Namespace) -> dict[Cell, Result]:
     deadline = time.monotonic() + args.time_cap
     results = {}
     for cell in cells:
-        server, model = urls[cell.batching], workload.model_of(cell)
+        server, model = urls.get(cell.server), workload.model_of(cell)
         left = deadline - time.monotonic()
         if server is None:
-            results[cell] = Result(cell, skipped="no unbatched server")
+            results[cell] = Result(cell, skipped="no such server (unbatched or traced)")
         elif len(workload.adapters.get(model, [])) < cell.adapters:
             results[cell] = Result(cell, skipped=f"{model} has fewer than {cell.adapters} adapters")
         elif left < 5:
@@ -249,6 +265,19 @@ def batching_table(results: dict[Cell, Result], args: argparse.Namespace) -> str
     headers = ["endpoint", "clients", "on: req/s", "on: p50/p95/p99 ms", "on: rows/step", "on: CPU ms/req",
                "on: requests", "off: req/s", "off: p50/p95/p99 ms", "off: rows/step", "off: CPU ms/req",
                "off: requests", "on/off"]
+    return markdown_table(headers, rows)
+
+
+def tracing_table(results: dict[Cell, Result], args: argparse.Namespace) -> str:
+    rows = []
+    for endpoint in args.endpoints:
+        for c in args.clients:
+            off, on = results.get(Cell(endpoint, c, True, 0)), results.get(Cell(endpoint, c, True, 0, True))
+            ratio = _ratio(on, off)
+            rows.append([endpoint, c, *[_rate(off, args.new_tokens)[i] for i in (0, 1, 3)],
+                         *[_rate(on, args.new_tokens)[i] for i in (0, 1, 3)], f"{ratio:.2f}" if ratio else "-"])
+    headers = ["endpoint", "clients", "untraced: req/s", "untraced: p50/p95/p99 ms", "untraced: CPU ms/req",
+               "traced: req/s", "traced: p50/p95/p99 ms", "traced: CPU ms/req", "traced / untraced"]
     return markdown_table(headers, rows)
 
 
@@ -306,20 +335,27 @@ def verdicts(results: dict[Cell, Result], args: argparse.Namespace) -> list[str]
 
 
 @contextmanager
-def servers(args: argparse.Namespace, models_dir: Path | None, adapters_dir: Path | None
-            ) -> Iterator[dict[bool, tuple[str, int | None] | None]]:
-    """{batching on: (url, pid), off: (url, pid)}: the given URLs (pid unknown), or two servers started here."""
+def servers(args: argparse.Namespace, models_dir: Path | None, adapters_dir: Path | None, spans: list
+            ) -> Iterator[Servers]:
+    """(url, pid) of the servers by (batching, traced): the given URLs (pid unknown), or servers started here,
+    batching on and off, and with --tracing one more with batching on exporting its spans into ``spans``."""
     if args.url:
-        yield {True: (args.url, None), False: (args.url_unbatched, None) if args.url_unbatched else None}
+        yield {(True, False): (args.url, None),
+               (False, False): (args.url_unbatched, None) if args.url_unbatched else None}
         return
     env = dict(TSERVE_THREADS=str(args.threads), TSERVE_WARMUP="true", TSERVE_MAX_QUEUE="1024",
                TSERVE_REQUEST_TIMEOUT_S="600", TSERVE_MAX_RESIDENT_ADAPTERS=str(NUM_ADAPTERS))
     with ExitStack() as stack:
-        urls: dict[bool, tuple[str, int | None] | None] = {}
-        for batching in (True, False):  # started one after the other, so loading does not overlap
+        urls: Servers = {}
+        kinds = [(True, False), (False, False)] + ([(True, True)] if args.tracing else [])
+        for batching, traced in kinds:  # started one after the other, so loading does not overlap
             settings = dict(env, TSERVE_MAX_BATCH_SIZE=str(args.max_batch_size if batching else 1))
+            if traced:
+                endpoint, received = stack.enter_context(otlp_receiver())
+                settings |= dict(OTEL_EXPORTER_OTLP_ENDPOINT=endpoint)
+                spans.append(received)
             server = stack.enter_context(running_server(models_dir, adapters_dir, ready_timeout_s=300, **settings))
-            urls[batching] = (server.url, server.process.pid)
+            urls[batching, traced] = (server.url, server.process.pid)
         yield urls
 
 
@@ -377,12 +413,16 @@ def run(args: argparse.Namespace) -> str:
     work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     try:
         models_dir, adapters_dir, source, adapters_note = prepare(args, work)
-        with servers(args, models_dir, adapters_dir) as urls:
-            generator, classifier, adapters = discover(urls[True][0])
+        received: list = []  # the traced server's spans, once it exists
+        with servers(args, models_dir, adapters_dir, received) as urls:
+            generator, classifier, adapters = discover(urls[True, False][0])
             workload = Workload(generator, classifier, adapters, prompts_from(stdlib_texts(300_000)), args.new_tokens)
             results = measure(urls, plan(args, workload), workload, args)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    tracing = ["", f"Tracing off vs on (batching on; spans exported over OTLP/HTTP to a receiver in this process: "
+                   f"{len(received[0]) if received else 0} received):", "", tracing_table(results, args)
+               ] if args.tracing else []
     return "\n".join([
         *describe(args, workload, source, adapters_note, (load_before, os.getloadavg())),
         "",
@@ -393,6 +433,7 @@ def run(args: argparse.Namespace) -> str:
         f"1 vs {NUM_ADAPTERS} distinct adapters in the mix (request i uses adapter i mod k), batching on:",
         "",
         adapters_table(results, args),
+        *tracing,
         "",
         "Targets:",
         *verdicts(results, args),
@@ -417,12 +458,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--time-cap", type=float, default=540.0, help="seconds of measurement in all at most")
     parser.add_argument("--threads", type=int, default=1, help="server torch intra-op threads (TSERVE_THREADS)")
     parser.add_argument("--max-batch-size", type=int, default=32, help="max_batch_size with batching on")
+    parser.add_argument("--tracing", action="store_true",
+                        help="also measure every base-model cell on a server exporting OpenTelemetry spans")
     args = parser.parse_args(argv)
     if args.quick:
         args.new_tokens, args.requests_per_client, args.min_requests = min(args.new_tokens, 16), 1, 8
         args.cell_cap, args.time_cap = min(args.cell_cap, 15.0), min(args.time_cap, 150.0)
     if args.url_unbatched and not args.url:
         parser.error("--url-unbatched needs --url")
+    if args.tracing and args.url:
+        parser.error("--tracing starts its own servers: it cannot measure --url")
     return args
 
 

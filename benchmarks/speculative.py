@@ -1,5 +1,5 @@
 """Speculative decoding at batch 1: `python -m benchmarks.speculative [--models DIR] [--new-tokens 64]
-[--prompts 16] [--num-tokens 4] [--threads 2] [--draft-model NAME] [--tiny]`.
+[--prompts 16] [--num-tokens 4] [--threads 2] [--draft-model NAME] [--quantize SPEC] [--tiny]`.
 
 Two workloads, each request alone (batch 1) through the engine in this process (service.worker, its scheduler
 thread): **code**, completions of windows of Python's standard library source by the models directory's causal
@@ -152,7 +152,8 @@ def run(args: argparse.Namespace) -> str:
             workloads.append(Workload("translation", args.translation, MESSAGES[: args.prompts], force_length=False))
         loop = asyncio.new_event_loop()
         settings = EngineSettings(device="cpu", dtype="float32", prefix_cache_bytes=0, threads=args.threads,
-                                  draft_model=f"{args.code}={args.draft_model}" if args.draft_model else "")
+                                  draft_model=f"{args.code}={args.draft_model}" if args.draft_model else "",
+                                  quantize=args.quantize)
         engine = Engine(settings, models, None)
         loop.run_until_complete(engine.start())
         try:
@@ -201,6 +202,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="intra-op threads per model worker (default: the cores divided among the models)")
     parser.add_argument("--draft-model", default=None,
                         help="a smaller causal LM of the models directory (same tokenizer) drafting for --code")
+    parser.add_argument("--quantize", default="none",
+                        help="the engine's quantize setting, e.g. none,code-int8=int8 (a model's int8 copy as a draft)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny", action="store_true", help="a random toy causal LM, code only, few requests")
     args = parser.parse_args(argv)

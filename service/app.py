@@ -27,8 +27,8 @@ logger = logging.getLogger(__name__)
 _ADAPTER_UPLOAD = re.compile(r"/v1/models/[^/]+/adapters/[^/]+")
 
 DESCRIPTION = """Serves from-scratch Transformer models: translation (seq2seq), classification and
-embeddings (classifier), text generation (causal_lm, also through an OpenAI-compatible
-`/v1/completions`), with dynamic batching and LoRA adapters.
+embeddings (classifier), text generation (causal_lm), with continuous batching and LoRA adapters; an
+OpenAI-compatible surface (`/v1/completions`, `/v1/embeddings`) and vLLM's `/v1/tokenize` / `/v1/detokenize`.
 
 Every error has one shape: `{"error": {"code", "message", "field", "request_id"}}`; every response
 carries `X-Request-ID`. When API keys are configured, every `/v1` route needs

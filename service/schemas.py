@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from model import lora_config
 from model.constraints import MAX_CHOICES
@@ -412,3 +412,87 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+
+
+# ---- OpenAI embeddings, vLLM tokenize / detokenize -------------------------------------------------
+
+
+class EmbeddingRequest(RequestModel):
+    """OpenAI's /v1/embeddings body, for classifier (encoder) models: the vectors /embed gives with the model's
+    default pooling and normalization."""
+
+    model: Name = Field(description="A classifier (encoder) model from GET /v1/models.")
+    input: one_or_many(Text, Annotated[list[Text], Field(min_length=1)]) = Field(
+        description="A text or a list of texts (at most the setting max_inputs). OpenAI's token-id arrays are "
+        "refused (422): send text."
+    )
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="float: a list of numbers; base64: the vector's little-endian float32 bytes, "
+        "base64-encoded (what the openai client asks for by default and decodes)."
+    )
+    dimensions: int | None = Field(
+        None, ge=1, description="Only null or the model's embedding size (vectors are not shortened)."
+    )
+    user: str | None = Field(None, description="Accepted and ignored.")
+    priority: Priority = 0  # an extension, as vLLM's
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _no_token_ids(cls, value: object) -> object:
+        if isinstance(value, list) and any(isinstance(item, int | list) for item in value):
+            raise ValueError("token-id arrays are not supported by this server; send text")
+        return value
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int = Field(description="The input's position in the request.")
+    embedding: list[float] | str = Field(description="The vector, or its base64 text (encoding_format base64).")
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int = Field(description="Tokens the model read, special tokens included.")
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
+class TokenizeRequest(RequestModel):
+    """vLLM's /tokenize body (its completion form: chat ``messages`` are not supported)."""
+
+    model: Name = Field(description="A model from GET /v1/models.")
+    prompt: str = Field(description="The text (a translator's is its source text, read by the source tokenizer).")
+    add_special_tokens: bool = Field(
+        True, description="true: the ids the model reads for this text as an input (<s> text for a causal LM, "
+        "text </s> for a translator, [CLS] text [SEP] for a classifier); false: the text's own tokens alone."
+    )
+    return_token_strs: bool = Field(False, description="Also return each token's text (token_strs).")
+
+
+class TokenizeResponse(BaseModel):
+    count: int = Field(description="len(tokens).")
+    max_model_len: int = Field(description="The most tokens an input of this model may have here (GET /v1/models' "
+                               "max_input_tokens).")
+    tokens: list[int]
+    token_strs: list[str] | None = Field(
+        None, description="With return_token_strs: each token's text (part of a UTF-8 character shows as U+FFFD)."
+    )
+
+
+class DetokenizeRequest(RequestModel):
+    """vLLM's /detokenize body: the inverse of /tokenize (a translator's ids are of its source vocabulary)."""
+
+    model: Name = Field(description="A model from GET /v1/models.")
+    tokens: list[Annotated[int, Field(ge=0)]] = Field(
+        description="Token ids, each below the vocabulary size (an id outside it is a 422); special tokens are "
+        "kept in the text."
+    )
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str = Field(description="The text of tokens.")

@@ -1,7 +1,7 @@
 """One APIRouter per area; :data:`ROUTERS` in the order the app includes them."""
 
-from service.routes import adapters, health, models, openai, ui
+from service.routes import adapters, health, models, openai, tokenize, ui
 
-ROUTERS = (health.router, models.router, adapters.router, openai.router, ui.router)
+ROUTERS = (health.router, models.router, adapters.router, openai.router, tokenize.router, ui.router)
 
 __all__ = ["ROUTERS"]

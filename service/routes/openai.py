@@ -1,4 +1,5 @@
-"""POST /v1/completions, wire-compatible with OpenAI's completions API, for causal_lm models.
+"""POST /v1/completions and /v1/embeddings, wire-compatible with OpenAI's API, for causal_lm models and
+classifier (encoder) models.
 
 ``"model": "name:adapter"`` selects a LoRA adapter. ``temperature: 0`` (or top_p 0) decodes greedily (n copies
 of the one greedy completion when n > 1); otherwise top-p sampling, reproducible with ``seed``.
@@ -7,8 +8,10 @@ of the one greedy completion when n > 1); otherwise top-p sampling, reproducible
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
+import struct
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -24,6 +27,7 @@ from service.engine import Engine
 from service.errors import InvalidRequest
 from service.http_errors import errors
 from service.routes.sse import SSE_RESPONSE, sse_response
+from service.routes.tokenize import input_ids
 from service.schemas import (
     DEFAULT_MAX_TOKENS,
     MIN_TEMPERATURE,
@@ -33,6 +37,10 @@ from service.schemas import (
     CompletionRequest,
     CompletionResponse,
     ConstraintRequest,
+    Embedding,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
     GenerateOutput,
     GenerateRequest,
     TokenLogprob,
@@ -47,6 +55,7 @@ router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_
 
 # Engine field names as OpenAI calls them (for the 422s the engine raises).
 _OPENAI_FIELDS = {"inputs": "prompt", "max_new_tokens": "max_tokens", "num_return_sequences": "n"}
+_EMBEDDING_FIELDS = {"inputs": "input"}
 
 
 def check_completion(req: CompletionRequest, settings: Settings) -> None:
@@ -77,12 +86,12 @@ def check_completion(req: CompletionRequest, settings: Settings) -> None:
             raise InvalidRequest(field, "is not supported by this server; leave it unset (or at its default)")
 
 
-def openai_names(exc: InvalidRequest) -> InvalidRequest:
+def openai_names(exc: InvalidRequest, names: dict[str, str] = _OPENAI_FIELDS) -> InvalidRequest:
     """The engine's InvalidRequest with its field renamed as in OpenAI's API (inputs[1] -> prompt[1])."""
     base = exc.field.split("[")[0] if exc.field else None
-    if base not in _OPENAI_FIELDS:
+    if base not in names:
         return exc
-    return InvalidRequest(_OPENAI_FIELDS[base] + exc.field[len(base):], exc.message)
+    return InvalidRequest(names[base] + exc.field[len(base):], exc.message)
 
 
 def finish_reason(reason: str | None) -> str | None:
@@ -335,3 +344,45 @@ async def merge(streams: list[AsyncIterator[StreamEvent]]) -> AsyncIterator[tupl
         for s in streams:
             with contextlib.suppress(Exception):
                 await s.aclose()
+
+
+def encode_vector(vector: list[float], encoding_format: str) -> list[float] | str:
+    """A vector as OpenAI sends it: the numbers, or base64 of their little-endian float32 bytes."""
+    if encoding_format == "float":
+        return vector
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+
+
+@router.post(
+    "/embeddings",
+    name="embeddings",
+    response_model=EmbeddingResponse,
+    responses=errors(400, 401, 404, 413, 422, 429, 500, 503, 504),
+)
+async def embeddings(
+    req: EmbeddingRequest,
+    request: Request,
+    engine: Annotated[Engine, Depends(get_engine)],
+    rid: Annotated[str, Depends(request_id)],
+    client: Annotated[str | None, Depends(client_key)],
+) -> EmbeddingResponse:
+    """OpenAI-compatible embeddings of classifier (encoder) models: the vectors of `/v1/models/{model}/embed`
+    with the model's default pooling and normalization."""
+    request.state.model = req.model
+    worker = worker_for(engine, req.model)
+    if worker.family != "classifier":
+        raise InvalidRequest("model", f"{req.model!r} is a {worker.family} model; /v1/embeddings serves classifier "
+                             "(encoder) models")
+    size = worker.config.d_model
+    if req.dimensions is not None and req.dimensions != size:
+        raise InvalidRequest("dimensions", f"{req.dimensions} differs from model {req.model!r}'s embedding size "
+                             f"{size} (vectors are not shortened): leave it unset or send {size}")
+    texts = [req.input] if isinstance(req.input, str) else list(req.input)
+    try:
+        vectors = await worker.embed(texts, None, rid, None, QueueTag(req.priority, client))
+    except InvalidRequest as exc:
+        raise openai_names(exc, _EMBEDDING_FIELDS) from None
+    tokens = sum(map(len, await asyncio.to_thread(input_ids, worker.checkpoint, texts)))
+    data = [Embedding(index=i, embedding=encode_vector(v, req.encoding_format)) for i, v in enumerate(vectors)]
+    return EmbeddingResponse(data=data, model=req.model, usage=EmbeddingUsage(prompt_tokens=tokens,
+                                                                              total_tokens=tokens))

@@ -31,6 +31,9 @@ BODIES = {  # a valid body per operation that has one
     "/v1/models/{model}/embed": {"inputs": ["hello"]},
     "/v1/models/{model}/attention": {"input": "hello"},
     "/v1/completions": {"model": LM, "prompt": "hello", "max_tokens": 2},
+    "/v1/embeddings": {"model": "tiny-cls", "input": "hello"},
+    "/v1/tokenize": {"model": LM, "prompt": "hello"},
+    "/v1/detokenize": {"model": LM, "tokens": [1]},
 }
 MODEL_FOR = {"classify": "tiny-cls", "embed": "tiny-cls"}
 

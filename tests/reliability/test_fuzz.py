@@ -60,7 +60,13 @@ OPERATIONS = {
     "PUT /v1/models/{model}/adapters/{name}": [LM, MT, CLS],
     "DELETE /v1/models/{model}/adapters/{name}": [LM, MT, CLS],
     "POST /v1/completions": [LM],
+    "POST /v1/embeddings": [CLS],
+    "POST /v1/tokenize": [LM, MT, CLS],
+    "POST /v1/detokenize": [LM, MT, CLS],
 }
+# The models a positive example's body "model" is pointed at (or it keeps the generated name).
+BODY_MODELS = {"POST /v1/completions": [LM, f"{LM}:{ADAPTERS[LM]}", MT], "POST /v1/embeddings": [CLS, LM],
+               "POST /v1/tokenize": [LM, MT, CLS], "POST /v1/detokenize": [LM, MT, CLS]}
 NOTHING_TO_VIOLATE = {"GET /health", "GET /ready", "GET /metrics"}  # no parameter, body or key
 
 for _media_type in ARCHIVE_TYPES:  # the upload's binary body, whichever archive type the example picks
@@ -121,8 +127,8 @@ def prepare(case, models: list[str]) -> None:
             params["name"] = ADAPTERS[params["model"]]
     positive = case.meta is None or not case.meta.generation.mode.is_negative
     body = case.body if isinstance(case.body, dict) else {}
-    if case.operation.label == "POST /v1/completions" and positive and "model" in body:
-        body["model"] = _pick(case, [LM, f"{LM}:{ADAPTERS[LM]}", MT, body["model"]])
+    if case.operation.label in BODY_MODELS and positive and "model" in body:
+        body["model"] = _pick(case, [*BODY_MODELS[case.operation.label], body["model"]])
     if not case.operation.schema.is_security_param_negated(case):
         case.headers = {**(case.headers or {}), "Authorization": f"Bearer {ADMIN}"}
 

@@ -18,10 +18,12 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -126,3 +128,34 @@ def metric_samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], fl
             if sample.name == name:
                 out[tuple(sorted(sample.labels.items()))] = sample.value
     return out
+
+
+@contextmanager
+def otlp_receiver() -> Iterator[tuple[str, list]]:
+    """An OTLP/HTTP (protobuf) traces endpoint on 127.0.0.1: (its base URL, the spans received so far)."""
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as trace_service
+
+    spans: list = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            request = trace_service.ExportTraceServiceRequest()
+            request.ParseFromString(self.rfile.read(int(self.headers["Content-Length"])))
+            for resource in request.resource_spans:
+                for scope in resource.scope_spans:
+                    spans.extend(scope.spans)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.end_headers()
+            self.wfile.write(trace_service.ExportTraceServiceResponse().SerializeToString())
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", spans
+    finally:
+        server.shutdown()

@@ -4,54 +4,21 @@ the worker timed under it, with the semantic conventions' attributes; probes are
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
 
-trace_service = pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
+pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
 
 from service.app import create_app  # noqa: E402
 from service.engine import Engine  # noqa: E402
 from service.settings import Settings  # noqa: E402
 from service.tracing import TracingMiddleware  # noqa: E402
 from tests.service.conftest import ADAPTERS, CLS, LM  # noqa: E402
-from tests.service.server import running_server  # noqa: E402
+from tests.service.server import otlp_receiver, running_server  # noqa: E402
 
 CALLER_TRACE, CALLER_SPAN = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
-
-
-@contextmanager
-def otlp_receiver() -> Iterator[tuple[str, list]]:
-    """An OTLP/HTTP (protobuf) traces endpoint on 127.0.0.1: (its base URL, the spans received so far)."""
-    spans: list = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-            request = trace_service.ExportTraceServiceRequest()
-            request.ParseFromString(self.rfile.read(int(self.headers["Content-Length"])))
-            for resource in request.resource_spans:
-                for scope in resource.scope_spans:
-                    spans.extend(scope.spans)
-            self.send_response(200)
-            self.send_header("Content-Type", "application/x-protobuf")
-            self.end_headers()
-            self.wfile.write(trace_service.ExportTraceServiceResponse().SerializeToString())
-
-        def log_message(self, *args) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", spans
-    finally:
-        server.shutdown()
 
 
 def attributes(span) -> dict:

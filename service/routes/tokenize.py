@@ -1,0 +1,63 @@
+"""POST /v1/tokenize and /v1/detokenize in vLLM's shapes, for every model family.
+
+A translator (seq2seq) reads and writes here with its source tokenizer: /detokenize inverts /tokenize.
+Under /v1 (vLLM serves them at the root) so that they need a key and are counted like every /v1 route.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+
+from model.checkpoint import Checkpoint
+from service.auth import require_key
+from service.deps import get_engine, worker_for
+from service.engine import Engine
+from service.errors import InvalidRequest
+from service.http_errors import errors
+from service.schemas import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+
+router = APIRouter(prefix="/v1", tags=["tokenize"], dependencies=[Depends(require_key)])
+_ERRORS = errors(400, 401, 404, 413, 422, 503)
+
+
+def input_ids(checkpoint: Checkpoint, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+    """Token ids of ``texts``: as the model reads them as inputs (its special tokens included; the worker's
+    encoding), or the texts' own tokens alone."""
+    if not add_special_tokens:
+        return checkpoint.prompt_tokenizer.encode_batch(texts)
+    if checkpoint.family == "classifier":
+        return [checkpoint.tokenizer.encode_pair(text)[0] for text in texts]
+    return checkpoint.encode_prompts(texts)
+
+
+@router.post("/tokenize", name="tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+async def tokenize(req: TokenizeRequest, request: Request,
+                   engine: Annotated[Engine, Depends(get_engine)]) -> TokenizeResponse:
+    """The token ids of a text, as vLLM's `/tokenize` gives them (`count`, `max_model_len`, `tokens`)."""
+    request.state.model = req.model
+    worker = worker_for(engine, req.model)
+    checkpoint = worker.checkpoint
+
+    def encode() -> tuple[list[int], list[str] | None]:
+        (ids,) = input_ids(checkpoint, [req.prompt], req.add_special_tokens)
+        return ids, checkpoint.prompt_tokenizer.token_strings(ids) if req.return_token_strs else None
+
+    ids, strings = await asyncio.to_thread(encode)  # off the event loop: a prompt may fill the body limit
+    return TokenizeResponse(count=len(ids), max_model_len=worker.max_input_tokens, tokens=ids, token_strs=strings)
+
+
+@router.post("/detokenize", name="detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+async def detokenize(req: DetokenizeRequest, request: Request,
+                     engine: Annotated[Engine, Depends(get_engine)]) -> DetokenizeResponse:
+    """The text of token ids, as vLLM's `/detokenize` gives it (special tokens kept)."""
+    request.state.model = req.model
+    tokenizer = worker_for(engine, req.model).checkpoint.prompt_tokenizer
+    size = tokenizer.vocab_size
+    for i, token in enumerate(req.tokens):
+        if token >= size:
+            raise InvalidRequest(f"tokens[{i}]", f"{token} is outside the vocabulary of model {req.model!r} (ids 0 to "
+                                 f"{size - 1})")
+    return DetokenizeResponse(prompt=await asyncio.to_thread(tokenizer.decode, req.tokens, False))
