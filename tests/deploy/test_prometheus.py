@@ -113,8 +113,8 @@ def send_traffic(client: httpx.Client) -> None:
         lambda: generate(LM, inputs=["hello"], strategy="sample", seed=1),
         lambda: generate(LM, inputs=["a journey of"], strategy="sample", seed=2),
         lambda: generate(LM, inputs=["all that"]),
-        lambda: generate(LM, inputs=["the cat sat on the mat and the cat sat on the mat and the cat"], max_new_tokens=24,
-                         speculative={"method": "ngram", "num_tokens": 4}),  # drafts once the output repeats itself
+        lambda: generate(LM, inputs=["the cat sat on the mat and the cat sat on the mat and the cat"],
+                         max_new_tokens=24, speculative={"method": "ngram", "num_tokens": 4}),  # drafts once it repeats
     ]
     with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:  # concurrent: batches of several rows
         for future in [pool.submit(call) for call in calls]:
