@@ -41,6 +41,7 @@ from model.logits import (
     log_probs,
     mask_banned,
     mask_repeats,
+    penalize_repeats,
     sampling_logits,
     top_k,
 )
@@ -73,12 +74,13 @@ class Search(ABC):
     def __init__(self, config: GenerationConfig, num_inputs: int, stop_fn: StopFn | None = None,
                  prefixes: Sequence[Sequence[int]] | None = None):
         require(num_inputs >= 1, "num_inputs", f"must be >= 1, got {num_inputs}")
-        require(not config.no_repeat_ngram_size or (prefixes is not None and len(prefixes) == num_inputs),
-                 "no_repeat_ngram_size", "needs the prefix (prompt, or decoder start) of every input")
+        require(not config.reads_history or (prefixes is not None and len(prefixes) == num_inputs),
+                 "no_repeat_ngram_size" if config.no_repeat_ngram_size else "repetition_penalty",
+                 "needs the prefix (prompt, or decoder start) of every input")
         self.config = config
         self.num_inputs = num_inputs
         self.stop_fn = stop_fn
-        self.prefixes = [list(p) for p in prefixes] if config.no_repeat_ngram_size else None
+        self.prefixes = [list(p) for p in prefixes] if config.reads_history else None
         self.step = 0  # tokens generated so far by every live row
 
     @property
@@ -115,10 +117,15 @@ class Search(ABC):
         if max(self.config.finish_token_ids) >= logits.size(1):
             raise ValueError(f"eos/stop token ids {self.config.finish_token_ids} out of vocabulary {logits.size(1)}")
 
-    def _mask_repeats(self, scores: torch.Tensor, inputs: list[int], histories: list[list[int]]) -> torch.Tensor:
-        """``scores`` of rows (input, generated tokens) without the tokens that would repeat an n-gram."""
+    def _history_rules(self, scores: torch.Tensor, inputs: list[int], histories: list[list[int]]) -> torch.Tensor:
+        """``scores`` of rows (input, generated tokens), in place, under the rules that read each row's prefix +
+        output, in Hugging Face's order: the repetition penalty, then the n-gram bans."""
         sequences = [self.prefixes[i] + h for i, h in zip(inputs, histories, strict=True)]
-        return mask_repeats(scores, sequences, self.config.no_repeat_ngram_size)
+        if self.config.repetition_penalty != 1.0:
+            penalize_repeats(scores, sequences, self.config.repetition_penalty)
+        if self.config.no_repeat_ngram_size:
+            mask_repeats(scores, sequences, self.config.no_repeat_ngram_size)
+        return scores
 
     def _check_done(self) -> None:
         if not self.done:
@@ -186,9 +193,9 @@ class _IndependentSearch(Search):
         if parents is None:
             parents = slots if whole else torch.arange(self.num_rows, device=logits.device)
         raw = logits
-        if self.config.no_repeat_ngram_size:
-            logits = self._mask_repeats(logits.clone(), (slots // self.samples).tolist(),
-                                        self._tokens[slots, : self.step].tolist())
+        if self.config.reads_history:
+            logits = self._history_rules(logits.clone(), (slots // self.samples).tolist(),
+                                         self._tokens[slots, : self.step].tolist())
         tokens, chosen = self._choose(logits)
         if self.config.logprobs is not None:
             self._token_lp[slots, self.step] = chosen
@@ -300,7 +307,7 @@ class GreedySearch(_IndependentSearch):
 
     def choices_ahead(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         config, last = self.config, self.step + logits.size(0) - 1
-        if (self.num_rows != 1 or self._slots is None or config.no_repeat_ngram_size
+        if (self.num_rows != 1 or self._slots is None or config.reads_history
                 or (config.forced_eos and self.step <= config.max_new_tokens - 1 <= last)
                 or banned_ids(self.step, config) != banned_ids(last, config)):
             return None
@@ -392,8 +399,8 @@ class BeamSearch(Search):
         logprobs = log_probs(logits)
         if self._alternatives is not None:
             self._alternatives.observe(logprobs)  # before the bans below change it in place
-        if self.config.no_repeat_ngram_size:  # before mask_banned: a forced EOS wins over a repeat
-            self._mask_repeats(logprobs, self._sentences.repeat_interleave(width).tolist(), self._history.tolist())
+        if self.config.reads_history:  # before mask_banned: a forced EOS wins over a repeat
+            self._history_rules(logprobs, self._sentences.repeat_interleave(width).tolist(), self._history.tolist())
         logprobs = mask_banned(logprobs, self.step, self.config, inplace=True)
         if self.config.renormalize:
             logprobs = torch.log_softmax(logprobs, dim=-1)
@@ -522,7 +529,8 @@ class _BeamAlternatives:
 def make_search(config: GenerationConfig, num_inputs: int, stop_fn: StopFn | None = None,
                 prefixes: Sequence[Sequence[int]] | None = None) -> Search:
     """The search for `config.strategy` over `num_inputs` inputs; stop_fn is greedy/sample only. ``prefixes``
-    (each input's prompt, or a translation's decoder start) are needed by ``no_repeat_ngram_size`` only."""
+    (each input's prompt, or a translation's decoder start) are needed by the rules that read them only
+    (``no_repeat_ngram_size``, ``repetition_penalty``)."""
     if config.strategy == Strategy.BEAM:
         require(stop_fn is None, "stop_fn", "is not supported by beam search (strategy='beam')")
         return BeamSearch(config, num_inputs, prefixes)

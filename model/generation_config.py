@@ -60,6 +60,7 @@ class GenerationConfig:
     forced_eos: bool = False  # the last allowed token is EOS, with log-prob 0 (HF's forced_eos_token_id)
     renormalize: bool = False  # beam: log-probs renormalized over the allowed tokens (HF's renormalize_logits)
     no_repeat_ngram_size: int = 0  # > 0: no n-gram of this size occurs twice in prefix + output (as HF)
+    repetition_penalty: float = 1.0  # > 1: tokens of prefix + output less likely (HF's rule: score / p if > 0 else * p)
     logprobs: int | None = None  # N: record each token's log-prob and the N likeliest tokens at its position
 
     def __post_init__(self) -> None:
@@ -93,6 +94,9 @@ class GenerationConfig:
         require(self.no_repeat_ngram_size >= 0, "no_repeat_ngram_size",
                  f"must be >= 0, got {self.no_repeat_ngram_size}")
         require(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        require(isinstance(self.repetition_penalty, int | float) and math.isfinite(self.repetition_penalty)
+                and self.repetition_penalty > 0, "repetition_penalty",
+                f"must be finite and > 0, got {self.repetition_penalty!r}")
         require(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63), "seed",
                  f"must be None or an int in [0, 2**63), got {self.seed!r}")
         require(isinstance(self.eos_token_id, int) and self.eos_token_id >= 0, "eos_token_id",
@@ -103,6 +107,11 @@ class GenerationConfig:
         require(self.eos_token_id not in self.banned_token_ids, "eos_token_id", "cannot be banned")
         require(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
                 "logprobs", f"must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether a step's scores depend on the sequence so far (n-gram bans, the repetition penalty)."""
+        return bool(self.no_repeat_ngram_size) or self.repetition_penalty != 1.0
 
     @property
     def finish_token_ids(self) -> tuple[int, ...]:

@@ -126,6 +126,18 @@ def repeated_ngram_bans(sequences: list[list[int]], n: int) -> list[list[int]]:
     return bans
 
 
+def penalize_repeats(scores: torch.Tensor, sequences: list[list[int]], penalty: float) -> torch.Tensor:
+    """``scores`` (rows, V), in place, with every token of a row's sequence made less likely as Hugging Face's
+    repetition_penalty does it: a positive score divided by ``penalty``, a negative one multiplied by it."""
+    rows = [r for r, seq in enumerate(sequences) for _ in set(seq)]
+    if rows:
+        held = torch.zeros_like(scores, dtype=torch.bool)
+        held[rows, [t for seq in sequences for t in set(seq)]] = True
+        penalized = torch.where(scores < 0, scores * penalty, scores / penalty)
+        scores.copy_(torch.where(held, penalized, scores))
+    return scores
+
+
 def mask_repeats(scores: torch.Tensor, sequences: list[list[int]], n: int) -> torch.Tensor:
     """``scores`` (rows, V), in place, with -inf where a row's next token would repeat one of its n-grams."""
     bans = repeated_ngram_bans(sequences, n)

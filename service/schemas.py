@@ -197,6 +197,15 @@ class GenerateRequest(RequestModel):
     top_k: int = Field(0, ge=0, description="Sample among the k likeliest tokens (0: all).")
     top_p: float = Field(1.0, ge=MIN_TOP_P, le=1.0, description="Nucleus sampling mass.")
     seed: Seed | None = Field(None, description="Makes sampling reproducible.")
+    repetition_penalty: float = Field(
+        1.0, gt=0.0, le=100.0, description="Makes every token already in the prompt (a translation: its target "
+        "prefix) or the output less likely, as transformers does: its logit divided by this when positive, "
+        "multiplied when negative (beam search: its log-probability multiplied). 1: off. Default: the model's."
+    )
+    no_repeat_ngram_size: int = Field(
+        0, ge=0, le=64, description="No n-gram of this many tokens occurs twice in prompt + output (as transformers "
+        "counts). 0: off. Default: the model's."
+    )
     stop: list[Text] = Field(default_factory=list, max_length=16, description="Stop strings (cut from the text).")
     adapter: Name | None = Field(None, description="LoRA adapter to apply.")
     stream: bool = Field(False, description="Server-sent events of tokens (one input, one sequence).")

@@ -60,7 +60,10 @@ logger = logging.getLogger(__name__)
 
 # The GenerateRequest fields that are GenerationConfig fields too.
 DECODING_FIELDS = ("strategy", "max_new_tokens", "min_new_tokens", "num_beams", "length_penalty", "early_stopping",
-                   "num_return_sequences", "temperature", "top_k", "top_p", "seed", "logprobs")
+                   "num_return_sequences", "temperature", "top_k", "top_p", "seed", "logprobs", "repetition_penalty",
+                   "no_repeat_ngram_size")
+# Of those, what the model's generation rules set for every request that leaves it unset.
+RULED_FIELDS = ("repetition_penalty", "no_repeat_ngram_size")
 GENERATIVE = ("causal_lm", "seq2seq")
 TOKENIZER_THREADS = 2  # per model: encoding is bounded per input, so two threads keep requests from queueing
 T = TypeVar("T")
@@ -428,8 +431,13 @@ class ModelWorker:
                                  f"streaming returns one sequence, got {values['num_return_sequences']}")
         if not beam:
             values["num_beams"] = 1
+        rules = self._rules
+        for name in RULED_FIELDS:  # the request's own value over the model's rule
+            value = values.pop(name)
+            if name in req.model_fields_set:
+                rules[name] = value
         try:
-            return GenerationConfig(**values, eos_token_id=self.config.eos_id, **self._rules)
+            return GenerationConfig(**values, eos_token_id=self.config.eos_id, **rules)
         except ConfigError as exc:
             raise InvalidRequest(exc.field, exc.message) from None
 

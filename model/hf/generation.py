@@ -2,10 +2,10 @@
 
 Two parts: rules imposed on every search (``bad_words_ids`` of one token each: OPUS-MT bans its pad token,
 whose logit could otherwise win; ``forced_eos_token_id``: the last token allowed is EOS;
-``no_repeat_ngram_size``; ``renormalize_logits``), and defaults for what a request leaves unset (``num_beams``,
-``max_length``/``max_new_tokens``, ``length_penalty``, ``early_stopping``, ``do_sample`` with its
-``temperature``/``top_k``/``top_p``). Fields that would change the tokens in ways we cannot reproduce are
-refused by name. Older configs keep these fields in config.json instead.
+``no_repeat_ngram_size``, ``repetition_penalty``: a request may set its own; ``renormalize_logits``), and
+defaults for what a request leaves unset (``num_beams``, ``max_length``/``max_new_tokens``, ``length_penalty``,
+``early_stopping``, ``do_sample`` with its ``temperature``/``top_k``/``top_p``). Fields that would change the
+tokens in ways we cannot reproduce are refused by name. Older configs keep these fields in config.json instead.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ GENERATION_FILE = "generation_config.json"
 MAX_FILE_BYTES = 1 << 16
 # Fields whose non-default value changes generate()'s tokens in a way we do not reproduce.
 UNSUPPORTED = {
-    "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "num_beam_groups": 1, "diversity_penalty": 0.0,
+    "encoder_repetition_penalty": 1.0, "num_beam_groups": 1, "diversity_penalty": 0.0,
     "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "min_p": None, "top_h": None,
     "encoder_no_repeat_ngram_size": 0, "suppress_tokens": None, "begin_suppress_tokens": None,
     "forced_bos_token_id": None, "sequence_bias": None, "exponential_decay_length_penalty": None,
@@ -40,6 +40,7 @@ class GenerationRules:
     banned_token_ids: tuple[int, ...] = ()
     forced_eos: bool = False
     no_repeat_ngram_size: int = 0
+    repetition_penalty: float = 1.0
     renormalize: bool = False
     defaults: dict[str, Any] = field(default_factory=dict)
 
@@ -83,6 +84,13 @@ def _defaults(source: dict, config: TransformerConfig) -> dict[str, Any]:
     return out
 
 
+def _penalty(source: dict) -> float:
+    penalty = _number(source, "repetition_penalty", float, 1.0)
+    if not penalty > 0 or penalty == float("inf"):
+        raise HFImportError(f"repetition_penalty must be finite and > 0, got {penalty}")
+    return float(penalty)
+
+
 def generation_rules(directory: Path, config: TransformerConfig) -> GenerationRules:
     """The rules and defaults of ``directory``'s generation_config.json (else config.json) for model ``config``."""
     has_file = (directory / GENERATION_FILE).is_file()
@@ -114,6 +122,7 @@ def _rules(source: dict, config: TransformerConfig) -> GenerationRules:
         banned_token_ids=tuple(sorted({w[0] for w in bad} - {eos})),
         forced_eos=forced is not None,
         no_repeat_ngram_size=ngram,
+        repetition_penalty=_penalty(source),
         renormalize=_number(source, "renormalize_logits", bool, False),
         defaults=_defaults(source, config),
     )

@@ -300,6 +300,23 @@ def test_beam_without_early_stopping_searches_on_and_never_scores_worse():
     assert differ > 0
 
 
+# ---- repetition_penalty -------------------------------------------------------------------------
+
+
+def test_the_repetition_penalty_rescores_held_tokens_as_transformers_does():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    from model.logits import penalize_repeats
+
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.randn(4, 30, generator=generator) * 3
+    sequences = torch.randint(0, 30, (4, 7), generator=generator)
+    for penalty in (0.7, 1.5):
+        want = RepetitionPenaltyLogitsProcessor(penalty)(sequences, scores.clone())
+        assert torch.equal(penalize_repeats(scores.clone(), sequences.tolist(), penalty), want)
+    assert torch.equal(penalize_repeats(scores.clone(), [[]] * 4, 1.5), scores)  # nothing held, nothing changed
+
+
 # ---- no_repeat_ngram_size ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("n", [1, 2, 3])
@@ -423,6 +440,8 @@ def test_searches_sharing_one_batch_match_running_alone():
     (dict(early_stopping="sometimes"), "early_stopping"),
     (dict(early_stopping=1), "early_stopping"),
     (dict(no_repeat_ngram_size=-1), "no_repeat_ngram_size"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(repetition_penalty=float("nan")), "repetition_penalty"),
     (dict(seed=-1), "seed"),
     (dict(eos_token_id=-1), "eos_token_id"),
     (dict(stop_token_ids=(3, -2)), "stop_token_ids"),

@@ -154,6 +154,30 @@ def test_sharded_weights_load_as_their_index_maps_them(tmp_path):
 
 
 @pytest.mark.parametrize("strategy", DECODINGS)
+def test_gpt2_repetition_penalty_gives_generates_tokens(tmp_path, strategy):
+    """generation_config.json's repetition_penalty (with and without the n-gram rule) over prompt + output, as
+    generate() applies it to greedy's logits and to beam search's log-probabilities; the penalty changes outputs."""
+    from model.hf.generation import generation_rules
+
+    directory = save_gpt2(tmp_path / "gpt2", seed=5, eos_boost=1.5)
+    model, config = load_hf_model(directory)
+    ours_config, hf_kwargs = decoding(strategy)
+    changed = 0
+    for rules in ({"repetition_penalty": 1.8}, {"repetition_penalty": 1.3, "no_repeat_ngram_size": 3}):
+        (directory / "generation_config.json").write_text(json.dumps({**rules, "bos_token_id": 1, "eos_token_id": EOS}))
+        ruled = dataclasses.replace(ours_config, **generation_rules(directory, config).imposed())
+        assert ruled.repetition_penalty == rules["repetition_penalty"]
+        for prompt in PROMPTS:
+            (mine,) = best_tokens(generate_causal(model, [prompt], ruled))
+            with torch.no_grad():
+                theirs = hf_model(directory).generate(input_ids=torch.tensor([prompt]), pad_token_id=EOS, **hf_kwargs)
+            assert strip(theirs[0].tolist(), len(prompt), EOS) == mine
+            (plain,) = best_tokens(generate_causal(model, [prompt], ours_config))
+            changed += plain != mine
+    assert changed > 0
+
+
+@pytest.mark.parametrize("strategy", DECODINGS)
 def test_gpt2_no_repeat_ngram_size_counts_the_prompt_as_generate_does(tmp_path, strategy):
     """generation_config.json's no_repeat_ngram_size bans n-grams of prompt + output; one prompt at a time,
     since generate() counts a left-padded batch's padding too."""

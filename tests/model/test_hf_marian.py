@@ -168,13 +168,35 @@ def test_generation_config_rules_we_cannot_apply_are_refused_by_name(tmp_path):
     assert applied.defaults == {"strategy": "beam", "num_beams": 6, "max_new_tokens": 39, "early_stopping": False}
     for bad, says in [({"bad_words_ids": [[5, 6]]}, "bad_words_ids must be single tokens"),
                       ({"forced_eos_token_id": 3}, "forced_eos_token_id=3 differs"),
-                      ({"repetition_penalty": 1.2}, "repetition_penalty=1.2 is not supported"),
+                      ({"encoder_repetition_penalty": 1.2}, "encoder_repetition_penalty=1.2 is not supported"),
+                      ({"repetition_penalty": 0}, "repetition_penalty must be finite and > 0"),
                       ({"do_sample": True, "num_beams": 2}, "do_sample with num_beams=2"),
                       ({"no_repeat_ngram_size": "3"}, "no_repeat_ngram_size must be an int"),
                       ({"early_stopping": "sometimes"}, "early_stopping must be")]:
         (directory / GENERATION_FILE).write_text(json.dumps(bad))
         with pytest.raises(HFImportError, match=f"{GENERATION_FILE}: {says}"):
             generation_rules(directory, config)
+
+
+@pytest.mark.parametrize("strategy", DECODINGS)
+def test_a_repetition_penalty_gives_generates_tokens(tmp_path, strategy):
+    """generation_config.json's repetition_penalty over the decoder's tokens (start token + output), on a padded
+    batch, as generate() applies it; it changes some output."""
+    from model.hf.generation import GENERATION_FILE, generation_rules
+
+    directory = save_marian(tmp_path / "marian", seed=10, eos_boost=1.5)
+    model, config = load_hf_model(directory)
+    ours_config, hf_kwargs = decoding(strategy)
+    base = dataclasses.replace(ours_config, eos_token_id=EOS)
+    (directory / GENERATION_FILE).write_text(json.dumps({"repetition_penalty": 2.0, "decoder_start_token_id": PAD,
+                                                         "eos_token_id": EOS, "pad_token_id": PAD}))
+    ruled = dataclasses.replace(base, **generation_rules(directory, config).imposed())
+    mine = best_tokens(generate_seq2seq(model, SOURCES, ruled))
+    src, mask = padded_sources()
+    with torch.no_grad():
+        theirs = hf_model(directory).generate(input_ids=src, attention_mask=mask, **hf_kwargs)
+    assert [strip(seq, 1, EOS) for seq in theirs.tolist()] == mine
+    assert mine != best_tokens(generate_seq2seq(model, SOURCES, base))
 
 
 @pytest.mark.parametrize("strategy", DECODINGS)

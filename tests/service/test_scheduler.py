@@ -108,6 +108,9 @@ def test_mixed_strategies_in_one_batch_equal_alone(models_dir):
                              temperature=0.8)),
         ("gold", dict(strategy="sample", seed=3, top_p=0.9, max_new_tokens=25)),
         ("def main", dict(max_new_tokens=10, stop=["a"])),
+        ("hello world", dict(max_new_tokens=20, repetition_penalty=1.5, no_repeat_ngram_size=2)),
+        ("the cat", dict(strategy="beam", num_beams=3, max_new_tokens=12, repetition_penalty=2.0)),
+        ("a", dict(strategy="sample", seed=5, max_new_tokens=15, repetition_penalty=1.3)),
     ]
 
     async def main():
