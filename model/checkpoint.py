@@ -31,7 +31,7 @@ from model.causal_lm import CausalLM
 from model.classifier import TransformerClassifier
 from model.config import ConfigError, TransformerConfig
 from model.hf import hf_companions, is_hf_directory, load_hf_checkpoint
-from model.hf.generation import GenerationRules
+from model.hf.generation import GENERATION_FILE, GenerationRules, generation_rules
 from model.hf.sentence import EmbeddingDefaults
 from model.lora_io import AdapterLayout
 from model.seq2seq import Seq2SeqTransformer
@@ -79,7 +79,7 @@ class Checkpoint:
     format: str = "tserve"  # "hf": a Hugging Face directory (model.hf), whose tokenizer brings its own template
     adapter_layout: AdapterLayout | None = None  # how PEFT adapters name its modules, when not as ours (HF)
     embedding: EmbeddingDefaults | None = None  # a sentence-transformers save's pooling and normalization
-    generation: GenerationRules | None = None  # an HF generation_config.json's banned tokens and forced EOS
+    generation: GenerationRules | None = None  # a generation_config.json's rules and defaults (model.hf.generation)
 
     @property
     def family(self) -> str:
@@ -241,7 +241,10 @@ def load_checkpoint(
     if config.family == "classifier" and not (isinstance(labels, list) and len(labels) == config.num_labels
                                               or labels is None and config.num_labels == 0):  # 0: an embedder
         raise CheckpointError(f"{directory / LABELS_FILE}: expected a list of {config.num_labels} label names")
-    return Checkpoint(model, config, tokenizer, source_tokenizer, labels, metrics, directory)
+    # A generation_config.json beside our own checkpoint is read as transformers reads one (model.hf.generation).
+    generation = generation_rules(directory, config) if (directory / GENERATION_FILE).is_file() and \
+        config.family != "classifier" else None
+    return Checkpoint(model, config, tokenizer, source_tokenizer, labels, metrics, directory, generation=generation)
 
 
 def load_weights(model: nn.Module, path: Path) -> None:

@@ -399,7 +399,9 @@ class ModelWorker:
     def generation_defaults(self) -> dict[str, Any]:
         """The model's own defaults for what a generate request leaves unset (an HF model's generation config:
         GenerateRequest fields), within this server's limits."""
-        defaults = dict((self.checkpoint.generation or GenerationRules()).defaults)
+        rules = self.checkpoint.generation or GenerationRules()
+        defaults = dict(rules.defaults) | {name: getattr(rules, name) for name in RULED_FIELDS
+                                           if getattr(rules, name) != getattr(GenerationRules, name)}
         if "max_new_tokens" in defaults:
             defaults["max_new_tokens"] = min(defaults["max_new_tokens"], self.max_new_tokens)
         if "num_beams" in defaults:

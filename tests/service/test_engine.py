@@ -293,3 +293,31 @@ def test_a_lone_generation_request_starts_without_waiting_for_company(models_dir
                 assert len(outputs) == 1 and 1 <= len(outputs[0].tokens) <= 3
 
     asyncio.run(main())
+
+
+def test_a_generation_config_beside_our_checkpoint_sets_defaults_a_request_can_override(models_dir, tmp_path):
+    """generation_config.json in our own checkpoint: its repetition_penalty and no_repeat_ngram_size apply to a
+    request that leaves them unset (listed in generation_defaults), and a request's own values replace them."""
+    import json
+    import shutil
+
+    from tests.service.conftest import assert_same, offline
+
+    root = tmp_path / "models"
+    shutil.copytree(models_dir / LM, root / LM)
+    rules = {"repetition_penalty": 1.6, "no_repeat_ngram_size": 2}
+    (root / LM / "generation_config.json").write_text(json.dumps(rules))
+
+    async def main():
+        async with running_engine(root, None) as engine:
+            worker = engine.get(LM)
+            assert worker.info.generation_defaults == rules | {"early_stopping": False}
+            ruled = await worker.generate(ask("hello world", max_new_tokens=16), "ruled")
+            own = await worker.generate(ask("hello world", max_new_tokens=16, repetition_penalty=1.0,
+                                            no_repeat_ngram_size=0), "own")
+            return ruled, own
+
+    ruled, own = asyncio.run(main())
+    assert_same(ruled, offline(models_dir / LM, ["hello world"], dict(max_new_tokens=16, **rules)))
+    assert_same(own, offline(models_dir / LM, ["hello world"], dict(max_new_tokens=16)))
+    assert ruled[0].tokens != own[0].tokens
