@@ -23,11 +23,13 @@ from training import (
     prepare_cmd,
     recipe_cmd,
     train_cmd,
+    tune_generation_cmd,
 )
 from training.errors import UserError
 
 # Commands in the order `--help` lists them.
-COMMANDS = (prepare_cmd, train_cmd, lora_cmd, evaluate_cmd, export_cmd, import_cmd, baselines_cmd, recipe_cmd)
+COMMANDS = (prepare_cmd, train_cmd, lora_cmd, evaluate_cmd, export_cmd, import_cmd, baselines_cmd,
+            tune_generation_cmd, recipe_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

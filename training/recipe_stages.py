@@ -6,6 +6,7 @@ A stage's output tells whether it is done: a corpus's manifest.json, a model or 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -21,6 +22,7 @@ from training import corpora
 from training.baselines import LANGDETECT_PIN, baselines_for
 from training.errors import UserError
 from training.evaluate_run import evaluate
+from training.generation_tuning import tune, write_defaults
 from training.lora_run import lora
 from training.prepare import prepare
 from training.recipes import SPLIT_SUFFIX, FamilyRecipe, Tier
@@ -41,6 +43,7 @@ from training.train_run import train
 logger = logging.getLogger(__name__)
 
 PREPARE_SECONDS = 15  # the ETA's guess for one `prepare`
+TUNE_PROMPTS = 100  # valid windows per generation setting the recipe tries (training.generation_tuning)
 
 
 @dataclass(frozen=True)
@@ -254,11 +257,29 @@ def evaluation_stages(f: FamilyRecipe, tier: Tier, paths: Paths) -> list[Stage]:
     return [Stage(name, paths.record(name), budget, run, inputs=inputs) for name, run, inputs in runs]
 
 
+def tuning_stages(f: FamilyRecipe, paths: Paths) -> list[Stage]:
+    """A causal LM's anti-loop generation defaults, chosen on its valid split and written into its
+    generation_config.json (training.generation_tuning); nothing for the other families."""
+    if f.family != "causal_lm":
+        return []
+    model, name = paths.model(f), f"tune-generation-{f.model}"
+
+    def run() -> dict[str, Any]:
+        valid = paths.split(domain_corpora(f)[0], f.kind, "valid").read_text(encoding="utf-8")
+        scores, chosen = tune(checkpoint.load_checkpoint(model, device="cpu"), valid, TUNE_PROMPTS, 32, 48)
+        write_defaults(model, chosen)
+        return {"chosen": dataclasses.asdict(chosen), "prompts": TUNE_PROMPTS,
+                "scores": [{**dataclasses.asdict(s.setting), "loop_rate": s.loop_rate, "chrf": s.chrf} for s in scores]}
+
+    return [Stage(name, paths.record(name), 90, run, inputs=(model / checkpoint.WEIGHTS_FILE,))]
+
+
 def pipelines(tier: Tier, paths: Paths) -> dict[str, list[Stage]]:
-    """The corpora, then per family: train, adapter, evaluations and baselines (in running order)."""
+    """The corpora, then per family: train, adapter, evaluations and baselines, a causal LM's generation defaults
+    (in running order)."""
     result = {"corpora": prepare_stages(tier, paths)}
     for f in tier.families:
-        result[f.model] = training_stages(f, paths) + evaluation_stages(f, tier, paths)
+        result[f.model] = training_stages(f, paths) + evaluation_stages(f, tier, paths) + tuning_stages(f, paths)
     return result
 
 

@@ -213,6 +213,18 @@ class BaselinesRun:
 
 
 @dataclass(frozen=True)
+class TuneGenerationRun:
+    """`tune-generation`: a causal LM's anti-loop generation defaults, chosen on ``valid``."""
+
+    model: Path
+    valid: Path
+    prompts: int = 200  # valid windows completed per setting
+    prompt_tokens: int = 32
+    new_tokens: int = 48
+    write: bool = False  # write the chosen setting into the checkpoint's generation_config.json
+
+
+@dataclass(frozen=True)
 class RecipeRun:
     """`recipe`: a tier's corpora, models, adapters and measurements."""
 

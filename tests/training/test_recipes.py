@@ -129,6 +129,13 @@ def test_recipe_writes_models_adapters_and_summary_in_the_service_layout(finishe
         assert model["tokens"] == code[split]["baselines"]["unigram"]["tokens"]
     assert len(summary["checks"]) == 3 + (5 if HAS_LANGDETECT else 3) + 3
     assert all({"what", "value", "other", "passed"} <= set(c) for c in summary["checks"])
+    # The code model's generation defaults, chosen on its valid split, are in its generation_config.json.
+    tuned = json.loads(paths.record("tune-generation-code").read_text())["result"]
+    assert len(tuned["scores"]) == 10 and all(0 <= s["loop_rate"] <= 1 and s["chrf"] >= 0 for s in tuned["scores"])
+    written = json.loads((paths.out / "models" / "code" / "generation_config.json").read_text())
+    assert written == {"repetition_penalty": tuned["chosen"]["repetition_penalty"],
+                       "no_repeat_ngram_size": tuned["chosen"]["no_repeat_ngram_size"]}
+    assert load_checkpoint(paths.out / "models" / "code").generation.repetition_penalty == written["repetition_penalty"]
 
 
 def test_recipe_skips_finished_stages_and_redoes_a_missing_or_stale_one(
