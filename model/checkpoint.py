@@ -30,6 +30,7 @@ from torch import nn
 from model.causal_lm import CausalLM
 from model.classifier import TransformerClassifier
 from model.config import ConfigError, TransformerConfig
+from model.files import make_shareable
 from model.hf import hf_companions, is_hf_directory, load_hf_checkpoint
 from model.hf.generation import GENERATION_FILE, GenerationRules, generation_rules
 from model.hf.sentence import EmbeddingDefaults
@@ -186,6 +187,7 @@ def save_checkpoint(
         for name, data in (extra_files or {}).items():
             (tmp / name).parent.mkdir(parents=True, exist_ok=True)
             (tmp / name).write_bytes(data)
+        make_shareable(tmp)
         _fsync_dir(tmp)
         _replace_dir(tmp, directory)
     except BaseException:

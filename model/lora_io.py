@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from model.config import TransformerConfig
+from model.files import make_shareable
 from model.lora import (
     AdapterError,
     HeadCopies,
@@ -90,6 +91,7 @@ def save_adapter(
     try:
         (tmp / CONFIG_FILE).write_text(json.dumps(peft_config, indent=2) + "\n")
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        make_shareable(tmp)
         if target.exists():  # a directory cannot be renamed over a non-empty one: swap via a side name
             old = tmp.with_name(tmp.name + ".old")
             os.replace(target, old)

@@ -21,6 +21,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from model.files import make_shareable
+
 UPLOAD_PREFIX = ".upload-"
 _ASIDE = re.compile(r"\.(?P<name>.+)\.old\.upload-[^/]+")  # .<name>.old.upload-<random>
 _AT_FDCWD = -100
@@ -39,12 +41,13 @@ def new_upload_dir(parent: Path) -> Path:
 
 
 def write_files(files: dict[str, bytes], directory: Path) -> None:
-    """Write ``files`` (new names) into ``directory``, each flushed to disk."""
+    """Write ``files`` (new names) into ``directory``, each flushed to disk, readable by every user."""
     for name, content in files.items():
         with open(directory / name, "xb") as f:
             f.write(content)
             f.flush()
             os.fsync(f.fileno())
+    make_shareable(directory)
 
 
 def exchange(a: Path, b: Path) -> None:

@@ -45,6 +45,16 @@ def test_overwrite_is_atomic_and_leaves_no_temp_dirs(tmp_path, tokenizer):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
+def test_a_saved_checkpoint_is_readable_by_other_users(tmp_path, tokenizer):
+    """A server running as another user (the image's uid 10001) reads what training wrote: no 0700 directory or
+    0600 file (mkdtemp's and safetensors' modes) is left in the published checkpoint."""
+    model = tiny_seq2seq(vocab_size=320)
+    path = save_checkpoint(tmp_path / "ckpt", model, tokenizer, extra_files={"hf/deep/file.json": b"{}"})
+    for entry in [path, *path.rglob("*")]:
+        mode = entry.stat().st_mode & 0o777
+        assert mode == (0o755 if entry.is_dir() else 0o644), (entry, oct(mode))
+
+
 @pytest.fixture
 def saved(tmp_path, tokenizer):
     path = tmp_path / "ckpt"

@@ -22,6 +22,8 @@ def test_save_load_round_trip(tmp_path: Path) -> None:
     save_adapter(model, "b", tmp_path / "b", base_model_name_or_path="toy")  # overwrite in place
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
     assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    modes = {p.name: p.stat().st_mode & 0o777 for p in [tmp_path / "b", *(tmp_path / "b").iterdir()]}
+    assert modes == {"b": 0o755, "adapter_config.json": 0o644, "adapter_model.safetensors": 0o644}  # others read it
     config = json.loads((tmp_path / "b" / "adapter_config.json").read_text())
     for key in (
         "peft_type",
