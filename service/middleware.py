@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.errors import ServiceError
 from service.http_errors import json_error
+from service.routes.tokenize import ROOT_PATHS
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +101,8 @@ class BodyLimitMiddleware:
 
 
 class MetricsMiddleware:
-    """Records ``engine.metrics.record_request`` once per /v1 request, whatever its outcome.
+    """Records ``engine.metrics.record_request`` once per API request (/v1, and vLLM's root paths of
+    service.routes.tokenize), whatever its outcome.
 
     Labels stay bounded: a model or adapter the server does not know is recorded as ``_unknown``;
     routes put the adapter (and, for /v1/completions, the model) in ``request.state``.
@@ -110,7 +112,7 @@ class MetricsMiddleware:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http" or not (scope["path"].startswith("/v1/") or scope["path"] in ROOT_PATHS):
             return await self.app(scope, receive, send)
         status = 500
 

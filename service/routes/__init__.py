@@ -2,6 +2,7 @@
 
 from service.routes import adapters, health, models, openai, tokenize, ui
 
-ROUTERS = (health.router, models.router, adapters.router, openai.router, tokenize.router, ui.router)
+ROUTERS = (health.router, models.router, adapters.router, openai.router, tokenize.router, tokenize.root_router,
+           ui.router)
 
 __all__ = ["ROUTERS"]

@@ -1,7 +1,8 @@
 """POST /v1/tokenize and /v1/detokenize in vLLM's shapes, for every model family.
 
 A translator (seq2seq) reads and writes here with its source tokenizer: /detokenize inverts /tokenize.
-Under /v1 (vLLM serves them at the root) so that they need a key and are counted like every /v1 route.
+Under /v1, and at vLLM's own root paths (``ROOT_PATHS``) for its clients: the same handlers, the same key, the
+same request metrics; the OpenAPI schema lists the /v1 paths only.
 """
 
 from __future__ import annotations
@@ -61,3 +62,11 @@ async def detokenize(req: DetokenizeRequest, request: Request,
             raise InvalidRequest(f"tokens[{i}]", f"{token} is outside the vocabulary of model {req.model!r} (ids 0 to "
                                  f"{size - 1})")
     return DetokenizeResponse(prompt=await asyncio.to_thread(tokenizer.decode, req.tokens, False))
+
+
+# vLLM's paths at the root, for clients written against vLLM: the /v1 handlers under the same key.
+ROOT_PATHS = ("/tokenize", "/detokenize")
+root_router = APIRouter(tags=["tokenize"], dependencies=[Depends(require_key)], include_in_schema=False)
+for _path, _handler, _response in zip(ROOT_PATHS, (tokenize, detokenize), (TokenizeResponse, DetokenizeResponse),
+                                      strict=True):
+    root_router.add_api_route(_path, _handler, methods=["POST"], name=_handler.__name__, response_model=_response)

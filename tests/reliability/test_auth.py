@@ -85,6 +85,9 @@ def test_every_v1_operation_needs_a_key(server):
         assert c.put(name, headers=admin).status_code == 200
         assert c.put(name, headers=admin).status_code == 200
         assert c.get("/v1/models", headers=admin).status_code == 200  # an admin key is also a user key
+        for path, body in (("/tokenize", BODIES["/v1/tokenize"]), ("/detokenize", BODIES["/v1/detokenize"])):
+            error_of(c.post(path, json=body), 401, "unauthorized")  # vLLM's root paths: the /v1 routes' key
+            assert c.post(path, json=body, headers={"Authorization": f"Bearer {USER}"}).status_code == 200
 
 
 def test_no_key_is_ever_logged(server):

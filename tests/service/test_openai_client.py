@@ -236,3 +236,15 @@ def test_new_routes_are_counted_with_bounded_labels(client):
         key = (("adapter", ""), ("endpoint", endpoint), ("model", model), ("status", status))
         assert requests.get(key, 0) >= 1, (key, sorted(requests))
     assert not any(dict(k)["model"] == "made-up-name" for k in requests)
+
+
+def test_vllms_root_paths_are_the_same_routes(client):
+    """/tokenize and /detokenize at the root, where vLLM serves them: the /v1 answers, and counted alike."""
+    before = metric_samples(client.get("/metrics").text, "tserve_requests_total")
+    key = (("adapter", ""), ("endpoint", "tokenize"), ("model", LM), ("status", "200"))
+    assert post(client, "/tokenize", model=LM, prompt=PROMPT) == post(client, "/v1/tokenize", model=LM, prompt=PROMPT)
+    ids = post(client, "/tokenize", model=LM, prompt=PROMPT)["tokens"]
+    assert post(client, "/detokenize", model=LM, tokens=ids) == post(client, "/v1/detokenize", model=LM, tokens=ids)
+    assert refusal(client, "/tokenize", {"model": LM})["field"] == "prompt"
+    after = metric_samples(client.get("/metrics").text, "tserve_requests_total")
+    assert after[key] - before.get(key, 0) == 3
