@@ -27,6 +27,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from model.calibration import Calibration, CalibrationError
 from model.causal_lm import CausalLM
 from model.classifier import TransformerClassifier
 from model.config import ConfigError, TransformerConfig
@@ -81,6 +82,7 @@ class Checkpoint:
     adapter_layout: AdapterLayout | None = None  # how PEFT adapters name its modules, when not as ours (HF)
     embedding: EmbeddingDefaults | None = None  # a sentence-transformers save's pooling and normalization
     generation: GenerationRules | None = None  # a generation_config.json's rules and defaults (model.hf.generation)
+    calibration: Calibration | None = None  # a classifier's calibration.json (model.calibration)
 
     @property
     def family(self) -> str:
@@ -246,7 +248,12 @@ def load_checkpoint(
     # A generation_config.json beside our own checkpoint is read as transformers reads one (model.hf.generation).
     generation = generation_rules(directory, config) if (directory / GENERATION_FILE).is_file() and \
         config.family != "classifier" else None
-    return Checkpoint(model, config, tokenizer, source_tokenizer, labels, metrics, directory, generation=generation)
+    try:
+        calibration = Calibration.load(directory) if config.family == "classifier" else None
+    except CalibrationError as exc:
+        raise CheckpointError(str(exc)) from None
+    return Checkpoint(model, config, tokenizer, source_tokenizer, labels, metrics, directory, generation=generation,
+                      calibration=calibration)
 
 
 def load_weights(model: nn.Module, path: Path) -> None:

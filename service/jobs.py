@@ -120,13 +120,14 @@ class PoolingJob(Job):
 
     def __init__(self, request_id: str, timeout_s: float, endpoint: str, inputs: list[tuple[list[int], list[int]]],
                  adapter: AdapterVersion | None = None, pooling: str = "mean", top_k: int | None = None,
-                 normalize: bool = False) -> None:
+                 normalize: bool = False, min_confidence: float = 0.0) -> None:
         super().__init__(request_id, timeout_s, adapter)
         self.endpoint = endpoint  # "classify" | "embed"
         self.inputs = inputs  # (ids, segment ids) per input
         self.pooling = pooling
         self.normalize = normalize  # embed: unit-length vectors
         self.top_k = top_k
+        self.min_confidence = min_confidence  # classify: a lower top probability answers "unknown"
 
     @property
     def rows(self) -> int:

@@ -21,7 +21,7 @@ from service.batch import internal_name
 from service.jobs import CallJob, PoolingJob
 from service.metrics import Metrics, adapter_label
 from service.scheduler import Scheduler
-from service.types import ClassifyOutput, EngineSettings
+from service.types import UNKNOWN_LABEL, ClassifyOutput, EngineSettings
 
 logger = logging.getLogger(__name__)
 
@@ -30,9 +30,10 @@ class PoolingScheduler(Scheduler):
     """Dynamic batching of classify / embed jobs (and one-off calls) on a classifier."""
 
     def __init__(self, name: str, model: nn.Module, labels: list[str], settings: EngineSettings, metrics: Metrics,
-                 registry: AdapterRegistry) -> None:
+                 registry: AdapterRegistry, temperature: float = 1.0) -> None:
         super().__init__(name, model, settings, metrics, registry)
         self.labels = labels
+        self.temperature = temperature  # the model's calibration (model.calibration): softmax(logits / T)
         self.device = next(model.parameters()).device
 
     def _iteration(self) -> None:
@@ -93,10 +94,12 @@ class PoolingScheduler(Scheduler):
 
     def _classify_output(self, job: PoolingJob, logits: torch.Tensor) -> list[ClassifyOutput]:
         outputs = []
-        for probs in torch.softmax(logits.float(), dim=-1).tolist():
+        for probs in torch.softmax(logits.float() / self.temperature, dim=-1).tolist():
             ranked = sorted(zip(self.labels, probs, strict=True), key=lambda lp: -lp[1])
             top = ranked[: job.top_k] if job.top_k else ranked
-            outputs.append(ClassifyOutput(ranked[0][0], ranked[0][1], dict(top)))
+            label, score = ranked[0]
+            abstained = score < job.min_confidence
+            outputs.append(ClassifyOutput(UNKNOWN_LABEL if abstained else label, score, dict(top), abstained))
         return outputs
 
 

@@ -275,13 +275,18 @@ class ClassifyRequest(RequestModel):
     inputs: list[TextOrPair] = Field(min_length=1, description="Texts or [text, text] pairs.")
     adapter: Name | None = None
     top_k: int | None = Field(None, ge=1, description="Return only the k likeliest labels' probabilities.")
+    min_confidence: float | None = Field(
+        None, ge=0.0, le=1.0, description="Answer \"unknown\" (abstained) for a text whose top probability is "
+        "below this. Default: the model's calibrated threshold (calibration.json), else 0 (never)."
+    )
     priority: Priority = 0
 
 
 class Classification(BaseModel):
-    label: str
-    score: float
+    label: str = Field(description="The likeliest label, or \"unknown\" when the classifier abstained.")
+    score: float = Field(description="The top probability (calibrated when the model has a calibration).")
     probabilities: dict[str, float]
+    abstained: bool = Field(False, description="The top probability was below min_confidence.")
 
 
 class ClassifyResponse(BaseModel):

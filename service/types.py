@@ -17,9 +17,13 @@ class StreamEvent:
 
 @dataclass
 class ClassifyOutput:
-    label: str
-    score: float
+    label: str  # UNKNOWN_LABEL when the classifier abstained
+    score: float  # the top probability
     probabilities: dict[str, float]  # sorted by probability, descending; top_k entries when given
+    abstained: bool = False  # the top probability was below the request's (or the model's) min_confidence
+
+
+UNKNOWN_LABEL = "unknown"  # what an abstaining classifier answers
 
 
 @dataclass

@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
+from model.calibration import Calibration
 from model.checkpoint import Checkpoint, parameter_count
 from model.classifier import POOLINGS
 from model.constraints import CompiledConstraint, Constraint, ConstraintError
@@ -102,8 +103,9 @@ class ModelWorker:
             self.scheduler = GenerationScheduler(name, self.runner, checkpoint.tokenizer, settings, metrics,
                                                  self.registry)
         else:
+            calibration = checkpoint.calibration or Calibration()
             self.scheduler = PoolingScheduler(name, self.model, list(checkpoint.labels or []), settings, metrics,
-                                              self.registry)
+                                              self.registry, temperature=calibration.temperature)
 
     @property
     def info(self) -> ModelInfo:
@@ -196,7 +198,10 @@ class ModelWorker:
             tracing.record_job(job, self.name, [last] if last is not None and finished else None, error)
 
     async def classify(self, inputs: list[str | tuple[str, str]], adapter: str | None, top_k: int | None,
-                       request_id: str, queue: QueueTag = DEFAULT_QUEUE) -> list[ClassifyOutput]:
+                       request_id: str, queue: QueueTag = DEFAULT_QUEUE, min_confidence: float | None = None
+                       ) -> list[ClassifyOutput]:
+        """Labels of ``inputs``; below ``min_confidence`` (None: the model's calibrated default, else 0) a text's
+        label is "unknown"."""
         self._require("classify", ("classifier",))
         if not self.config.num_labels:
             raise InvalidRequest(None, f"model {self.name!r} has no classification head (an embedding model); "
@@ -218,8 +223,10 @@ class ModelWorker:
             pairs.append(pair)
         encoded = await self._tokenize(lambda: [self._check_length(i, tok.encode_pair(*pair))
                                                 for i, pair in enumerate(pairs)])
+        if min_confidence is None:
+            min_confidence = (self.checkpoint.calibration or Calibration()).min_confidence
         job = PoolingJob(request_id, self.settings.request_timeout_s, "classify", encoded,
-                         adapter=self._acquire(adapter), top_k=top_k)
+                         adapter=self._acquire(adapter), top_k=top_k, min_confidence=min_confidence)
         self._submit(job, queue)
         return await self._result(job)
 

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from training import (
     baselines_cmd,
+    calibrate_cmd,
     evaluate_cmd,
     export_cmd,
     import_cmd,
@@ -29,7 +30,7 @@ from training.errors import UserError
 
 # Commands in the order `--help` lists them.
 COMMANDS = (prepare_cmd, train_cmd, lora_cmd, evaluate_cmd, export_cmd, import_cmd, baselines_cmd,
-            tune_generation_cmd, recipe_cmd)
+            tune_generation_cmd, calibrate_cmd, recipe_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,6 +20,7 @@ from typing import Any
 from model import checkpoint, lora_io
 from training import corpora
 from training.baselines import LANGDETECT_PIN, baselines_for
+from training.calibration import calibrate_checkpoint
 from training.errors import UserError
 from training.evaluate_run import evaluate
 from training.generation_tuning import tune, write_defaults
@@ -44,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 PREPARE_SECONDS = 15  # the ETA's guess for one `prepare`
 TUNE_PROMPTS = 100  # valid windows per generation setting the recipe tries (training.generation_tuning)
+CALIBRATION_REJECTED = 0.05  # share of valid texts a classifier's default threshold answers "unknown" for
 
 
 @dataclass(frozen=True)
@@ -258,8 +260,11 @@ def evaluation_stages(f: FamilyRecipe, tier: Tier, paths: Paths) -> list[Stage]:
 
 
 def tuning_stages(f: FamilyRecipe, paths: Paths) -> list[Stage]:
-    """A causal LM's anti-loop generation defaults, chosen on its valid split and written into its
-    generation_config.json (training.generation_tuning); nothing for the other families."""
+    """Serving defaults chosen on the valid split: a causal LM's anti-loop generation settings (its
+    generation_config.json, training.generation_tuning), a classifier's calibration (its calibration.json,
+    training.calibration); nothing for seq2seq."""
+    if f.family == "classifier":
+        return [_calibration_stage(f, paths)]
     if f.family != "causal_lm":
         return []
     model, name = paths.model(f), f"tune-generation-{f.model}"
@@ -272,6 +277,19 @@ def tuning_stages(f: FamilyRecipe, paths: Paths) -> list[Stage]:
                 "scores": [{**dataclasses.asdict(s.setting), "loop_rate": s.loop_rate, "chrf": s.chrf} for s in scores]}
 
     return [Stage(name, paths.record(name), 90, run, inputs=(model / checkpoint.WEIGHTS_FILE,))]
+
+
+def _calibration_stage(f: FamilyRecipe, paths: Paths) -> Stage:
+    model, name = paths.model(f), f"calibrate-{f.model}"
+
+    def run() -> dict[str, Any]:
+        valid = paths.split(domain_corpora(f)[0], f.kind, "valid")
+        calibration = calibrate_checkpoint(model, valid, CALIBRATION_REJECTED)
+        calibration.save(model)
+        return {"temperature": calibration.temperature, "min_confidence": calibration.min_confidence,
+                **calibration.report}
+
+    return Stage(name, paths.record(name), 30, run, inputs=(model / checkpoint.WEIGHTS_FILE,))
 
 
 def pipelines(tier: Tier, paths: Paths) -> dict[str, list[Stage]]:

@@ -225,6 +225,16 @@ class TuneGenerationRun:
 
 
 @dataclass(frozen=True)
+class CalibrateRun:
+    """`calibrate`: a classifier's temperature and "unknown" threshold, fitted on ``valid``."""
+
+    model: Path
+    valid: Path
+    max_rejected: float = 0.05  # share of valid (in-label) texts the threshold may answer "unknown" for
+    write: bool = False  # write calibration.json into the checkpoint
+
+
+@dataclass(frozen=True)
 class RecipeRun:
     """`recipe`: a tier's corpora, models, adapters and measurements."""
 

@@ -89,10 +89,10 @@ async def classify(req: ClassifyRequest, request: Request, worker: Worker, rid: 
                    client: Client) -> ClassifyResponse:
     """Label each text or [text, text] pair, with every label's probability (top_k: the k likeliest)."""
     request.state.adapter = req.adapter
-    outputs = await worker.classify(list(req.inputs), req.adapter, req.top_k, rid, QueueTag(req.priority, client))
-    return ClassifyResponse(
-        outputs=[Classification(label=o.label, score=o.score, probabilities=dict(o.probabilities)) for o in outputs]
-    )
+    outputs = await worker.classify(list(req.inputs), req.adapter, req.top_k, rid, QueueTag(req.priority, client),
+                                    min_confidence=req.min_confidence)
+    return ClassifyResponse(outputs=[Classification(label=o.label, score=o.score, probabilities=dict(o.probabilities),
+                                                    abstained=o.abstained) for o in outputs])
 
 
 @router.post("/{model}/embed", name="embed", response_model=EmbedResponse, responses=errors(*_COMMON))

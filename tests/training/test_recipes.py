@@ -136,6 +136,10 @@ def test_recipe_writes_models_adapters_and_summary_in_the_service_layout(finishe
     assert written == {"repetition_penalty": tuned["chosen"]["repetition_penalty"],
                        "no_repeat_ngram_size": tuned["chosen"]["no_repeat_ngram_size"]}
     assert load_checkpoint(paths.out / "models" / "code").generation.repetition_penalty == written["repetition_penalty"]
+    calibrated = json.loads(paths.record("calibrate-langid").read_text())["result"]
+    served = load_checkpoint(paths.out / "models" / "langid").calibration
+    assert (served.temperature, served.min_confidence) == (calibrated["temperature"], calibrated["min_confidence"])
+    assert {"ece_before", "ece_after", "rejected"} <= set(calibrated)
 
 
 def test_recipe_skips_finished_stages_and_redoes_a_missing_or_stale_one(

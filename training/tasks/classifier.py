@@ -100,17 +100,23 @@ class ClassifierTask(Task):
     def loss(self, model: nn.Module, batch: ClassificationBatch) -> torch.Tensor:
         return cross_entropy_sum(model(batch.ids, batch.segments), batch.labels, self.options.label_smoothing)
 
+    def logits(
+        self, model: TransformerClassifier, examples: Sequence[ClassificationExample], adapters: Adapters = None
+    ) -> torch.Tensor:
+        """The model's logits (examples, labels) for every example, in order, in float32 on the CPU."""
+        device = next(model.parameters()).device
+        out = torch.empty(len(examples), model.config.num_labels)
+        with eval_mode(model), torch.no_grad(), use_adapters(model, adapters):
+            for indices in sorted_batches([e.length for e in examples], self.options.batch_tokens):
+                batch = self.collate([examples[i] for i in indices], torch.Generator()).to(device)
+                out[indices] = model(batch.ids, batch.segments).float().cpu()
+        return out
+
     def predict(
         self, model: TransformerClassifier, examples: Sequence[ClassificationExample], adapters: Adapters = None
     ) -> list[int]:
         """Predicted label index per example, in order."""
-        device = next(model.parameters()).device
-        predictions: dict[int, int] = {}
-        with eval_mode(model), torch.no_grad(), use_adapters(model, adapters):
-            for indices in sorted_batches([e.length for e in examples], self.options.batch_tokens):
-                batch = self.collate([examples[i] for i in indices], torch.Generator()).to(device)
-                predictions.update(zip(indices, model(batch.ids, batch.segments).argmax(-1).tolist(), strict=True))
-        return [predictions[i] for i in range(len(examples))]
+        return self.logits(model, examples, adapters).argmax(-1).tolist() if examples else []
 
     def metric(
         self,
