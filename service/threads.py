@@ -10,19 +10,42 @@ serial (no pool) and gives each model worker its share of the cores.
 
 from __future__ import annotations
 
+import math
 import os
+from pathlib import Path
 
 import torch
 
-
-def available_cores() -> int:
-    """CPUs this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+CGROUP_ROOT = Path("/sys/fs/cgroup")  # in a container: the container's own cgroup (cgroup namespace)
 
 
-def worker_threads(configured: int | None, workers: int) -> int:
+def cgroup_cpu_limit(root: Path = CGROUP_ROOT) -> float | None:
+    """The CPU quota of this process's cgroup in cores (cgroup v2's ``cpu.max``, else v1's ``cpu.cfs_quota_us`` /
+    ``cpu.cfs_period_us``): what a Kubernetes CPU limit sets; None when there is none or it cannot be read."""
+    try:
+        if (root / "cpu.max").is_file():
+            quota, period = (root / "cpu.max").read_text().split()[:2]
+            return None if quota == "max" else int(quota) / int(period)
+        v1 = root / "cpu"
+        if (v1 / "cpu.cfs_quota_us").is_file():
+            quota = int((v1 / "cpu.cfs_quota_us").read_text())
+            return None if quota <= 0 else quota / int((v1 / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
+    return None
+
+
+def available_cores(cgroup_root: Path = CGROUP_ROOT) -> int:
+    """CPUs this process may run on: its affinity, capped by its cgroup's CPU quota (rounded up), which a
+    container sees as a limit although every core of the node is in its affinity."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    limit = cgroup_cpu_limit(cgroup_root)
+    return max(1, min(cores, math.ceil(limit))) if limit is not None else cores
+
+
+def worker_threads(configured: int | None, workers: int, cgroup_root: Path = CGROUP_ROOT) -> int:
     """Intra-op threads per model worker: ``configured``, else the cores divided among ``workers`` (at least 1)."""
-    return configured if configured is not None else max(1, available_cores() // max(workers, 1))
+    return configured if configured is not None else max(1, available_cores(cgroup_root) // max(workers, 1))
 
 
 def keep_serial() -> None:
