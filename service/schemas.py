@@ -121,6 +121,11 @@ class ModelInfoSchema(BaseModel):
         "config (an HF model's generation_config.json: num_beams, max_length, length_penalty, early_stopping, "
         "do_sample), within this server's limits. Fields not named here take the request schema's defaults.",
     )
+    draft_model: str | None = Field(None, description="The model that drafts for speculative method draft_model.")
+    calibration: dict[str, float] | None = Field(
+        None, description="A classifier's calibration (calibration.json): the temperature its probabilities are "
+        "scaled by and min_confidence, below which it answers \"unknown\" unless a request sets its own."
+    )
 
 
 class ModelLoadFailure(BaseModel):

@@ -62,6 +62,7 @@ class ModelInfo:
     format: str = "tserve"  # "hf": loaded from a Hugging Face directory
     generation_defaults: dict = field(default_factory=dict)  # what generate uses for fields a request leaves unset
     draft_model: str | None = None  # the model that drafts for speculative method draft_model
+    calibration: dict | None = None  # a classifier's temperature and min_confidence (model.calibration)
 
 
 @dataclass(frozen=True)

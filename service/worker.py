@@ -126,6 +126,9 @@ class ModelWorker:
             format=self.checkpoint.format,
             generation_defaults=self.generation_defaults,
             draft_model=self.draft_name,
+            calibration=({"temperature": self.checkpoint.calibration.temperature,
+                          "min_confidence": self.checkpoint.calibration.min_confidence}
+                         if self.checkpoint.calibration is not None else None),
         )
 
     # ---- lifecycle ------------------------------------------------------------------------------

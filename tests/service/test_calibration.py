@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from model.checkpoint import load_checkpoint
+from service.routes.models import model_schema
 from tests.service.conftest import CLS, LM, running_engine
 from tests.service.fixtures import write_labels
 from training.cli import main
@@ -44,6 +45,8 @@ def test_the_served_classifier_applies_its_calibration(tmp_path, models_dir):
     async def main_():
         async with running_engine(root, None) as engine:
             worker = engine.get(CLS)
+            assert worker.info.calibration == {"temperature": 2.5, "min_confidence": 0.5}
+            assert model_schema(worker.info, 0).calibration == worker.info.calibration  # GET /v1/models
             by_default = await worker.classify(TEXTS, None, None, "default")
             never = await worker.classify(TEXTS, None, None, "never", min_confidence=0.0)
             always = await worker.classify(TEXTS, None, None, "always", min_confidence=1.0)

@@ -15,6 +15,7 @@ from model.causal_lm import CausalLM
 from model.checkpoint import load_checkpoint, save_checkpoint
 from model.tokenizer import Tokenizer
 from service.errors import InvalidRequest
+from service.routes.models import model_schema
 from tests.helpers import gather_queued
 from tests.service.conftest import ADAPTERS, LM, MT, ask, assert_same, offline, running_engine
 
@@ -140,6 +141,7 @@ def test_drafts_of_a_draft_model_in_a_mixed_batch_equal_plain_decoding(draft_mod
         async with running_engine(draft_models_dir, adapters_dir, draft_model=f"{LM}=lm-draft") as engine:
             worker = engine.get(LM)
             assert worker.info.draft_model == "lm-draft" and engine.get("lm-draft").info.draft_model is None
+            assert model_schema(worker.info, 0).draft_model == "lm-draft"  # what GET /v1/models answers
             requests = [worker.generate(ask(text, **fields), f"d{i}") for i, (text, fields) in enumerate(cases)]
             return await gather_queued(worker, requests), counter(engine, "tserve_spec_decode_draft_tokens_total", LM)
 
