@@ -434,7 +434,8 @@ def server_url(args: argparse.Namespace) -> Iterator[tuple[str, str, int | None]
 def describe(args: argparse.Namespace, config: LoadConfig, model: str, family: str, source: str,
              loads: tuple[tuple[float, ...], tuple[float, ...]]) -> list[str]:
     server = (f"python -m service on 127.0.0.1 (tests/service/server.py), TSERVE_THREADS={args.threads}, "
-              "max_batch_size 32 and max_wait_ms 5 (defaults), max_queue 1024, request timeout 600 s"
+              "max_batch_size 32 (default; generation starts a lone request at once), max_queue 1024, "
+              "request timeout 600 s"
               if not args.url else args.url)
     return [
         f"Machine: {machine_line()} (the load generator's process)",

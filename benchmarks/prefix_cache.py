@@ -151,8 +151,9 @@ def report(args: argparse.Namespace, described: str, bursts: dict[str, Burst], m
         f"Load average (1/5/15 min): {'/'.join(f'{x:.2f}' for x in loads[0])} before, "
         f"{'/'.join(f'{x:.2f}' for x in loads[1])} after",
         f"Model: {described}",
-        f"Server: python -m service on 127.0.0.1, TSERVE_THREADS={args.threads}, max_batch_size 32 and max_wait_ms 5 "
-        "(defaults); cache off = TSERVE_PREFIX_CACHE_MB=0, on = 256; client (httpx, asyncio) on the same machine",
+        f"Server: python -m service on 127.0.0.1, TSERVE_THREADS={args.threads}, max_batch_size 32 "
+        "(default; generation starts a lone request at once); cache off = TSERVE_PREFIX_CACHE_MB=0, on = 256; "
+        "client (httpx, asyncio) on the same machine",
         f"Load: {args.rounds} rounds x {args.requests} requests per burst, all sent at once; a shared prefix of "
         f"{args.prefix_tokens} tokens + a suffix of {args.suffix_tokens} tokens (mean prompt {mean_prompt:.0f} "
         f"tokens with BOS and the newline between), {OUTPUT_TOKENS} greedy tokens streamed",

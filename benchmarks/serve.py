@@ -390,7 +390,8 @@ def prepare(args: argparse.Namespace, work: Path) -> tuple[Path | None, Path | N
 def describe(args: argparse.Namespace, workload: Workload, source: str, adapters: str,
              loads: tuple[tuple[float, ...], tuple[float, ...]]) -> list[str]:
     server = (f"python -m service on 127.0.0.1 (tests/service/server.py), TSERVE_THREADS={args.threads}, "
-              f"max_wait_ms 5 (default), batching on = max_batch_size {args.max_batch_size}, off = max_batch_size 1"
+              f"max_wait_ms 5 (default: classify only; generation starts at once), "
+              f"batching on = max_batch_size {args.max_batch_size}, off = max_batch_size 1"
               if not args.url else f"{args.url} (batching on), {args.url_unbatched or 'none'} (batching off)")
     return [
         f"Machine: {machine_line()} (the load generator's process)",
