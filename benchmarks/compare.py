@@ -1,7 +1,8 @@
 """Ours vs Hugging Face ``generate()`` vs CTranslate2 on identical weights: `python -m benchmarks.compare`.
 
 ``--shape toy`` (the default) is described here; ``--shape opus-mt``, ``bert-base`` and ``gpt2-small`` (the
-shapes people serve, with ONNX Runtime for the classifier) in benchmarks/shape_compare.py.
+shapes people serve, with ONNX Runtime for the classifier) in benchmarks/shape_compare.py; ``--device cuda``
+(ours vs HF on a GPU, on those shapes: every one, or the one ``--shape`` names) in benchmarks/gpu_compare.py.
 
 The toy models are random, of one shape (benchmarks/peers.py builds, exports and converts them);
 min_new_tokens = max_new_tokens fixes every length. Cells:
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import floor, peers, shape_compare, shapes
+from benchmarks import floor, gpu_compare, peers, shape_compare, shapes
 from benchmarks.cells import Cell, alternate, kernels, load, rate, ratio_text, versions
 from benchmarks.common import machine_line, markdown_table
 from model.checkpoint import save_checkpoint
@@ -145,6 +146,8 @@ def floor_table(cells: list[Cell], rates: floor.Rates, args: argparse.Namespace)
 
 
 def run(args: argparse.Namespace) -> str:
+    if args.device != "cpu":
+        return gpu_compare.run(args)
     if args.shape != "toy":
         return shape_compare.run(args)
     out = [f"Machine: {machine_line()}", f"Peers: {versions()}", f"Ours: {kernels()}",
@@ -220,6 +223,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="where the shapes' model files are kept between runs (default %(default)s)")
     parser.add_argument("--tiny", action="store_true",
                         help="the shape's architecture at toy sizes, a few tokens: the test's smoke run")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu (default), or a GPU such as cuda: ours vs HF there (benchmarks/gpu_compare.py)")
+    parser.add_argument("--dtypes", nargs="+", choices=list(gpu_compare.DTYPES), default=["float32", "bfloat16"],
+                        help="--device cuda: the dtypes compared (default %(default)s)")
     args = parser.parse_args(argv)
     args.prompt_len, args.source_len, args.classifier_len = 16, 32, 64
     args.new_tokens, args.seq2seq_new_tokens = 128, 64

@@ -189,7 +189,7 @@ def ort_logits(session, ids: torch.Tensor) -> torch.Tensor:
 # ---- outputs: the same across engines where they should be ------------------------------------------------
 
 
-def _first_difference(a: list[int], b: list[int]) -> int | None:
+def first_difference(a: list[int], b: list[int]) -> int | None:
     return next((t for t, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
                 None if len(a) == len(b) else min(len(a), len(b)))
 
@@ -215,7 +215,7 @@ def check_decoding(engines: Engines, length: int, new_tokens: int) -> list[list[
     for engine, tokens in candidates.items():
         verdicts = []
         for i, (mine, theirs) in enumerate(zip(tokens, reference, strict=True)):
-            t = _first_difference(mine, theirs)
+            t = first_difference(mine, theirs)
             if t is None:
                 continue
             gap = (scores[i, t, theirs[t]] - scores[i, t, mine[t]]).item() if t < min(len(mine), len(theirs)) \

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from benchmarks import compare, decode, gemm, grammar, layout, prefix_cache, speculative
+from benchmarks import compare, decode, gemm, gpu_compare, grammar, layout, prefix_cache, speculative
 
 
 def _table(report: str, section: str) -> list[list[str]]:
@@ -101,6 +101,24 @@ def test_the_other_shapes_at_tiny_size_check_outputs_then_time_every_engine(tmp_
     for row in results[1:]:
         assert all(float(value.split()[0].replace(",", "")) > 0 for value in row[2:2 + len(engines)]), row
     assert "floor fp32 /s" in report
+
+
+def test_the_gpu_comparison_checks_then_times_ours_and_hf_on_every_shape_and_dtype(tmp_path):
+    """--device cuda's report (benchmarks/gpu_compare.py), run here on the CPU at tiny sizes: each shape in each
+    dtype is checked against HF before ours is timed beside it."""
+    pytest.importorskip("transformers")
+    args = compare.parse_args(["--tiny", "--repeats", "1", "--cache", str(tmp_path / "cache"),
+                               "--dtypes", "float32", "bfloat16"])
+    report = gpu_compare.run(args)
+    checks = _table(report, "Outputs on the device vs HF")[1:]
+    assert [row[0] for row in checks] == [f"{s} {d}" for s in gpu_compare.SHAPES for d in ("float32", "bfloat16")]
+    assert all("MISMATCH" not in row[1] and ("same" in row[1] or "argmax equal on 4/4" in row[1])
+               for row in checks), checks
+    results = _results_rows(report)
+    assert len(results) == 2 * sum(len(gpu_compare.TINY[s][0]) for s in gpu_compare.SHAPES)
+    for row in results:
+        assert float(row[3].replace(",", "")) > 0 and float(row[4].replace(",", "")) > 0, row
+        assert row[5].endswith("x"), row
 
 
 def test_gemm_benchmark_checks_then_times_every_kernel(capsys):

@@ -8,6 +8,8 @@ same files loaded from the adapter directory).
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 from pathlib import Path
 
@@ -108,3 +110,66 @@ def test_adapter_uploaded_at_run_time(client, adapters_dir):
     assert_same_outputs([uploaded], [tuned])
     again = generate(client, LM, inputs=texts, max_new_tokens=8)["outputs"]  # the base is served as before
     assert_same_outputs([again], [base])  # (the same batch: GPU kernels may sum in another order at other sizes)
+
+
+SYSTEM = "the quick brown fox jumps over the lazy dog and then the cat sat on the mat near the door, "
+REPEATING = "hello world, hello world, hello world, hello"
+
+
+def _metric(client, name: str, model: str) -> float:
+    """One sample of the server's /metrics (0 when absent)."""
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(f'{name}{{') and f'model="{model}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_prefix_cache_and_speculative_decoding_leave_outputs_as_they_were(client, target, models_dir):
+    """A prompt prefix reused from the cache and drafts verified in one step give the plain path's tokens (float32:
+    the CPU's own; lower precision: the same request's first answer)."""
+    prompts = [SYSTEM + s for s in ("hello world", "numbers 0 1 2 3")]
+    first = generate(client, LM, inputs=prompts, max_new_tokens=8)["outputs"]
+    hits = _metric(client, "tserve_prefix_cache_hits_total", LM)
+    again = generate(client, LM, inputs=prompts, max_new_tokens=8)["outputs"]
+    assert _metric(client, "tserve_prefix_cache_hits_total", LM) > hits  # the second round reused the prefix
+    assert_same_outputs(_candidates(again), _candidates(first))
+    plain = generate(client, LM, inputs=[REPEATING], max_new_tokens=24)["outputs"]
+    drafted = generate(client, LM, inputs=[REPEATING], max_new_tokens=24,
+                       speculative={"method": "ngram", "num_tokens": 4})["outputs"]
+    assert len(drafted[0]["tokens"]) == len(plain[0]["tokens"])
+    if target.exact:
+        assert_same_outputs(_candidates(first), _offline(models_dir, LM, prompts, max_new_tokens=8))
+        assert_same_outputs(_candidates(drafted), _candidates(plain))
+
+
+def test_constraints_logprobs_and_anti_repetition_on_the_target(client):
+    """Constrained outputs parse and match; logprobs are log-probabilities, greedy's token its position's best;
+    no_repeat_ngram_size leaves no repeated bigram."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 130}},
+              "required": ["name", "age"], "additionalProperties": False}
+    texts = PROMPTS[:3]
+    for out in generate(client, LM, inputs=texts, max_new_tokens=60, constraint={"json_schema": schema})["outputs"]:
+        value = json.loads(out["text"])
+        assert set(value) == {"name", "age"} and isinstance(value["age"], int) and len(value["name"]) <= 6, value
+    regex = r"\d{3}-[a-z]{2,4}"
+    for out in generate(client, LM, inputs=texts, max_new_tokens=20, constraint={"regex": regex},
+                        strategy="beam", num_beams=3)["outputs"]:
+        assert re.fullmatch(regex, out["text"]), out["text"]
+    choices = ["yes", "no", "not sure"]
+    for out in generate(client, LM, inputs=texts, max_new_tokens=10, constraint={"choice": choices},
+                        strategy="sample", seed=3)["outputs"]:
+        assert out["text"] in choices
+    for model in (LM, MT):
+        for out in generate(client, model, inputs=texts, max_new_tokens=8, logprobs=3)["outputs"]:
+            assert 0 < len(out["logprobs"]) <= len(out["tokens"])
+            for token, entry in zip(out["tokens"], out["logprobs"], strict=False):
+                alternatives = entry["top_logprobs"]
+                assert entry["token"] == token and entry["logprob"] <= 1e-6
+                assert [a["logprob"] for a in alternatives] == sorted((a["logprob"] for a in alternatives),
+                                                                      reverse=True)
+                assert alternatives[0]["token"] == token  # greedy: the position's best
+    out = generate(client, LM, inputs=[REPEATING], max_new_tokens=24, no_repeat_ngram_size=2)["outputs"][0]
+    tokens = out["tokens"]
+    bigrams = list(zip(tokens, tokens[1:], strict=False))
+    assert len(bigrams) > 0 and len(set(bigrams)) == len(bigrams), tokens
