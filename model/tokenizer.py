@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import tempfile
 import time
 from collections import Counter
@@ -32,21 +31,14 @@ import tokenizers
 import torch
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 
+from model.placeholders import MAX_SENTINELS, TOKEN_PATTERN, sentinel
+
 logger = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>", "[CLS]", "[SEP]", "[MASK]")
 TOKENIZER_FILE = "tokenizer.json"
 MAX_PLACEHOLDERS = 200  # most frequent placeholders kept as single tokens
 _BYTE_ALPHABET = 256  # ByteLevel initial alphabet: every byte is always a token
-
-# printf / str.format placeholders: %%, %s, %d, %.2f, %5d, %ld, %lu, %1$s, %(name)s, {name}, {0}, {}.
-# No space flag ("% d"), so prose such as "100% done" does not match.
-PLACEHOLDER_PATTERN = re.compile(
-    r"%%"
-    r"|%(?:\d+\$)?(?:\([A-Za-z_]\w*\))?[-+#0]*\d*(?:\.\d+)?(?:hh|h|ll|l|L|z|j|t)?[diouxXeEfFgGcrs]"
-    r"|\{(?:[A-Za-z_]\w*|\d+)?\}",
-    re.ASCII,
-)
 
 
 class TokenizerError(ValueError):
@@ -199,6 +191,15 @@ class Tokenizer:
         return self._max_token_bytes
 
     @property
+    def sentinels(self) -> int:
+        """How many placeholder sentinels (model.placeholders: ``｟0｠``, ``｟1｠``, ...) are single tokens here: a
+        translation model trained on protected pairs has them; any other tokenizer none."""
+        count = 0
+        while count < MAX_SENTINELS and self._backend.token_to_id(sentinel(count)) is not None:
+            count += 1
+        return count
+
+    @property
     def vocab_size(self) -> int:
         """Number of ids, special and added tokens included."""
         return self._backend.get_vocab_size(with_added_tokens=True)
@@ -288,7 +289,7 @@ def pad_batch(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor,
 
 def _frequent_placeholders(texts: Iterable[str], min_frequency: int, limit: int) -> list[str]:
     """Placeholders seen at least ``min_frequency`` times, most frequent first (ties by text)."""
-    counts = Counter(m for text in texts for m in PLACEHOLDER_PATTERN.findall(text))
+    counts = Counter(m for text in texts for m in TOKEN_PATTERN.findall(text))
     ranked = sorted((p for p, n in counts.items() if n >= min_frequency), key=lambda p: (-counts[p], p))
     return ranked[:limit]
 

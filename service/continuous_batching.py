@@ -313,4 +313,5 @@ class GenerationScheduler(Scheduler):
         if job.stream is not None:
             job.emit(final_stream_event(results, job.stream, job.config.strategy == "beam"))
         self._finish(job, generate_outputs(results, self.tokenizer.decode, job.stops,
-                                           many=job.config.num_return_sequences > 1, targets=job.targets))
+                                           many=job.config.num_return_sequences > 1, targets=job.targets,
+                                           protected=job.protected))

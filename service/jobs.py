@@ -16,6 +16,7 @@ from typing import Any
 from model.constraints import CompiledConstraint, RowMatchers
 from model.decoding import GenerationConfig, Hypothesis
 from model.generation import trim_stop
+from model.placeholders import Protected
 from model.speculative import Drafter, SpeculativeConfig
 from service.adapters import AdapterVersion
 from service.errors import RequestTimeout
@@ -140,7 +141,7 @@ class GenerationJob(Job):
     def __init__(self, request_id: str, timeout_s: float, prompts: list[list[int]], config: GenerationConfig,
                  stops: list[str], adapter: AdapterVersion | None = None, stream: StreamText | None = None,
                  targets: list[list[int]] | None = None, speculative: SpeculativeConfig | None = None,
-                 constraint: CompiledConstraint | None = None) -> None:
+                 constraint: CompiledConstraint | None = None, protected: list[Protected] | None = None) -> None:
         super().__init__(request_id, timeout_s, adapter)
         self.endpoint = "stream" if stream is not None else "generate"
         self.prompts = prompts
@@ -148,6 +149,7 @@ class GenerationJob(Job):
         self.speculative = speculative  # drafting (one input, one sequence)
         self.drafter: Drafter | None = None  # made with the search, fed every token the search picks
         self.constraint = constraint  # the grammar every output matches
+        self.protected = protected  # per input, its placeholders swapped for sentinels (seq2seq): restored in texts
         self.matchers: RowMatchers | None = None  # one per row of the search, made with it
         self.config = config
         self.stops = stops
@@ -186,12 +188,15 @@ class StreamText:
     """Incremental text of one streamed sequence: never emits what a later token could still change.
 
     Held back: a trailing partial UTF-8 character ("\\ufffd") and any suffix that could be the start
-    of a stop string. Everything emitted is a prefix of the final, stop-trimmed text.
+    of a stop string; with protected placeholders, a trailing space. Everything emitted is a prefix of the final,
+    stop-trimmed (and placeholder-restored) text.
     """
 
-    def __init__(self, decode: Callable[[Sequence[int]], str], stops: list[str]) -> None:
+    def __init__(self, decode: Callable[[Sequence[int]], str], stops: list[str],
+                 protected: Protected | None = None) -> None:
         self.decode = decode
         self.stops = [s for s in stops if s]
+        self.protected = protected  # the input's placeholders: restored as they come, repaired at the end
         self.tokens: list[int] = []
         self.emitted = ""
 
@@ -199,12 +204,14 @@ class StreamText:
         self.tokens.append(token)
         text = trim_stop(self.decode(self.tokens), self.stops)
         safe = text[: _safe_length(text, self.stops)]
+        if self.protected is not None:  # restored; a trailing space waits (a dropped sentinel after it takes it)
+            safe = self.protected.restore(safe, repair=False).text.rstrip(" ")
         delta = safe[len(self.emitted):] if safe.startswith(self.emitted) else ""
         self.emitted += delta
         return StreamEvent(text=delta, token=token, logprobs=logprobs)
 
     def finish(self, hyp: Hypothesis) -> StreamEvent:
-        text = trim_stop(self.decode(hyp.tokens), self.stops)
+        text, placeholders_ok = self.final_text(hyp.tokens)
         delta = text[len(self.emitted):] if text.startswith(self.emitted) else ""
         self.emitted += delta
         # A sequence ended by length or stop_fn keeps its last token, which no event carried yet.
@@ -212,7 +219,22 @@ class StreamText:
         logprobs = token_logprobs(hyp, self.decode)
         if logprobs is not None:
             logprobs = logprobs[-1:] if token is not None else []
-        return StreamEvent(text=delta, token=token, finish_reason=hyp.finish_reason, logprobs=logprobs)
+        return StreamEvent(text=delta, token=token, finish_reason=hyp.finish_reason, logprobs=logprobs,
+                           placeholders_ok=placeholders_ok)
+
+    def final_text(self, tokens: Sequence[int]) -> tuple[str, bool | None]:
+        """The finished sequence's text (placeholders restored and repaired) and whether they needed no repair."""
+        return finished_text(self.decode(tokens), self.stops, self.protected)
+
+
+def finished_text(text: str, stops: list[str], protected: Protected | None) -> tuple[str, bool | None]:
+    """A finished sequence's text: cut at its stop string, then its input's placeholders restored and repaired
+    (model.placeholders), with whether the model's own text held them all (None where nothing is protected)."""
+    text = trim_stop(text, stops)
+    if protected is None:
+        return text, None
+    restored = protected.restore(text)
+    return restored.text, restored.ok
 
 
 def _safe_length(text: str, stops: list[str]) -> int:
@@ -259,22 +281,25 @@ def continuation(decode: Callable[[Sequence[int]], str], prefix: Sequence[int]) 
 
 
 def generate_outputs(results: list[list[Hypothesis]], decode: Callable[[Sequence[int]], str],
-                     stops: list[str], many: bool, targets: list[list[int]] | None = None) -> list[GenerateOutput]:
+                     stops: list[str], many: bool, targets: list[list[int]] | None = None,
+                     protected: list[Protected] | None = None) -> list[GenerateOutput]:
     """One GenerateOutput per input from a finished search's hypotheses (best first); with ``many`` (several
-    sequences asked for) every candidate too, else the field stays unset (as logprobs does unless asked for).
-    ``targets``: per input, the target prefix its tokens follow (the text is decoded after it)."""
+    sequences asked for) every candidate too, else the field stays unset (as logprobs and placeholders_ok do
+    unless asked for). ``targets``: per input, the target prefix its tokens follow (the text is decoded after
+    it); ``protected``: per input, its placeholders (restored in each text)."""
     outputs = []
     for i, hyps in enumerate(results):
         text_of = continuation(decode, targets[i]) if targets is not None else decode
         candidates = []
         for h in hyps:
-            candidate = Candidate(text=trim_stop(text_of(h.tokens), stops), tokens=list(h.tokens),
-                                  score=float(h.score), finish_reason=h.finish_reason)
+            text, placeholders_ok = finished_text(text_of(h.tokens), stops, protected[i] if protected else None)
+            candidate = Candidate(text=text, tokens=list(h.tokens), score=float(h.score), finish_reason=h.finish_reason)
             if h.token_logprobs is not None:
                 candidate.logprobs = token_logprobs(h, decode)
+            if placeholders_ok is not None:
+                candidate.placeholders_ok = placeholders_ok
             candidates.append(candidate)
-        best = dict(candidates[0]) if candidates[0].logprobs is not None else \
-            candidates[0].model_dump(exclude={"logprobs"})
+        best = {field: getattr(candidates[0], field) for field in candidates[0].model_fields_set}
         output = GenerateOutput(**best, candidates=candidates) if many else GenerateOutput(**best)
         outputs.append(output)
     return outputs
@@ -284,7 +309,7 @@ def final_stream_event(results: list[list[Hypothesis]], stream: StreamText, beam
     """The last event: beam search streams its best sequence whole, as one event at the end."""
     best = results[0][0]
     if beam:
-        text = trim_stop(stream.decode(best.tokens), stream.stops)
+        text, placeholders_ok = stream.final_text(best.tokens)
         return StreamEvent(text=text, token=None, finish_reason=best.finish_reason,
-                           logprobs=token_logprobs(best, stream.decode))
+                           logprobs=token_logprobs(best, stream.decode), placeholders_ok=placeholders_ok)
     return stream.finish(best)

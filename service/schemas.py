@@ -228,6 +228,13 @@ class GenerateRequest(RequestModel):
         None, description="seq2seq only, one per input: the start of its translation (typed by a user) to "
         "continue; the outputs hold what follows it (with logprobs, the alternatives at the next position)."
     )
+    protect_placeholders: bool | None = Field(
+        None, description="seq2seq only (default: on for seq2seq): keep the inputs' placeholders (printf %s / "
+        "%(name)s / %1$s, {0} / {name}, $VAR, HTML/XML tags, URLs, e-mail addresses, --options) intact: they are "
+        "swapped for sentinel tokens before encoding and put back in the output, in the source's order where "
+        "order matters; an output that lost or repeated one is repaired (missing ones appended) and says "
+        "placeholders_ok: false. A model whose tokenizer has no sentinels is checked only."
+    )
     logprobs: int | None = Field(
         None, ge=0, le=MAX_LOGPROBS, description="Return each generated token's log-probability and the N "
         f"likeliest tokens at its position (0 <= N <= {MAX_LOGPROBS}): log-softmax of the model's logits, before "
@@ -256,6 +263,10 @@ class Candidate(BaseModel):
     logprobs: list[TokenLogprob] | None = Field(
         None, description="With logprobs: one entry per token of tokens (an ending EOS or stop token's "
         "log-probability counts in score only)."
+    )
+    placeholders_ok: bool | None = Field(
+        None, description="With protect_placeholders (seq2seq): whether the model's output held exactly the "
+        "input's placeholders (positional ones in order); false: the text was repaired, review it."
     )
 
 

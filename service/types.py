@@ -13,6 +13,7 @@ class StreamEvent:
     token: int | None  # the token this event adds, if exactly one
     finish_reason: str | None = None  # set on the last event only
     logprobs: list | None = None  # with logprobs: service.schemas.TokenLogprob of each token this event adds
+    placeholders_ok: bool | None = None  # the last event, with protect_placeholders: see schemas.Candidate
 
 
 @dataclass

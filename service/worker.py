@@ -32,6 +32,7 @@ from model.generation import generate_seq2seq, prompt_logprobs
 from model.hf.generation import GenerationRules
 from model.hf.sentence import EmbeddingDefaults
 from model.lora import adapter_parameter_count, use_adapters
+from model.placeholders import Protected, protect, sentinels_for
 from model.prefix_cache import PrefixCache
 from model.speculative import SpeculativeConfig, speculative_for
 from model.tokenizer import Tokenizer
@@ -460,6 +461,9 @@ class ModelWorker:
         tokenizer = self.checkpoint.prompt_tokenizer
         texts = [self._check_size(f"inputs[{i}]", text, tokenizer, self.max_input_tokens)
                  for i, text in enumerate(req.inputs)]
+        protected = self._protected(req, texts)
+        if protected is not None:
+            texts = [p.text for p in protected]
         prompts = []
         for i, ids in enumerate(await self._tokenize(lambda: self.checkpoint.encode_prompts(texts))):
             self._check_length(i, ids)
@@ -476,10 +480,20 @@ class ModelWorker:
         text_stream = None
         if stream:
             text_stream = StreamText(continuation(self.checkpoint.tokenizer.decode, targets[0] if targets else []),
-                                     stops)
+                                     stops, protected[0] if protected else None)
         return GenerationJob(request_id, self.settings.request_timeout_s, prompts, config, stops,
                              adapter=self._acquire(req.adapter), stream=text_stream, targets=targets,
-                             speculative=speculative, constraint=constraint)
+                             speculative=speculative, constraint=constraint, protected=protected)
+
+    def _protected(self, req: GenerateRequest, texts: list[str]) -> list[Protected] | None:
+        """Each input with its placeholders swapped for the sentinels the model's tokenizers have (model.placeholders;
+        none: checked only), or None when placeholders are not protected (default: seq2seq only)."""
+        if req.protect_placeholders and self.family != "seq2seq":
+            raise InvalidRequest("protect_placeholders", f"seq2seq models only; {self.name} is {self.family}")
+        if not (self.family == "seq2seq" if req.protect_placeholders is None else req.protect_placeholders):
+            return None
+        sentinels = sentinels_for(self.checkpoint.tokenizer, self.checkpoint.prompt_tokenizer)
+        return [protect(text, sentinels) for text in texts]
 
     async def _constraint(self, req: GenerateRequest) -> CompiledConstraint | None:
         """``req.constraint`` checked against this model's vocabulary (compiled off the event loop)."""

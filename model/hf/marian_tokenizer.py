@@ -31,6 +31,7 @@ class MarianSideTokenizer:
 
     uses_own_template = True  # inputs are pieces + </s>, as tokenizer(text) gives them in transformers
     bos_id = cls_id = sep_id = mask_id = None
+    sentinels = 0  # no placeholder sentinels (model.placeholders): its outputs' placeholders are checked only
 
     def __init__(self, spm: sentencepiece.SentencePieceProcessor, vocab: dict[str, int], tokens: dict[str, str]
                  ) -> None:

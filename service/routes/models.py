@@ -58,6 +58,8 @@ def stream_event(e: Any) -> dict[str, Any]:
     event = {"text": e.text, "token": e.token, "finish_reason": e.finish_reason}
     if e.logprobs is not None:
         event["logprobs"] = [entry.model_dump(exclude_none=True) for entry in e.logprobs]
+    if e.placeholders_ok is not None:
+        event["placeholders_ok"] = e.placeholders_ok
     return event
 
 
@@ -75,7 +77,7 @@ async def generate(
 
     With `"stream": true` (one input), tokens arrive as server-sent events `data: {"text", "token",
     "finish_reason"}` (and `"logprobs"`, the entries of the tokens the event adds, when asked for), the last one
-    with a finish_reason, then `data: [DONE]`.
+    with a finish_reason (and `"placeholders_ok"` where placeholders are protected), then `data: [DONE]`.
     """
     request.state.adapter = req.adapter
     queue = QueueTag(req.priority, client)

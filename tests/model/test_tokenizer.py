@@ -9,8 +9,8 @@ import tokenizers
 import torch
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from model.placeholders import TOKEN_PATTERN as PLACEHOLDER_PATTERN
 from model.tokenizer import (
-    PLACEHOLDER_PATTERN,
     SPECIAL_TOKENS,
     TOKENIZER_FILE,
     Tokenizer,

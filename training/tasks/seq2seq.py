@@ -1,5 +1,11 @@
 """Translation: source/target pairs, label-smoothed teacher forcing, BLEU and chrF of decoded output.
 
+Placeholders (model.placeholders: printf, braces, variables, tags, URLs, e-mails, options) are protected: a
+pair whose target holds exactly its source's placeholders is trained with sentinels on both sides (the
+tokenizer, trained on these texts, keeps the frequent sentinels as single tokens), and a decoded output gets
+its source's placeholders back before it is scored. ``placeholders_ok`` is the share of outputs that held
+exactly their source's placeholders before any repair.
+
 Sources are encoded as ``source </s>`` (as the service encodes them, by the source side's tokenizer where
 the model has its own); targets are fed as ``<s> target`` and predicted as ``target </s>`` (the decoder
 starts from BOS, as model.generation does). The special ids are the model's (``TaskOptions.ids``: an OPUS-MT
@@ -19,6 +25,7 @@ from torch import nn
 from model.config import Seq2SeqConfig
 from model.decoding import GenerationConfig
 from model.generation import generate_seq2seq
+from model.placeholders import Protected, protect, protect_pair, sentinels_for
 from model.seq2seq import Seq2SeqTransformer
 from model.tokenizer import Tokenizer
 from training.data import Pair, ReadResult, read_pairs
@@ -36,6 +43,8 @@ class TranslationExample:
     source: list[int]
     target: list[int]
     reference: str
+    protected: Protected  # the source as served: its placeholders swapped for sentinels; restores the output
+    query: list[int]  # the encoded ``protected.text`` (== source unless the pair kept its placeholders raw)
 
     @property
     def length(self) -> int:
@@ -68,8 +77,7 @@ class Seq2SeqTask(Task):
 
     def texts(self, records: Sequence[Pair]) -> Iterator[str]:
         for pair in records:
-            yield pair.source
-            yield pair.target
+            yield from protect_pair(pair.source, pair.target)
 
     def encode(
         self,
@@ -80,17 +88,26 @@ class Seq2SeqTask(Task):
         path: Path,
         source_tokenizer: Tokenizer | None = None,
     ) -> list[TranslationExample]:
-        sources = (source_tokenizer or tokenizer).encode_batch([p.source for p in records])
-        targets = tokenizer.encode_batch([p.target for p in records])
+        sentinels = sentinels_for(tokenizer, source_tokenizer or tokenizer)
+        pairs = [protect_pair(p.source, p.target, sentinels) for p in records]
+        served = [protect(p.source, sentinels) for p in records]
+        encoder = source_tokenizer or tokenizer
+        sources = encoder.encode_batch([source for source, _ in pairs])
+        targets = tokenizer.encode_batch([target for _, target in pairs])
+        differ = [i for i, (pair, query) in enumerate(zip(pairs, served, strict=True)) if pair[0] != query.text]
+        queries = dict(zip(differ, encoder.encode_batch([served[i].text for i in differ]), strict=True))
         truncated = sum(
             len(s) >= config.max_src_len or len(t) >= config.max_len for s, t in zip(sources, targets, strict=True)
         )
         if truncated:
             logger.warning("%s: %d pair(s) truncated to --max-len %d", path, truncated, config.max_len)
-        return [
-            TranslationExample([*s[: config.max_src_len - 1], self.options.ids.eos], t[: config.max_len - 1], p.target)
-            for s, t, p in zip(sources, targets, records, strict=True)
-        ]
+        eos, cut = self.options.ids.eos, config.max_src_len - 1
+        examples = []
+        for i, (s, t, p) in enumerate(zip(sources, targets, records, strict=True)):
+            source = [*s[:cut], eos]
+            query = [*queries[i][:cut], eos] if i in queries else source
+            examples.append(TranslationExample(source, t[: config.max_len - 1], p.target, served[i], query))
+        return examples
 
     def collate(self, examples: Sequence[TranslationExample], generator: torch.Generator) -> TranslationBatch:
         ids = self.options.ids
@@ -113,8 +130,10 @@ class Seq2SeqTask(Task):
         limit: int | None,
     ) -> dict[str, float]:
         chosen = list(examples[:limit])
-        hypotheses = self.translate(model, [e.source for e in chosen], tokenizer, adapters)
-        return bleu_chrf(hypotheses, [e.reference for e in chosen])
+        outputs = self.translate(model, [e.query for e in chosen], tokenizer, adapters)
+        restored = [e.protected.restore(output) for e, output in zip(chosen, outputs, strict=True)]
+        kept = sum(r.ok for r in restored) / max(len(restored), 1)
+        return {**bleu_chrf([r.text for r in restored], [e.reference for e in chosen]), "placeholders_ok": kept}
 
     def translate(
         self, model: Seq2SeqTransformer, sources: Sequence[list[int]], tokenizer: Tokenizer, adapters: Adapters = None
