@@ -80,7 +80,8 @@ class Restored:
 class Protected:
     """A source with its placeholders swapped for sentinels, and what each sentinel stands for."""
 
-    text: str
+    source: str  # the text as given
+    text: str  # the text the model reads: ``source`` with sentinels
     originals: tuple[str, ...] = ()  # sentinel i stands for originals[i]
     counts: tuple[int, ...] = ()  # how often sentinel i occurs in the source
     order: tuple[str, ...] = ()  # the source's positional placeholders, in order
@@ -92,8 +93,6 @@ class Protected:
         them). With ``repair`` (a finished output), sentinels the output lacks are appended; without it (a growing
         stream) the result is a prefix of the repaired text of any longer output.
         """
-        if not self.originals:
-            return Restored(output, check(self.text, output))
         seen: Counter[int] = Counter()
         ok = True
 
@@ -123,7 +122,8 @@ class Protected:
             return match["space"] + text
 
         restored = _SENTINEL_RE.sub(original, kept)
-        return Restored(restored, ok and tuple(in_order) == self.order[: len(in_order)])
+        ok = ok and tuple(in_order) == self.order[: len(in_order)]
+        return Restored(restored, ok and (not repair or check(self.source, restored)))
 
 
 def protect(text: str, sentinels: int = MAX_SENTINELS) -> Protected:
@@ -141,11 +141,9 @@ def protect(text: str, sentinels: int = MAX_SENTINELS) -> Protected:
         return sentinel(index[found])
 
     swapped = PATTERN.sub(swap, text)
-    if not index:
-        return Protected(text)
     originals = tuple(index)
     order = tuple(p for p in find(text) if p in index and positional(p))
-    return Protected(swapped, originals, tuple(counts[i] for i in range(len(originals))), order)
+    return Protected(text, swapped, originals, tuple(counts[i] for i in range(len(originals))), order)
 
 
 def protect_pair(source: str, target: str, sentinels: int = MAX_SENTINELS) -> tuple[str, str]:

@@ -12,11 +12,17 @@ texts, which texts outside the labels (usually less confident) fall under more o
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from model.calibration import Calibration
+from training.data import LabeledText
+
+if TYPE_CHECKING:
+    from model.checkpoint import Checkpoint
 
 ECE_BINS = 15
 LOG_T_RANGE = (-4.0, 4.0)  # T searched in [e^-4, e^4]
@@ -62,16 +68,26 @@ def expected_calibration_error(probs: torch.Tensor, labels: torch.Tensor, bins: 
     return error
 
 
+def calibrated(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """softmax(logits / T) in float64: the probabilities a calibrated classifier serves."""
+    return torch.softmax(logits.double() / temperature, -1)
+
+
+def abstains(probs: torch.Tensor, min_confidence: float) -> torch.Tensor:
+    """Per example, whether its top probability is below ``min_confidence``: an "unknown" answer, as served."""
+    return probs.max(dim=-1).values < min_confidence
+
+
 def calibrate(logits: torch.Tensor, labels: torch.Tensor, max_rejected: float) -> Calibration:
     """Temperature and threshold fitted on valid ``logits`` (examples, labels) and their ``labels``, with a
     report of ECE before and after and what the threshold rejects. A temperature that cannot be fitted (see
     :func:`fit_temperature`) stays 1."""
     fitted = fit_temperature(logits, labels)
     temperature = fitted if fitted is not None else 1.0
-    before, after = torch.softmax(logits.double(), -1), torch.softmax(logits.double() / temperature, -1)
+    before, after = calibrated(logits, 1.0), calibrated(logits, temperature)
     confidence = after.max(dim=-1).values
     threshold = float(torch.quantile(confidence, max_rejected)) if max_rejected > 0 else 0.0
-    accepted = confidence >= threshold
+    accepted = ~abstains(after, threshold)
     correct = after.argmax(-1) == labels
     report = {"examples": len(labels), "temperature_fitted": fitted is not None,
               "accuracy": float(correct.double().mean()),
@@ -83,19 +99,36 @@ def calibrate(logits: torch.Tensor, labels: torch.Tensor, max_rejected: float) -
     return Calibration(temperature, threshold, report)
 
 
-def calibrate_checkpoint(model_dir: Path, valid: Path, max_rejected: float, batch_tokens: int = 8192) -> Calibration:
-    """:func:`calibrate` a classifier checkpoint on its valid file (the training data's format)."""
+def load_classifier(model_dir: Path) -> Checkpoint:
+    """A classifier checkpoint with labels, on the CPU in float32 (ValueError for another model)."""
     from model.checkpoint import load_checkpoint
-    from training.tasks import TASKS, TaskOptions
-    from training.tasks.base import TokenIds
 
     checkpoint = load_checkpoint(model_dir, device="cpu", dtype=torch.float32)
     if checkpoint.family != "classifier" or not checkpoint.labels:
         raise ValueError(f"{model_dir}: calibrates a classifier with labels, got a {checkpoint.family} model")
+    return checkpoint
+
+
+def file_logits(
+    checkpoint: Checkpoint, path: Path, batch_tokens: int = 8192, any_label: bool = False
+) -> tuple[torch.Tensor, list[LabeledText]]:
+    """The classifier's logits (examples, labels) on the texts of ``path`` (the training data's format), and its
+    records; with ``any_label``, labels outside the model's are allowed (they are not scored)."""
+    from training.tasks import TASKS, TaskOptions
+    from training.tasks.base import TokenIds
+
     task = TASKS["classifier"](TaskOptions(batch_tokens=batch_tokens, ids=TokenIds.of(checkpoint.config)))
-    records = task.read(valid).records
-    examples = task.encode(records, checkpoint.tokenizer, checkpoint.config, checkpoint.labels, valid)
-    if not examples:
-        raise ValueError(f"{valid}: no examples")
-    logits = task.logits(checkpoint.model, examples)
-    return calibrate(logits, torch.tensor([e.label for e in examples]), max_rejected)
+    records = task.read(path).records
+    if not records:
+        raise ValueError(f"{path}: no examples")
+    scored = [replace(r, label=checkpoint.labels[0]) for r in records] if any_label else records
+    examples = task.encode(scored, checkpoint.tokenizer, checkpoint.config, checkpoint.labels, path)
+    return task.logits(checkpoint.model, examples), records
+
+
+def calibrate_checkpoint(model_dir: Path, valid: Path, max_rejected: float, batch_tokens: int = 8192) -> Calibration:
+    """:func:`calibrate` a classifier checkpoint on its valid file (the training data's format)."""
+    checkpoint = load_classifier(model_dir)
+    logits, records = file_logits(checkpoint, valid, batch_tokens)
+    index = {label: i for i, label in enumerate(checkpoint.labels)}
+    return calibrate(logits, torch.tensor([index[r.label] for r in records]), max_rejected)

@@ -24,13 +24,14 @@ from training import (
     prepare_cmd,
     recipe_cmd,
     train_cmd,
+    translate_po_cmd,
     tune_generation_cmd,
 )
 from training.errors import UserError
 
 # Commands in the order `--help` lists them.
 COMMANDS = (prepare_cmd, train_cmd, lora_cmd, evaluate_cmd, export_cmd, import_cmd, baselines_cmd,
-            tune_generation_cmd, calibrate_cmd, recipe_cmd)
+            tune_generation_cmd, calibrate_cmd, translate_po_cmd, recipe_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,7 +6,9 @@ Three corpora:
 - code: whole Python files of the standard library.
 
 Splits are a pure function of the text (a SHA-1 of it), so they are stable across runs and machines,
-and since records are deduplicated on that same text, valid and test never overlap train.
+and since records are deduplicated on that same text, valid and test never overlap train. The catalog
+corpora also hold whole packages out (:class:`PackageHoldout`, a SHA-1 of the package's group name): their
+records go to valid-heldout and test-heldout, never to train, valid or test.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import os
 import re
 import struct
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, TypeVar
@@ -30,12 +32,20 @@ logger = logging.getLogger(__name__)
 
 Split = Literal["train", "valid", "test"]
 SPLITS: tuple[Split, ...] = ("train", "valid", "test")
+HeldOutSplit = Literal["valid-heldout", "test-heldout"]
+HELDOUT_SPLITS: tuple[HeldOutSplit, ...] = ("valid-heldout", "test-heldout")
+HELDOUT_VALID, HELDOUT_TEST = HELDOUT_SPLITS
+OUT_OF_LABEL = "out-of-label"  # the file (stem) of a langid corpus's texts in languages outside its labels
 CodeSubset = Literal["all", "tests", "nontests"]
 
 DEFAULT_LOCALE_DIR = Path("/usr/share/locale")
 # Languages langid may pick from; the ones with the most data on the machine win.
 LANGID_CANDIDATES = ("de", "es", "fr", "it", "pt_BR", "ru", "pl", "nl", "sv", "ja", "zh_CN", "cs")
 ENGLISH = "en"
+# Languages whose texts test langid on languages outside its labels, besides the candidates it does not choose:
+# close to a label (nl, pt_BR, uk) or in a script the labels share (tr) or do not (ko, ar).
+OUT_OF_LABEL_LANGUAGES = ("nl", "pt_BR", "uk", "tr", "ko", "ar")
+OUT_OF_LABEL_PER_LANGUAGE = 500  # a stable hash-ordered sample of each one's texts
 CATALOG_HINT = (
     "on Debian the catalogs ship with each package's own translations (no extra -l10n package needed), "
     "or pass --locale-dir"
@@ -51,6 +61,7 @@ PLACEHOLDER = re.compile(
 )
 # Line breaks for str.splitlines(), plus tab: none may survive inside a TSV field.
 _BREAKS = re.compile(r"\s*[\t\n\r\v\f\x1c-\x1e\x85\u2028\u2029]\s*")
+_GROUP = re.compile(r"[a-z]*")
 
 T = TypeVar("T")
 
@@ -91,23 +102,54 @@ def _order_key(text: str) -> float:
     return _unit_hash(text, salt=b"order:")
 
 
-def split_of(text: str, valid_fraction: float = 0.05, test_fraction: float = 0.05) -> Split:
-    """The split `text` belongs to; deterministic, with the given valid/test fractions."""
+def _bucket(u: float, valid_fraction: float, test_fraction: float) -> Split:
+    """The split of a point ``u`` of [0, 1): test below ``test_fraction``, then valid, then train."""
     if valid_fraction < 0 or test_fraction < 0 or valid_fraction + test_fraction >= 1:
         raise ValueError(f"bad split fractions: valid={valid_fraction}, test={test_fraction}")
-    u = _unit_hash(text)
     if u < test_fraction:
         return "test"
     return "valid" if u < test_fraction + valid_fraction else "train"
 
 
+def split_of(text: str, valid_fraction: float = 0.05, test_fraction: float = 0.05) -> Split:
+    """The split `text` belongs to; deterministic, with the given valid/test fractions."""
+    return _bucket(_unit_hash(text), valid_fraction, test_fraction)
+
+
+def package_group(package: str) -> str:
+    """The leading letters of a package's name, lowercased: gtk20, gtk30 and gtk30-properties are one group, as
+    are the pg_* tools and the iso_* lists (related packages share near-duplicate messages)."""
+    return _GROUP.match(package.lower()).group() or package
+
+
+@dataclass(frozen=True)
+class PackageHoldout:
+    """Packages held out whole: the groups (:func:`package_group`) whose salted SHA-1 falls below
+    ``test_fraction`` go to test-heldout, the next ``valid_fraction`` to valid-heldout. Shares of groups, not of
+    records: a group's size plays no part, so the choice depends on its name alone."""
+
+    valid_fraction: float = 0.05
+    test_fraction: float = 0.05
+
+    def split_of(self, package: str) -> HeldOutSplit | None:
+        """The held-out split of ``package``'s records, None when it is not held out."""
+        split = _bucket(_unit_hash(package_group(package), salt=b"package:"), self.valid_fraction, self.test_fraction)
+        return {"valid": HELDOUT_VALID, "test": HELDOUT_TEST}.get(split)
+
+
 def split_records(
-    records: Iterable[T], key: Callable[[T], str], valid_fraction: float = 0.05, test_fraction: float = 0.05
-) -> dict[Split, list[T]]:
-    """Group records by the split of `key(record)`, keeping their order."""
-    splits: dict[Split, list[T]] = {name: [] for name in SPLITS}
+    records: Iterable[T],
+    key: Callable[[T], str],
+    valid_fraction: float = 0.05,
+    test_fraction: float = 0.05,
+    held_out: Callable[[T], HeldOutSplit | None] | None = None,
+) -> dict[str, list[T]]:
+    """Group records by the split of `key(record)`, keeping their order; with `held_out`, a record it names a
+    held-out split for goes there instead (and the result has the held-out splits too)."""
+    splits: dict[str, list[T]] = {name: [] for name in (*SPLITS, *(HELDOUT_SPLITS if held_out else ()))}
     for record in records:
-        splits[split_of(key(record), valid_fraction, test_fraction)].append(record)
+        name = held_out(record) if held_out else None
+        splits[name or split_of(key(record), valid_fraction, test_fraction)].append(record)
     return splits
 
 
@@ -180,10 +222,59 @@ def build_translation(
 
 
 def _available_languages(locale_dir: Path, languages: Sequence[str]) -> list[str]:
-    found = [lang for lang in languages if any((Path(locale_dir) / lang / "LC_MESSAGES").glob("*.mo"))]
+    return [lang for lang in languages if any((Path(locale_dir) / lang / "LC_MESSAGES").glob("*.mo"))]
+
+
+def read_languages(
+    locale_dir: Path, languages: Sequence[str], packages: PackageFilter = PackageFilter(), max_chars: int = 300
+) -> dict[str, list[Pair]]:
+    """The pairs of each of `languages` that has catalogs (UserError if none has, or a package is unknown)."""
+    found = _available_languages(locale_dir, languages)
     if not found:
         raise UserError(f"no gettext catalogs for any of {', '.join(languages)} under {locale_dir}: {CATALOG_HINT}")
-    return found
+    packages.check_known(
+        {pkg for lang in found for pkg in catalog_paths(locale_dir, lang)}, f"{locale_dir}/*/LC_MESSAGES"
+    )
+    return {lang: _language_pairs(locale_dir, lang, packages, max_chars) for lang in found}
+
+
+def _sample(records: Iterable[LabeledText], max_per_label: int) -> list[LabeledText]:
+    """At most `max_per_label` records per label (a stable hash-ordered sample), all in hash order."""
+    by_label: dict[str, list[LabeledText]] = {}
+    for record in records:
+        by_label.setdefault(record.label, []).append(record)
+    kept = [r for group in by_label.values() for r in sorted(group, key=lambda r: _order_key(r.text))[:max_per_label]]
+    return sorted(kept, key=lambda r: _order_key(r.text))
+
+
+def _unambiguous(candidates: dict[tuple[str, str], str]) -> list[LabeledText]:
+    """The (text, label) -> package candidates whose text has words and no second label."""
+    num_labels = Counter(text for text, _ in candidates)
+    logger.info("dropped %d texts seen under more than one label", sum(n > 1 for n in num_labels.values()))
+    return [
+        LabeledText(text, label, package=package)
+        for (text, label), package in candidates.items()
+        if num_labels[text] == 1 and has_words(text)
+    ]
+
+
+def langid_texts(
+    pairs: dict[str, list[Pair]], num_languages: int = 10, max_per_language: int = 4000
+) -> list[LabeledText]:
+    """Texts labelled with their language: the `num_languages` languages of `pairs` with the most texts, plus `en`.
+
+    English texts are the msgids of the chosen languages' catalogs. Texts without words, and texts
+    seen under two labels, are dropped; each label keeps at most `max_per_language` texts (a stable
+    hash-ordered sample).
+    """
+    chosen = sorted(pairs, key=lambda lang: -len({p.target for p in pairs[lang]}))[:num_languages]
+    logger.info("langid languages: %s (+%s)", ", ".join(chosen), ENGLISH)
+    candidates: dict[tuple[str, str], str] = {}  # (text, label) -> first package it was seen in
+    for lang in chosen:
+        for pair in pairs[lang]:
+            candidates.setdefault((pair.target, lang), pair.package)
+            candidates.setdefault((pair.source, ENGLISH), pair.package)
+    return _sample(_unambiguous(candidates), max_per_language)
 
 
 def build_langid(
@@ -194,37 +285,35 @@ def build_langid(
     max_per_language: int = 4000,
     max_chars: int = 300,
 ) -> list[LabeledText]:
-    """Texts labelled with their language: the `num_languages` of `languages` with the most texts, plus `en`.
+    """:func:`langid_texts` of the catalogs of `languages` under `locale_dir`."""
+    return langid_texts(read_languages(locale_dir, languages, packages, max_chars), num_languages, max_per_language)
 
-    English texts are the msgids of the chosen languages' catalogs. Texts without words, and texts
-    seen under two labels, are dropped; each label keeps at most `max_per_language` texts (a stable
-    hash-ordered sample).
+
+def out_of_label_texts(
+    locale_dir: Path,
+    pairs: dict[str, list[Pair]],
+    labels: Collection[str],
+    packages: PackageFilter = PackageFilter(),
+    max_chars: int = 300,
+    max_per_language: int = OUT_OF_LABEL_PER_LANGUAGE,
+) -> list[LabeledText]:
+    """Texts in languages outside `labels`, labelled with their language: those of `pairs` (the languages read
+    for langid) and of OUT_OF_LABEL_LANGUAGES found under `locale_dir`, from the `packages` accepted.
+
+    A text some catalog holds as a msgid, or as a msgstr of a label's language, is dropped (it is in-label
+    too), as are texts of two outside languages and texts without words.
     """
-    found = _available_languages(locale_dir, languages)
-    packages.check_known(
-        {pkg for lang in found for pkg in catalog_paths(locale_dir, lang)}, f"{locale_dir}/*/LC_MESSAGES"
-    )
-    pairs = {lang: _language_pairs(locale_dir, lang, packages, max_chars) for lang in found}
-    chosen = sorted(found, key=lambda lang: -len({p.target for p in pairs[lang]}))[:num_languages]
-    logger.info("langid languages: %s (+%s)", ", ".join(chosen), ENGLISH)
-
-    candidates: dict[tuple[str, str], str] = {}  # (text, label) -> first package it was seen in
-    for lang in chosen:
-        for pair in pairs[lang]:
-            candidates.setdefault((pair.target, lang), pair.package)
-            candidates.setdefault((pair.source, ENGLISH), pair.package)
-    num_labels = Counter(text for text, _ in candidates)
-    ambiguous = sum(n > 1 for n in num_labels.values())
-    logger.info("langid: dropped %d texts seen under more than one label", ambiguous)
-
-    by_label: dict[str, list[LabeledText]] = {}
-    for (text, label), package in candidates.items():
-        if num_labels[text] == 1 and has_words(text):
-            by_label.setdefault(label, []).append(LabeledText(text, label, package=package))
-    kept = [
-        r for group in by_label.values() for r in sorted(group, key=lambda r: _order_key(r.text))[:max_per_language]
-    ]
-    return sorted(kept, key=lambda r: _order_key(r.text))
+    others = [lang for lang in _available_languages(locale_dir, OUT_OF_LABEL_LANGUAGES) if lang not in pairs]
+    pairs = {**pairs, **{lang: _language_pairs(locale_dir, lang, packages, max_chars) for lang in others}}
+    in_label = {p.source for group in pairs.values() for p in group}
+    in_label |= {p.target for lang in labels for p in pairs.get(lang, ())}
+    candidates: dict[tuple[str, str], str] = {}
+    for lang, group in pairs.items():
+        if lang not in labels:
+            for pair in group:
+                if pair.target not in in_label:
+                    candidates.setdefault((pair.target, lang), pair.package)
+    return _sample(_unambiguous(candidates), max_per_language)
 
 
 def is_test_file(path: str) -> bool:

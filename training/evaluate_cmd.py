@@ -7,13 +7,14 @@ import json
 import sys
 
 from training.options import positive_int
-from training.runs import DEVICE, EvalRun, command
+from training.runs import DEVICE, EvalRun, from_namespace
 
 
-def _run(run: EvalRun) -> None:
+def _run(args: argparse.Namespace) -> None:
     from training.evaluate_run import evaluate
 
-    sys.stdout.write(json.dumps(evaluate(run), indent=2) + "\n")
+    result = evaluate(from_namespace(EvalRun, args), metrics_key=args.metrics_key)
+    sys.stdout.write(json.dumps(result, indent=2) + "\n")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -61,4 +62,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         'under "int8" in metrics.json (default %(default)s)',
     )
     p.add_argument("--skip-malformed", action="store_true", help="skip malformed test lines (and report the count)")
-    p.set_defaults(func=command(EvalRun, _run))
+    p.add_argument(
+        "--metrics-key",
+        default=None,
+        metavar="KEY",
+        help="merge the metrics into metrics.json as the entry KEY (e.g. test-heldout for the package-held-out "
+        "split), replacing it, instead of at the top level where they replace the last test's",
+    )
+    p.set_defaults(func=_run)

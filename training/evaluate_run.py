@@ -28,8 +28,9 @@ logger = logging.getLogger(__name__)
 ADAPTER = "evaluated"
 
 
-def evaluate(run: EvalRun) -> dict[str, Any]:
-    """Score ``run.model`` (with ``run.adapter``) on ``run.test``; returns the metrics merged into metrics.json."""
+def evaluate(run: EvalRun, metrics_key: str | None = None) -> dict[str, Any]:
+    """Score ``run.model`` (with ``run.adapter``) on ``run.test``; returns the metrics merged into metrics.json, at
+    its top level, or as the entry ``metrics_key`` (replaced) to keep another test split's metrics apart."""
     quantized = run.quantize != "none"
     device = user_device("cpu" if quantized and run.device == DEVICE else run.device)
     try:
@@ -74,6 +75,7 @@ def evaluate(run: EvalRun) -> dict[str, Any]:
     target = run.adapter or run.model
     if quantized:
         result["quantize"] = run.quantize
-    merge_metrics(target, {run.quantize: result} if quantized else result)  # fp32 metrics stay as they were
+    updates = {run.quantize: result} if quantized else result  # fp32 metrics stay as they were
+    merge_metrics(target, {metrics_key: updates} if metrics_key else updates)
     logger.info("metrics merged into %s", target / "metrics.json")
     return result

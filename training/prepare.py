@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -13,13 +14,15 @@ from pathlib import Path
 from typing import TypeVar
 
 from training import corpora
-from training.corpora import SPLITS, CodeFile, Split
+from training.corpora import HELDOUT_SPLITS, OUT_OF_LABEL, CodeFile
+from training.data import LabeledText, Pair
 from training.errors import UserError
 from training.runs import CatalogCorpus, CodeCorpus, CorpusRun, LangidCorpus, TranslationCorpus
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+C = TypeVar("C", Pair, LabeledText)  # a record of a catalog corpus: it knows its package
 TOP_PACKAGES = 10  # how many of the biggest packages the summary names
 
 
@@ -45,12 +48,43 @@ def code_text(files: Sequence[CodeFile]) -> str:
     return "\n".join(f"# file: {f.path}\n" + f.text.rstrip("\n") + "\n" for f in files)
 
 
-def _split(records: list[T], key: Callable[[T], str], run: CorpusRun) -> dict[Split, list[T]]:
+def _split(records: list[T], key: Callable[[T], str], run: CorpusRun) -> dict[str, list[T]]:
     return corpora.split_records(records, key, run.fractions.valid_fraction, run.fractions.test_fraction)
 
 
-def _write_manifest(out: Path, kind: str, splits: dict[Split, list], extra: dict) -> None:
-    counts = {name: len(splits[name]) for name in SPLITS}
+def holds_out_packages(run: CorpusRun) -> bool:
+    """Whether ``run``'s corpus holds packages out: a catalog corpus, unless ``run.packages`` names its packages
+    (a domain corpus, whose packages are the point)."""
+    return isinstance(run, CatalogCorpus) and not run.packages
+
+
+def is_current(run: CorpusRun, manifest: dict) -> bool:
+    """Whether ``manifest`` holds what `prepare` now writes for ``run``: a corpus prepared before the held-out
+    packages and the out-of-label texts lacks them, and must be prepared again."""
+    wanted = {"heldout"} if holds_out_packages(run) else set()
+    wanted |= {"out_of_label"} if isinstance(run, LangidCorpus) else set()
+    return wanted <= manifest.keys()
+
+
+def _split_catalog(records: list[C], key: Callable[[C], str], run: CatalogCorpus) -> tuple[dict[str, list[C]], dict]:
+    """The hash split of ``records``, and the held-out packages' splits where the corpus holds packages out; and
+    the manifest's entry for those."""
+    if not holds_out_packages(run):
+        return _split(records, key, run), {}
+    holdout = corpora.PackageHoldout()
+    splits = corpora.split_records(
+        records, key, run.fractions.valid_fraction, run.fractions.test_fraction, lambda r: holdout.split_of(r.package)
+    )
+    packages = {name: sorted({r.package for r in splits[name]}) for name in HELDOUT_SPLITS}
+    logger.info("held-out packages: %s", "; ".join(f"{name}: {', '.join(p)}" for name, p in packages.items()))
+    for name in HELDOUT_SPLITS:
+        if not splits[name]:
+            logger.warning("no package of this corpus is held out to %s: its evaluation will fail", name)
+    return splits, {"heldout": {**dataclasses.asdict(holdout), "packages": packages}}
+
+
+def _write_manifest(out: Path, kind: str, splits: dict[str, list], extra: dict) -> None:
+    counts = {name: len(records) for name, records in splits.items()}
     write_atomic(out / "manifest.json", json.dumps({"corpus": kind, "counts": counts, **extra}, indent=2) + "\n")
     logger.info("%s: %s -> %s", kind, ", ".join(f"{n} {name}" for name, n in counts.items()), out)
 
@@ -60,15 +94,19 @@ def _top(counter: Counter[str]) -> str:
 
 
 def write_labelled(
-    out: Path, kind: str, splits: dict[Split, list[T]], columns: Callable[[T], tuple[str, str]]
+    out: Path, kind: str, splits: dict[str, list[C]], columns: Callable[[C], tuple[str, str]]
 ) -> Counter[str]:
     """Write `<split>.tsv` (two columns) and the line-aligned `<split>.packages.txt`; count packages."""
     for name, records in splits.items():
         write_atomic(out / f"{name}.tsv", _tsv(columns(r) for r in records))
         write_atomic(out / f"{name}.packages.txt", "".join(f"{r.package}\n" for r in records))
     packages = Counter(r.package for records in splits.values() for r in records)
-    logger.info("top packages: %s", _top(packages))
+    logger.info("%s: top packages: %s", kind, _top(packages))
     return packages
+
+
+def _text_label(record: LabeledText) -> tuple[str, str]:
+    return record.text, record.label
 
 
 def _package_filter(run: CatalogCorpus) -> corpora.PackageFilter:
@@ -90,40 +128,47 @@ def _make_out(run: CorpusRun) -> Path:
 
 
 def prepare_translation(run: TranslationCorpus) -> None:
-    """English -> ``run.lang`` pairs from gettext catalogs, split by their English text."""
+    """English -> ``run.lang`` pairs from gettext catalogs, split by their English text (and by package)."""
     _check_fractions(run)
     pairs = corpora.build_translation(run.locale_dir, run.lang, _package_filter(run), run.max_chars)
     if not pairs:
         raise UserError("no translation pairs left after filtering")
     out = _make_out(run)
-    splits = _split(pairs, lambda p: p.source, run)
+    splits, heldout = _split_catalog(pairs, lambda p: p.source, run)
     packages = write_labelled(out, "translation", splits, lambda p: (p.source, p.target))
-    _write_manifest(out, "translation", splits, {"lang": run.lang, "packages": dict(packages.most_common())})
+    _write_manifest(out, "translation", splits, {"lang": run.lang, **heldout, "packages": dict(packages.most_common())})
 
 
 def prepare_langid(run: LangidCorpus) -> None:
-    """Texts labelled with their language from gettext catalogs."""
+    """Texts labelled with their language from gettext catalogs (split by text and by package), and texts of
+    languages outside the labels from the same packages (out-of-label.tsv, labelled with their language)."""
     _check_fractions(run)
-    texts = corpora.build_langid(
-        run.locale_dir,
-        run.languages,
-        run.num_languages,
-        _package_filter(run),
-        run.max_per_language,
-        run.max_chars,
-    )
+    packages = _package_filter(run)
+    pairs = corpora.read_languages(run.locale_dir, run.languages, packages, run.max_chars)
+    texts = corpora.langid_texts(pairs, run.num_languages, run.max_per_language)
     if not texts:
         raise UserError("no langid texts left after filtering")
-    out = _make_out(run)
-    splits = _split(texts, lambda t: t.text, run)
-    packages = write_labelled(out, "langid", splits, lambda t: (t.text, t.label))
     labels = Counter(t.label for t in texts)
+    outside = corpora.out_of_label_texts(run.locale_dir, pairs, labels, packages, run.max_chars)
+    out = _make_out(run)
+    splits, heldout = _split_catalog(texts, lambda t: t.text, run)
+    counts = write_labelled(out, "langid", splits, _text_label)
+    write_labelled(out, OUT_OF_LABEL, {OUT_OF_LABEL: outside}, _text_label)
     logger.info("langid labels: %s", ", ".join(f"{name} {n}" for name, n in labels.most_common()))
+    outside_counts = Counter(t.label for t in outside)
+    logger.info("out of label: %s", ", ".join(f"{name} {n}" for name, n in outside_counts.most_common()))
+    if not outside:
+        logger.warning("no texts outside the labels (%s): the out-of-label evaluation will fail", OUT_OF_LABEL)
     _write_manifest(
         out,
         "langid",
         splits,
-        {"labels": dict(labels.most_common()), "packages": dict(packages.most_common())},
+        {
+            "labels": dict(labels.most_common()),
+            **heldout,
+            "out_of_label": dict(outside_counts.most_common()),
+            "packages": dict(counts.most_common()),
+        },
     )
 
 

@@ -66,14 +66,16 @@ def _remove(*paths: Path) -> None:
 
 
 def is_stale(stage: Stage, record: Path) -> bool:
-    """Whether an input of ``stage`` changed after its record was written (e.g. a retrained base)."""
-    return record.exists() and any(p.exists() and p.stat().st_mtime > record.stat().st_mtime for p in stage.inputs)
+    """Whether an input of ``stage`` changed after its record was written (e.g. a retrained base), or its output
+    was made by an older version of the stage (e.g. a corpus without its held-out packages)."""
+    changed = record.exists() and any(p.exists() and p.stat().st_mtime > record.stat().st_mtime for p in stage.inputs)
+    return changed or (stage.outdated is not None and stage.output.exists() and stage.outdated())
 
 
 def run_stage(stage: Stage, paths: Paths, force: bool) -> bool:
     """Run ``stage`` unless its output exists and is up to date; True if it ran.
 
-    With ``force``, or when an input is newer than the stage's record, its output is removed first.
+    With ``force``, or when the output is stale (:func:`is_stale`), its output is removed first.
     """
     record = paths.record(stage.name)
     if force or is_stale(stage, record):

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from model import checkpoint, lora_io
+from model.calibration import CALIBRATION_FILE
 from training import corpora
 from training.baselines import LANGDETECT_PIN, baselines_for
 from training.calibration import calibrate_checkpoint
@@ -25,7 +26,8 @@ from training.errors import UserError
 from training.evaluate_run import evaluate
 from training.generation_tuning import tune, write_defaults
 from training.lora_run import lora
-from training.prepare import prepare
+from training.out_of_label import rejections
+from training.prepare import is_current, prepare
 from training.recipes import SPLIT_SUFFIX, FamilyRecipe, Tier
 from training.runs import (
     CodeCorpus,
@@ -88,6 +90,7 @@ class Stage:
     removes: tuple[Path, ...] = ()  # what --force deletes besides output and the record
     describe: Callable[[], dict[str, Any]] | None = None  # the record of an output found without one
     inputs: tuple[Path, ...] = ()  # files made by earlier stages: when one is newer, the stage is redone
+    outdated: Callable[[], bool] | None = None  # whether an existing output lacks what the stage now makes
 
 
 def domain_corpora(f: FamilyRecipe) -> tuple[str, str]:
@@ -121,7 +124,12 @@ def prepare_stages(tier: Tier, paths: Paths) -> list[Stage]:
         def describe() -> dict[str, Any]:
             return {**manifest(out), "corpus": name, "kind": kind}
 
-        stages.append(Stage(f"prepare-{name}", out / "manifest.json", PREPARE_SECONDS, run, (out,), describe))
+        def outdated() -> bool:
+            return not is_current(corpus(out), manifest(out))
+
+        stages.append(
+            Stage(f"prepare-{name}", out / "manifest.json", PREPARE_SECONDS, run, (out,), describe, outdated=outdated)
+        )
 
     catalogs = {"locale_dir": paths.locale_dir, "fractions": tier.fractions}
     package = (tier.translation_package,)
@@ -227,44 +235,50 @@ def has_langdetect(f: FamilyRecipe) -> bool:
 
 
 def evaluation_stages(f: FamilyRecipe, tier: Tier, paths: Paths) -> list[Stage]:
-    """Base and adapter on the domain's test split, then the base on its own (general) test split,
-    last so that the model's metrics.json ends with its general test metrics; then the baselines."""
+    """Base and adapter on the domain's test split, the base on its held-out packages' test split (merged into
+    its metrics.json as the entry test-heldout), then on its own (general) test split, last so that the model's
+    metrics.json ends with its general test metrics; then the baselines on each of those test splits."""
     base, domain = domain_corpora(f)
     model, adapter = paths.model(f), paths.adapter(f)
-    budget = f.eval_minutes * 60 / 5
 
-    def scored(corpus: str, with_adapter: bool) -> Callable[[], dict[str, Any]]:
+    def scored(corpus: str, with_adapter: bool, split: str = "test") -> Callable[[], dict[str, Any]]:
         def run() -> dict[str, Any]:
-            test = paths.split(corpus, f.kind, "test")
-            return evaluate(EvalRun(model=model, test=test, adapter=adapter if with_adapter else None, beams=f.beams))
+            test = paths.split(corpus, f.kind, split)
+            evaluation = EvalRun(model=model, test=test, adapter=adapter if with_adapter else None, beams=f.beams)
+            return evaluate(evaluation, metrics_key=None if split == "test" else split)
 
         return run
 
-    def baselines(corpus: str) -> Callable[[], dict[str, Any]]:
+    def baselines(corpus: str, split: str = "test") -> Callable[[], dict[str, Any]]:
         def run() -> dict[str, Any]:
-            train, test = paths.split(corpus, f.kind, "train"), paths.split(corpus, f.kind, "test")
+            train, test = paths.split(corpus, f.kind, "train"), paths.split(corpus, f.kind, split)
             return baselines_for(model, train, test, langdetect=tier.langdetect and has_langdetect(f))
 
         return run
 
     weights, adapter_weights = model / checkpoint.WEIGHTS_FILE, adapter / lora_io.WEIGHTS_FILE
     tokenizer = model / checkpoint.TOKENIZER_FILE
-    runs = [
+    evaluations = [
         (f"eval-{f.model}-base-on-{f.adapter}", scored(domain, False), (weights,)),
         (f"eval-{f.model}-{f.adapter}-on-{f.adapter}", scored(domain, True), (weights, adapter_weights)),
-        (f"eval-{f.model}-base", scored(base, False), (weights,)),
-        (f"baselines-{f.model}-{f.adapter}", baselines(domain), (tokenizer,)),
-        (f"baselines-{f.model}", baselines(base), (tokenizer,)),
     ]
+    scored_baselines = [(f"baselines-{f.model}-{f.adapter}", baselines(domain), (tokenizer,))]
+    if f.heldout:
+        evaluations.append((f"eval-{f.model}-base-on-heldout", scored(base, False, corpora.HELDOUT_TEST), (weights,)))
+        scored_baselines.append((f"baselines-{f.model}-heldout", baselines(base, corpora.HELDOUT_TEST), (tokenizer,)))
+    evaluations.append((f"eval-{f.model}-base", scored(base, False), (weights,)))
+    scored_baselines.append((f"baselines-{f.model}", baselines(base), (tokenizer,)))
+    runs = evaluations + scored_baselines
+    budget = f.eval_minutes * 60 / len(runs)
     return [Stage(name, paths.record(name), budget, run, inputs=inputs) for name, run, inputs in runs]
 
 
 def tuning_stages(f: FamilyRecipe, paths: Paths) -> list[Stage]:
     """Serving defaults chosen on the valid split: a causal LM's anti-loop generation settings (its
     generation_config.json, training.generation_tuning), a classifier's calibration (its calibration.json,
-    training.calibration); nothing for seq2seq."""
+    training.calibration) and what its "unknown" answer rejects (training.out_of_label); nothing for seq2seq."""
     if f.family == "classifier":
-        return [_calibration_stage(f, paths)]
+        return [_calibration_stage(f, paths), _out_of_label_stage(f, paths)]
     if f.family != "causal_lm":
         return []
     model, name = paths.model(f), f"tune-generation-{f.model}"
@@ -290,6 +304,17 @@ def _calibration_stage(f: FamilyRecipe, paths: Paths) -> Stage:
                 **calibration.report}
 
     return Stage(name, paths.record(name), 30, run, inputs=(model / checkpoint.WEIGHTS_FILE,))
+
+
+def _out_of_label_stage(f: FamilyRecipe, paths: Paths) -> Stage:
+    model, name, base = paths.model(f), f"out-of-label-{f.model}", domain_corpora(f)[0]
+
+    def run() -> dict[str, Any]:
+        splits = ("test", corpora.HELDOUT_TEST) if f.heldout else ("test",)
+        outside = paths.split(base, f.kind, corpora.OUT_OF_LABEL)
+        return rejections(model, outside, {split: paths.split(base, f.kind, split) for split in splits})
+
+    return Stage(name, paths.record(name), 30, run, inputs=(model / checkpoint.WEIGHTS_FILE, model / CALIBRATION_FILE))
 
 
 def pipelines(tier: Tier, paths: Paths) -> dict[str, list[Stage]]:

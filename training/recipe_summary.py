@@ -2,17 +2,31 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from training.recipes import FamilyRecipe, Tier
 
-# Per family: the test metrics reported, the one the checks compare, whether higher is better, and
-# the baselines that metric is compared with (name in the baselines record -> its metric key).
-METRICS = {
-    "seq2seq": (("bleu", "chrf"), "bleu", True, {"copy_source": "bleu"}),
-    "classifier": (("accuracy", "macro_f1"), "accuracy", True, {"majority": "accuracy", "langdetect": "accuracy"}),
-    "causal_lm": (("perplexity", "nll", "tokens"), "perplexity", False, {"unigram": "perplexity"}),
+
+@dataclass(frozen=True)
+class Scoring:
+    """A family's test metrics in summary.json and its checks: each ``checked`` metric of the model against each
+    of its ``baselines`` (whose records hold the same metric keys) and of its adapter against the base."""
+
+    reported: tuple[str, ...]
+    checked: tuple[str, ...]
+    higher_is_better: bool
+    baselines: tuple[str, ...]
+
+
+SCORING = {
+    "seq2seq": Scoring(("bleu", "chrf"), ("bleu", "chrf"), True, ("copy_source",)),
+    "classifier": Scoring(("accuracy", "macro_f1"), ("accuracy",), True, ("majority", "langdetect")),
+    "causal_lm": Scoring(("perplexity", "nll", "tokens"), ("perplexity",), False, ("unigram",)),
 }
+# summary.json's name of each test split and how a check names it.
+SPLIT_NAMES = {"general": "general", "heldout": "package-held-out", "domain": "domain"}
+CORPUS_KEYS = ("kind", "counts", "chars", "labels", "lang", "subset", "heldout", "out_of_label")
 TRAIN_KEYS = ("steps_trained", "total_train_tokens", "total_wall_time_s", "best_step")
 
 
@@ -37,15 +51,50 @@ def _check(what: str, value: float, other: float, higher: bool) -> dict[str, Any
     return {"what": what, "value": value, "other": other, "passed": passed}
 
 
+def _tests(f: FamilyRecipe, result: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The test entries: the base on its general (and held-out packages') test split, base and adapter on the
+    domain's, each with its baselines."""
+    keys = SCORING[f.family].reported
+
+    def split(evaluation: str, baselines: str, **systems: str) -> dict[str, Any]:
+        return {
+            "examples": result[evaluation].get("test_examples"),
+            **{name: _pick(result[stage], keys) for name, stage in systems.items()},
+            "baselines": _baselines(result[baselines]),
+        }
+
+    base, domain = f"eval-{f.model}-base", f"eval-{f.model}-base-on-{f.adapter}"
+    tests = {"general": split(base, f"baselines-{f.model}", model=base)}
+    if f.heldout:
+        heldout = f"eval-{f.model}-base-on-heldout"
+        tests["heldout"] = split(heldout, f"baselines-{f.model}-heldout", model=heldout)
+    tests["domain"] = split(
+        domain, f"baselines-{f.model}-{f.adapter}", base=domain, adapter=f"eval-{f.model}-{f.adapter}-on-{f.adapter}"
+    )
+    return tests
+
+
+def _checks(f: FamilyRecipe, tests: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The model (the adapter on the domain) against each baseline on each test split, and the adapter against
+    the base on the domain."""
+    scoring, checks = SCORING[f.family], []
+    for split, test in tests.items():
+        label, metrics = (f"{f.model}+{f.adapter}", test["adapter"]) if split == "domain" else (f.model, test["model"])
+        for name in scoring.baselines:
+            for key in scoring.checked if name in test["baselines"] else ():
+                what = f"{label} {key} vs {name} on the {SPLIT_NAMES[split]} test split"
+                checks.append(_check(what, metrics[key], test["baselines"][name][key], scoring.higher_is_better))
+    domain = tests["domain"]
+    for key in scoring.checked:
+        what = f"{f.model}+{f.adapter} {key} vs the base on the {f.adapter} test split"
+        checks.append(_check(what, domain["adapter"][key], domain["base"][key], scoring.higher_is_better))
+    return checks
+
+
 def family_summary(f: FamilyRecipe, result: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """One model's entry of summary.json and its checks against the baselines and its base."""
-    keys, main, higher, compared = METRICS[f.family]
     trained, adapted = result[f"train-{f.model}"], result[f"lora-{f.model}-{f.adapter}"]
-    general = _pick(result[f"eval-{f.model}-base"], keys)
-    base_domain = _pick(result[f"eval-{f.model}-base-on-{f.adapter}"], keys)
-    adapter_domain = _pick(result[f"eval-{f.model}-{f.adapter}-on-{f.adapter}"], keys)
-    general_baselines = _baselines(result[f"baselines-{f.model}"])
-    domain_baselines = _baselines(result[f"baselines-{f.model}-{f.adapter}"])
+    tests = _tests(f, result)
     entry = {
         "family": f.family,
         "arch": f.sizes.arch,
@@ -59,32 +108,11 @@ def family_summary(f: FamilyRecipe, result: dict[str, dict[str, Any]]) -> tuple[
             "trainable_parameters": adapted.get("trainable_parameters"),
             "train": _training(adapted, f.lora_minutes),
         },
-        "test": {
-            "general": {
-                "examples": result[f"eval-{f.model}-base"].get("test_examples"),
-                "model": general,
-                "baselines": general_baselines,
-            },
-            "domain": {
-                "examples": result[f"eval-{f.model}-base-on-{f.adapter}"].get("test_examples"),
-                "base": base_domain,
-                "adapter": adapter_domain,
-                "baselines": domain_baselines,
-            },
-        },
+        "test": tests,
     }
-    checks = []
-    for split, label, metrics, baselines in (
-        ("general", f"{f.model}", general, general_baselines),
-        ("domain", f"{f.model}+{f.adapter}", adapter_domain, domain_baselines),
-    ):
-        for name, key in compared.items():
-            if name in baselines:
-                what = f"{label} {main} vs {name} on the {split} test split"
-                checks.append(_check(what, metrics[main], baselines[name][key], higher))
-    what = f"{f.model}+{f.adapter} {main} vs the base on the {f.adapter} test split"
-    checks.append(_check(what, adapter_domain[main], base_domain[main], higher))
-    return entry, checks
+    if f"out-of-label-{f.model}" in result:
+        entry["out_of_label"] = result[f"out-of-label-{f.model}"]
+    return entry, _checks(f, tests)
 
 
 def build_summary(
@@ -93,7 +121,7 @@ def build_summary(
     """summary.json from the stage records (``{stage: {"seconds", "result"}}``)."""
     result = {name: record["result"] for name, record in records.items()}
     corpora = {
-        r["corpus"]: {k: r[k] for k in ("kind", "counts", "chars", "labels", "lang", "subset") if k in r}
+        r["corpus"]: {k: r[k] for k in CORPUS_KEYS if k in r}
         for name, r in result.items()
         if name.startswith("prepare-")
     }

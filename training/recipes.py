@@ -10,7 +10,9 @@ specialises it on a domain the base never saw:
 - code (causal_lm): the base on the stdlib's non-test files, the adapter on its test files.
 
 Everything is measured on test splits the models never trained on, against trivial baselines on
-the same splits (training.baselines). The stages are in training.recipe_run.
+the same splits (training.baselines): the hash split of each corpus and, for the catalog corpora, the
+packages held out whole (test-heldout, training.corpora.PackageHoldout). The stages are in
+training.recipe_run.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from training.runs import LORA_LOOP, LORA_TARGETS, AdapterSpec, EvalRun, Loop, S
 # Family -> the corpus kind of `prepare` and the file suffix of its splits.
 CORPUS_KIND = {"seq2seq": "translation", "classifier": "langid", "causal_lm": "code"}
 SPLIT_SUFFIX = {"translation": ".tsv", "langid": ".tsv", "code": ".txt"}
+HELDOUT_KINDS = frozenset({"translation", "langid"})  # the corpora built from catalogs hold packages out
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,11 @@ class FamilyRecipe:
     @property
     def kind(self) -> str:
         return CORPUS_KIND[self.family]
+
+    @property
+    def heldout(self) -> bool:
+        """Whether the base corpus holds whole packages out (its test-heldout split)."""
+        return self.kind in HELDOUT_KINDS
 
 
 @dataclass(frozen=True)

@@ -235,6 +235,19 @@ class CalibrateRun:
 
 
 @dataclass(frozen=True)
+class TranslatePoRun:
+    """`translate-po`: a gettext catalog's empty translations filled by a translation model."""
+
+    catalog: Path  # the .po file read
+    model: Path
+    out: Path  # the .po file written (may be the catalog itself)
+    adapter: Path | None = None
+    beams: int = 4
+    max_new_tokens: int = 128
+    device: str = DEVICE
+
+
+@dataclass(frozen=True)
 class RecipeRun:
     """`recipe`: a tier's corpora, models, adapters and measurements."""
 

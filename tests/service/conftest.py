@@ -32,7 +32,17 @@ from service.jobs import continuation, token_logprobs
 from service.schemas import DEFAULT_NEW_TOKENS, Candidate, GenerateOutput, GenerateRequest
 from service.types import EngineSettings
 from service.worker import DECODING_FIELDS
-from tests.service.fixtures import ADAPTERS, CLS, LABELS, LM, MT, TEXTS, build_models, make_adapter
+from tests.service.fixtures import (
+    ADAPTERS,
+    CLS,
+    LABELS,
+    LM,
+    MT,
+    TEXTS,
+    build_models,
+    make_adapter,
+    train_placeholder_translator,
+)
 
 __all__ = ["ADAPTERS", "CLS", "LABELS", "LM", "MT", "TEXTS", "make_adapter"]
 
@@ -56,6 +66,12 @@ def models_dir(tiny_root: Path) -> Path:
 @pytest.fixture(scope="session")
 def adapters_dir(tiny_root: Path) -> Path:
     return tiny_root / "adapters"
+
+
+@pytest.fixture(scope="session")
+def placeholder_translator(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny translator trained on commands carrying placeholders (protected pairs)."""
+    return train_placeholder_translator(tmp_path_factory.mktemp("placeholders"))
 
 
 # ---- helpers for the engine tests ---------------------------------------------------------------

@@ -100,6 +100,22 @@ def write_translation(path: Path, n: int, seed: int, variant: int | None = None)
     return path
 
 
+# Placeholders of the translator trained on protected pairs (train_placeholder_translator): the ones its data has.
+PLACEHOLDERS_SEEN = ["%s", "%d", "{0}", "{name}", "$HOME", "--force", "<b>", "%(path)s"]
+
+
+def write_placeholder_pairs(path: Path, n: int, seed: int) -> Path:
+    """``n`` commands with one or two placeholders: "delete file %s" -> "borrar archivo %s"."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n):
+        verb, obj = rng.choice(list(VERBS)), rng.choice(list(OBJECTS))
+        marks = " ".join(rng.sample(PLACEHOLDERS_SEEN, rng.randint(1, 2)))
+        lines.append(f"{verb} {obj} {marks}\t{VERBS[verb]} {OBJECTS[obj]} {marks}\n")
+    path.write_text("".join(lines), encoding="utf-8")
+    return path
+
+
 def write_labels(path: Path, seed: int, shift: int = 0) -> Path:
     """Sentiment texts with their label (shifted ``shift`` places along LABELS: an adapter's task)."""
     rng = random.Random(seed)
@@ -166,6 +182,16 @@ def train_model(root: Path, name: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     shutil.copytree(run, target)
     return target
+
+
+def train_placeholder_translator(root: Path) -> Path:
+    """A tiny translator trained on protected pairs (its tokenizer keeps the sentinels) into ``root/model``."""
+    train = write_placeholder_pairs(root / "train.tsv", 96, 1)
+    valid = write_placeholder_pairs(root / "valid.tsv", 8, 2)
+    run_training("train", "seq2seq", "--train", str(train), "--valid", str(valid), "--out", str(root / "run"),
+                 *SIZES, "--max-len", "64", "--max-steps", "400", *BASE_LOOP, *LOOP)
+    shutil.copytree(root / "run", root / "model")
+    return root / "model"
 
 
 _cache: dict[tuple[Path, int], Path] = {}  # (checkpoint, seed) -> trained adapter directory

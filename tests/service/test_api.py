@@ -62,7 +62,8 @@ def test_generate_strategies(client, model):
     assert len(greedy) == 2
     for out in greedy:
         # No candidates for one sequence; a translation says whether it kept its input's placeholders (none here).
-        assert set(out) == {"text", "tokens", "score", "finish_reason"} | ({"placeholders_ok"} if model == MT else set())
+        translation = {"placeholders_ok"} if model == MT else set()
+        assert set(out) == {"text", "tokens", "score", "finish_reason"} | translation
         assert out.get("placeholders_ok", True) is True
         assert out["finish_reason"] in ("eos", "length") and 0 < len(out["tokens"]) <= 6
     # Beam of width 1 is greedy search.

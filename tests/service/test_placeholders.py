@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -17,36 +16,19 @@ from model.checkpoint import load_checkpoint
 from model.placeholders import check, find
 from service.errors import InvalidRequest
 from tests.service.conftest import LM, ask, running_engine
-from tests.service.fixtures import BASE_LOOP, LOOP, OBJECTS, SIZES, VERBS, run_training
+from tests.service.fixtures import OBJECTS, PLACEHOLDERS_SEEN, VERBS
 
-# Placeholders of every kind; the training pairs use the first ones, the tests also the unseen rest.
-SEEN = ["%s", "%d", "{0}", "{name}", "$HOME", "--force", "<b>", "%(path)s"]
 UNSEEN = ["%(datestr)s", "{count}", "https://example.org/a", "${VAR}", "-n", "john@example.org"]
+SEEN = PLACEHOLDERS_SEEN
 MT_PH = "tiny-mt-ph"
 
 
-def write_pairs(path: Path, n: int, seed: int) -> Path:
-    """``n`` commands with one or two placeholders: "delete file %s" -> "borrar archivo %s"."""
-    rng = random.Random(seed)
-    lines = []
-    for _ in range(n):
-        verb, obj = rng.choice(list(VERBS)), rng.choice(list(OBJECTS))
-        marks = " ".join(rng.sample(SEEN, rng.randint(1, 2)))
-        lines.append(f"{verb} {obj} {marks}\t{VERBS[verb]} {OBJECTS[obj]} {marks}\n")
-    path.write_text("".join(lines), encoding="utf-8")
-    return path
-
-
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> Path:
-    root = tmp_path_factory.mktemp("placeholders")
-    train, valid = write_pairs(root / "train.tsv", 96, 1), write_pairs(root / "valid.tsv", 8, 2)
-    run_training("train", "seq2seq", "--train", str(train), "--valid", str(valid), "--out", str(root / "run"),
-                 *SIZES, "--max-len", "64", "--max-steps", "400", *BASE_LOOP, *LOOP)
-    (root / "models").mkdir()
-    shutil.copytree(root / "run", root / "models" / MT_PH)
-    (root / "models" / LM).symlink_to(models_dir / LM)
-    return root / "models"
+def models(tmp_path_factory: pytest.TempPathFactory, models_dir: Path, placeholder_translator: Path) -> Path:
+    root = tmp_path_factory.mktemp("placeholder-models")
+    (root / MT_PH).symlink_to(placeholder_translator)
+    (root / LM).symlink_to(models_dir / LM)
+    return root
 
 
 def test_training_on_protected_pairs_gives_the_tokenizer_its_sentinels(models):

@@ -27,7 +27,10 @@ def _run(*argv: str) -> subprocess.CompletedProcess:
         (["train", "classifier", "--help"], ["--pretrain-mlm", "--pretrain-steps", "--skip-malformed"]),
         (["train", "causal_lm", "--help"], ["--max-minutes", "--batch-tokens", "--accum-steps", "--device"]),
         (["lora", "--help"], ["--base", "--rank", "--alpha", "--targets", "--dropout"]),
-        (["evaluate", "--help"], ["--model", "--adapter", "--test", "--beams", "--max-examples", "--quantize"]),
+        (
+            ["evaluate", "--help"],
+            ["--model", "--adapter", "--test", "--beams", "--max-examples", "--quantize", "--metrics-key"],
+        ),
     ],
 )
 def test_help(argv, flags):

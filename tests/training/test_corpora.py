@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from itertools import product
 from pathlib import Path
+from string import ascii_lowercase
 
 import pytest
 
+from tests.training.heldout import package_in
 from tests.training.mo_writer import write_locale_tree
 from training import corpora
 from training.cli import main
-from training.corpora import PackageFilter, split_of, split_records
+from training.corpora import HELDOUT_SPLITS, SPLITS, PackageFilter, PackageHoldout, split_of, split_records
 from training.data import Pair
 from training.errors import UserError
-from training.prepare import write_atomic
+from training.prepare import is_current, write_atomic
+from training.runs import LangidCorpus
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -211,3 +216,74 @@ def test_write_atomic_replaces_and_cleans_up(tmp_path: Path) -> None:
     write_atomic(path, "one\n")
     write_atomic(path, "two\n")
     assert path.read_text() == "two\n" and [p.name for p in tmp_path.iterdir()] == ["a.txt"]
+
+
+def test_package_holdout_sends_whole_groups_to_one_split_by_name_alone() -> None:
+    names = ["".join(letters) for letters in product(ascii_lowercase, repeat=2)]  # 676 groups
+    splits = [PackageHoldout().split_of(name) for name in names]
+    for name, split in zip(names, splits, strict=True):  # versions, -properties and _tools share their group's split
+        related = (f"{name}20", f"{name}30-properties", f"{name.upper()}_x-15")
+        assert {PackageHoldout().split_of(package) for package in related} == {split}
+    shares = {split: splits.count(split) / len(names) for split in HELDOUT_SPLITS}
+    assert 0.03 < shares["test-heldout"] < 0.07 and 0.03 < shares["valid-heldout"] < 0.07
+    assert not any(PackageHoldout(0.0, 0.0).split_of(name) for name in names)
+
+
+def _packages(out: Path, split: str) -> set[str]:
+    return set((out / f"{split}.packages.txt").read_text(encoding="utf-8").split())
+
+
+def test_prepare_holds_whole_packages_out_of_train_valid_and_test(tmp_path: Path) -> None:
+    test_pkg, valid_pkg, sibling = package_in("test-heldout"), package_in("valid-heldout"), "alpha30-properties"
+    held = f"{test_pkg}20-properties"  # test_pkg's group: held out with it
+    names = ("alpha", "beta", sibling, test_pkg, held, valid_pkg)
+    catalogs = {pkg: {f"{pkg} message {i}": f"{pkg} mensaje {i}" for i in range(40)} for pkg in names}
+    locale = write_locale_tree(tmp_path / "locale", {"es": catalogs})
+    out = tmp_path / "translation"
+    assert main(["prepare", "translation", "--locale-dir", str(locale), "--out", str(out)]) == 0
+    assert _packages(out, "test-heldout") == {test_pkg, held} and _packages(out, "valid-heldout") == {valid_pkg}
+    assert set().union(*(_packages(out, split) for split in SPLITS)) == {"alpha", "beta", sibling}
+    manifest = json.loads((out / "manifest.json").read_text(encoding="utf-8"))
+    assert manifest["counts"]["test-heldout"] == 80 and manifest["counts"]["valid-heldout"] == 40
+    assert sum(manifest["counts"][split] for split in SPLITS) == 120
+    assert manifest["heldout"]["packages"] == {"valid-heldout": [valid_pkg], "test-heldout": sorted([test_pkg, held])}
+    assert len((out / "test-heldout.tsv").read_text(encoding="utf-8").splitlines()) == 80
+
+    # A corpus of named packages (a domain corpus) holds none of them out.
+    domain = tmp_path / "domain"
+    assert main(["prepare", "translation", "--locale-dir", str(locale), "--out", str(domain), "--packages", held]) == 0
+    assert not (domain / "test-heldout.tsv").exists()
+    assert "heldout" not in json.loads((domain / "manifest.json").read_text(encoding="utf-8"))
+    assert sum(len((domain / f"{split}.tsv").read_text().splitlines()) for split in SPLITS) == 40
+
+
+def test_langid_out_of_label_texts_are_other_languages_in_no_label(tmp_path: Path) -> None:
+    shared = ("Open file", "Close", "Save", "Print", "Help")
+    spanish = ("Abrir archivo", "Cerrar", "Guardar", "Imprimir", "Ayuda")
+    french = ("Ouvrir le fichier", "Fermer", "Enregistrer", "Imprimer", "Aide")
+    tree = {
+        "es": {"alpha": dict(zip(shared, spanish, strict=True))},
+        "fr": {"alpha": dict(zip(shared, french, strict=True))},
+        # nl: a candidate langid does not choose (fewer texts); ko: one of OUT_OF_LABEL_LANGUAGES.
+        "nl": {
+            "alpha": {"Open file": "Bestand openen", "Save": "Guardar", "Quit": "Close"},
+            "beta": {"Print": "Afdrukken"},
+        },
+        "ko": {"alpha": {"Open file": "파일 열기", "Save": "저장", "Quit": "Bestand openen"}},
+    }
+    locale = write_locale_tree(tmp_path / "locale", tree)
+    out = tmp_path / "langid"
+    args = ["prepare", "langid", "--locale-dir", str(locale), "--languages", "es,fr,nl", "--num-languages", "2"]
+    assert main([*args, "--out", str(out)]) == 0
+    rows = [line.split("\t") for line in (out / "out-of-label.tsv").read_text(encoding="utf-8").splitlines()]
+    # "Guardar" is Spanish too, "Close" an English msgid, "Bestand openen" in two outside languages: all dropped.
+    assert sorted(map(tuple, rows)) == [("Afdrukken", "nl"), ("저장", "ko"), ("파일 열기", "ko")]
+    assert _packages(out, "out-of-label") == {"alpha", "beta"}
+    manifest = json.loads((out / "manifest.json").read_text(encoding="utf-8"))
+    assert set(manifest["labels"]) == {"es", "fr", "en"} and manifest["out_of_label"] == {"ko": 2, "nl": 1}
+    assert is_current(LangidCorpus(out=out), manifest)
+    assert not is_current(LangidCorpus(out=out), {k: v for k, v in manifest.items() if k != "out_of_label"})
+
+    # The same packages as the corpus: without beta, no Afdrukken.
+    assert main([*args, "--out", str(tmp_path / "no-beta"), "--exclude-packages", "beta"]) == 0
+    assert "Afdrukken" not in (tmp_path / "no-beta" / "out-of-label.tsv").read_text(encoding="utf-8")

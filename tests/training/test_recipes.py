@@ -16,16 +16,20 @@ import pytest
 import sacrebleu
 import torch
 
+from model.calibration import Calibration
 from model.checkpoint import load_checkpoint
 from model.lora_io import load_adapter
+from tests.training.heldout import package_in
 from tests.training.mo_writer import write_locale_tree
 from training import baselines
 from training.arch import ModelSizes
 from training.baselines import lm_targets, majority_class, map_langdetect, unigram_perplexity
-from training.data import LabeledText, Pair
+from training.corpora import HELDOUT_SPLITS, OUT_OF_LABEL
+from training.data import LabeledText, Pair, read_pairs
 from training.errors import UserError
-from training.recipe_run import run_recipe
-from training.recipe_stages import Paths, plan
+from training.out_of_label import rejections
+from training.recipe_run import run_recipe, run_stage
+from training.recipe_stages import Paths, plan, prepare_stages
 from training.recipes import FamilyRecipe, Tier
 from training.runs import LORA_LOOP, AdapterSpec, Data, Loop, SplitFractions, TrainRun
 from training.train_run import train
@@ -35,7 +39,9 @@ WORDS = {
     "es": ["archivo", "abrir", "guardar", "cerrar", "rama", "nuevo", "borrar", "todo"],
     "fr": ["fichier", "ouvrir", "enregistrer", "fermer", "branche", "nouveau", "effacer", "tout"],
     "de": ["Datei", "öffnen", "speichern", "schließen", "Zweig", "neu", "löschen", "alles"],
+    "tr": ["dosya", "aç", "kaydet", "kapat", "dal", "yeni", "sil", "hepsi"],  # outside langid's candidates
 }
+HELD_OUT = {split: package_in(split) for split in HELDOUT_SPLITS}
 ENGLISH = ["file", "open", "save", "close", "branch", "new", "delete", "all"]
 TINY = ModelSizes(layers=1, d_model=16, heads=2, ffn=32, max_len=32)
 LOOP = {"max_steps": 3, "eval_every": 3, "save_every": 3, "batch_tokens": 256, "warmup": 2}
@@ -51,10 +57,10 @@ def _catalog(rng: random.Random, lang: str, n: int) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A locale tree (es/fr/de; packages alpha, beta, git, iso_3166) and a stdlib of 24 files."""
+    """A locale tree (es/fr/de/tr; packages alpha, beta, git, iso_3166 and two held out) and a stdlib of 24 files."""
     root = tmp_path_factory.mktemp("sources")
     rng = random.Random(0)
-    packages = ("alpha", "beta", "git", "iso_3166")
+    packages = ("alpha", "beta", "git", "iso_3166", *HELD_OUT.values())
     tree = {lang: {pkg: _catalog(rng, lang, 80) for pkg in packages} for lang in WORDS}
     locale = write_locale_tree(root / "locale", tree)
     stdlib = root / "stdlib"
@@ -127,7 +133,9 @@ def test_recipe_writes_models_adapters_and_summary_in_the_service_layout(finishe
     for split in ("general", "domain"):  # the unigram is scored on exactly the model's tokens
         model = code[split]["model" if split == "general" else "base"]
         assert model["tokens"] == code[split]["baselines"]["unigram"]["tokens"]
-    assert len(summary["checks"]) == 3 + (5 if HAS_LANGDETECT else 3) + 3
+    # translation: BLEU and chrF vs copy-source on 3 splits, and vs the base; langid: accuracy vs 2 (or 1) baselines
+    # on 3 splits, and vs the base; code: perplexity vs the unigram on 2 splits, and vs the base.
+    assert len(summary["checks"]) == 8 + (7 if HAS_LANGDETECT else 4) + 3
     assert all({"what", "value", "other", "passed"} <= set(c) for c in summary["checks"])
     # The code model's generation defaults, chosen on its valid split, are in its generation_config.json.
     tuned = json.loads(paths.record("tune-generation-code").read_text())["result"]
@@ -140,6 +148,89 @@ def test_recipe_writes_models_adapters_and_summary_in_the_service_layout(finishe
     served = load_checkpoint(paths.out / "models" / "langid").calibration
     assert (served.temperature, served.min_confidence) == (calibrated["temperature"], calibrated["min_confidence"])
     assert {"ece_before", "ece_after", "rejected"} <= set(calibrated)
+
+
+def test_recipe_measures_the_held_out_packages_against_the_baselines(finished: tuple[Paths, dict]) -> None:
+    paths, summary = finished
+    for f in (tiny_tier().translation, tiny_tier().langid):
+        manifest = json.loads((paths.corpus(f.model) / "manifest.json").read_text())
+        assert manifest["heldout"]["packages"] == {split: [package] for split, package in HELD_OUT.items()}
+        assert summary["corpora"][f.model]["heldout"] == manifest["heldout"]
+        heldout = summary["models"][f.model]["test"]["heldout"]
+        assert heldout["examples"] == manifest["counts"]["test-heldout"] > 0
+        # The held-out metrics are merged as their own entry; the general split's stay at the top level.
+        metrics = json.loads((paths.model(f) / "metrics.json").read_text())
+        assert metrics["test_file"] == str(paths.split(f.model, f.kind, "test"))
+        assert metrics["test-heldout"]["test_file"] == str(paths.split(f.model, f.kind, "test-heldout"))
+        assert heldout["model"].items() <= metrics["test-heldout"].items()
+    pairs = read_pairs(paths.split("translation", "translation", "test-heldout")).records
+    copied = summary["models"]["translation"]["test"]["heldout"]["baselines"]["copy_source"]
+    assert copied == pytest.approx(baselines.copy_source(pairs))
+    checked = {c["what"] for c in summary["checks"]}
+    for key in ("bleu", "chrf"):
+        assert f"translation {key} vs copy_source on the package-held-out test split" in checked
+    assert "langid accuracy vs majority on the package-held-out test split" in checked
+    assert ("langid accuracy vs langdetect on the package-held-out test split" in checked) == HAS_LANGDETECT
+
+
+def test_recipe_counts_what_calibrated_langid_rejects_in_and_out_of_its_labels(finished: tuple[Paths, dict]) -> None:
+    paths, summary = finished
+    result = summary["models"]["langid"]["out_of_label"]
+    outside = paths.split("langid", "langid", OUT_OF_LABEL).read_text(encoding="utf-8").splitlines()
+    assert result["out_of_label"]["texts"] == len(outside) > 0
+    assert set(result["out_of_label"]["rejected_by_language"]) == {"tr"}  # the only language outside es, fr, de, en
+    counts = json.loads((paths.corpus("langid") / "manifest.json").read_text())["counts"]
+    assert {name: entry["texts"] for name, entry in result["in_label"].items()} == {
+        "test": counts["test"], "test-heldout": counts["test-heldout"]}  # fmt: skip
+    served = load_checkpoint(paths.model(tiny_tier().langid)).calibration
+    assert (result["temperature"], result["min_confidence"]) == (served.temperature, served.min_confidence)
+
+
+def test_out_of_label_rejections_count_each_text_as_the_service_decides(
+    finished: tuple[Paths, dict], tmp_path: Path
+) -> None:
+    paths, _ = finished
+    model = shutil.copytree(paths.model(tiny_tier().langid), tmp_path / "langid")
+    ckpt = load_checkpoint(model, device="cpu", dtype=torch.float32)
+    files = {name: paths.split("langid", "langid", name) for name in (OUT_OF_LABEL, "test")}
+
+    def logits(text: str) -> torch.Tensor:  # one text at a time, unpadded: not the batched path under test
+        ids, segments = ckpt.tokenizer.encode_pair(text)
+        with torch.no_grad():
+            return ckpt.model(torch.tensor([ids[:32]]), torch.tensor([segments[:32]]))[0].double()
+
+    texts = {name: [line.split("\t")[0] for line in path.read_text(encoding="utf-8").splitlines()]
+             for name, path in files.items()}  # fmt: skip
+    scores = {name: torch.stack([logits(text) for text in group]) for name, group in texts.items()}
+    # The 3-step model's logits barely depend on the text (top-2 margins of ~2e-3 that differ by ~1e-5, batched
+    # and unbatched logits by ~1e-9): a temperature of the median margin keeps the confidences apart.
+    top2 = scores[OUT_OF_LABEL].topk(2, dim=-1).values
+    temperature = float((top2[:, 0] - top2[:, 1]).median())
+    confidences = {name: torch.softmax(s / temperature, -1).max(-1).values.tolist() for name, s in scores.items()}
+    ordered = sorted(confidences[OUT_OF_LABEL])
+    # The threshold in the widest gap between the middle half's confidences, far from both.
+    i = max(range(len(ordered) // 4, 3 * len(ordered) // 4), key=lambda i: ordered[i + 1] - ordered[i])
+    threshold = (ordered[i] + ordered[i + 1]) / 2
+    Calibration(temperature, threshold).save(model)
+    result = rejections(model, files[OUT_OF_LABEL], {"test": files["test"]})
+    expected = {name: sum(c < threshold for c in values) / len(values) for name, values in confidences.items()}
+    assert result["out_of_label"]["rejected"] == pytest.approx(expected[OUT_OF_LABEL]) and expected[OUT_OF_LABEL] > 0
+    assert result["in_label"]["test"]["rejected"] == pytest.approx(expected["test"])
+
+
+def test_a_corpus_prepared_before_the_held_out_packages_is_prepared_again(
+    sources: tuple[Path, Path], tmp_path: Path
+) -> None:
+    paths = Paths(tmp_path / "checkpoints", tmp_path / "data", *sources)
+    stage = next(s for s in prepare_stages(tiny_tier(), paths) if s.name == "prepare-translation")
+    assert run_stage(stage, paths, force=False) and not run_stage(stage, paths, force=False)
+    path = paths.corpus("translation") / "manifest.json"
+    old = {k: v for k, v in json.loads(path.read_text()).items() if k != "heldout"}
+    path.write_text(json.dumps(old))
+    (paths.corpus("translation") / "test-heldout.tsv").unlink()
+    assert run_stage(stage, paths, force=False)
+    assert "heldout" in json.loads(path.read_text())
+    assert paths.split("translation", "translation", "test-heldout").is_file()
 
 
 def test_recipe_skips_finished_stages_and_redoes_a_missing_or_stale_one(

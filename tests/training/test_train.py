@@ -122,6 +122,11 @@ def test_evaluate_writes_metrics(family, data, tmp_path):
     after = json.loads((out / "metrics.json").read_text())
     assert after["int8"]["quantize"] == "int8" and expected[family] <= set(after["int8"])
     assert {k: after[k] for k in metrics} == metrics  # the fp32 metrics stay as they were
+    run_cli("evaluate", "--model", str(out), "--test", str(data[f"{prefix}_valid"]), "--beams", "1",
+            "--max-examples", "3", "--max-new-tokens", "8", "--metrics-key", "test-heldout")  # fmt: skip
+    keyed = json.loads((out / "metrics.json").read_text())
+    assert keyed["test-heldout"]["test_examples"] == 3 and expected[family] <= set(keyed["test-heldout"])
+    assert {k: keyed[k] for k in after} == after  # another split's metrics, apart from the top level's
 
 
 @pytest.mark.parametrize(
