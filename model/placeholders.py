@@ -42,7 +42,9 @@ PATTERN = re.compile(
             _PRINTF,
             _BRACES,
             r"\$\{[A-Za-z_]\w*\}|\$[A-Za-z_]\w*",  # ${VAR}, $HOME
-            r"(?<![\w-])--[A-Za-z][\w-]*(?:=\S+)?|(?<![\w/-])-[A-Za-z]{1,2}(?![\w-])",  # --force, --out=X, -n
+            # --force, --out=FILE, --pages=FIRST[:LAST] (a value ends in a word character or a bracket, so the
+            # sentence's punctuation stays outside), -n
+            r"(?<![\w-])--[A-Za-z][\w-]*(?:=[\w/{}|\[\]:.,+-]*[\w}\]])?|(?<![\w/-])-[A-Za-z]{1,2}(?![\w-])",
             _SENTINEL,  # a literal sentinel in the text is protected like any placeholder
         ]
     )

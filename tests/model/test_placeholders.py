@@ -15,7 +15,7 @@ KINDS = [
     "{0}", "{name}", "{}", "{name!r:>10}", "{0,-8:N2}", "{user.name}", "{:>4}",
     "$HOME", "${VAR}", "<b>", "</b>", '<a href="http://x.org/?a=1">', "<br/>", "&amp;", "&#160;",
     "https://example.org/docs/page.html?x=1&y=2#top", "ftp://ftp.example.org/pub", "john.doe+tag@mail.example.com",
-    "--force", "--output=FILE", "-n", "-rf",
+    "--force", "--output=FILE", "--pages=FIRST[:LAST]", "-n", "-rf",
 ]  # fmt: skip
 PROSE = ["100% done", "5 % off", "{not a placeholder}", "a {{literal}} brace", "re-enter the e-mail", "costs $5",
          "x < y > z", "see http:// nothing", "non-empty"]
@@ -33,6 +33,11 @@ def test_each_kind_is_one_placeholder_and_comes_back_from_its_sentinel(placehold
 @pytest.mark.parametrize("text", PROSE)
 def test_prose_is_left_alone(text):
     assert find(text) == [] and protect(text).text == text
+
+
+def test_an_option_value_leaves_the_sentences_punctuation_outside():
+    assert find("Set --unset=NAME, or --pages=FIRST[:LAST]'. Then --out=a.txt.") == [
+        "--unset=NAME", "--pages=FIRST[:LAST]", "--out=a.txt"]
 
 
 def test_a_url_keeps_its_sentence_punctuation_outside():
