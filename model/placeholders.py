@@ -27,9 +27,11 @@ from typing import Any
 MAX_SENTINELS = 16  # distinct placeholders protected per text; any further ones stay as they are
 SENTINEL_OPEN, SENTINEL_CLOSE = "\uff5f", "\uff60"  # ｟ ｠
 
-# printf: %%, %s, %-5d, %.2f, %lu, %1$s, %(name)s, %<PRIu64>; no space flag, so "100% done" is prose.
+# printf: %%, %s, %-5d, %.2f, %lu, %1$s, %(name)s, %<PRIu64>, and the other letters' directives of strftime
+# (%H:%M, %Y) and stat-like formats (%n, %T); no space flag, so "100% done" is prose.
 _PRINTF = (r"%%|%<\w+>|%(?:\d+\$)?(?:\([A-Za-z_]\w*\))?[-+#0']*(?:\*|\d+)?(?:\.(?:\*|\d+))?"
-           r"(?:hh|h|ll|l|L|q|j|z|t)?[diouxXeEfFgGaAcsrp]")
+           r"(?:hh|h|ll|l|L|q|j|z|t)?[A-Za-z]")
+PRINTF_CONVERSIONS = frozenset("diouxXeEfFgGaAcsp")  # the ones that take printf's next argument
 # {}, {0}, {name}, {0.attr}, {name[key]}, {name!r:>10}, .NET {0,-8:N2}; not {{ }} escapes
 _BRACES = r"(?<!\{)\{(?:[A-Za-z_]\w*|\d+)?(?:\.[A-Za-z_]\w*|\[\w+\])*(?:,-?\d+)?(?:![rsa])?(?::[^{}\s]*)?\}(?!\})"
 _SENTINEL = SENTINEL_OPEN + r"\d+" + SENTINEL_CLOSE
@@ -68,7 +70,9 @@ def find(text: str) -> list[str]:
 def positional(placeholder: str) -> bool:
     """Whether ``placeholder`` takes the next argument (``%s``, ``%5.2f``, ``{}``, ``{:>4}``): its order matters."""
     if placeholder.startswith("%"):
-        return placeholder != "%%" and "$" not in placeholder and not placeholder.startswith("%(")
+        if placeholder == "%%" or "$" in placeholder or placeholder.startswith("%("):
+            return False  # a literal percent, a numbered or a named argument
+        return placeholder.startswith("%<") or placeholder[-1] in PRINTF_CONVERSIONS  # %H may move, %s may not
     return _EMPTY_FIELD.match(placeholder) is not None
 
 

@@ -42,8 +42,10 @@ def client(server):
 
 
 def _candidates(outputs: list[dict]) -> list[list[dict]]:
-    """Each output's candidates as the API gives several, and as one for a single sequence."""
-    return [o.get("candidates") or [{k: o[k] for k in ("text", "tokens", "score", "finish_reason")}] for o in outputs]
+    """Each output's candidates as the API gives several, and as one for a single sequence (the fields the offline
+    reference has: a translation's placeholders_ok is the service's)."""
+    fields = ("text", "tokens", "score", "finish_reason")
+    return [[{k: c[k] for k in fields} for c in o.get("candidates") or [o]] for o in outputs]
 
 
 def _offline(models_dir: Path, model: str, texts: list[str], **fields) -> list[list[dict]]:

@@ -11,7 +11,7 @@ import pytest
 from model.placeholders import check, find, positional, protect, protect_pair, sentinel
 
 KINDS = [
-    "%s", "%d", "%5.2f", "%-8lu", "%(name)s", "%(count)d", "%1$s", "%2$d", "%%", "%<PRIu64>",
+    "%s", "%d", "%5.2f", "%-8lu", "%(name)s", "%(count)d", "%1$s", "%2$d", "%%", "%<PRIu64>", "%H", "%Y",
     "{0}", "{name}", "{}", "{name!r:>10}", "{0,-8:N2}", "{user.name}", "{:>4}",
     "$HOME", "${VAR}", "<b>", "</b>", '<a href="http://x.org/?a=1">', "<br/>", "&amp;", "&#160;",
     "https://example.org/docs/page.html?x=1&y=2#top", "ftp://ftp.example.org/pub", "john.doe+tag@mail.example.com",
@@ -63,6 +63,7 @@ def test_positional_placeholders_are_restored_in_the_source_order():
     assert out.text == "Copiar %s archivos a %d" and not out.ok  # the program's arguments stay in order
     assert check("Copy %s to %d files", out.text)
     assert not positional("%1$s") and not positional("%(name)s") and not positional("{0}") and positional("{:>4}")
+    assert positional("%<PRIu64>") and not positional("%H") and not positional("%%")  # a date's fields may move
 
 
 def test_repair_appends_what_is_missing_and_drops_extra_or_unknown_copies():
