@@ -11,8 +11,9 @@ printf conversions (``%s``, ``%5.2f``, ``%(name)s``, ``%1$s``, ``%%``, ``%<PRIu6
 (training/tasks/seq2seq.py) copies as single tokens; :meth:`Protected.restore` puts the originals back into
 the output. A *positional* placeholder (printf without ``n$`` or ``(name)``, and ``{}``) means "the next
 argument", so those are restored in the source's order whatever order the sentinels came in. With
-``repair``, an output that dropped a sentinel gets it appended and one that repeated it loses the extra copy,
-so the restored text always holds the source's placeholders (a catalog filled with it cannot crash the program
+``repair``, an output that dropped a sentinel gets it appended, one that repeated it loses the extra copy, a
+placeholder the model wrote itself is dropped and a restored one a word touches is spaced from it, so the
+restored text holds the source's placeholders (a catalog filled with it cannot crash the program
 that formats it); ``ok`` says whether the model's own output already did. :func:`check` compares the
 placeholders of two texts, for models whose tokenizer has no sentinels (nothing to restore: reported only).
 """
@@ -54,8 +55,9 @@ PATTERN = re.compile(
 # What a tokenizer keeps as single tokens when frequent (model.tokenizer): format specifiers and sentinels.
 TOKEN_PATTERN = re.compile("|".join([_PRINTF, _BRACES, _SENTINEL]))
 _EMPTY_FIELD = re.compile(r"\{[!:,}]")
-# A sentinel in an output, with the space before it (a dropped sentinel takes its space along).
+# A sentinel in an output, or any placeholder, with the space before it (a dropped one takes its space along).
 _SENTINEL_RE = re.compile(f"(?P<space> ?){SENTINEL_OPEN}(?P<index>\\d+){SENTINEL_CLOSE}")
+_SPACED = re.compile(f"(?P<space> ?)(?P<found>{PATTERN.pattern})")
 
 
 def sentinel(index: int) -> str:
@@ -95,9 +97,11 @@ class Protected:
     def restore(self, output: str, repair: bool = True) -> Restored:
         """``output`` with each sentinel replaced by its original (positional ones in the source's order).
 
-        Copies beyond the source's count, and sentinels the source never had, are dropped (with the space before
-        them). With ``repair`` (a finished output), sentinels the output lacks are appended; without it (a growing
-        stream) the result is a prefix of the repaired text of any longer output.
+        Copies beyond the source's count, sentinels the source never had and placeholders the model wrote itself
+        (``-a``, ``%d`` where the source had none) are dropped, with the space before them; a restored option,
+        variable, URL or address that a word touches gets a space between (``-T`` + ``UENA`` would be another
+        option). With ``repair`` (a finished output), sentinels the output lacks are appended; without it (a
+        stream: its text up to a space) the result is a prefix of the repaired text of any longer output.
         """
         seen: Counter[int] = Counter()
         ok = True
@@ -107,11 +111,26 @@ class Protected:
             index = int(match["index"])
             if index >= len(self.originals) or seen[index] >= self.counts[index]:
                 ok = False
-                return ""
+                return _left_by(match)
             seen[index] += 1
             return match.group(0)
 
         kept = _SENTINEL_RE.sub(keep, output)
+        unprotected = Counter(p for p in find(self.source) if p not in self.originals)  # beyond the sentinels
+
+        def invented(match: re.Match[str]) -> str:
+            nonlocal ok
+            found = match["found"]
+            if found.startswith(SENTINEL_OPEN):
+                return match.group(0)
+            if unprotected[found] > 0:
+                unprotected[found] -= 1
+                return match.group(0)
+            ok = False
+            return _left_by(match)
+
+        while (fewer := _SPACED.sub(invented, kept)) != kept:  # a removal can leave another one standing alone
+            kept = fewer
         if repair:
             missing = [sentinel(i) for i, n in enumerate(self.counts) for _ in range(n - seen[i])]
             if missing:
@@ -125,11 +144,38 @@ class Protected:
             if positional(text):
                 in_order.append(text)
                 text = next(positions, text)
-            return match["space"] + text
+            before = match["space"] or match.string[match.start() - 1: match.start()]
+            lead, trail = _spaced(text, before, match.string[match.end(): match.end() + 2])
+            return match["space"] + lead + text + trail
 
         restored = _SENTINEL_RE.sub(original, kept)
         ok = ok and tuple(in_order) == self.order[: len(in_order)]
         return Restored(restored, ok and (not repair or check(self.source, restored)))
+
+
+def _left_by(match: re.Match[str]) -> str:
+    """What stays of a dropped placeholder: nothing, or the space before it where text follows it at once (which
+    would otherwise join the text before)."""
+    follows = match.string[match.end(): match.end() + 1]
+    return match["space"] if follows and not follows.isspace() else ""
+
+
+# Characters that never join an option, a variable, a URL or an address touching them (on its left / right).
+_SEPARATE_LEFT = frozenset(" \t\n'\"«»“”‘’([{<)]}>,;:!?¡¿")
+_SEPARATE_RIGHT = frozenset(" \t\n'\"«»“”‘’<>")
+_CLOSERS = frozenset(".,;:!?)]}")  # separate on the right where a space, a quote or another closer follows
+
+
+def _spaced(text: str, before: str, after: str) -> tuple[str, str]:
+    """The spaces a restored ``text`` needs around it so that its neighbours (``before``: a character or "";
+    ``after``: the next two) do not join it: an option, a variable, a URL or an address next to a word or another
+    placeholder would read as another one (``-T`` + ``UENA``, ``ok.`` + ``john@x.org``); printf directives and
+    bracketed forms end where they end."""
+    if not (text[0] in "-$" or text[0].isalnum()):
+        return "", ""
+    closes = after[:1] in _CLOSERS and (len(after) == 1 or after[1] in _SEPARATE_RIGHT or after[1] in _CLOSERS)
+    return (" " if before and before not in _SEPARATE_LEFT else "",
+            " " if after and after[0] not in _SEPARATE_RIGHT and not closes else "")
 
 
 def protect(text: str, sentinels: int = MAX_SENTINELS) -> Protected:

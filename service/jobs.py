@@ -188,8 +188,9 @@ class StreamText:
     """Incremental text of one streamed sequence: never emits what a later token could still change.
 
     Held back: a trailing partial UTF-8 character ("\\ufffd") and any suffix that could be the start
-    of a stop string; with protected placeholders, a trailing space. Everything emitted is a prefix of the final,
-    stop-trimmed (and placeholder-restored) text.
+    of a stop string; with protected placeholders, the last word and the space before it (a placeholder the
+    model invented there is dropped with its space). Everything emitted is a prefix of the final, stop-trimmed
+    (and placeholder-restored) text.
     """
 
     def __init__(self, decode: Callable[[Sequence[int]], str], stops: list[str],
@@ -204,8 +205,8 @@ class StreamText:
         self.tokens.append(token)
         text = trim_stop(self.decode(self.tokens), self.stops)
         safe = text[: _safe_length(text, self.stops)]
-        if self.protected is not None:  # restored; a trailing space waits (a dropped sentinel after it takes it)
-            safe = self.protected.restore(safe, repair=False).text.rstrip(" ")
+        if self.protected is not None:  # restored up to its last space (a placeholder ends there), which waits too
+            safe = self.protected.restore(safe[: safe.rfind(" ") + 1], repair=False).text.rstrip(" ")
         delta = safe[len(self.emitted):] if safe.startswith(self.emitted) else ""
         self.emitted += delta
         return StreamEvent(text=delta, token=token, logprobs=logprobs)

@@ -112,3 +112,27 @@ def test_restore_gives_back_any_mix_of_kinds_for_a_model_that_copies_in_order():
         restored = protected.restore(output)
         assert restored.ok and check(source, restored.text), (source, restored)
         assert restored.text == source.replace(" word ", " palabra ").replace(" end", " fin")
+
+
+def test_placeholders_the_model_invents_are_dropped_and_touching_words_kept_apart():
+    protected = protect("Usage: %s [-T] SOURCE - does it exist? Use $HOME")
+    out = protected.restore(f"Uso: {sentinel(0)} [{sentinel(1)}UENA] FUENTE -a existe? %d Usa {sentinel(2)}ahora")
+    assert out.text == "Uso: %s [-T UENA] FUENTE existe? Usa $HOME ahora" and not out.ok
+    assert check(protected.source, out.text)
+    assert protect("Copy %s files").restore(f"Copiar {sentinel(0)}archivos").text == "Copiar %sarchivos"
+
+
+def test_a_streams_text_up_to_any_space_is_a_prefix_of_the_repaired_whole():
+    """Outputs made of sentinels (valid or not), words, invented placeholders and punctuation, glued or spaced."""
+    rng = random.Random(1)
+    words = ["palabra", "-a", "%d", "<i>", "x", "--no", "$V", "{k}", "ok.", "(", ")", ".", "a.b"]
+    for _ in range(2000):
+        chosen = rng.sample(KINDS, rng.randint(0, 4))
+        protected = protect(" word ".join(["start", *chosen, "end"]))
+        pieces = [sentinel(rng.randrange(len(protected.originals) + 1)) if rng.random() < 0.3 else rng.choice(words)
+                  for _ in range(rng.randint(0, 12))]
+        output = "".join(p + (" " if rng.random() < 0.7 else "") for p in pieces)
+        whole = protected.restore(output).text
+        for cut in [i + 1 for i, c in enumerate(output) if c == " "]:
+            assert whole.startswith(protected.restore(output[:cut], repair=False).text.rstrip(" ")), (output, cut)
+        assert check(protected.source, whole), (protected.source, output, whole)
