@@ -29,9 +29,9 @@ from benchmarks.cells import Cell, alternate, load
 from benchmarks.common import markdown_table
 from benchmarks.shape_engines import (
     TIE,
-    first_difference,
+    divergence,
     hf_decode,
-    hf_generate,
+    hf_greedy_reference,
     hf_logits,
     ours_decode,
     ours_tokens,
@@ -92,18 +92,13 @@ def check(files: shapes.ShapeFiles, ours: Checkpoint, hf: torch.nn.Module, dtype
         text = f"logits: max difference {error:.1e} of HF's scale, argmax equal on {same}/{len(ids)}"
         return text, error <= LOGITS_RTOL[dtype]
     inputs = random_ids(spec, 3, length, seed=1234).to(device)
-    out = hf_generate(hf, inputs, 1, new_tokens, return_dict_in_generate=True, output_scores=True)
-    start = 1 if spec.family == "seq2seq" else inputs.shape[1]
-    reference = out.sequences[:, start:].tolist()
-    scores = torch.stack(out.scores, 1).float()
+    reference, scores = hf_greedy_reference(hf, inputs, new_tokens)
+    tie = TIE if dtype == torch.float32 else 1e-2  # half precision: a tie at its own resolution
     parts = []
     for i, (mine, theirs) in enumerate(zip(ours_tokens(ours, inputs, 1, new_tokens), reference, strict=True)):
-        t = first_difference(mine, theirs)
-        if t is None:
-            continue
-        step = scores[i, t][scores[i, t].isfinite()]
-        gap = (scores[i, t, theirs[t]] - scores[i, t, mine[t]]).item() if t < min(len(mine), len(theirs)) else 1e9
-        parts.append((i, t, gap <= max(TIE, 1e-2 if dtype != torch.float32 else 0) * step.abs().max().item()))
+        found = divergence(mine, theirs, scores[i], tie)
+        if found is not None:
+            parts.append((i, found[0], found[2]))
     if not parts:
         return f"greedy tokens: same ({len(reference)} inputs x {new_tokens} tokens)", True
     where = ", ".join(f"input {i} from step {t}{' (a tie)' if tie else ''}" for i, t, tie in parts)

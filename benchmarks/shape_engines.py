@@ -194,14 +194,30 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
                 None if len(a) == len(b) else min(len(a), len(b)))
 
 
+def hf_greedy_reference(model: torch.nn.Module, inputs: torch.Tensor, new_tokens: int
+                        ) -> tuple[list[list[int]], torch.Tensor]:
+    """HF's greedy tokens of each input and the processed logits it chose them from (inputs, steps, vocab)."""
+    out = hf_generate(model, inputs, 1, new_tokens, return_dict_in_generate=True, output_scores=True)
+    start = 1 if model.config.is_encoder_decoder else inputs.shape[1]
+    return out.sequences[:, start:].tolist(), torch.stack(out.scores, 1).float()
+
+
+def divergence(mine: list[int], theirs: list[int], scores: torch.Tensor, tie: float) -> tuple[int, float, bool] | None:
+    """Where ``mine`` first parts from HF's ``theirs`` (scores: HF's logits per step), HF's logit for its token over
+    this one's there, and whether that gap is a tie (within ``tie`` of the step's largest |logit|); None if equal."""
+    t = first_difference(mine, theirs)
+    if t is None:
+        return None
+    gap = (scores[t, theirs[t]] - scores[t, mine[t]]).item() if t < min(len(mine), len(theirs)) else float("inf")
+    step = scores[t][scores[t].isfinite()]  # banned tokens are -inf
+    return t, gap, gap <= tie * max(1.0, step.abs().max().item())
+
+
 def check_decoding(engines: Engines, length: int, new_tokens: int) -> list[list[str]]:
     """Greedy tokens of each engine against HF's on three inputs: rows of the outputs table; a fp32 engine that
     disagrees beyond a tie goes into ``engines.excluded``."""
     inputs = random_ids(engines.files.shape, 3, length, seed=1234)
-    out = hf_generate(engines.hf, inputs, 1, new_tokens, return_dict_in_generate=True, output_scores=True)
-    start = 1 if engines.family == "seq2seq" else inputs.shape[1]
-    reference = out.sequences[:, start:].tolist()
-    scores = torch.stack(out.scores, 1)  # (inputs, steps, vocab): the processed logits HF chose from
+    reference, scores = hf_greedy_reference(engines.hf, inputs, new_tokens)
     candidates = {"ours": ours_tokens(engines.ours, inputs, 1, new_tokens),
                   "ours int8": ours_tokens(engines.ours_int8, inputs, 1, new_tokens)}
     if engines.translators:
@@ -215,14 +231,10 @@ def check_decoding(engines: Engines, length: int, new_tokens: int) -> list[list[
     for engine, tokens in candidates.items():
         verdicts = []
         for i, (mine, theirs) in enumerate(zip(tokens, reference, strict=True)):
-            t = first_difference(mine, theirs)
-            if t is None:
+            found = divergence(mine, theirs, scores[i], TIE)
+            if found is None:
                 continue
-            gap = (scores[i, t, theirs[t]] - scores[i, t, mine[t]]).item() if t < min(len(mine), len(theirs)) \
-                else float("inf")
-            step = scores[i, t][scores[i, t].isfinite()]  # banned tokens are -inf
-            tie = gap <= TIE * max(1.0, step.abs().max().item())
-            verdicts.append((i, t, gap, tie))
+            verdicts.append((i, *found))
             if "int8" in engine:
                 break  # int8 is expected to part somewhere: report the first input only
         text, ok = _verdict(verdicts, len(reference), new_tokens, "int8" in engine)

@@ -94,6 +94,16 @@ class Protected:
     counts: tuple[int, ...] = ()  # how often sentinel i occurs in the source
     order: tuple[str, ...] = ()  # the source's positional placeholders, in order
 
+    def pair(self, target: str) -> tuple[str, str]:
+        """A training pair of this source and its ``target`` with the same sentinels on both sides, when the target
+        holds exactly the source's placeholders (else the pair as it is: a translator who changed them teaches
+        nothing to copy)."""
+        if not self.originals or Counter(find(target)) != Counter(find(self.source)):
+            return self.source, target
+        index = {p: i for i, p in enumerate(self.originals)}
+        return self.text, PATTERN.sub(lambda m: sentinel(index[m.group(0)]) if m.group(0) in index else m.group(0),
+                                      target)
+
     def restore(self, output: str, repair: bool = True) -> Restored:
         """``output`` with each sentinel replaced by its original (positional ones in the source's order).
 
@@ -198,17 +208,6 @@ def protect(text: str, sentinels: int = MAX_SENTINELS) -> Protected:
     return Protected(text, swapped, originals, tuple(counts[i] for i in range(len(originals))), order)
 
 
-def protect_pair(source: str, target: str, sentinels: int = MAX_SENTINELS) -> tuple[str, str]:
-    """A training pair with the same sentinels on both sides, when the target holds exactly the source's
-    placeholders (else the pair as it is: a translator who changed them teaches nothing to copy)."""
-    protected = protect(source, sentinels)
-    if not protected.originals or Counter(find(target)) != Counter(find(source)):
-        return source, target
-    index = {p: i for i, p in enumerate(protected.originals)}
-    return protected.text, PATTERN.sub(lambda m: sentinel(index[m.group(0)]) if m.group(0) in index else m.group(0),
-                                       target)
-
-
 def sentinels_for(*tokenizers: Any) -> int:
     """How many placeholders a model reading and writing with ``tokenizers`` gets protected per text: all
     (:data:`MAX_SENTINELS`) when each was trained on protected pairs (has ``｟0｠`` as a token; the rarer sentinels
@@ -223,4 +222,4 @@ def check(source: str, output: str) -> bool:
 
 
 __all__ = ["MAX_SENTINELS", "PATTERN", "Protected", "Restored", "TOKEN_PATTERN", "check", "find", "positional",
-           "protect", "protect_pair", "sentinel", "sentinels_for"]
+           "protect", "sentinel", "sentinels_for"]

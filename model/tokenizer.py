@@ -18,6 +18,7 @@ this wrapper never mutates its backend after ``__init__``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import tempfile
@@ -190,7 +191,7 @@ class Tokenizer:
         a tokenizer that drops text (WordPiece's whitespace) can fit more, and the bound is then a size cap."""
         return self._max_token_bytes
 
-    @property
+    @functools.cached_property
     def sentinels(self) -> int:
         """How many placeholder sentinels (model.placeholders: ``｟0｠``, ``｟1｠``, ...) are single tokens here: a
         translation model trained on protected pairs has them; any other tokenizer none."""

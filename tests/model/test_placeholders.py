@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from model.placeholders import check, find, positional, protect, protect_pair, sentinel
+from model.placeholders import check, find, positional, protect, sentinel
 
 KINDS = [
     "%s", "%d", "%5.2f", "%-8lu", "%(name)s", "%(count)d", "%1$s", "%2$d", "%%", "%<PRIu64>", "%H", "%Y",
@@ -94,12 +94,12 @@ def test_sentinels_beyond_the_limit_leave_the_rest_as_it_is_and_literal_sentinel
 
 
 def test_training_pairs_share_sentinels_only_when_the_target_agrees():
-    assert protect_pair("Delete %s from {0}?", "¿Borrar %s de {0}?") == (
+    assert protect("Delete %s from {0}?").pair("¿Borrar %s de {0}?") == (
         f"Delete {sentinel(0)} from {sentinel(1)}?", f"¿Borrar {sentinel(0)} de {sentinel(1)}?")
-    assert protect_pair("Delete %1$s from %2$s?", "¿De %2$s borrar %1$s?") == (
+    assert protect("Delete %1$s from %2$s?").pair("¿De %2$s borrar %1$s?") == (
         f"Delete {sentinel(0)} from {sentinel(1)}?", f"¿De {sentinel(1)} borrar {sentinel(0)}?")
-    assert protect_pair("Delete %s?", "¿Borrar?") == ("Delete %s?", "¿Borrar?")
-    assert protect_pair("plain", "llano") == ("plain", "llano")
+    assert protect("Delete %s?").pair("¿Borrar?") == ("Delete %s?", "¿Borrar?")
+    assert protect("plain").pair("llano") == ("plain", "llano")
 
 
 def test_restore_gives_back_any_mix_of_kinds_for_a_model_that_copies_in_order():

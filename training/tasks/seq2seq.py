@@ -25,7 +25,7 @@ from torch import nn
 from model.config import Seq2SeqConfig
 from model.decoding import GenerationConfig
 from model.generation import generate_seq2seq
-from model.placeholders import Protected, protect, protect_pair, sentinels_for
+from model.placeholders import Protected, protect, sentinels_for
 from model.seq2seq import Seq2SeqTransformer
 from model.tokenizer import Tokenizer
 from training.data import Pair, ReadResult, read_pairs
@@ -77,7 +77,7 @@ class Seq2SeqTask(Task):
 
     def texts(self, records: Sequence[Pair]) -> Iterator[str]:
         for pair in records:
-            yield from protect_pair(pair.source, pair.target)
+            yield from protect(pair.source).pair(pair.target)
 
     def encode(
         self,
@@ -89,8 +89,8 @@ class Seq2SeqTask(Task):
         source_tokenizer: Tokenizer | None = None,
     ) -> list[TranslationExample]:
         sentinels = sentinels_for(tokenizer, source_tokenizer or tokenizer)
-        pairs = [protect_pair(p.source, p.target, sentinels) for p in records]
         served = [protect(p.source, sentinels) for p in records]
+        pairs = [query.pair(p.target) for query, p in zip(served, records, strict=True)]
         encoder = source_tokenizer or tokenizer
         sources = encoder.encode_batch([source for source, _ in pairs])
         targets = tokenizer.encode_batch([target for _, target in pairs])
