@@ -241,14 +241,15 @@ class CT2Process:
             raise RuntimeError(f"CTranslate2 worker: {reply}")
         return reply
 
-    def translate(self, pieces: list[list[str]], beams: int, new_tokens: int) -> list[int]:
-        """Tokens generated per source."""
-        self._conn.send((pieces, beams, new_tokens, False))
+    def translate(self, pieces: list[list[str]], beams: int, new_tokens: int, use_vmap: bool = False) -> list[int]:
+        """Tokens generated per source (``use_vmap``: restricted by the model directory's vmap.txt)."""
+        self._conn.send((pieces, beams, new_tokens, False, use_vmap))
         return self._reply()
 
-    def tokens(self, pieces: list[list[str]], beams: int, new_tokens: int) -> list[list[str]]:
+    def tokens(self, pieces: list[list[str]], beams: int, new_tokens: int, use_vmap: bool = False
+               ) -> list[list[str]]:
         """The best hypothesis of each source, as token strings."""
-        self._conn.send((pieces, beams, new_tokens, True))
+        self._conn.send((pieces, beams, new_tokens, True, use_vmap))
         return self._reply()
 
     def close(self) -> None:
@@ -270,10 +271,11 @@ def _serve_translator(conn, ct2_dir: str, compute_type: str, threads: int) -> No
         return
     conn.send("ready")
     while (request := conn.recv()) is not None:
-        pieces, beams, new_tokens, want_tokens = request
+        pieces, beams, new_tokens, want_tokens, use_vmap = request
         try:
             results = translator.translate_batch(
-                pieces, beam_size=max(beams, 1), max_decoding_length=new_tokens, min_decoding_length=new_tokens
+                pieces, beam_size=max(beams, 1), max_decoding_length=new_tokens, min_decoding_length=new_tokens,
+                use_vmap=use_vmap,
             )
             conn.send([r.hypotheses[0] if want_tokens else len(r.hypotheses[0]) for r in results])
         except Exception as exc:

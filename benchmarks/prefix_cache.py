@@ -10,6 +10,11 @@ prefill computes the shared blocks once and every row reuses them) and "warm" (t
 the cache). TTFT is timed by the client from sending to the first token event. Reported per burst: TTFT p50 and
 p90 over all rounds' requests with the cache off and on, the ratio of the p50s (off / on), and the server's
 prefix-cache hits over its queries (tokens). The issue's goal: TTFT with the cache >= 5x lower (warm burst).
+
+Then, in this process, one running batch of the burst (service/runners.py's ``CausalRunner``, as the server runs
+it) with the cache off and on: the KV memory the batch holds (``KVCache.nbytes``: with the cache, its rows read
+the cached prefix blocks in place, so the batch holds the prefix once) and the time of its decoding steps,
+alternating off and on step by step; the greedy tokens of the two must agree.
 """
 
 from __future__ import annotations
@@ -32,9 +37,11 @@ from benchmarks.common import machine_line, markdown_table
 from benchmarks.open_loop import PlannedRequest, RequestRecord, percentile, send, source_words
 from benchmarks.serve_setup import stdlib_texts
 from model.causal_lm import CausalLM
-from model.checkpoint import save_checkpoint
+from model.checkpoint import load_checkpoint, save_checkpoint
 from model.config import CausalLMConfig
+from model.prefix_cache import PrefixCache
 from model.tokenizer import Tokenizer
+from service.runners import CausalRunner
 from tests.service.server import metric_samples, running_server
 
 logger = logging.getLogger("benchmarks.prefix_cache")
@@ -44,6 +51,7 @@ SIZES = dict(d_model=512, n_heads=8, d_ff=2048, n_layers=6, vocab_size=8000, max
 TINY_SIZES = dict(d_model=64, n_heads=4, d_ff=128, n_layers=2, vocab_size=1000, max_len=512, dropout=0.0)
 BURSTS = ("cold", "warm")
 OUTPUT_TOKENS = 4  # TTFT is the point; a few tokens check that the streams carry on
+BATCH_STEPS = 32  # decoding steps of the in-process running batch, each timed off and on
 
 
 @dataclass
@@ -130,10 +138,45 @@ def run(args: argparse.Namespace) -> str:
                         prompt_tokens += [len(tokenizer.encode(p, add_bos=True)) for p in prompts]
                         logger.info("round %d, cache %s, %s burst: TTFT p50 %.3f s", round_ + 1,
                                     "on" if cache_on else "off", kind, percentile(ttfts, 50))
+        batch = running_batch(models / MODEL, [f"{system}\n{s}" for s in suffixes["warm"]], args.threads)
         loads = (load_before, os.getloadavg())
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return report(args, described, bursts, sum(prompt_tokens) / len(prompt_tokens), loads)
+    return report(args, described, bursts, sum(prompt_tokens) / len(prompt_tokens), loads) + "\n\n" + batch
+
+
+def running_batch(model_dir: Path, texts: list[str], threads: int) -> str:
+    """One running batch of ``texts`` prefilled and decoded by the server's runner with the prefix cache off and on:
+    its KV memory and decoding-step times (medians, the two alternating step by step), as a table."""
+    torch.set_num_threads(threads)
+    ckpt = load_checkpoint(model_dir, device="cpu")
+    prompts = [ckpt.tokenizer.encode(text, add_bos=True) for text in texts]
+    runners = {"off": CausalRunner(ckpt.model), "on": CausalRunner(ckpt.model, PrefixCache(256 << 20))}
+    caches, tokens, held, steps = {}, {}, {}, {name: [] for name in runners}
+    with torch.no_grad():
+        for name, runner in runners.items():
+            logits, caches[name] = runner.prefill(prompts, [None] * len(prompts), [[] for _ in prompts])
+            tokens[name], held[name] = logits.argmax(-1), caches[name].nbytes
+        for _ in range(BATCH_STEPS):
+            for name, runner in runners.items():
+                start = time.perf_counter()
+                logits = runner.decode(tokens[name], caches[name])
+                steps[name].append(time.perf_counter() - start)
+                tokens[name] = logits.argmax(-1)
+            if not torch.equal(tokens["off"], tokens["on"]):
+                raise RuntimeError("the batch with the prefix cache chose other tokens than the one without")
+    off, on = held["off"], held["on"]
+    step_off, step_on = percentile(steps["off"], 50), percentile(steps["on"], 50)
+    return "\n".join([
+        f"Running batch (in process, torch threads {threads}): {len(prompts)} rows of the warm burst, "
+        f"{BATCH_STEPS} greedy decoding steps (the same tokens off and on)",
+        "",
+        markdown_table(["prefix cache", "KV bytes held by the batch after its prefill", "decoding step p50 (ms)"], [
+            ["off (each row holds its whole prompt)", f"{off / 2**20:,.1f} MiB", f"{step_off * 1000:.1f}"],
+            ["on (rows read the cached prefix blocks in place)", f"{on / 2**20:,.1f} MiB", f"{step_on * 1000:.1f}"],
+            ["off / on", f"{off / on:.1f}x", f"{step_off / step_on:.2f}x"],
+        ]),
+    ])
 
 
 def report(args: argparse.Namespace, described: str, bursts: dict[str, Burst], mean_prompt: float,

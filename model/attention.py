@@ -18,6 +18,7 @@ from torch import nn
 from model import native
 from model.kernel_layers import Linear
 from model.kv_cache import KVCache
+from model.shared_prefix import SharedPrefix
 
 KERNEL_MAX_QUERIES = 16  # longer query blocks (prefill) are SDPA's strength
 KERNEL_MAX_HEAD_DIM = 128
@@ -34,8 +35,12 @@ def attention(
     return F.dropout(weights, p=dropout) @ v, weights
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """``F.scaled_dot_product_attention(q, k, v, attn_mask=mask)`` for a decoding step, no dropout.
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+    prefix: SharedPrefix | None = None, layer: int = 0,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention(q, k, v, attn_mask=mask)`` for a decoding step, no dropout; with ``prefix``,
+    each row also attends to its prefix blocks of ``layer`` (ahead of ``k``/``v``, which hold its own positions).
 
     CPU float32 without autograd, up to 16 queries per head: our kernel, which reads each head's K/V once
     (2-3x faster than SDPA at one query; a query with nothing to attend to gets zeros, not NaN).
@@ -52,9 +57,37 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         or v.stride(3) != 1
         or q.stride(3) != 1
         or (mask is not None and mask.dtype != torch.bool)
+        or (prefix is not None and prefix.blocks[0].dtype != torch.float32)
     ):
+        if prefix is not None:
+            return prefix_attention(q, k, v, mask, prefix, layer)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return kernel.decode_attention(q, k, v, mask)
+    if prefix is None:
+        return kernel.decode_attention(q, k, v, mask)
+    return kernel.decode_attention(q, k, v, mask, list(prefix.blocks), prefix.table, layer)
+
+
+def prefix_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, prefix: SharedPrefix, layer: int
+) -> torch.Tensor:
+    """Attention of q (B, H, Tq, Dh) over each row's prefix blocks of ``layer`` and then its own k/v (B, H, T, Dh)
+    (``mask`` covers the own keys), in PyTorch ops. The blocks are put side by side once for all rows (one
+    (H, P, Dh) tensor; a row's mask hides the blocks it does not read), so the prefix part is a GEMM over every
+    row's queries against one copy of the blocks rather than a copy per row."""
+    b, heads, t, dh = q.shape
+    prefix_keys, prefix_values = prefix.keys(layer).to(q.dtype), prefix.values(layer).to(q.dtype)
+    shared = prefix_keys.shape[1]
+    scale = dh**-0.5
+    by_head = q.transpose(0, 1).reshape(heads, b * t, dh)  # every row's queries of one head together
+    prefix_scores = (by_head @ prefix_keys.transpose(1, 2)).view(heads, b, t, shared).transpose(0, 1) * scale
+    if prefix.visible is not None:
+        prefix_scores = prefix_scores.masked_fill(~prefix.visible[:, None, None, :], float("-inf"))
+    own_scores = (q @ k.transpose(-2, -1)) * scale
+    if mask is not None:
+        own_scores = own_scores.masked_fill(~mask, float("-inf"))
+    weights = torch.cat((prefix_scores, own_scores), dim=-1).softmax(dim=-1)
+    from_prefix = weights[..., :shared].transpose(0, 1).reshape(heads, b * t, shared) @ prefix_values
+    return from_prefix.view(heads, b, t, dh).transpose(0, 1) + weights[..., shared:] @ v
 
 
 class MultiHeadAttention(nn.Module):
@@ -127,7 +160,12 @@ class MultiHeadAttention(nn.Module):
         dropout = self.dropout if self.training else 0.0
         if k.dtype != q.dtype:  # a cache kept in another dtype
             k, v = k.to(q.dtype), v.to(q.dtype)
-        if attention_weights:
+        if cache is not None and kv is None and cache.prefix is not None:
+            if attention_weights or dropout:
+                raise ValueError("a shared prefix is read for inference only: no attention weights, no dropout")
+            out = decode_attention(q, k, v, mask, cache.prefix, layer)
+            weights = None
+        elif attention_weights:
             out, weights = attention(q, k, v, mask, dropout)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)

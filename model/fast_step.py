@@ -113,7 +113,7 @@ class _Layer:
             k, v = cache.write(i, k, v)
             if k.dtype != q.dtype:  # a cache kept in another dtype
                 k, v = k.to(q.dtype), v.to(q.dtype)
-            return attn.merge(decode_attention(q, k, v, mask))
+            return attn.merge(decode_attention(q, k, v, mask, cache.prefix, i))
 
         x = self.sublayer(x, self.self_norm, self_attention)
         if self.cross_attn is not None:
@@ -298,6 +298,8 @@ class _NativeStep:
             start=cache.max_length, visible=cache.max_length + x.shape[1],
             write_positions=None if cache.uniform else cache.write_positions,
             self_mask=mask, memory_mask=memory_mask, group=cross.group_size if cross is not None else 1,
+            prefix_blocks=list(cache.prefix.blocks) if cache.prefix is not None else [],
+            prefix_table=cache.prefix.table if cache.prefix is not None else None,
         )
         return self.stack.step(x, step_cache, deltas, self.panels(kernels, x.shape[0]))
 

@@ -14,9 +14,11 @@ from model.causal_lm import CausalLM
 from model.decoding import ConfigError, GenerationConfig, Hypothesis, Search, StopFn, Strategy, make_search, run_search
 from model.kv_cache import KVCache
 from model.lora import AdapterSelection, set_adapters, use_adapters
+from model.restricted_vocab import VocabularyRestriction
 from model.seq2seq import Seq2SeqTransformer
 from model.speculative import Drafter, SpeculativeConfig, make_drafter, verify
 from model.tokenizer import Tokenizer, pad_batch
+from model.vocab_map import VocabularyMap
 
 
 class InputTooLongError(ValueError):
@@ -78,9 +80,11 @@ def generate_seq2seq(
     config: GenerationConfig,
     adapters: AdapterSelection = None,
     targets: Sequence[Sequence[int]] | None = None,
+    vocab_map: VocabularyMap | None = None,
 ) -> list[list[Hypothesis]]:
     """Translate each source; returns per source the hypotheses of ``config`` (best first). ``targets``: per source,
-    the start of its translation (target tokens) to continue; the hypotheses hold what follows it."""
+    the start of its translation (target tokens) to continue; the hypotheses hold what follows it. ``vocab_map``:
+    each translation uses only its source's candidate tokens (model.vocab_map, CTranslate2's use_vmap)."""
     targets = [list(t) for t in targets] if targets is not None else [[] for _ in sources]
     _check_lengths([len(s) for s in sources], 0, model.config.max_src_len, "source")
     _check_lengths([len(t) for t in targets], config.max_new_tokens + 1, model.config.max_len, "output")
@@ -89,7 +93,11 @@ def generate_seq2seq(
     search = make_search(config, len(sources), prefixes=[[model.config.bos_id, *t] for t in targets])
     with torch.inference_mode(), _AdapterRows(model, adapters, len(sources)) as rows:
         capacity = config.max_new_tokens + 1 + max(map(len, targets))
-        first, cache = model.start(src.to(device), capacity=capacity, targets=targets)
+        vocabulary = None
+        if vocab_map is not None:
+            vocabulary = VocabularyRestriction.of_rows([vocab_map.candidates(s) for s in sources],
+                                                       model.config.vocab_size, device)
+        first, cache = model.start(src.to(device), capacity=capacity, targets=targets, vocabulary=vocabulary)
         return run_search(search, first, lambda t: model.decode_step(t, cache), rows.select_with(cache.select))
 
 

@@ -56,6 +56,21 @@ class Int8Linear(nn.Module):
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
         return cls(linear.weight, linear.bias)
 
+    def rows(self, ids: torch.Tensor) -> Int8Linear:
+        """The layer of output rows ``ids`` alone (a restricted vocabulary's head: model.restricted_vocab), with the
+        same int8 weights and scales: its outputs are those rows of this layer's."""
+        if self.backend != "vnni":  # quantising the dequantised rows again gives the same int8 values and scales
+            bias = self.bias.index_select(0, ids) if self.bias is not None else None
+            return Int8Linear(self.weight.index_select(0, ids), bias, self.reduce_range)
+        layer = Int8Linear.__new__(Int8Linear)
+        nn.Module.__init__(layer)
+        q = int8_kernel.unpack(self._packed, self.out_features, self.in_features).index_select(0, ids)
+        layer.out_features, layer.in_features, layer.reduce_range = ids.shape[0], self.in_features, self.reduce_range
+        layer.backend, layer._kernel_linear, layer._packed = "vnni", self._kernel_linear, int8_kernel.pack(q)
+        layer._scales, layer._sums = self._scales.index_select(0, ids), self._sums.index_select(0, ids)
+        layer._bias = self._bias.index_select(0, ids) if self._bias is not None else None
+        return layer
+
     @property
     def weight(self) -> torch.Tensor:
         """The dequantised weight (out, in) in float32: a fresh copy, writes to it change nothing."""

@@ -8,6 +8,10 @@ see (padding, or beyond the query's own position) are masked by ``attention_mask
 While every row holds the same number of tokens (``uniform``: offline greedy and beam search,
 seq2seq decoding) a step writes one slice for all rows and a single new token needs no mask.
 Cross-attention K/V (encoder-decoder) are computed once per source and only reordered.
+Rows may start from a shared prefix (model.shared_prefix: cached prompt blocks read in place): their buffers
+then hold their own positions only, and a row's token positions count from its prefix's length.
+A translator's rows may be restricted to target vocabularies (model.restricted_vocab): that per-row state
+follows the rows through ``select`` and ``concat`` with the rest.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from model.restricted_vocab import VocabularyRestriction
+from model.shared_prefix import SharedPrefix
 
 GROWTH = 64  # positions added when a buffer runs out; amortises the copy
 
@@ -83,10 +90,12 @@ class KVCache:
 
     keys: list[torch.Tensor]  # per layer (B, H, capacity, Dh)
     values: list[torch.Tensor]
-    lengths: torch.Tensor  # (B,) tokens already cached per row
+    lengths: torch.Tensor  # (B,) tokens already cached per row in its own buffer
     max_length: int = 0  # host-side upper bound of lengths, to slice buffers without a device sync
     cross: CrossAttentionMemory | None = None
     uniform: bool = True  # every row holds exactly max_length tokens (host-side, no device sync)
+    prefix: SharedPrefix | None = None  # cached blocks each row reads ahead of its own K/V
+    vocabulary: VocabularyRestriction | None = None  # the target ids each row may produce (seq2seq)
     _write_positions: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
@@ -107,25 +116,6 @@ class KVCache:
             lengths=torch.zeros(batch, dtype=torch.long, device=device),
         )
 
-    def load_prefixes(self, prefixes: list[torch.Tensor | None]) -> None:
-        """Start each row of this empty cache from K/V computed before (model.prefix_cache): per row a
-        (layers, 2, heads, n, head_dim) tensor of its first n positions, or None. Rows given the same tensor
-        object are written together."""
-        lengths = [p.shape[3] if p is not None else 0 for p in prefixes]
-        self._reserve(max(lengths))
-        groups: dict[int, tuple[torch.Tensor, list[int]]] = {}
-        for row, prefix in enumerate(prefixes):
-            if prefix is not None:
-                groups.setdefault(id(prefix), (prefix, []))[1].append(row)
-        for prefix, rows in groups.values():
-            index, n = torch.tensor(rows, device=self.lengths.device), prefix.shape[3]
-            for layer, (keys, values) in enumerate(zip(self.keys, self.values, strict=True)):
-                keys[index, :, :n] = prefix[layer, 0].to(keys.dtype)
-                values[index, :, :n] = prefix[layer, 1].to(values.dtype)
-        self.lengths = torch.tensor(lengths, dtype=torch.long, device=self.lengths.device)
-        self.max_length = max(lengths)
-        self.uniform = len(set(lengths)) == 1
-
     @property
     def batch_size(self) -> int:
         return self.lengths.shape[0]
@@ -134,13 +124,27 @@ class KVCache:
     def capacity(self) -> int:
         return self.keys[0].shape[2]
 
+    @property
+    def nbytes(self) -> int:
+        """Memory this cache holds: its buffers (self- and cross-attention) and the prefix blocks it reads (once)."""
+        tensors = self.keys + self.values + (self.cross.keys + self.cross.values if self.cross is not None else [])
+        own = sum(t.numel() * t.element_size() for t in tensors)
+        return own + (self.prefix.nbytes if self.prefix is not None else 0)
+
     def begin_step(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Prepare to append ``num_tokens`` per row; return (positions (B, t), attention mask (B|1, 1, t, K)).
 
         A query at position p sees every cached key at a position <= p. Right padding is therefore
         safe: a real token never sees the pad slots after it, and the next token overwrites them.
-        The mask is None when every visible key is allowed (uniform rows, one new token).
+        The mask is None when every visible key is allowed (uniform rows, one new token). It covers the
+        rows' own buffers; the positions returned (for position embeddings) count a shared prefix too.
         """
+        positions, mask = self._begin_own_step(num_tokens)
+        if self.prefix is not None:
+            positions = positions + self.prefix.lengths[:, None]
+        return positions, mask
+
+    def _begin_own_step(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         self._reserve(self.max_length + num_tokens)
         device = self.lengths.device
         key_positions = torch.arange(self.max_length + num_tokens, device=device)
@@ -220,6 +224,10 @@ class KVCache:
         self.lengths = self.lengths.index_select(0, index)
         if self.cross is not None:
             self.cross = self.cross.select(index)
+        if self.prefix is not None:
+            self.prefix = self.prefix.select(index)
+        if self.vocabulary is not None:
+            self.vocabulary = self.vocabulary.select(index)
 
     def _reorder_in_place(self, index: torch.Tensor) -> None:
         """Copy the used prefix of old row ``index[i]`` into row i wherever they differ.
@@ -246,6 +254,8 @@ class KVCache:
             lengths=torch.cat([c.lengths for c in caches]),
             max_length=max(c.max_length for c in caches),
             uniform=all(c.uniform for c in caches) and len({c.max_length for c in caches}) == 1,
+            prefix=SharedPrefix.concat([c.prefix for c in caches], [c.batch_size for c in caches]),
+            vocabulary=VocabularyRestriction.concat([c.vocabulary for c in caches], [c.batch_size for c in caches]),
         )
         if not joined.uniform:  # shorter rows now read (masked) past their own cache's end: make it finite
             start = 0

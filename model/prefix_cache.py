@@ -81,20 +81,22 @@ class PrefixCache:
         return len(self._walk(namespace, prompt, (len(prompt) - 1) // BLOCK_TOKENS)) * BLOCK_TOKENS
 
     def store_prompt(self, namespace: str | None, prompt: Sequence[int], keys: Sequence[torch.Tensor],
-                     values: Sequence[torch.Tensor]) -> None:
-        """Keep the full blocks of ``prompt`` not cached yet; ``keys`` / ``values`` per layer (heads, >= len, head_dim)
-        hold the prompt's K/V from position 0 (one row of a KV cache)."""
+                     values: Sequence[torch.Tensor], offset: int = 0) -> None:
+        """Keep the full blocks of ``prompt`` not cached yet; ``keys`` / ``values`` per layer (heads, >= len - offset,
+        head_dim) hold the prompt's K/V from position ``offset`` on (one row of a KV cache that read its first
+        ``offset`` positions from cached blocks). Nothing is kept when those blocks were evicted meanwhile: the new
+        ones would hang from no chain."""
         blocks = len(prompt) // BLOCK_TOKENS
         chain = self._walk(namespace, prompt, blocks)
-        if len(chain) == blocks:
+        if len(chain) == blocks or len(chain) * BLOCK_TOKENS < offset:
             self._touch(chain)
             return
-        start, end = len(chain) * BLOCK_TOKENS, blocks * BLOCK_TOKENS
+        start, end = len(chain) * BLOCK_TOKENS - offset, blocks * BLOCK_TOKENS - offset
         kv = torch.stack([torch.stack((k[:, start:end], v[:, start:end])) for k, v in zip(keys, values, strict=True)])
         parent = chain[-1].serial if chain else 0
         for i, block in enumerate(kv.split(BLOCK_TOKENS, dim=3)):
-            offset = start + i * BLOCK_TOKENS
-            entry = self._put((namespace, parent, tuple(prompt[offset: offset + BLOCK_TOKENS])), block.clone())
+            first = offset + start + i * BLOCK_TOKENS
+            entry = self._put((namespace, parent, tuple(prompt[first: first + BLOCK_TOKENS])), block.clone())
             if entry is None:
                 break
             chain.append(entry)

@@ -12,6 +12,7 @@ from model.fast_step import run_decoder
 from model.kernel_layers import Linear
 from model.kv_cache import CrossAttentionMemory, KVCache
 from model.layers import Embeddings, LayerStack, causal_mask, init_weights, padding_mask
+from model.restricted_vocab import VocabularyRestriction
 from model.tokenizer import pad_batch
 
 
@@ -79,11 +80,14 @@ class Seq2SeqTransformer(nn.Module):
         cache.cross = cross
         return cache
 
-    def start(self, src: torch.Tensor, capacity: int, targets: Sequence[Sequence[int]] | None = None
-              ) -> tuple[torch.Tensor, KVCache]:
-        """Encode ``src`` and feed BOS (then each row's target prefix): the next-token logits (B, V) and the cache."""
+    def start(self, src: torch.Tensor, capacity: int, targets: Sequence[Sequence[int]] | None = None,
+              vocabulary: VocabularyRestriction | None = None) -> tuple[torch.Tensor, KVCache]:
+        """Encode ``src`` and feed BOS (then each row's target prefix): the next-token logits (B, V) and the cache.
+        ``vocabulary``: the target ids each row may produce (model.restricted_vocab), from the first token on."""
         memory, src_mask, _ = self.encode(src)
-        return self.start_from(self.new_cache(memory, src_mask, capacity), targets)
+        cache = self.new_cache(memory, src_mask, capacity)
+        cache.vocabulary = vocabulary
+        return self.start_from(cache, targets)
 
     def start_from(self, cache: KVCache, targets: Sequence[Sequence[int]] | None = None
                    ) -> tuple[torch.Tensor, KVCache]:
@@ -98,7 +102,7 @@ class Seq2SeqTransformer(nn.Module):
         positions, mask = cache.begin_step(ids.shape[1])
         x, _ = self.decoder(self.tgt_embed(ids, positions), mask, memory_mask=cache.cross.attention_mask, cache=cache)
         cache.end_step(lengths, max_advance=ids.shape[1])
-        return self.lm_head(x[torch.arange(ids.shape[0], device=device), lengths - 1]), cache
+        return self.logits(x[torch.arange(ids.shape[0], device=device), lengths - 1], cache), cache
 
     def decode_step(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Feed one target token per row (N,); return next-token logits (N, V)."""
@@ -106,7 +110,7 @@ class Seq2SeqTransformer(nn.Module):
         x = self.tgt_embed(tokens[:, None], positions)
         x = run_decoder(self.decoder, x, mask, cache, cache.cross.attention_mask)
         cache.end_step(1)
-        return self.lm_head(x[:, 0])
+        return self.logits(x[:, 0], cache)
 
     def verify_step(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Feed t target tokens per row (B, t) (a fed token and a speculative draft); return the logits (B, t, V)
@@ -114,4 +118,11 @@ class Seq2SeqTransformer(nn.Module):
         positions, mask = cache.begin_step(ids.shape[1])
         x = run_decoder(self.decoder, self.tgt_embed(ids, positions), mask, cache, cache.cross.attention_mask)
         cache.end_step(ids.shape[1])
-        return self.lm_head(x)
+        return self.logits(x, cache)
+
+    def logits(self, hidden: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """The output head over ``hidden`` (B, [t,] D): every target token's logit, or with the cache's vocabulary
+        restriction the candidates' (the others -inf)."""
+        if cache.vocabulary is None:
+            return self.lm_head(hidden)
+        return cache.vocabulary.logits(self.lm_head, hidden)

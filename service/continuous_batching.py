@@ -99,6 +99,7 @@ class GenerationScheduler(Scheduler):
         self._step(admitted)
         self._taken = []
         self.metrics.running.labels(self.name).set(self.num_running)
+        self.metrics.kv_cache_bytes.labels(self.name).set(self.batch.cache.nbytes if self.batch is not None else 0)
         if self.device.type == "cuda":
             self.metrics.gpu_memory(str(self.device), torch.cuda.memory_allocated(self.device))
 
@@ -183,8 +184,9 @@ class GenerationScheduler(Scheduler):
         prompts = [p for job in jobs for p in job.prompts]
         targets = [t for job in jobs for t in job.targets]
         rows = [a for job in jobs for a in [internal_name(job)] * len(job.prompts)]
+        restricted = [job.use_vmap for job in jobs for _ in job.prompts]
         try:
-            logits, cache = self._call_model(jobs, rows, self.runner.prefill, prompts, rows, targets)
+            logits, cache = self._call_model(jobs, rows, self.runner.prefill, prompts, rows, targets, restricted)
         except Exception as exc:
             if len(jobs) == 1:
                 logger.exception("model %r: request %r failed in prefill", self.name, jobs[0].id)
@@ -211,9 +213,9 @@ class GenerationScheduler(Scheduler):
                drafts: list[list[int] | None] | None = None) -> list[Output]:
         """Per-job logits slices ((rows, V), or (rows, t, V) after a verification step), whether they are all
         finite (one device sync per model call), and the job's draft."""
-        # A row's sum is finite exactly when all its logits are (a NaN or an infinity carries through a sum; finite
-        # logits cannot overflow it): one reduction instead of a (rows, V) mask.
-        finite = torch.isfinite(logits.reshape(logits.shape[0], -1).sum(dim=-1)).tolist()
+        # A position's largest logit is finite exactly when it has no NaN (max propagates it), no +inf and at least
+        # one token allowed: -inf is a token ruled out (a vocabulary map, a bias), not a fault. One reduction.
+        finite = torch.isfinite(logits.amax(dim=-1)).reshape(logits.shape[0], -1).all(dim=-1).tolist()
         out, offset = [], 0
         for i, job in enumerate(jobs):
             rows = job.search.num_rows

@@ -141,7 +141,8 @@ class GenerationJob(Job):
     def __init__(self, request_id: str, timeout_s: float, prompts: list[list[int]], config: GenerationConfig,
                  stops: list[str], adapter: AdapterVersion | None = None, stream: StreamText | None = None,
                  targets: list[list[int]] | None = None, speculative: SpeculativeConfig | None = None,
-                 constraint: CompiledConstraint | None = None, protected: list[Protected] | None = None) -> None:
+                 constraint: CompiledConstraint | None = None, protected: list[Protected] | None = None,
+                 use_vmap: bool = False) -> None:
         super().__init__(request_id, timeout_s, adapter)
         self.endpoint = "stream" if stream is not None else "generate"
         self.prompts = prompts
@@ -150,6 +151,7 @@ class GenerationJob(Job):
         self.drafter: Drafter | None = None  # made with the search, fed every token the search picks
         self.constraint = constraint  # the grammar every output matches
         self.protected = protected  # per input, its placeholders swapped for sentinels (seq2seq): restored in texts
+        self.use_vmap = use_vmap  # outputs keep to the model's vocabulary map (seq2seq, model.vocab_map)
         self.matchers: RowMatchers | None = None  # one per row of the search, made with it
         self.config = config
         self.stops = stops

@@ -61,6 +61,8 @@ class Metrics:
                                          "cache (their K/V reused, not computed)", ["model"], registry=r)
         self.prefix_cache_bytes = Gauge("tserve_prefix_cache_bytes", "Memory held by the prefix cache", ["model"],
                                         registry=r)
+        self.kv_cache_bytes = Gauge("tserve_kv_cache_bytes", "KV cache memory of the running batch (its buffers and "
+                                    "the cached prefix blocks its rows read, each once)", ["model"], registry=r)
         self.spec_draft_tokens = Counter("tserve_spec_decode_draft_tokens", "Draft tokens proposed by speculative "
                                          "decoding", ["model"], registry=r)
         self.spec_accepted_tokens = Counter("tserve_spec_decode_accepted_tokens", "Draft tokens the model's own "

@@ -6,9 +6,9 @@ it takes, how many new tokens fit after an input, and which tokens a search's ou
 ``no_repeat_ngram_size`` counts). The scheduler only schedules.
 
 With a prefix cache (model.prefix_cache) a prefill reuses what earlier or running requests computed: a causal
-LM's rows start from their prompts' longest cached block chains and compute only the rest (prefixes that
-several rows of the batch share are computed once first); a translator's rows reuse identical sources'
-cross-attention K/V and encode only the others.
+LM's rows start from their prompts' longest cached block chains, which they read in place for as long as they
+run (model.shared_prefix), and compute only the rest (prefixes that several rows of the batch share are computed
+once first); a translator's rows reuse identical sources' cross-attention K/V and encode only the others.
 """
 
 from __future__ import annotations
@@ -21,9 +21,12 @@ import torch
 from model.causal_lm import CausalLM
 from model.kv_cache import CrossAttentionMemory, KVCache
 from model.lora import use_adapters
-from model.prefix_cache import Entry, PrefixCache, shared_prefixes
+from model.prefix_cache import BLOCK_TOKENS, Entry, PrefixCache, shared_prefixes
+from model.restricted_vocab import VocabularyRestriction
 from model.seq2seq import Seq2SeqTransformer
+from model.shared_prefix import SharedPrefix
 from model.tokenizer import pad_batch
+from model.vocab_map import VocabularyMap
 
 # Cache positions a prefill reserves for new tokens; the cache grows by itself beyond them (KVCache.begin_step).
 DECODE_HEADROOM = 16
@@ -35,12 +38,13 @@ class GenerationRunner(ABC):
     family: str
 
     def __init__(self, model: CausalLM | Seq2SeqTransformer, prefix_cache: PrefixCache | None = None,
-                 draft_model: CausalLM | None = None) -> None:
+                 draft_model: CausalLM | None = None, vocab_map: VocabularyMap | None = None) -> None:
         self.model = model
         self.config = model.config
         self.device = next(model.parameters()).device
         self.prefix_cache = prefix_cache
         self.draft_model = draft_model  # drafts for speculative method draft_model (model.speculative)
+        self.vocab_map = vocab_map  # a translator's candidate target tokens per source (model.vocab_map)
 
     @property
     @abstractmethod
@@ -56,11 +60,12 @@ class GenerationRunner(ABC):
         """The tokens each input's output continues (``targets``: a translation's target prefixes, else empty)."""
 
     @abstractmethod
-    def prefill(self, inputs: list[list[int]], adapters: Sequence[str | None], targets: list[list[int]]
-                ) -> tuple[torch.Tensor, KVCache]:
+    def prefill(self, inputs: list[list[int]], adapters: Sequence[str | None], targets: list[list[int]],
+                restricted: Sequence[bool] | None = None) -> tuple[torch.Tensor, KVCache]:
         """(rows, V) logits of every input's first new token, and the rows' cache. ``adapters``: each row's adapter
         (None: the base model), which the model is already set to; a prefix is reused only under the same one.
-        ``targets``: per row, a translation's target prefix to continue (empty lists for a causal LM)."""
+        ``targets``: per row, a translation's target prefix to continue (empty lists for a causal LM).
+        ``restricted``: per row, whether its output keeps to the vocabulary map's candidates for its input."""
 
     def decode(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """(rows, V) logits of the next token after ``tokens`` (rows,), appended to ``cache``."""
@@ -98,37 +103,30 @@ class CausalRunner(GenerationRunner):
     def draft_source(self, input_ids: list[int], target: list[int]) -> list[int]:
         return list(input_ids)
 
-    def prefill(self, inputs: list[list[int]], adapters: Sequence[str | None], targets: list[list[int]]
-                ) -> tuple[torch.Tensor, KVCache]:
-        if any(targets):
-            raise ValueError("a causal LM continues its prompt: target prefixes are for seq2seq models")
+    def prefill(self, inputs: list[list[int]], adapters: Sequence[str | None], targets: list[list[int]],
+                restricted: Sequence[bool] | None = None) -> tuple[torch.Tensor, KVCache]:
+        if any(targets) or any(restricted or ()):
+            raise ValueError("a causal LM continues its prompt: target prefixes and vocabulary maps are for seq2seq")
         if self.prefix_cache is None:
-            return self._prefill(inputs, [None] * len(inputs))
+            return self._prefill(inputs, [[] for _ in inputs])
         self._prefill_shared(inputs, adapters)
-        logits, cache = self._prefill(inputs, self._reused(inputs, adapters, count=True))
+        chains = self._reused(inputs, adapters, count=True)
+        logits, cache = self._prefill(inputs, chains)
         self._store(inputs, adapters, cache)
         return logits, cache
 
-    def _prefill(self, inputs: list[list[int]], prefixes: list[torch.Tensor | None]) -> tuple[torch.Tensor, KVCache]:
-        """Prefill each input after its reused prefix K/V (layers, 2, H, n, Dh), or from the start (None)."""
-        reused = [p.shape[3] if p is not None else 0 for p in prefixes]
+    def _prefill(self, inputs: list[list[int]], chains: list[list[Entry]]) -> tuple[torch.Tensor, KVCache]:
+        """Prefill each input after the cached blocks of its chain (read in place), or from the start ([])."""
+        reused = [len(chain) * BLOCK_TOKENS for chain in chains]
         ids, lengths = self._padded([tokens[n:] for tokens, n in zip(inputs, reused, strict=True)])
-        cache = self.model.new_cache(len(inputs), capacity=max(reused) + ids.shape[1] + DECODE_HEADROOM)
-        if any(reused):
-            cache.load_prefixes(prefixes)
+        cache = self.model.new_cache(len(inputs), capacity=ids.shape[1] + DECODE_HEADROOM)
+        cache.prefix = SharedPrefix.of_chains([[entry.kv for entry in chain] for chain in chains])
         return self.model.prefill(ids, lengths, cache), cache
 
-    def _reused(self, inputs: list[list[int]], adapters: Sequence[str | None], count: bool) -> list:
-        """Each input's longest cached prefix as one tensor (None: nothing cached); rows with one chain share it."""
-        joined: dict[tuple[int, ...], torch.Tensor] = {}
-        prefixes = []
-        for tokens, adapter in zip(inputs, adapters, strict=True):
-            chain = self.prefix_cache.match(adapter, tokens, count=count)
-            key = tuple(e.serial for e in chain)
-            if chain and key not in joined:
-                joined[key] = torch.cat([e.kv for e in chain], dim=3) if len(chain) > 1 else chain[0].kv
-            prefixes.append(joined[key] if chain else None)
-        return prefixes
+    def _reused(self, inputs: list[list[int]], adapters: Sequence[str | None], count: bool) -> list[list[Entry]]:
+        """Each input's longest chain of cached blocks ([] when nothing is cached)."""
+        return [self.prefix_cache.match(adapter, tokens, count=count)
+                for tokens, adapter in zip(inputs, adapters, strict=True)]
 
     def _prefill_shared(self, inputs: list[list[int]], adapters: Sequence[str | None]) -> None:
         """Compute and cache, once, the prefixes several rows share that the cache lacks."""
@@ -142,9 +140,11 @@ class CausalRunner(GenerationRunner):
         self._store(prompts, names, cache)
 
     def _store(self, inputs: list[list[int]], adapters: Sequence[str | None], cache: KVCache) -> None:
+        """Keep the prompts' new full blocks (the rows' own buffers start after the prefix each read)."""
+        offsets = cache.prefix.lengths.tolist() if cache.prefix is not None else [0] * len(inputs)
         for row, (tokens, adapter) in enumerate(zip(inputs, adapters, strict=True)):
             keys, values = [k[row] for k in cache.keys], [v[row] for v in cache.values]
-            self.prefix_cache.store_prompt(adapter, tokens, keys, values)
+            self.prefix_cache.store_prompt(adapter, tokens, keys, values, offset=offsets[row])
 
 
 class Seq2SeqRunner(GenerationRunner):
@@ -167,12 +167,13 @@ class Seq2SeqRunner(GenerationRunner):
         source = list(input_ids) if self.config.src_vocab_size is None else []
         return [*source, self.config.bos_id, *target]
 
-    def prefill(self, inputs: list[list[int]], adapters: Sequence[str | None], targets: list[list[int]]
-                ) -> tuple[torch.Tensor, KVCache]:
+    def prefill(self, inputs: list[list[int]], adapters: Sequence[str | None], targets: list[list[int]],
+                restricted: Sequence[bool] | None = None) -> tuple[torch.Tensor, KVCache]:
         capacity = DECODE_HEADROOM + max(map(len, targets))
+        vocabulary = self._vocabulary(inputs, restricted or [False] * len(inputs))
         if self.prefix_cache is None:
             ids, _ = self._padded(inputs)
-            return self.model.start(ids, capacity=capacity, targets=targets)
+            return self.model.start(ids, capacity=capacity, targets=targets, vocabulary=vocabulary)
         entries = [self.prefix_cache.match_source(a, tokens) for tokens, a in zip(inputs, adapters, strict=True)]
         missing: dict[tuple[str | None, tuple[int, ...]], list[int]] = {}  # identical sources are encoded once
         for row, entry in enumerate(entries):
@@ -182,8 +183,18 @@ class Seq2SeqRunner(GenerationRunner):
             for entry, rows in zip(self._encode(list(missing)), missing.values(), strict=True):
                 for row in rows:
                     entries[row] = entry
-        cross = CrossAttentionMemory.of_sources([e.kv for e in entries])
-        return self.model.start_from(self.model.cache_for(cross, capacity), targets)
+        cache = self.model.cache_for(CrossAttentionMemory.of_sources([e.kv for e in entries]), capacity)
+        cache.vocabulary = vocabulary
+        return self.model.start_from(cache, targets)
+
+    def _vocabulary(self, inputs: list[list[int]], restricted: Sequence[bool]) -> VocabularyRestriction | None:
+        """The rows' target vocabularies: the map's candidates of each restricted row's source; None if none is."""
+        if not any(restricted):
+            return None
+        if self.vocab_map is None:
+            raise ValueError("this translator has no vocabulary map")
+        rows = [self.vocab_map.candidates(tokens) if r else None for tokens, r in zip(inputs, restricted, strict=True)]
+        return VocabularyRestriction.of_rows(rows, self.config.vocab_size, self.device)
 
     def _encode(self, sources: list[tuple[str | None, tuple[int, ...]]]) -> list[Entry]:
         """Encode (adapter, source) pairs in one batch and cache each one's cross-attention K/V."""

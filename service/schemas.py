@@ -235,6 +235,12 @@ class GenerateRequest(RequestModel):
         "order matters; an output that lost or repeated one is repaired (missing ones appended) and says "
         "placeholders_ok: false. A model whose tokenizer has no sentinels is checked only."
     )
+    use_vmap: bool | None = Field(
+        None, description="seq2seq only: keep each output to the candidate target tokens of the model's vocabulary "
+        "map for its input (vmap.txt in the model's directory, CTranslate2's format and use_vmap): faster with a "
+        "large target vocabulary, and it may translate differently. Default: on when the model has a map; true "
+        "for a model without one is a 422."
+    )
     logprobs: int | None = Field(
         None, ge=0, le=MAX_LOGPROBS, description="Return each generated token's log-probability and the N "
         f"likeliest tokens at its position (0 <= N <= {MAX_LOGPROBS}): log-softmax of the model's logits, before "

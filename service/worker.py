@@ -36,6 +36,7 @@ from model.placeholders import Protected, protect, sentinels_for
 from model.prefix_cache import PrefixCache
 from model.speculative import SpeculativeConfig, speculative_for
 from model.tokenizer import Tokenizer
+from model.vocab_map import checkpoint_vocabulary_map
 from service import tracing
 from service.adapters import AdapterRegistry, check_name
 from service.attention import ALL_MAPS, MapSelection, causal_maps, classifier_maps, seq2seq_maps
@@ -88,7 +89,8 @@ class ModelWorker:
         self.runner = None  # generative families only
         if self.family in RUNNERS:
             prefix_cache = PrefixCache(settings.prefix_cache_bytes) if settings.prefix_cache_bytes > 0 else None
-            self.runner = RUNNERS[self.family](self.model, prefix_cache, draft.model if draft is not None else None)
+            self.runner = RUNNERS[self.family](self.model, prefix_cache, draft.model if draft is not None else None,
+                                               checkpoint_vocabulary_map(checkpoint))
         self.draft_name = draft.path.name if draft is not None and draft.path is not None else None
         model_limit = self.runner.max_input_tokens if self.runner is not None else self.config.max_len
         self.max_input_tokens = min(model_limit, settings.max_input_tokens or model_limit)
@@ -483,7 +485,16 @@ class ModelWorker:
                                      stops, protected[0] if protected else None)
         return GenerationJob(request_id, self.settings.request_timeout_s, prompts, config, stops,
                              adapter=self._acquire(req.adapter), stream=text_stream, targets=targets,
-                             speculative=speculative, constraint=constraint, protected=protected)
+                             speculative=speculative, constraint=constraint, protected=protected,
+                             use_vmap=self._use_vmap(req))
+
+    def _use_vmap(self, req: GenerateRequest) -> bool:
+        """Whether ``req``'s outputs keep to the model's vocabulary map: its ``use_vmap``, else whether there is one."""
+        has_map = self.runner.vocab_map is not None
+        if req.use_vmap and not has_map:
+            where = " (vmap.txt in its directory)" if self.family == "seq2seq" else f": {self.family} models take none"
+            raise InvalidRequest("use_vmap", f"model {self.name!r} has no vocabulary map{where}")
+        return has_map if req.use_vmap is None else req.use_vmap
 
     def _protected(self, req: GenerateRequest, texts: list[str]) -> list[Protected] | None:
         """Each input with its placeholders swapped for the sentinels the model's tokenizers have (model.placeholders;
@@ -567,7 +578,7 @@ class ModelWorker:
             if out is None:  # attend over the model's own greedy translation
                 config = GenerationConfig(max_new_tokens=self.max_new_tokens, eos_token_id=self.config.eos_id,
                                           **self._rules)
-                out = generate_seq2seq(self.model, [src], config)[0][0].tokens
+                out = generate_seq2seq(self.model, [src], config, vocab_map=self.runner.vocab_map)[0][0].tokens
             return seq2seq_maps(self.model, self.checkpoint, src, [self.config.bos_id, *out], selection)
 
         return run

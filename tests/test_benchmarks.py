@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from benchmarks import compare, decode, gemm, gpu_compare, grammar, layout, prefix_cache, speculative
+from benchmarks import compare, decode, gemm, gpu_compare, grammar, layout, prefix_cache, speculative, vmap
 
 
 def _table(report: str, section: str) -> list[list[str]]:
@@ -154,7 +154,9 @@ def test_layout_benchmark_compares_every_cell(capsys):
 
 def test_prefix_cache_benchmark_times_both_bursts_with_the_cache_off_and_on():
     """--tiny: two servers (cache off, on), a cold and a warm burst on each; every request streams its tokens (the
-    harness raises otherwise); the cache-on server reports hits, most of the prompt tokens in the warm burst."""
+    harness raises otherwise); the cache-on server reports hits, most of the prompt tokens in the warm burst. The
+    in-process running batch decodes the same tokens off and on (the harness raises otherwise) and holds less
+    with the cache: the prefix once rather than per row."""
     report = prefix_cache.main(["--tiny", "--threads", "1"])
     rows = re.findall(r"^\| (cold|warm) \| ([\d,]+) \| [\d,]+ \| ([\d,]+) \| [\d,]+ \| \d+\.\dx \| (\d+)% \|$",
                       report, flags=re.MULTILINE)
@@ -162,6 +164,8 @@ def test_prefix_cache_benchmark_times_both_bursts_with_the_cache_off_and_on():
     hits = {kind: int(share) for kind, _, _, share in rows}
     assert hits["cold"] > 0  # the burst's shared prefix was computed once and reused by every row
     assert hits["warm"] > 50  # prefix 64 tokens of about 74
+    memory = re.search(r"^\| off / on \| (\d+\.\d)x \| \d+\.\d\dx \|$", report, flags=re.MULTILINE)
+    assert memory is not None and float(memory.group(1)) > 1.5
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
@@ -186,3 +190,12 @@ def test_grammar_benchmark_walks_every_installed_library_over_both_grammars():
                                                                for lib in ("llguidance", "outlines-core", "xgrammar")}
     measured = {library for _, library, compile_ms in rows if compile_ms != "not installed"}
     assert {"llguidance", "outlines-core"} <= measured
+
+
+def test_vmap_benchmark_times_ours_and_ctranslate2_with_and_without_the_map():
+    """--tiny: the toy opus-mt shape, a synthetic map; ours with the map keeps every output to its source's
+    candidates (the harness raises otherwise); each cell has ours' rates both ways and its ratio."""
+    report = vmap.main(["--tiny", "--threads", "1", "--repeats", "1"])
+    rows = re.findall(r"^\| (greedy b1|beam 4 b1) \| \d+ / \d+ \| [\d,]+ \(1t\) \| [\d,]+ \(1t\) \|.* (\d+\.\d\d)x \|",
+                      report, flags=re.MULTILINE)
+    assert [r[0] for r in rows] == ["greedy b1", "beam 4 b1"]

@@ -26,12 +26,13 @@ from training import (
     train_cmd,
     translate_po_cmd,
     tune_generation_cmd,
+    vmap_cmd,
 )
 from training.errors import UserError
 
 # Commands in the order `--help` lists them.
 COMMANDS = (prepare_cmd, train_cmd, lora_cmd, evaluate_cmd, export_cmd, import_cmd, baselines_cmd,
-            tune_generation_cmd, calibrate_cmd, translate_po_cmd, recipe_cmd)
+            tune_generation_cmd, calibrate_cmd, translate_po_cmd, vmap_cmd, recipe_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -61,6 +61,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="int8: dynamic int8 linear weights (CPU only), to compare with fp32; its metrics are merged "
         'under "int8" in metrics.json (default %(default)s)',
     )
+    p.add_argument(
+        "--vmap",
+        action="store_true",
+        help="seq2seq: decode with the model's vocabulary map (its vmap.txt: python -m training build-vmap), to "
+        'compare with the full vocabulary; its metrics are merged under "vmap" in metrics.json',
+    )
     p.add_argument("--skip-malformed", action="store_true", help="skip malformed test lines (and report the count)")
     p.add_argument(
         "--metrics-key",

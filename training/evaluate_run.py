@@ -12,10 +12,11 @@ from typing import Any
 
 import torch
 
-from model.checkpoint import CheckpointError, load_checkpoint
+from model.checkpoint import Checkpoint, CheckpointError, load_checkpoint
 from model.lora import AdapterError
 from model.lora_io import load_adapter
 from model.quantize import QuantizeError, prepare_for_inference
+from model.vocab_map import VMAP_FILE, VocabularyMap, VocabularyMapError, checkpoint_vocabulary_map
 from training.distributed import user_device
 from training.errors import UserError
 from training.runs import DEVICE, EvalRun
@@ -58,6 +59,7 @@ def evaluate(run: EvalRun, metrics_key: str | None = None) -> dict[str, Any]:
             beams=run.beams,
             max_new_tokens=run.max_new_tokens,
             ids=TokenIds.of(ckpt.config),
+            vocab_map=_vocab_map(ckpt) if run.vmap else None,
         )
     )
     read = task.read(run.test)
@@ -75,7 +77,20 @@ def evaluate(run: EvalRun, metrics_key: str | None = None) -> dict[str, Any]:
     target = run.adapter or run.model
     if quantized:
         result["quantize"] = run.quantize
-    updates = {run.quantize: result} if quantized else result  # fp32 metrics stay as they were
+    variant = "+".join([run.quantize] * quantized + ["vmap"] * run.vmap)
+    updates = {variant: result} if variant else result  # the plain fp32 metrics stay as they were
     merge_metrics(target, {metrics_key: updates} if metrics_key else updates)
     logger.info("metrics merged into %s", target / "metrics.json")
     return result
+
+
+def _vocab_map(ckpt: Checkpoint) -> VocabularyMap:
+    """The checkpoint's vocabulary map, which --vmap needs."""
+    try:
+        found = checkpoint_vocabulary_map(ckpt)
+    except VocabularyMapError as e:
+        raise UserError(f"--vmap: {e}") from e
+    if found is None:
+        raise UserError(f"--vmap: {ckpt.path} has no {VMAP_FILE} (a seq2seq model's map: python -m training "
+                        "build-vmap)")
+    return found

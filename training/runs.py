@@ -120,6 +120,7 @@ class EvalRun:
     batch_tokens: int = 4096
     device: str = DEVICE
     quantize: str = "none"  # int8: dynamic int8 linear weights (CPU only), merged under "int8"
+    vmap: bool = False  # seq2seq: decode with the model's vocabulary map (vmap.txt), merged under "vmap"
     skip_malformed: bool = False
 
 
@@ -245,6 +246,17 @@ class TranslatePoRun:
     beams: int = 4
     max_new_tokens: int = 128
     device: str = DEVICE
+
+
+@dataclass(frozen=True)
+class BuildVmapRun:
+    """`build-vmap`: a translation model's vocabulary map (vmap.txt) from its training pairs."""
+
+    model: Path
+    train: Path  # the parallel file the map counts co-occurrences in
+    per_token: int = 24  # candidate target tokens per source token
+    always: int = 1000  # target tokens (the most frequent) every source may use
+    skip_malformed: bool = False
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("has_vnni", &has_vnni, "whether this CPU has AVX512-VNNI (int8_linear)");
   module.def("int8_linear", &int8_linear, "int8 linear: x float32 (..., in) -> (..., out) float32", release());
   module.def("has_avx512", &has_avx512, "whether this CPU has AVX-512 F/BW/VL/DQ (decode_attention)");
-  module.def("decode_attention", &decode_attention, "attention of a few queries per head over a KV cache, float32",
-             release());
+  module.def("decode_attention", &decode_attention,
+             "attention of a few queries per head over a KV cache (and a shared prefix's blocks), float32",
+             pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("mask"),
+             pybind11::arg("prefix_blocks") = std::vector<torch::Tensor>{},
+             pybind11::arg("prefix_table") = c10::nullopt, pybind11::arg("layer") = 0, release());
   module.def("few_rows_linear", &few_rows_linear, "float32 linear of a few rows over input-major weights (else at::linear)",
              release());
   module.def("pack_weight", &pack_weight, "an (N, K) float32 weight as (ceil(N / 32), K, 32) panels", release());
@@ -48,9 +51,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       .value("ffn_norm", kFfnNorm);
   pybind11::class_<StepCache>(module, "StepCache", "one step's KV cache and masks, as DecoderStack.step reads them")
       .def(pybind11::init<Tensors, Tensors, Tensors, Tensors, int64_t, int64_t, c10::optional<torch::Tensor>,
-                          c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, int64_t>(),
+                          c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, int64_t, Tensors,
+                          c10::optional<torch::Tensor>>(),
            arg("keys"), arg("values"), arg("cross_keys"), arg("cross_values"), arg("start"), arg("visible"),
-           arg("write_positions"), arg("self_mask"), arg("memory_mask"), arg("group"));
+           arg("write_positions"), arg("self_mask"), arg("memory_mask"), arg("group"), arg("prefix_blocks") = Tensors{},
+           arg("prefix_table") = c10::nullopt);
   pybind11::class_<DecoderStack>(module, "DecoderStack", "a decoder stack's weights bound for the native step")
       .def(pybind11::init<std::vector<Tensors>, std::vector<Tensors>, std::vector<double>, int64_t, bool, Activation>(),
            arg("projections"), arg("norms"), arg("eps"), arg("heads"), arg("pre_norm"), arg("activation"))

@@ -5,6 +5,11 @@
 // source in cross-attention. It reads K/V once per head at memory speed where SDPA's CPU kernel, built for
 // long query blocks, spends 2-3x longer on one query. The mask is bool (True = attend), broadcast over heads
 // and queries where its dims are 1. A query that may attend to nothing gets zeros (SDPA gives NaN).
+//
+// A row may also read a shared prefix ahead of its own keys: blocks of a prefix cache (model/shared_prefix.py),
+// each (layers, 2, H, block, Dh) contiguous, listed per row by a block table (B, M) of indices into the blocks
+// (-1 after the row's last). Every query sees every key of its row's blocks, in table order, then its own keys:
+// the rows of one system prompt read one copy of it in place (paged attention for the prefix).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -30,6 +35,9 @@ struct Head {
   const bool* mask;   // first query's mask over the keys (or null); mask_row apart per query
   float* out;         // first query's output; out_row apart
   int64_t q_row, kv_row, mask_row, out_row, queries, keys, dh;
+  const float* const* prefix_k = nullptr;  // per prefix block: its first key (keys dh apart), read before k
+  const float* const* prefix_v = nullptr;
+  int64_t prefix_blocks = 0, block = 0;    // blocks this row reads, keys per block
 };
 
 // The `chunks` 64-byte lines of one key or value row, ahead of use (past the slice's end: harmless, no fault).
@@ -37,10 +45,35 @@ void prefetch(const float* row, int64_t chunks) {
   for (int64_t c = 0; c < chunks; ++c) _mm_prefetch(reinterpret_cast<const char*>(row + c * 16), _MM_HINT_T0);
 }
 
+// The lanes of chunk c of a row of `chunks` 16-float chunks whose last one holds `last`.
+inline __mmask16 lanes(int64_t c, int64_t chunks, __mmask16 last) {
+  return c + 1 == chunks ? last : static_cast<__mmask16>(0xFFFF);
+}
+
+// q . k for one key (prefetching the key `next_row` floats times kPrefetchKeys ahead).
+AVX512 inline float dot(const __m512* qv, const float* k, int64_t next_row, int64_t chunks, __mmask16 last) {
+  prefetch(k + kPrefetchKeys * next_row, chunks);
+  __m512 sum = _mm512_mul_ps(qv[0], _mm512_maskz_loadu_ps(lanes(0, chunks, last), k));
+  for (int64_t c = 1; c < chunks; ++c)
+    sum = _mm512_fmadd_ps(qv[c], _mm512_maskz_loadu_ps(lanes(c, chunks, last), k + c * 16), sum);
+  return _mm512_reduce_add_ps(sum);
+}
+
+// acc += weight * v for one value row (nothing for a zero weight: masked or underflowed keys).
+AVX512 inline void accumulate(__m512* acc, float weight, const float* v, int64_t next_row, int64_t chunks,
+                              __mmask16 last) {
+  if (weight == 0.f) return;
+  const __m512 p = _mm512_set1_ps(weight);
+  prefetch(v + kPrefetchKeys * next_row, chunks);
+  for (int64_t c = 0; c < chunks; ++c)
+    acc[c] = _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(lanes(c, chunks, last), v + c * 16), acc[c]);
+}
+
 AVX512 void attend(const Head& a, float scale, float* scores) {
   const int64_t chunks = (a.dh + 15) / 16;
   const __mmask16 last = static_cast<__mmask16>(a.dh % 16 ? (1u << (a.dh % 16)) - 1 : 0xFFFF);
-  auto lanes = [&](int64_t c) { return c + 1 == chunks ? last : static_cast<__mmask16>(0xFFFF); };
+  auto lanes = [&](int64_t c) { return ::lanes(c, chunks, last); };
+  const int64_t shared = a.prefix_blocks * a.block, keys = shared + a.keys;  // scores: prefix keys, then own
   for (int64_t i = 0; i < a.queries; ++i) {
     const float* q = a.q + i * a.q_row;
     const bool* mask = a.mask ? a.mask + i * a.mask_row : nullptr;
@@ -48,17 +81,21 @@ AVX512 void attend(const Head& a, float scale, float* scores) {
     for (int64_t c = 0; c < chunks; ++c)
       qv[c] = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes(c), q + c * 16), _mm512_set1_ps(scale));
     float top = -INFINITY;
+    for (int64_t s = 0; s < a.prefix_blocks; ++s) {
+      for (int64_t j = 0; j < a.block; ++j) {
+        float& score = scores[s * a.block + j];
+        score = dot(qv, a.prefix_k[s] + j * a.dh, a.dh, chunks, last);
+        top = std::max(top, score);
+      }
+    }
     for (int64_t j = 0; j < a.keys; ++j) {
+      float& score = scores[shared + j];
       if (mask && !mask[j]) {
-        scores[j] = -INFINITY;
+        score = -INFINITY;
         continue;
       }
-      const float* k = a.k + j * a.kv_row;
-      prefetch(k + kPrefetchKeys * a.kv_row, chunks);
-      __m512 dot = _mm512_mul_ps(qv[0], _mm512_maskz_loadu_ps(lanes(0), k));
-      for (int64_t c = 1; c < chunks; ++c) dot = _mm512_fmadd_ps(qv[c], _mm512_maskz_loadu_ps(lanes(c), k + c * 16), dot);
-      scores[j] = _mm512_reduce_add_ps(dot);
-      top = std::max(top, scores[j]);
+      score = dot(qv, a.k + j * a.kv_row, a.kv_row, chunks, last);
+      top = std::max(top, score);
     }
     float* out = a.out + i * a.out_row;
     if (top == -INFINITY) {  // nothing to attend to
@@ -67,25 +104,42 @@ AVX512 void attend(const Head& a, float scale, float* scores) {
     }
     const __m512 shift = _mm512_set1_ps(top);
     __m512 total = _mm512_setzero_ps();
-    for (int64_t j = 0; j < a.keys; j += 16) {
-      const __mmask16 m = a.keys - j >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (a.keys - j)) - 1);
+    for (int64_t j = 0; j < keys; j += 16) {
+      const __mmask16 m = keys - j >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (keys - j)) - 1);
       const __m512 e = _mm512_maskz_mov_ps(m, tserve::exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + j), shift)));
       _mm512_mask_storeu_ps(scores + j, m, e);
       total = _mm512_add_ps(total, e);
     }
     __m512 acc[kMaxChunks];
     for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < a.keys; ++j) {
-      if (scores[j] == 0.f) continue;  // masked (or underflowed) keys
-      const __m512 p = _mm512_set1_ps(scores[j]);
-      const float* v = a.v + j * a.kv_row;
-      prefetch(v + kPrefetchKeys * a.kv_row, chunks);
-      for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(lanes(c), v + c * 16), acc[c]);
-    }
+    for (int64_t s = 0; s < a.prefix_blocks; ++s)
+      for (int64_t j = 0; j < a.block; ++j) accumulate(acc, scores[s * a.block + j], a.prefix_v[s] + j * a.dh, a.dh, chunks, last);
+    for (int64_t j = 0; j < a.keys; ++j) accumulate(acc, scores[shared + j], a.v + j * a.kv_row, a.kv_row, chunks, last);
     const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
     for (int64_t c = 0; c < chunks; ++c) _mm512_mask_storeu_ps(out + c * 16, lanes(c), _mm512_mul_ps(acc[c], inv));
   }
 }
+
+// The prefix blocks a row reads: checked once per call; pointers per (row, head) looked up in the table.
+struct PrefixBlocks {
+  std::vector<const float*> data;  // each block's first float
+  torch::Tensor table;             // (B, M) int64, contiguous
+  int64_t layer = 0, heads = 0, block = 0, dh = 0;
+
+  // Row `b`, head `h`: its blocks' first keys and values, in table order.
+  int64_t lookup(int64_t b, int64_t h, std::vector<const float*>& keys, std::vector<const float*>& values) const {
+    keys.clear(), values.clear();
+    if (data.empty()) return 0;
+    const int64_t* row = table.data_ptr<int64_t>() + b * table.size(1);
+    const int64_t head_block = block * dh, kind = heads * head_block;  // floats per (head, block), per K or V
+    for (int64_t s = 0; s < table.size(1) && row[s] >= 0; ++s) {
+      const float* base = data[row[s]] + layer * 2 * kind + h * head_block;
+      keys.push_back(base);
+      values.push_back(base + kind);
+    }
+    return static_cast<int64_t>(keys.size());
+  }
+};
 
 }  // namespace
 
@@ -95,9 +149,11 @@ bool has_avx512() {
 }
 
 // q (B, H, Tq, Dh); k, v (B, H, T, Dh) with unit stride along Dh (cache slices are fine); mask bool,
-// broadcastable to (B, 1 or H, 1 or Tq, T), or None.
+// broadcastable to (B, 1 or H, 1 or Tq, T), or None. prefix_blocks / prefix_table / layer: a shared prefix (the
+// header); no blocks: none.
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                               const c10::optional<torch::Tensor>& mask) {
+                               const c10::optional<torch::Tensor>& mask, const std::vector<torch::Tensor>& prefix_blocks,
+                               const c10::optional<torch::Tensor>& prefix_table, int64_t layer) {
   TORCH_CHECK(has_avx512(), "decode attention: this CPU has no AVX-512");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "decode attention: q, k, v must be (B, H, T, Dh)");
   for (const auto* t : {&q, &k, &v})
@@ -114,18 +170,41 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
     m = mask->stride(3) == 1 ? *mask : mask->contiguous();
     m = m.expand({b, h, tq, t});
   }
+  PrefixBlocks prefix;
+  if (!prefix_blocks.empty()) {
+    TORCH_CHECK(prefix_table.has_value() && prefix_table->dim() == 2 && prefix_table->size(0) == b &&
+                prefix_table->scalar_type() == at::kLong && prefix_table->device().is_cpu(),
+                "decode attention: a prefix needs an int64 CPU block table (B, M)");
+    const auto& first = prefix_blocks[0];
+    TORCH_CHECK(first.dim() == 5 && first.size(1) == 2 && first.size(2) == h && first.size(4) == dh &&
+                layer >= 0 && layer < first.size(0), "decode attention: prefix blocks must be (layers, 2, H, block, Dh)");
+    for (const auto& block : prefix_blocks) {
+      TORCH_CHECK(block.sizes() == first.sizes() && block.is_contiguous() && block.device().is_cpu() &&
+                  block.scalar_type() == at::kFloat, "decode attention: prefix blocks alike, float32, contiguous");
+      prefix.data.push_back(block.data_ptr<float>());
+    }
+    prefix.table = prefix_table->contiguous();
+    const int64_t n = static_cast<int64_t>(prefix.data.size());
+    TORCH_CHECK(prefix.table.numel() == 0 || (prefix.table.max().item<int64_t>() < n && prefix.table.min().item<int64_t>() >= -1),
+                "decode attention: a block table entry names no block");
+    prefix.layer = layer, prefix.heads = h, prefix.block = first.size(3), prefix.dh = dh;
+  }
+  const int64_t most_shared = prefix.data.empty() ? 0 : prefix.table.size(1) * prefix.block;
   torch::Tensor out = torch::empty({b, h, tq, dh}, q.options());
   const float scale = 1.f / std::sqrt(static_cast<float>(dh));
   at::parallel_for(0, b * h, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(t + 16);
+    std::vector<float> scores(most_shared + t + 16);
+    std::vector<const float*> prefix_k, prefix_v;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t bi = i / h, hi = i % h;
-      const Head head{q.data_ptr<float>() + bi * q.stride(0) + hi * q.stride(1),
-                      k.data_ptr<float>() + bi * k.stride(0) + hi * k.stride(1),
-                      v.data_ptr<float>() + bi * v.stride(0) + hi * v.stride(1),
-                      m.defined() ? m.data_ptr<bool>() + bi * m.stride(0) + hi * m.stride(1) : nullptr,
-                      out.data_ptr<float>() + bi * out.stride(0) + hi * out.stride(1),
-                      q.stride(2), k.stride(2), m.defined() ? m.stride(2) : 0, out.stride(2), tq, t, dh};
+      Head head{q.data_ptr<float>() + bi * q.stride(0) + hi * q.stride(1),
+                k.data_ptr<float>() + bi * k.stride(0) + hi * k.stride(1),
+                v.data_ptr<float>() + bi * v.stride(0) + hi * v.stride(1),
+                m.defined() ? m.data_ptr<bool>() + bi * m.stride(0) + hi * m.stride(1) : nullptr,
+                out.data_ptr<float>() + bi * out.stride(0) + hi * out.stride(1),
+                q.stride(2), k.stride(2), m.defined() ? m.stride(2) : 0, out.stride(2), tq, t, dh};
+      head.prefix_blocks = prefix.lookup(bi, hi, prefix_k, prefix_v);
+      head.prefix_k = prefix_k.data(), head.prefix_v = prefix_v.data(), head.block = prefix.block;
       attend(head, scale, scores.data());
     }
   });

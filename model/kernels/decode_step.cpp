@@ -131,7 +131,7 @@ torch::Tensor DecoderStack::step(torch::Tensor x, const StepCache& cache, const 
         rows_cache_write(values[l], cache.start, v);
       }
       auto out = decode_attention(q, keys[l].narrow(2, 0, cache.visible), values[l].narrow(2, 0, cache.visible),
-                                  cache.self_mask);
+                                  cache.self_mask, cache.prefix_blocks, cache.prefix_table, l);
       return project(s.merge(out), p[kOut], delta(kOut), panel(kOut));
     });
     if (!p[kCrossQ].empty()) {

@@ -12,7 +12,9 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, c
                           const torch::Tensor& w_sum, const c10::optional<torch::Tensor>& bias);
 bool has_avx512();
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                               const c10::optional<torch::Tensor>& mask);
+                               const c10::optional<torch::Tensor>& mask,
+                               const std::vector<torch::Tensor>& prefix_blocks = {},
+                               const c10::optional<torch::Tensor>& prefix_table = c10::nullopt, int64_t layer = 0);
 torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias);
 torch::Tensor pack_weight(const torch::Tensor& weight);
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
@@ -47,6 +49,8 @@ struct StepCache {
   c10::optional<torch::Tensor> write_positions;  // (B, t) per-row positions of ragged rows, instead of start
   c10::optional<torch::Tensor> self_mask, memory_mask;  // bool masks of self- and cross-attention
   int64_t group;                     // rows repeat their source in runs of `group` (beams)
+  Tensors prefix_blocks;             // a shared prefix's blocks and block table (decode_attention.cpp); empty: none
+  c10::optional<torch::Tensor> prefix_table;
 };
 
 // A decoder stack's weights as the native step reads them, bound once per decode plan. projections: per layer

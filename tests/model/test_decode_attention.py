@@ -96,3 +96,54 @@ def test_decoding_with_the_kernel_equals_decoding_with_sdpa(kernel_options):
     with_kernel = outputs()
     kernel_options(decode_kernels=False)
     assert outputs() == with_kernel
+
+
+def _prefixed_case(seed=0, layers=2, h=3, dh=24, block=4, t=5, tq=2):
+    """Four rows over three shared blocks: rows 0 and 2 read blocks (0, 1), row 1 reads (2,), row 3 none; the own
+    keys are ragged (a mask). Returns the inputs and, per layer, the float64 attention over each row's blocks
+    (in table order) followed by its own keys."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = [torch.randn(layers, 2, h, block, dh, generator=g) for _ in range(3)]
+    chains = [(0, 1), (2,), (0, 1), ()]
+    b = len(chains)
+    q = torch.randn(b, h, tq, dh, generator=g)
+    k, v = _cache_slices(b, h, t, dh, seed=seed + 1)
+    mask = (torch.arange(t) < torch.tensor([5, 3, 4, 1])[:, None]).view(b, 1, 1, t)
+    references = []
+    for layer in range(layers):
+        rows = []
+        for row, chain in enumerate(chains):
+            keys = torch.cat([*(blocks[i][layer, 0] for i in chain), k[row]], dim=1)[None]
+            values = torch.cat([*(blocks[i][layer, 1] for i in chain), v[row]], dim=1)[None]
+            seen = torch.cat([torch.ones(len(chain) * block, dtype=torch.bool), mask[row, 0, 0]]).view(1, 1, 1, -1)
+            rows.append(_reference(q[row: row + 1], keys, values, seen))
+        references.append(torch.cat(rows))
+    return blocks, chains, q, k, v, mask, references
+
+
+@needs_kernel
+def test_the_kernel_reads_each_rows_prefix_blocks_ahead_of_its_own_keys():
+    blocks, chains, q, k, v, mask, references = _prefixed_case()
+    table = torch.tensor([[0, 1], [2, -1], [0, 1], [-1, -1]])
+    for layer, want in enumerate(references):
+        got = kernel.decode_attention(q, k, v, mask, blocks, table, layer)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="names no block"):
+        kernel.decode_attention(q, k, v, mask, blocks, torch.tensor([[0, 3]] * 4), 0)
+    with pytest.raises(RuntimeError, match="layers, 2, H, block, Dh"):
+        kernel.decode_attention(q, k, v, mask, blocks, table, 2)
+
+
+def test_the_pytorch_prefix_path_equals_the_float64_reference(kernel_options):
+    """The path without our kernel (other devices and dtypes) computes the same attention; on a float64 input it
+    is the reference to the last bits."""
+    from model.shared_prefix import SharedPrefix
+
+    blocks, chains, q, k, v, mask, references = _prefixed_case(seed=3)
+    prefix = SharedPrefix.of_chains([[blocks[i] for i in chain] for chain in chains])
+    kernel_options(decode_kernels=False)
+    for layer, want in enumerate(references):
+        torch.testing.assert_close(decode_attention(q, k, v, mask, prefix, layer).double(), want, rtol=1e-5, atol=1e-5)
+    doubled = SharedPrefix.of_chains([[blocks[i].double() for i in chain] for chain in chains])
+    got = decode_attention(q.double(), k.double(), v.double(), mask, doubled, 1)
+    torch.testing.assert_close(got, references[1], rtol=1e-12, atol=1e-12)

@@ -1,12 +1,10 @@
-"""The prefix cache's store: block chains per namespace, sharing, the LRU under its budget; shared_prefixes; and
-KVCache.load_prefixes against a prefill of the whole prompt."""
+"""The prefix cache's store: block chains per namespace, sharing, the LRU under its budget; shared_prefixes."""
 
 from __future__ import annotations
 
 import torch
 
 from model.prefix_cache import BLOCK_TOKENS, PrefixCache, shared_prefixes
-from tests.model.conftest import tiny_causal_lm
 
 LAYERS, HEADS, HEAD_DIM = 2, 3, 4
 BLOCK_BYTES = LAYERS * 2 * HEADS * BLOCK_TOKENS * HEAD_DIM * 4  # float32
@@ -118,28 +116,3 @@ def test_shared_prefixes_lists_the_longest_common_blocks_once_per_group():
     # A shared prefix leaves each row at least its last token.
     assert shared_prefixes([system, system], [None, None]) == [(0, BLOCK_TOKENS)]
     assert shared_prefixes([system[:BLOCK_TOKENS]] * 2, [None, None]) == []
-
-
-def test_loaded_prefixes_continue_like_the_whole_prompt():
-    torch.manual_seed(0)
-    model = tiny_causal_lm(max_len=128)
-    prompt = torch.randint(7, 40, (1, 2 * BLOCK_TOKENS + 6))
-    whole = model.new_cache(1, capacity=64)
-    with torch.no_grad():
-        want = model.prefill(prompt, torch.tensor([prompt.shape[1]]), whole)
-        cache = PrefixCache(budget_bytes=1 << 20)
-        cache.store_prompt(None, prompt[0].tolist(), [k[0] for k in whole.keys], [v[0] for v in whole.values])
-        chain = cache.match(None, prompt[0].tolist())
-        prefix = torch.cat([e.kv for e in chain], dim=3)
-        other = torch.randint(7, 40, (1, 9))  # a second row from nothing, of another length
-        resumed = model.new_cache(2, capacity=64)
-        resumed.load_prefixes([prefix, None])
-        assert resumed.lengths.tolist() == [2 * BLOCK_TOKENS, 0] and not resumed.uniform
-        rest = prompt[0, 2 * BLOCK_TOKENS:]
-        ids = torch.zeros(2, 9, dtype=torch.long)
-        ids[0, : rest.shape[0]], ids[1] = rest, other[0]
-        got = model.prefill(ids, torch.tensor([rest.shape[0], 9]), resumed)
-        alone = model.prefill(other, torch.tensor([9]), model.new_cache(1, capacity=64))
-    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got[1], alone[0], rtol=1e-5, atol=1e-5)
-    assert resumed.lengths.tolist() == [prompt.shape[1], 9]

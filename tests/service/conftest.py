@@ -27,6 +27,7 @@ from model.checkpoint import load_checkpoint
 from model.decoding import GenerationConfig
 from model.generation import generate_causal, generate_seq2seq, stop_strings, trim_stop
 from model.lora_io import load_adapter
+from model.vocab_map import checkpoint_vocabulary_map
 from service.engine import Engine
 from service.jobs import continuation, token_logprobs
 from service.schemas import DEFAULT_NEW_TOKENS, Candidate, GenerateOutput, GenerateRequest
@@ -97,7 +98,7 @@ def ask(*inputs: str, **fields: Any) -> GenerateRequest:
 def offline(model_dir: Path, texts: list[str], fields: dict[str, Any], adapter_dir: Path | None = None
             ) -> list[GenerateOutput]:
     """Each text generated alone by model.generation's offline functions (the engine's reference), decoding as
-    a GenerateRequest with ``fields`` asks."""
+    a GenerateRequest with ``fields`` asks (a translator's vocabulary map applied unless use_vmap is false)."""
     ckpt = load_checkpoint(model_dir, device="cpu")
     if adapter_dir is not None:
         load_adapter(ckpt.model, adapter_dir, "ref")
@@ -115,8 +116,9 @@ def offline(model_dir: Path, texts: list[str], fields: dict[str, Any], adapter_d
             ids = ckpt.tokenizer.encode(text, add_bos=True)
             hyps = generate_causal(ckpt.model, [ids], config, adapters=adapters, stop_fn=stop_fn)[0]
         else:
+            vocab_map = checkpoint_vocabulary_map(ckpt) if req.use_vmap is not False else None  # as served
             hyps = generate_seq2seq(ckpt.model, [ckpt.src_tokenizer.encode(text, add_eos=True)], config,
-                                    adapters=adapters, targets=[target])[0]
+                                    adapters=adapters, targets=[target], vocab_map=vocab_map)[0]
         text_of = continuation(ckpt.tokenizer.decode, target)
         candidates = [Candidate(text=trim_stop(text_of(h.tokens), req.stop), tokens=h.tokens,
                                 score=h.score, finish_reason=h.finish_reason,

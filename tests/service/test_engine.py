@@ -25,6 +25,7 @@ METRICS = [
     "tserve_generation_tokens_total", "tserve_adapter_loads_total", "tserve_adapter_unloads_total",
     "tserve_adapter_evictions_total", "tserve_resident_adapters", "tserve_model_load_seconds",
     "tserve_prefix_cache_queries_total", "tserve_prefix_cache_hits_total", "tserve_prefix_cache_bytes",
+    "tserve_kv_cache_bytes",
 ]
 
 

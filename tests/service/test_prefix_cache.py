@@ -1,12 +1,17 @@
 """Prefix caching in the engine: reused prompt prefixes (causal LM) and encoded sources (seq2seq) give the outputs
 of decoding alone without any cache (model.generation, the reference), for greedy, beam and seeded sampling,
-with and without adapters; the metrics count what was looked up and found; 0 MB turns it off."""
+with and without adapters; the metrics count what was looked up and found; 0 MB turns it off; a burst's rows
+read the cached blocks in place instead of copies."""
 
 from __future__ import annotations
 
 import asyncio
 
-from model.prefix_cache import BLOCK_TOKENS
+import torch
+
+from model.checkpoint import load_checkpoint
+from model.prefix_cache import BLOCK_TOKENS, PrefixCache
+from service.runners import DECODE_HEADROOM, CausalRunner
 from tests.helpers import gather_queued
 from tests.service.conftest import ADAPTERS, LM, MT, ask, assert_same, offline, running_engine
 
@@ -116,3 +121,20 @@ def test_zero_megabytes_turns_prefix_caching_off(models_dir):
     want = offline(models_dir / LM, [prompt], dict(max_new_tokens=6))
     for output in outputs:
         assert_same(output, want)
+
+
+def test_a_bursts_rows_read_the_cached_prefix_blocks_in_place_not_copies(models_dir):
+    ckpt = load_checkpoint(models_dir / LM, device="cpu")
+    prompts = [ckpt.tokenizer.encode(SYSTEM + s, add_bos=True) for s in SUFFIXES]
+    runner, plain = CausalRunner(ckpt.model, PrefixCache(budget_bytes=64 << 20)), CausalRunner(ckpt.model)
+    with torch.no_grad():
+        logits, cache = runner.prefill(prompts, [None] * len(prompts), [[] for _ in prompts])
+        want, copied = plain.prefill(prompts, [None] * len(prompts), [[] for _ in prompts])
+    chain = runner.prefix_cache.match(None, prompts[0], count=False)
+    assert len(chain) >= 2 and cache.prefix is not None
+    # Every row reads the one chain the burst computed first: the cache's own tensors, held once.
+    assert [len(row) for row in cache.prefix.rows] == [len(chain)] * len(prompts)
+    assert {id(block) for block in cache.prefix.blocks} == {id(entry.kv) for entry in chain}
+    assert cache.capacity <= max(map(len, prompts)) - len(chain) * BLOCK_TOKENS + DECODE_HEADROOM
+    assert cache.nbytes < copied.nbytes * 0.75
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)

@@ -15,6 +15,7 @@ from torch import nn
 from model.config import TransformerConfig
 from model.lora import use_adapters
 from model.tokenizer import Tokenizer
+from model.vocab_map import VocabularyMap
 from training.arch import ModelSizes, build_config
 from training.batching import Batch, sorted_batches
 from training.data import ReadResult
@@ -49,6 +50,7 @@ class TaskOptions:
     beams: int = 1  # beam size of generation metrics (1 = greedy)
     max_new_tokens: int = 128  # cap on generated tokens (further capped by the model's max_len)
     ids: TokenIds = TokenIds()  # the model's special ids
+    vocab_map: VocabularyMap | None = None  # seq2seq decoding keeps to each source's candidates (model.vocab_map)
 
 
 class Task(ABC):

@@ -151,7 +151,8 @@ class Seq2SeqTask(Task):
                 rows = order[start : start + DECODE_BATCH]
                 longest = max(len(sources[i]) for i in rows)
                 config = self._generation_config(min(cap, MAX_LEN_A * longest + MAX_LEN_B), self.options.ids.eos)
-                results = generate_seq2seq(model, [sources[i] for i in rows], config, adapters)
+                results = generate_seq2seq(model, [sources[i] for i in rows], config, adapters,
+                                           vocab_map=self.options.vocab_map)
                 decoded = tokenizer.decode_batch([hyps[0].tokens for hyps in results])
                 texts.update(zip(rows, decoded, strict=True))
         return [texts[i] for i in range(len(sources))]

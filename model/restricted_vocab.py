@@ -1,0 +1,127 @@
+"""Decoding over restricted target vocabularies (model.vocab_map): the output projection for candidates only.
+
+Each row of a batch is restricted to its own candidate ids (a vocabulary map's candidates for its source) or not
+(None). When every row is restricted the output projection runs over the union of the candidates alone: one
+(U, D) slice of the head's weight, gathered once per batch and kept while rows leave (a superset stays right).
+Otherwise it runs over the whole vocabulary. Either way a row's logits outside its own candidates are -inf, so
+what a row produces depends on its source alone, never on the rows it shares a batch with. The logits keep the
+vocabulary's full width (-inf elsewhere): searches, constraints and log-probabilities work unchanged.
+
+A float or int8 linear head is sliced; another one (an adapter's) computes every logit, then masks: the same
+output, without the speed-up.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from model.int8_linear import Int8Linear
+from model.kernel_layers import is_plain, linear
+from model.layout import input_major
+
+Head = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(eq=False)
+class _HeadSlices:
+    """Each head a restriction served, sliced to its union's rows, by the head's identity (shared by the
+    restrictions that keep one union as rows leave)."""
+
+    by_head: dict[int, Head] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, eq=False)
+class VocabularyRestriction:
+    """Per row: the sorted target ids it may produce, or None (the whole vocabulary)."""
+
+    rows: tuple[tuple[int, ...] | None, ...]
+    vocab_size: int
+    device: torch.device
+    ids: torch.Tensor | None = None  # (U,) sorted ids the projection computes; None: all (some row is unrestricted)
+    _slices: _HeadSlices = field(default_factory=_HeadSlices)
+
+    @classmethod
+    def of_rows(cls, rows: Sequence[Sequence[int] | None], vocab_size: int, device: torch.device | str
+                ) -> VocabularyRestriction:
+        """The restriction of rows allowed ``rows`` (each a sorted id list, or None)."""
+        rows = tuple(tuple(r) if r is not None else None for r in rows)
+        ids = None
+        if rows and all(r is not None for r in rows):
+            ids = torch.tensor(sorted(set().union(*rows)), dtype=torch.long, device=device)
+        return cls(rows, vocab_size, torch.device(device), ids)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rows)
+
+    @functools.cached_property
+    def _mask(self) -> torch.Tensor:
+        """(B, U) over :attr:`ids`, or (B, V) without them: True where a row may produce the token."""
+        width = self.vocab_size if self.ids is None else self.ids.shape[0]
+        mask = torch.ones(self.batch_size, width, dtype=torch.bool, device=self.device)
+        for row, allowed in enumerate(self.rows):
+            if allowed is None:
+                continue
+            positions = torch.tensor(allowed, dtype=torch.long, device=self.device)
+            if self.ids is not None:
+                positions = torch.searchsorted(self.ids, positions)
+            mask[row] = False
+            mask[row, positions] = True
+        return mask
+
+    def logits(self, head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """``head(hidden)`` for hidden (B, D) or (B, t, D), -inf where a row may not go."""
+        sliced = self._slice(head) if self.ids is not None else None
+        mask = self._mask if hidden.dim() == 2 else self._mask[:, None, :]
+        if sliced is None:
+            full = head(hidden)
+            return full.masked_fill(~self._full_mask(mask), float("-inf"))
+        small = sliced(hidden).masked_fill(~mask, float("-inf"))
+        full = small.new_full((*hidden.shape[:-1], self.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.ids, small)
+
+    def _full_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        if self.ids is None:
+            return mask
+        full = mask.new_zeros((*mask.shape[:-1], self.vocab_size))
+        return full.index_copy_(-1, self.ids, mask)
+
+    def _slice(self, head: nn.Module) -> Head | None:
+        """``head`` over the union's rows alone (gathered once), or None for a head that cannot be sliced."""
+        found = self._slices.by_head.get(id(head))
+        if found is None:
+            if is_plain(head):
+                weight = input_major(head.weight.detach().index_select(0, self.ids))
+                bias = head.bias.detach().index_select(0, self.ids) if head.bias is not None else None
+                found = functools.partial(linear, weight=weight, bias=bias)
+            elif type(head) is Int8Linear:
+                found = head.rows(self.ids)
+            else:
+                return None
+            self._slices.by_head[id(head)] = found
+        return found
+
+    def select(self, index: torch.Tensor) -> VocabularyRestriction:
+        """Rows ``index`` (row i is old row ``index[i]``); the union (and its gathered weights) is kept when it
+        still covers every row."""
+        rows = tuple(self.rows[i] for i in index.tolist())
+        if self.ids is None and all(r is not None for r in rows):
+            return VocabularyRestriction.of_rows(rows, self.vocab_size, self.device)
+        return VocabularyRestriction(rows, self.vocab_size, self.device, self.ids, self._slices)
+
+    @staticmethod
+    def concat(restrictions: Sequence[VocabularyRestriction | None], batch_sizes: Sequence[int]
+               ) -> VocabularyRestriction | None:
+        """The rows of several batches stacked (None: a batch of unrestricted rows); None when no row is restricted."""
+        if all(r is None for r in restrictions):
+            return None
+        known = next(r for r in restrictions if r is not None)
+        rows: list[tuple[int, ...] | None] = []
+        for restriction, size in zip(restrictions, batch_sizes, strict=True):
+            rows += list(restriction.rows) if restriction is not None else [None] * size
+        return VocabularyRestriction.of_rows(rows, known.vocab_size, known.device)
