@@ -41,8 +41,8 @@ class VocabularyRestriction:
 
     rows: tuple[tuple[int, ...] | None, ...]
     vocab_size: int
-    device: torch.device
-    ids: torch.Tensor | None = None  # (U,) sorted ids the projection computes; None: all (some row is unrestricted)
+    ids: torch.Tensor | None  # (U,) sorted ids the projection computes; None: all (some row is unrestricted)
+    mask: torch.Tensor  # (B, U), or (B, V) without ids: True where a row may produce the token
     _slices: _HeadSlices = field(default_factory=_HeadSlices)
 
     @classmethod
@@ -53,31 +53,22 @@ class VocabularyRestriction:
         ids = None
         if rows and all(r is not None for r in rows):
             ids = torch.tensor(sorted(set().union(*rows)), dtype=torch.long, device=device)
-        return cls(rows, vocab_size, torch.device(device), ids)
+        mask = torch.ones(len(rows), vocab_size if ids is None else ids.shape[0], dtype=torch.bool, device=device)
+        for row, allowed in enumerate(rows):
+            if allowed is not None:
+                positions = torch.tensor(allowed, dtype=torch.long, device=device)
+                mask[row] = False
+                mask[row, positions if ids is None else torch.searchsorted(ids, positions)] = True
+        return cls(rows, vocab_size, ids, mask)
 
     @property
     def batch_size(self) -> int:
         return len(self.rows)
 
-    @functools.cached_property
-    def _mask(self) -> torch.Tensor:
-        """(B, U) over :attr:`ids`, or (B, V) without them: True where a row may produce the token."""
-        width = self.vocab_size if self.ids is None else self.ids.shape[0]
-        mask = torch.ones(self.batch_size, width, dtype=torch.bool, device=self.device)
-        for row, allowed in enumerate(self.rows):
-            if allowed is None:
-                continue
-            positions = torch.tensor(allowed, dtype=torch.long, device=self.device)
-            if self.ids is not None:
-                positions = torch.searchsorted(self.ids, positions)
-            mask[row] = False
-            mask[row, positions] = True
-        return mask
-
     def logits(self, head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """``head(hidden)`` for hidden (B, D) or (B, t, D), -inf where a row may not go."""
         sliced = self._slice(head) if self.ids is not None else None
-        mask = self._mask if hidden.dim() == 2 else self._mask[:, None, :]
+        mask = self.mask if hidden.dim() == 2 else self.mask[:, None, :]
         if sliced is None:
             full = head(hidden)
             return full.masked_fill(~self._full_mask(mask), float("-inf"))
@@ -96,8 +87,9 @@ class VocabularyRestriction:
         found = self._slices.by_head.get(id(head))
         if found is None:
             if is_plain(head):
-                weight = input_major(head.weight.detach().index_select(0, self.ids))
-                bias = head.bias.detach().index_select(0, self.ids) if head.bias is not None else None
+                with torch.inference_mode(False):  # an inference tensor could not keep its packed copy
+                    weight = input_major(head.weight.detach().index_select(0, self.ids))
+                    bias = head.bias.detach().index_select(0, self.ids) if head.bias is not None else None
                 found = functools.partial(linear, weight=weight, bias=bias)
             elif type(head) is Int8Linear:
                 found = head.rows(self.ids)
@@ -107,12 +99,12 @@ class VocabularyRestriction:
         return found
 
     def select(self, index: torch.Tensor) -> VocabularyRestriction:
-        """Rows ``index`` (row i is old row ``index[i]``); the union (and its gathered weights) is kept when it
-        still covers every row."""
+        """Rows ``index`` (row i is old row ``index[i]``: beams reorder every step, so this only indexes); the union
+        and its sliced heads are kept while they still cover every row."""
         rows = tuple(self.rows[i] for i in index.tolist())
         if self.ids is None and all(r is not None for r in rows):
-            return VocabularyRestriction.of_rows(rows, self.vocab_size, self.device)
-        return VocabularyRestriction(rows, self.vocab_size, self.device, self.ids, self._slices)
+            return VocabularyRestriction.of_rows(rows, self.vocab_size, self.mask.device)
+        return VocabularyRestriction(rows, self.vocab_size, self.ids, self.mask.index_select(0, index), self._slices)
 
     @staticmethod
     def concat(restrictions: Sequence[VocabularyRestriction | None], batch_sizes: Sequence[int]
@@ -124,4 +116,4 @@ class VocabularyRestriction:
         rows: list[tuple[int, ...] | None] = []
         for restriction, size in zip(restrictions, batch_sizes, strict=True):
             rows += list(restriction.rows) if restriction is not None else [None] * size
-        return VocabularyRestriction.of_rows(rows, known.vocab_size, known.device)
+        return VocabularyRestriction.of_rows(rows, known.vocab_size, known.mask.device)
