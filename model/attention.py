@@ -75,6 +75,9 @@ def prefix_attention(
     (H, P, Dh) tensor; a row's mask hides the blocks it does not read), so the prefix part is a GEMM over every
     row's queries against one copy of the blocks rather than a copy per row."""
     b, heads, t, dh = q.shape
+    dtype = q.dtype
+    if dtype in (torch.float16, torch.bfloat16):  # scores and softmax in float32, as SDPA's kernels accumulate
+        q, k, v = q.float(), k.float(), v.float()
     prefix_keys, prefix_values = prefix.keys(layer).to(q.dtype), prefix.values(layer).to(q.dtype)
     shared = prefix_keys.shape[1]
     scale = dh**-0.5
@@ -87,7 +90,7 @@ def prefix_attention(
         own_scores = own_scores.masked_fill(~mask, float("-inf"))
     weights = torch.cat((prefix_scores, own_scores), dim=-1).softmax(dim=-1)
     from_prefix = weights[..., :shared].transpose(0, 1).reshape(heads, b * t, shared) @ prefix_values
-    return from_prefix.view(heads, b, t, dh).transpose(0, 1) + weights[..., shared:] @ v
+    return (from_prefix.view(heads, b, t, dh).transpose(0, 1) + weights[..., shared:] @ v).to(dtype)
 
 
 class MultiHeadAttention(nn.Module):

@@ -10,13 +10,17 @@ Seq2seq: an identical source (same namespace) reuses its cross-attention K/V, al
 
 Entries live in one LRU under the budget. A chain is touched from its deepest block to its root, so a
 block is never older than any block below it, and eviction takes leaves first; a block evicted before
-its children (impossible by that order, harmless if it happened) only makes them unreachable until
-they age out. Not thread-safe: one model's worker thread owns its cache.
+its children (harmless if it happened) only makes them unreachable until they age out. Running rows read
+blocks in place (model.shared_prefix): a block a running batch references is never evicted (its reference
+count says so), and when only such blocks are left a new block is not kept. Not thread-safe: one model's
+worker thread owns its cache.
 """
 
 from __future__ import annotations
 
 import itertools
+import sys
+import types
 from collections import Counter, OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +28,15 @@ from dataclasses import dataclass, field
 import torch
 
 BLOCK_TOKENS = 16  # positions per cached block: the unit of reuse (a prompt's last partial block is not kept)
+
+
+def _held_by_one_attribute() -> int:
+    """What ``sys.getrefcount`` says of an object one attribute holds, asked through that attribute."""
+    holder = types.SimpleNamespace(value=object())
+    return sys.getrefcount(holder.value)
+
+
+_UNREFERENCED = _held_by_one_attribute()  # an entry's tensor that only the entry holds
 
 
 @dataclass(eq=False)
@@ -41,6 +54,11 @@ class Entry:
     @property
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
+
+    @property
+    def in_use(self) -> bool:
+        """Whether something besides this entry holds its tensor: a running batch reading the block in place."""
+        return sys.getrefcount(self.kv) > _UNREFERENCED
 
 
 @dataclass
@@ -139,14 +157,25 @@ class PrefixCache:
 
     def _put(self, key: Hashable, kv: torch.Tensor) -> Entry | None:
         entry = Entry(kv, key, next(self._serials))
-        if entry.nbytes > self.budget_bytes:
+        if entry.nbytes > self.budget_bytes or not self._make_room(entry.nbytes):
             return None
-        while self.nbytes + entry.nbytes > self.budget_bytes:
-            _, evicted = self._entries.popitem(last=False)
-            self.nbytes -= evicted.nbytes
         self._entries[key] = entry
         self.nbytes += entry.nbytes
         return entry
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Evict least recently used entries that no running batch reads until ``nbytes`` more fit the budget;
+        False when they cannot (the rest is in use)."""
+        if self.nbytes + nbytes <= self.budget_bytes:
+            return True
+        for key, entry in list(self._entries.items()):  # least recently used first
+            if entry.in_use:
+                continue
+            del self._entries[key]
+            self.nbytes -= entry.nbytes
+            if self.nbytes + nbytes <= self.budget_bytes:
+                return True
+        return False
 
     def _touch(self, chain: list[Entry]) -> None:
         """Most recently used, deepest first: the root ends newest, so children are evicted before parents."""

@@ -5,8 +5,8 @@ model.prefix_cache keeps a causal LM prompt's K/V in blocks of ``BLOCK_TOKENS`` 
 its own KV buffer: the batch lists each distinct block once, every row names its chain by a block table, and
 attention reads the blocks ahead of the row's own keys (vLLM's paged attention, for the prefix;
 model/kernels/decode_attention.cpp on the CPU, :func:`model.attention.prefix_attention` elsewhere). Thirty-two rows
-of one system prompt hold it once. A block lives while a batch references it, even after the LRU evicts it (its
-reference count frees it when the last row leaves). Rows' own buffers hold their positions from the prefix on, so
+of one system prompt hold it once. The prefix cache never evicts a block a batch references (its reference
+count says so); the block is evictable again once the last row reading it leaves. Rows' own buffers hold their positions from the prefix on, so
 a row's position is its prefix length plus its own length (``KVCache.begin_step``).
 """
 

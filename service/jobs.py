@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -252,12 +253,13 @@ def _safe_length(text: str, stops: list[str]) -> int:
 
 def logprob_entries(tokens: Sequence[int], token_lp: Sequence[float], tops: Sequence[list] | None,
                     decode: Callable[[Sequence[int]], str]) -> list[TokenLogprob]:
-    """The API's entry per token: its log-prob, and the top (id, log-prob) alternatives when recorded."""
+    """The API's entry per token: its log-prob, and the top (id, log-prob) alternatives when recorded (a token that
+    could not be produced, log-prob -inf under a vocabulary map or a constraint, is no alternative)."""
     tops = tops if tops is not None else [None] * len(tokens)
     return [
         TokenLogprob(token=token, text=decode([token]), logprob=logprob,
                      top_logprobs=None if top is None else [Alternative(token=t, text=decode([t]), logprob=lp)
-                                                            for t, lp in top])
+                                                            for t, lp in top if lp > -math.inf])
         for token, logprob, top in zip(tokens, token_lp, tops, strict=True)
     ]
 

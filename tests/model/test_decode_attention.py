@@ -147,3 +147,14 @@ def test_the_pytorch_prefix_path_equals_the_float64_reference(kernel_options):
     doubled = SharedPrefix.of_chains([[blocks[i].double() for i in chain] for chain in chains])
     got = decode_attention(q.double(), k.double(), v.double(), mask, doubled, 1)
     torch.testing.assert_close(got, references[1], rtol=1e-12, atol=1e-12)
+
+
+def test_the_pytorch_prefix_path_computes_half_precision_in_float32(kernel_options):
+    from model.shared_prefix import SharedPrefix
+
+    blocks, chains, q, k, v, mask, references = _prefixed_case(seed=5)
+    halves = [b.bfloat16() for b in blocks]
+    prefix = SharedPrefix.of_chains([[halves[i] for i in chain] for chain in chains])
+    got = decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, prefix, 0)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), references[0], rtol=2e-2, atol=2e-2)

@@ -116,3 +116,35 @@ def test_shared_prefixes_lists_the_longest_common_blocks_once_per_group():
     # A shared prefix leaves each row at least its last token.
     assert shared_prefixes([system, system], [None, None]) == [(0, BLOCK_TOKENS)]
     assert shared_prefixes([system[:BLOCK_TOKENS]] * 2, [None, None]) == []
+
+
+def test_a_block_a_running_batch_reads_is_never_evicted():
+    """Rows read cached blocks in place (model.shared_prefix): the LRU passes over a block a batch holds, evicts the
+    next unused one, and keeps no new block while every other is in use; once the batch lets go, the block goes."""
+    from model.shared_prefix import SharedPrefix
+
+    cache = PrefixCache(budget_bytes=2 * BLOCK_BYTES)
+    first, second = tokens(BLOCK_TOKENS + 1, start=100), tokens(BLOCK_TOKENS + 1, start=300)
+    store(cache, first)
+    store(cache, second)
+    running = SharedPrefix.of_chains([[e.kv for e in cache.match(None, first)]])  # first's block, read in place
+    cache.match(None, second)  # second's is now the most recent: first's is the LRU's next victim
+    store(cache, tokens(BLOCK_TOKENS + 1, start=500))
+    assert cache.cached_tokens(None, first) == BLOCK_TOKENS and cache.cached_tokens(None, second) == 0
+    assert cache.nbytes == 2 * BLOCK_BYTES
+    store(cache, tokens(BLOCK_TOKENS + 1, start=700))  # evicts the third; first is still read
+    assert cache.cached_tokens(None, first) == BLOCK_TOKENS
+    del running
+    store(cache, tokens(BLOCK_TOKENS + 1, start=900))
+    assert cache.cached_tokens(None, first) == 0 and cache.nbytes == 2 * BLOCK_BYTES
+
+
+def test_with_every_block_in_use_a_new_one_is_not_kept():
+    from model.shared_prefix import SharedPrefix
+
+    cache = PrefixCache(budget_bytes=BLOCK_BYTES)
+    prompt = tokens(BLOCK_TOKENS + 1)
+    store(cache, prompt)
+    running = SharedPrefix.of_chains([[e.kv for e in cache.match(None, prompt)]])
+    store(cache, tokens(BLOCK_TOKENS + 1, start=300))
+    assert len(cache) == 1 and cache.cached_tokens(None, prompt) == BLOCK_TOKENS and running.blocks

@@ -4,6 +4,8 @@ equal to model.generation's offline search of the request alone."""
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 
 import pytest
 from pydantic import ValidationError
@@ -62,3 +64,19 @@ def test_logprobs_outside_zero_to_twenty_are_refused_by_the_schema():
     for value in (-1, 21):
         with pytest.raises(ValidationError, match="logprobs"):
             GenerateRequest(inputs=["hello"], logprobs=value)
+
+
+def test_alternatives_leave_out_the_tokens_a_constraint_rules_out(models_dir):
+    """Asked for more alternatives than a constraint allows tokens, the ruled-out ones (log-prob -inf) are not
+    listed: every alternative has a finite log-prob, and the output is strict JSON."""
+    async def main():
+        async with running_engine(models_dir, None) as engine:
+            return await engine.get(LM).generate(
+                ask("answer:", logprobs=5, max_new_tokens=4, constraint={"choice": ["yes", "no"]}), "lp")
+
+    out = asyncio.run(main())[0]
+    assert out.text in ("yes", "no")
+    first = out.logprobs[0].top_logprobs
+    assert 1 <= len(first) < 5  # at most the two choices' first tokens
+    assert all(math.isfinite(a.logprob) for e in out.logprobs for a in e.top_logprobs)
+    json.dumps(out.model_dump(), allow_nan=False)
