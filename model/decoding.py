@@ -82,6 +82,10 @@ class Search(ABC):
         self.stop_fn = stop_fn
         self.prefixes = [list(p) for p in prefixes] if config.reads_history else None
         self.step = 0  # tokens generated so far by every live row
+        # After an advance that kept the row count: per row, how many of its last cached positions may differ from
+        # those of the old row at its index (the rest hold the same tokens, so the same keys and values): what a
+        # KV cache must copy when it reorders rows. None: any of them.
+        self.tails: torch.Tensor | None = None
 
     @property
     @abstractmethod
@@ -432,6 +436,7 @@ class BeamSearch(Search):
         else:
             tokens, parents = live_tokens[keep].flatten(), live_rows[keep].flatten()
             self._sentences, self._scores = self._sentences[keep], live_scores[keep]
+        self.tails = _differing_tails(self._history, parents)
         self._history = torch.cat([self._history[parents], tokens[:, None]], dim=1)
         if self._alternatives is not None:
             self._alternatives.extend(parents, tokens)
@@ -539,9 +544,19 @@ def make_search(config: GenerationConfig, num_inputs: int, stop_fn: StopFn | Non
     return GreedySearch(config, num_inputs, stop_fn, prefixes)
 
 
+def _differing_tails(history: torch.Tensor, parents: torch.Tensor) -> torch.Tensor | None:
+    """Per new row, how many of the generated tokens in ``history`` (rows, n) it does not share from the start with
+    the old row at its index, once it takes the history of old row ``parents[i]``; None when the row count changes."""
+    if parents.numel() != history.shape[0]:
+        return None
+    shared = (history.index_select(0, parents) == history).cumprod(dim=1).sum(dim=1)
+    return history.shape[1] - shared
+
+
 def run_search(search: Search, first_logits: torch.Tensor, step: Callable[[torch.Tensor], torch.Tensor],
-               select_rows: Callable[[torch.Tensor], None]) -> list[list[Hypothesis]]:
-    """Drive `search` offline: step(tokens) -> next logits; select_rows(parents) reorders per-row state."""
+               select_rows: Callable[[torch.Tensor, torch.Tensor | None], None]) -> list[list[Hypothesis]]:
+    """Drive `search` offline: step(tokens) -> next logits; select_rows(parents, tails) reorders per-row state
+    (``tails``: :attr:`Search.tails`)."""
     logits = first_logits
     steps = 0
     while True:
@@ -552,5 +567,5 @@ def run_search(search: Search, first_logits: torch.Tensor, step: Callable[[torch
             logger.debug("search over %d inputs done after %d steps", search.num_inputs, steps)
             return search.results()
         if parents.numel() != rows or not torch.equal(parents, torch.arange(rows, device=parents.device)):
-            select_rows(parents)
+            select_rows(parents, search.tails)
         logits = step(tokens)

@@ -168,12 +168,13 @@ class _AdapterRows:
     def __exit__(self, *exc) -> None:
         self._context.__exit__(*exc)
 
-    def select_with(self, select: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    def select_with(self, select: Callable[[torch.Tensor, torch.Tensor | None], None]
+                    ) -> Callable[[torch.Tensor, torch.Tensor | None], None]:
         if not self.per_row:
             return select
 
-        def reorder(index: torch.Tensor) -> None:
-            select(index)
+        def reorder(index: torch.Tensor, tails: torch.Tensor | None = None) -> None:
+            select(index, tails)
             self.rows = [self.rows[i] for i in index.tolist()]
             set_adapters(self.model, self.rows)
 
@@ -198,7 +199,7 @@ class _Recompute:
             seq.append(token)
         return self.logits()
 
-    def select(self, index: torch.Tensor) -> None:
+    def select(self, index: torch.Tensor, tails: torch.Tensor | None = None) -> None:
         self.sequences = [list(self.sequences[i]) for i in index.tolist()]
 
 

@@ -209,14 +209,16 @@ class KVCache:
         self.lengths, self.max_length, self.uniform = snapshot
         self._write_positions = None
 
-    def select(self, index: torch.Tensor) -> None:
+    def select(self, index: torch.Tensor, tails: torch.Tensor | None = None) -> None:
         """Keep, reorder or duplicate rows: row i becomes old row ``index[i]`` (beams, finished rows).
 
         When the row count stays (beams reordered), only the rows that change are copied, in place:
         a shallow copy of this cache sharing its buffers sees the change too. Otherwise new buffers.
+        ``tails`` (a search's :attr:`model.decoding.Search.tails`): per row, how many of its last positions may
+        differ from old row ``index[i]``'s; the positions before hold the same tokens and are not copied.
         """
         if index.shape[0] == self.batch_size:
-            self._reorder_in_place(index)
+            self._reorder_in_place(index, tails)
         else:
             zero_tail = not self.uniform
             self.keys = [_select_prefix(k, index, self.max_length, zero_tail) for k in self.keys]
@@ -229,20 +231,24 @@ class KVCache:
         if self.vocabulary is not None:
             self.vocabulary = self.vocabulary.select(index)
 
-    def _reorder_in_place(self, index: torch.Tensor) -> None:
-        """Copy the used prefix of old row ``index[i]`` into row i wherever they differ.
+    def _reorder_in_place(self, index: torch.Tensor, tails: torch.Tensor | None) -> None:
+        """Copy the used positions of old row ``index[i]`` into row i wherever they differ.
 
-        Beam search moves a fraction of its rows per step; copying those alone (gathered before any
-        write, so a row that is both a source and a target is read first) saves most of the traffic
-        of a full reorder. Tails beyond the used prefix keep finite values, as ``select`` requires.
+        Beam search moves a fraction of its rows per step, and a moved beam shares its new parent's history but
+        for its last few tokens (``tails``): copying those rows' differing window alone (gathered before any
+        write, so a row that is both a source and a target is read first) saves most of the traffic of a full
+        reorder. Tails beyond the used prefix keep finite values, as ``select`` requires.
         """
         moved = (index != torch.arange(index.shape[0], device=index.device)).nonzero().flatten()
         if moved.numel() == 0:
             return
         sources = index.index_select(0, moved)
+        start = 0
+        if tails is not None:  # the earliest position any moved row may differ at
+            start = max(int((self.lengths.index_select(0, moved) - tails.index_select(0, moved)).min()), 0)
         for buffer in self.keys + self.values:
-            used = buffer[:, :, : self.max_length]
-            used[moved] = used.index_select(0, sources)
+            window = buffer[:, :, start: self.max_length]
+            window[moved] = window.index_select(0, sources)
 
     @classmethod
     def concat(cls, caches: list[KVCache]) -> KVCache:

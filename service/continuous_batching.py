@@ -228,7 +228,7 @@ class GenerationScheduler(Scheduler):
 
     def _update_from_output(self, outputs: list[Output]) -> None:
         batch, now = self.batch, time.monotonic()
-        index, tokens, keep, offset = [], [], [], 0
+        index, tails, tokens, keep, offset = [], [], [], [], 0
         excess: list[int] = []  # per row, verified positions it does not keep (a verification step's rows)
         for job, logits, finite, draft in outputs:
             rows, step = logits.shape[0], job.search.step
@@ -270,6 +270,8 @@ class GenerationScheduler(Scheduler):
                     for token in picked:
                         job.drafter.append(token)
                 index.append(parents + offset)
+                tails.append(job.search.tails if job.search.tails is not None else
+                             torch.full_like(parents, batch.cache.max_length))
                 tokens.append(next_tokens)
                 keep.append(job)
             offset += rows
@@ -280,7 +282,7 @@ class GenerationScheduler(Scheduler):
             batch.cache.truncate(batch.cache.lengths - torch.tensor(excess, device=batch.cache.lengths.device))
         index, rows = torch.cat(index), batch.rows  # rows before select: select shrinks the cache
         if index.numel() != rows or not torch.equal(index, torch.arange(rows, device=index.device)):
-            batch.cache.select(index)
+            batch.cache.select(index, torch.cat(tails) if index.numel() == rows else None)
             if index.numel() < rows:
                 compact(batch.cache)
         batch.jobs, batch.tokens = keep, torch.cat(tokens)

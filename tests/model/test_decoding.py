@@ -48,7 +48,11 @@ def generate(model: ToyLM, prompts: list[int], config: GenerationConfig, stop_fn
             row_counts.append(tokens.numel())
         return model.logits(state["history"])
 
-    def select_rows(parents: torch.Tensor) -> None:
+    def select_rows(parents: torch.Tensor, tails: torch.Tensor | None) -> None:
+        if tails is not None:  # the rows' histories agree with their parents' but for their last `tails` tokens
+            history, parent = state["history"], state["history"][parents]
+            for row, tail in enumerate(tails.tolist()):
+                assert torch.equal(history[row, : history.shape[1] - tail], parent[row, : history.shape[1] - tail])
         state["history"] = state["history"][parents]
 
     return run_search(search, model.logits(state["history"]), step, select_rows)

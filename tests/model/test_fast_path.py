@@ -107,6 +107,22 @@ def test_same_size_reorder_in_place_equals_a_gather(index):
         assert torch.isfinite(new).all()
 
 
+
+def test_a_reorder_with_tails_copies_only_the_positions_that_may_differ():
+    """With a search's tails (row 0 may differ from its new parent in its last 2 positions), the moved row gets
+    the parent's last 2 positions and keeps its own before (the search vouches they hold the same tokens);
+    rows that stay are untouched."""
+    cache = KVCache.empty(1, 3, 2, 3, 10, "cpu", torch.float64)
+    for buf in cache.keys + cache.values:
+        buf.copy_(torch.randn_like(buf))
+    cache.max_length, cache.lengths = 6, torch.full((3,), 6)
+    before = [buf.clone() for buf in cache.keys + cache.values]
+    cache.select(torch.tensor([1, 1, 2]), tails=torch.tensor([2, 0, 0]))
+    for old, new in zip(before, cache.keys + cache.values, strict=True):
+        assert torch.equal(new[0, :, 4:6], old[1, :, 4:6]) and torch.equal(new[0, :, :4], old[0, :, :4])
+        assert torch.equal(new[1:], old[1:])
+
+
 # ---- int8 ------------------------------------------------------------------------------------------
 
 
