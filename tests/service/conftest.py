@@ -29,10 +29,10 @@ from model.generation import generate_causal, generate_seq2seq, stop_strings, tr
 from model.lora_io import load_adapter
 from model.vocab_map import checkpoint_vocabulary_map
 from service.engine import Engine
+from service.generation_requests import DECODING_FIELDS
 from service.jobs import continuation, token_logprobs
 from service.schemas import DEFAULT_NEW_TOKENS, Candidate, GenerateOutput, GenerateRequest
 from service.types import EngineSettings
-from service.worker import DECODING_FIELDS
 from tests.service.fixtures import (
     ADAPTERS,
     CLS,
