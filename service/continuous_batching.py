@@ -270,8 +270,7 @@ class GenerationScheduler(Scheduler):
                     for token in picked:
                         job.drafter.append(token)
                 index.append(parents + offset)
-                tails.append(job.search.tails if job.search.tails is not None else
-                             torch.full_like(parents, batch.cache.max_length))
+                tails.append(job.search.tails)
                 tokens.append(next_tokens)
                 keep.append(job)
             offset += rows
@@ -280,9 +279,9 @@ class GenerationScheduler(Scheduler):
             return
         if any(excess):  # forget the rejected draft positions (before select reorders the rows)
             batch.cache.truncate(batch.cache.lengths - torch.tensor(excess, device=batch.cache.lengths.device))
-        index, rows = torch.cat(index), batch.rows  # rows before select: select shrinks the cache
+        parts, index, rows = index, torch.cat(index), batch.rows  # rows before select: select shrinks the cache
         if index.numel() != rows or not torch.equal(index, torch.arange(rows, device=index.device)):
-            batch.cache.select(index, torch.cat(tails) if index.numel() == rows else None)
+            batch.cache.select(index, _tails(tails, parts, batch.cache.max_length) if index.numel() == rows else None)
             if index.numel() < rows:
                 compact(batch.cache)
         batch.jobs, batch.tokens = keep, torch.cat(tokens)
@@ -319,3 +318,11 @@ class GenerationScheduler(Scheduler):
         self._finish(job, generate_outputs(results, self.tokenizer.decode, job.stops,
                                            many=job.config.num_return_sequences > 1, targets=job.targets,
                                            protected=job.protected))
+
+
+def _tails(tails: list[torch.Tensor | None], parts: list[torch.Tensor], everything: int) -> torch.Tensor:
+    """The batch's rows' :attr:`model.decoding.Search.tails`, job by job (``parts``: each job's index), all of a
+    job's positions where its search gives none."""
+    return torch.cat([t if t is not None else torch.full_like(part, everything) for t, part in zip(tails, parts,
+                                                                                                   strict=True)])
+
