@@ -95,8 +95,7 @@ def generate_seq2seq(
         capacity = config.max_new_tokens + 1 + max(map(len, targets))
         vocabulary = None
         if vocab_map is not None:
-            vocabulary = VocabularyRestriction.of_rows([vocab_map.candidates(s) for s in sources],
-                                                       model.config.vocab_size, device)
+            vocabulary = VocabularyRestriction.of_sources(vocab_map, sources, model.config.vocab_size, device)
         first, cache = model.start(src.to(device), capacity=capacity, targets=targets, vocabulary=vocabulary)
         return run_search(search, first, lambda t: model.decode_step(t, cache), rows.select_with(cache.select))
 

@@ -23,6 +23,7 @@ from torch import nn
 from model.int8_linear import Int8Linear
 from model.kernel_layers import is_plain, linear
 from model.layout import input_major
+from model.vocab_map import VocabularyMap
 
 Head = Callable[[torch.Tensor], torch.Tensor]
 
@@ -60,6 +61,15 @@ class VocabularyRestriction:
                 mask[row] = False
                 mask[row, positions if ids is None else torch.searchsorted(ids, positions)] = True
         return cls(rows, vocab_size, ids, mask)
+
+    @classmethod
+    def of_sources(cls, vocab_map: VocabularyMap, sources: Sequence[Sequence[int]], vocab_size: int,
+                   device: torch.device | str, restricted: Sequence[bool] | None = None) -> VocabularyRestriction:
+        """Each source's candidates under ``vocab_map`` (``restricted``: per row whether it keeps to them; all by
+        default)."""
+        restricted = restricted if restricted is not None else [True] * len(sources)
+        return cls.of_rows([vocab_map.candidates(s) if r else None for s, r in zip(sources, restricted, strict=True)],
+                           vocab_size, device)
 
     @property
     def batch_size(self) -> int:

@@ -193,8 +193,8 @@ class Seq2SeqRunner(GenerationRunner):
             return None
         if self.vocab_map is None:
             raise ValueError("this translator has no vocabulary map")
-        rows = [self.vocab_map.candidates(tokens) if r else None for tokens, r in zip(inputs, restricted, strict=True)]
-        return VocabularyRestriction.of_rows(rows, self.config.vocab_size, self.device)
+        return VocabularyRestriction.of_sources(self.vocab_map, inputs, self.config.vocab_size, self.device,
+                                                restricted)
 
     def _encode(self, sources: list[tuple[str | None, tuple[int, ...]]]) -> list[Entry]:
         """Encode (adapter, source) pairs in one batch and cache each one's cross-attention K/V."""
