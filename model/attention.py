@@ -2,8 +2,9 @@
 
 The fast path is ``torch.nn.functional.scaled_dot_product_attention`` (fused kernels on GPU);
 ``attention_weights=True`` takes the explicit path so the weights can be returned for introspection.
-Decoding steps (a few queries per row over the KV cache) go through :func:`decode_attention`: our
-AVX-512 kernel (model/kernels/decode_attention.cpp) on CPU float32 inference, SDPA otherwise.
+Blocks of up to 16 queries per row (decoding steps over the KV cache, short sentences, a [CLS]-only last
+layer) go through :func:`decode_attention`: our AVX-512 kernel (model/kernels/decode_attention.cpp) on CPU
+float32 inference, SDPA otherwise.
 Masks are boolean, True where a query may attend, broadcastable to (B, H, Tq, Tk).
 """
 
@@ -170,7 +171,10 @@ class MultiHeadAttention(nn.Module):
             weights = None
         elif attention_weights:
             out, weights = attention(q, k, v, mask, dropout)
-        else:
+        elif dropout:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+            weights = None
+        else:  # a few queries (a short sentence, a decoding step, a [CLS]-only last layer): our kernel; else SDPA
+            out = decode_attention(q, k, v, mask)
             weights = None
         return self.out_proj(self.merge_heads(out)), weights

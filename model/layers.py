@@ -9,7 +9,7 @@ from torch import nn
 
 from model.attention import MultiHeadAttention
 from model.config import TransformerConfig
-from model.kernel_layers import LayerNorm, Linear, activate
+from model.kernel_layers import LayerNorm, Linear, activate, kernels_for
 from model.kv_cache import KVCache
 
 
@@ -106,8 +106,12 @@ class TransformerLayer(nn.Module):
         return norm(x) if self.pre_norm else x
 
     def _residual(self, x: torch.Tensor, out: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
-        """x + Dropout(out) (pre-LN) or LN(x + Dropout(out)) (post-LN)."""
-        x = x + (self.dropout(out) if self.training else out)
+        """x + Dropout(out) (pre-LN) or LN(x + Dropout(out)) (post-LN); ``out`` is the sub-layer's fresh output."""
+        kernels = kernels_for(out)
+        if kernels is not None and not self.training:
+            x = kernels.rows_add_(out, x)  # into ``out``, which nothing else holds
+        else:
+            x = x + (self.dropout(out) if self.training else out)
         return x if self.pre_norm else norm(x)
 
     def forward(

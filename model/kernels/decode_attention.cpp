@@ -190,7 +190,8 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
     prefix.layer = layer, prefix.heads = h, prefix.block = first.size(3), prefix.dh = dh;
   }
   const int64_t most_shared = prefix.data.empty() ? 0 : prefix.table.size(1) * prefix.block;
-  torch::Tensor out = torch::empty({b, h, tq, dh}, q.options());
+  // (B, H, Tq, Dh) laid out (B, Tq, H, Dh): merging the heads for the out projection is then a view, not a copy
+  torch::Tensor out = torch::empty({b, tq, h, dh}, q.options()).transpose(1, 2);
   const float scale = 1.f / std::sqrt(static_cast<float>(dh));
   at::parallel_for(0, b * h, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(most_shared + t + 16);

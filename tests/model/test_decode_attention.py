@@ -1,5 +1,7 @@
 """The AVX-512 decode-attention kernel against a float64 reference, and where it is used."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -7,8 +9,9 @@ import torch.nn.functional as F
 from model import native
 from model.attention import decode_attention
 from model.decoding import GenerationConfig
+from model.fast_step import plan_for
 from model.generation import generate_causal, generate_seq2seq
-from tests.model.conftest import random_ids, tiny_causal_lm, tiny_seq2seq
+from tests.model.conftest import random_ids, tiny_causal_lm, tiny_classifier, tiny_seq2seq
 
 kernel = native.kernels()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="the C++ decode-attention kernel does not run here")
@@ -41,6 +44,7 @@ def test_kernel_equals_the_float64_reference(b, h, tq, t, dh, masked):
         mask = (torch.arange(t) < lengths[:, None]).view(b, 1, 1, t)
     got = kernel.decode_attention(q, k, v, mask)
     assert got.shape == (b, h, tq, dh)
+    assert got.transpose(1, 2).is_contiguous()  # laid out (B, Tq, H, Dh): merging the heads is a view
     torch.testing.assert_close(got.double(), _reference(q, k, v, mask), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), rtol=1e-5, atol=1e-5)
 
@@ -96,6 +100,28 @@ def test_decoding_with_the_kernel_equals_decoding_with_sdpa(kernel_options):
     with_kernel = outputs()
     kernel_options(decode_kernels=False)
     assert outputs() == with_kernel
+
+
+@needs_kernel
+def test_short_sentences_attend_with_the_kernel_and_match_the_float64_reference(kernel_options, monkeypatch):
+    """The layers of an encoder over up to 16 tokens (padded rows, the [CLS]-only last layer; the path of rows with
+    adapters, which the C++ forward does not take) attend with our kernel; their logits equal the float64 model's
+    and those of the same model without our kernels."""
+    model = tiny_classifier().eval()
+    ids = random_ids(3, 12, seed=5)
+    ids[1, 7:] = model.config.pad_id
+    reference = copy.deepcopy(model).double()(ids)
+    plan_for(model.encoder).native = None  # the layers themselves
+    calls = []
+    counted = kernel.decode_attention
+    monkeypatch.setattr(kernel, "decode_attention", lambda *args: calls.append(args[0].shape) or counted(*args))
+    with torch.inference_mode():
+        got = model(ids)
+    assert len(calls) == model.config.n_layers and calls[-1][2] == 1  # every layer; the last for [CLS] alone
+    torch.testing.assert_close(got.double(), reference, rtol=0, atol=1e-5)
+    kernel_options(decode_kernels=False)
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids), got, rtol=0, atol=1e-5)
 
 
 def _prefixed_case(seed=0, layers=2, h=3, dh=24, block=4, t=5, tq=2):
