@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.config import ClassifierConfig
+from model.fast_step import run_encoder
 from model.kernel_layers import LayerNorm, Linear
 from model.layers import Embeddings, LayerStack, init_weights, padding_mask
 
@@ -59,8 +60,7 @@ class TransformerClassifier(nn.Module):
         """
         mask = padding_mask(ids, self.config.pad_id)
         keep = slice(0, 1) if cls_only else None
-        return self.encoder(self.embed(ids, segments=segments), mask, attention_weights=attention_weights,
-                            keep_last=keep)
+        return run_encoder(self.encoder, self.embed(ids, segments=segments), mask, attention_weights, keep)
 
     def pool(self, hidden: torch.Tensor) -> torch.Tensor:
         """The pooled [CLS] representation (B, D) the heads read."""

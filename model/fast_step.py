@@ -360,3 +360,28 @@ def run_decoder(
     if stack.training:
         return stack(x, mask, memory_mask=memory_mask, cache=cache)[0]
     return plan_for(stack)(x, mask, cache, memory_mask)
+
+
+def run_encoder(
+    stack: LayerStack, x: torch.Tensor, mask: torch.Tensor | None, attention_weights: bool = False,
+    keep_last: slice | None = None,
+) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+    """``stack(x, mask, attention_weights=..., keep_last=...)`` of an encoder (no cache, no memory). Rows of up to
+    ``MAX_STEP_TOKENS`` positions in float32 CPU inference without active adapters take the C++ stack
+    (``DecoderStack.encode``), which saves the interpreter's time per layer (about 0.1 ms, a tenth of BERT-base's
+    forward over 16 tokens); ``keep_last`` may then be None or the first position alone."""
+    plan = None if stack.training or attention_weights or x.dtype != torch.float32 else plan_for(stack)
+    native_step = plan.native if plan is not None else None
+    if (
+        native_step is None
+        or x.device.type != "cpu"
+        or torch.is_grad_enabled()
+        or x.shape[1] > plan.kernels.MAX_STEP_TOKENS
+        or keep_last not in (None, slice(0, 1))
+        or (mask is not None and mask.dtype != torch.bool)
+        or native_step.deltas(x.shape[0], x.shape[1]) != []
+    ):
+        return stack(x, mask, attention_weights=attention_weights, keep_last=keep_last)
+    rows = x.shape[0] * x.shape[1]
+    x = native_step.stack.encode(x, mask, native_step.panels(plan.kernels, rows), keep_last is not None)
+    return (plan.final_norm(x) if plan.final_norm is not None else x), [{} for _ in stack.layers]

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from model.config import Seq2SeqConfig
-from model.fast_step import run_decoder
+from model.fast_step import run_decoder, run_encoder
 from model.kernel_layers import Linear
 from model.kv_cache import CrossAttentionMemory, KVCache
 from model.layers import Embeddings, LayerStack, causal_mask, init_weights, padding_mask
@@ -40,7 +40,7 @@ class Seq2SeqTransformer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, list[dict[str, torch.Tensor]]]:
         """src (B, S) right-padded -> (memory (B, S, D), source mask (B, 1, 1, S), attention maps)."""
         mask = padding_mask(src, self.config.pad_id)
-        memory, maps = self.encoder(self.src_embed(src), mask, attention_weights=attention_weights)
+        memory, maps = run_encoder(self.encoder, self.src_embed(src), mask, attention_weights)
         return memory, mask, maps
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:

@@ -60,5 +60,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       .def(pybind11::init<std::vector<Tensors>, std::vector<Tensors>, std::vector<double>, int64_t, bool, Activation>(),
            arg("projections"), arg("norms"), arg("eps"), arg("heads"), arg("pre_norm"), arg("activation"))
       .def("step", &DecoderStack::step, "one decoding step through every decoder layer (model/fast_step.py)",
-           arg("x"), arg("cache"), arg("deltas"), arg("panels"), release());
+           arg("x"), arg("cache"), arg("deltas"), arg("panels"), release())
+      .def("encode", &DecoderStack::encode, "an encoder's forward over short rows, no cache (model/fast_step.py)",
+           arg("x"), arg("mask"), arg("panels"), arg("keep_first"), release());
 }

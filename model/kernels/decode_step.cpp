@@ -1,4 +1,5 @@
-// One decoding step through every decoder layer in one call (model/fast_step.py's native path).
+// One decoding step through every decoder layer in one call (model/fast_step.py's native path), and an encoder's
+// forward over short rows (DecoderStack::encode: a sentence of up to 16 tokens to classify or embed).
 //
 // The computation of the decode plan's Python replay (DecodePlan), in the same order: the layer loop, the
 // head split/merge views and the cache writes run here instead of in the interpreter, which cost about
@@ -144,6 +145,54 @@ torch::Tensor DecoderStack::step(torch::Tensor x, const StepCache& cache, const 
     }
     x = s.sublayer(x, n[kFfnNorm], e[kFfnNorm], [&](const torch::Tensor& h) {
       return project(s.activate(project(h, p[kFc1], delta(kFc1), panel(kFc1))), p[kFc2], delta(kFc2), panel(kFc2));
+    });
+  }
+  return x;
+}
+
+torch::Tensor DecoderStack::encode(torch::Tensor x, const optional<torch::Tensor>& mask, const Tensors& panels,
+                                   bool keep_first) const {
+  const int64_t count = layers();
+  TORCH_CHECK(x.dim() == 3 && x.size(1) >= 1 && x.size(1) <= kMaxStepTokens, "encode: x must be (B, T, D), T <= ",
+              kMaxStepTokens);
+  TORCH_CHECK(panels.empty() || panels.size() == projections.size(), "encode: one panel entry per projection");
+  for (int64_t l = 0; l < count; ++l)
+    TORCH_CHECK(projections[l * kSlots + kCrossQ].empty(), "encode: an encoder layer has no cross-attention");
+  Step s{x.size(0), x.size(1), heads, x.size(2), x.size(2) / heads, pre_norm, activation};
+  for (int64_t l = 0; l < count; ++l) {
+    const Tensors* p = &projections[l * kSlots];
+    const torch::Tensor* packed = panels.empty() ? nullptr : &panels[l * kSlots];
+    auto panel = [&](Slot slot) { return packed == nullptr ? nullptr : &packed[slot]; };
+    const Tensors* n = &norms[l * kNorms];
+    const double* e = &eps[l * kNorms];
+    // q, k, v of h (B, T, D), each (B, H, T, Dh); `first`: q of the first position alone (B, H, 1, Dh).
+    auto attend = [&](const torch::Tensor& h, bool first) {
+      torch::Tensor q, k, v;
+      if (!p[kQkv].empty()) {
+        auto qkv = project(h, p[kQkv], panel(kQkv)).view({s.rows, s.tokens, 3, heads, s.dh}).permute({2, 0, 3, 1, 4});
+        q = qkv[0], k = qkv[1], v = qkv[2];
+        if (first) q = q.narrow(2, 0, 1);
+      } else {
+        q = project(first ? h.narrow(1, 0, 1) : h, p[kQ], panel(kQ)).view({s.rows, first ? 1 : s.tokens, heads, s.dh})
+                .transpose(1, 2);
+        k = s.split(project(h, p[kK], panel(kK))), v = s.split(project(h, p[kV], panel(kV)));
+      }
+      auto out = decode_attention(q, k, v, mask, {}, c10::nullopt, 0);
+      return project(out.transpose(1, 2).reshape({s.rows, first ? 1 : s.tokens, s.d}), p[kOut], panel(kOut));
+    };
+    if (keep_first && l == count - 1 && s.tokens > 1) {  // the sublayer of the kept position: its residual is x[:, :1]
+      auto kept = x.narrow(1, 0, 1).contiguous();
+      if (pre_norm) {
+        x = rows_add_(attend(rows_layer_norm(x, n[kSelfAttnNorm][0], n[kSelfAttnNorm][1], e[kSelfAttnNorm]), true), kept);
+      } else {
+        x = rows_layer_norm(rows_add_(attend(x, true), kept), n[kSelfAttnNorm][0], n[kSelfAttnNorm][1], e[kSelfAttnNorm]);
+      }
+      s.tokens = 1;
+    } else {
+      x = s.sublayer(x, n[kSelfAttnNorm], e[kSelfAttnNorm], [&](const torch::Tensor& h) { return attend(h, false); });
+    }
+    x = s.sublayer(x, n[kFfnNorm], e[kFfnNorm], [&](const torch::Tensor& h) {
+      return project(s.activate(project(h, p[kFc1], panel(kFc1))), p[kFc2], panel(kFc2));
     });
   }
   return x;

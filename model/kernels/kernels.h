@@ -73,4 +73,9 @@ struct DecoderStack {
   // model/packed_weights.py).
   torch::Tensor step(torch::Tensor x, const StepCache& cache, const std::vector<Tensors>& deltas,
                      const Tensors& panels) const;
+  // An encoder's forward (no cache, no cross-attention, no adapters) of x (B, T, D), T <= kMaxStepTokens: each
+  // layer's queries attend to the rows' own keys under `mask` (the padding). keep_first: the last layer computes
+  // the first position alone, attending to all (a [CLS] head): (B, 1, D).
+  torch::Tensor encode(torch::Tensor x, const c10::optional<torch::Tensor>& mask, const Tensors& panels,
+                       bool keep_first) const;
 };
