@@ -37,6 +37,18 @@ def test_kernel_equals_the_float64_reference(rows, out_features, in_features, wi
     torch.testing.assert_close(got.double(), expected, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize(("rows", "out_features", "in_features"), [(150, 100, 3000), (700, 70, 300)])
+def test_inputs_larger_than_l2_taken_in_blocks_of_rows_equal_the_float64_reference(rows, out_features, in_features):
+    """Over 768 KB of inputs the panels are walked once per block of rows: 60-row blocks and a partial last one
+    (150 x 3,000), 648-row blocks of uneven tiles (700 x 300)."""
+    weight, bias = _weights(out_features, in_features, seed=1)
+    x = torch.randn(rows, in_features)
+    assert x.numel() * 4 > 768 * 1024
+    with torch.no_grad():
+        got = kernel.packed_linear(x, kernel.pack_weight(weight), out_features, bias)
+    torch.testing.assert_close(got.double(), x.double() @ weight.double().t() + bias.double(), atol=1e-4, rtol=1e-5)
+
+
 def test_leading_dims_strided_inputs_and_either_weight_layout():
     weight, bias = _weights(70, 48)
     x = torch.randn(6, 1, 96)[..., ::2]  # (6, 1, 48), not contiguous
