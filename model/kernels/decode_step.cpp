@@ -49,8 +49,15 @@ struct Step {
   // Pre-LN: x + f(LN(x)); post-LN: LN(x + f(x)). f's result is fresh: the residual is added into it.
   template <class F>
   torch::Tensor sublayer(const torch::Tensor& x, const Tensors& norm, double eps, F f) const {
-    if (pre_norm) return rows_add_(f(rows_layer_norm(x, norm[0], norm[1], eps)), x);
-    return rows_layer_norm(rows_add_(f(x), x), norm[0], norm[1], eps);
+    return sublayer(x, x, norm, eps, f);
+  }
+
+  // The same with another residual: the positions f computes (an encoder's kept first position) of x.
+  template <class F>
+  torch::Tensor sublayer(const torch::Tensor& x, const torch::Tensor& residual, const Tensors& norm, double eps,
+                         F f) const {
+    if (pre_norm) return rows_add_(f(rows_layer_norm(x, norm[0], norm[1], eps)), residual);
+    return rows_layer_norm(rows_add_(f(x), residual), norm[0], norm[1], eps);
   }
 
   torch::Tensor activate(const torch::Tensor& h) const { return rows_activate_(h, activation); }
@@ -165,31 +172,26 @@ torch::Tensor DecoderStack::encode(torch::Tensor x, const optional<torch::Tensor
     auto panel = [&](Slot slot) { return packed == nullptr ? nullptr : &packed[slot]; };
     const Tensors* n = &norms[l * kNorms];
     const double* e = &eps[l * kNorms];
-    // q, k, v of h (B, T, D), each (B, H, T, Dh); `first`: q of the first position alone (B, H, 1, Dh).
-    auto attend = [&](const torch::Tensor& h, bool first) {
+    // Self-attention over h (B, T, D) for the queries of `out`'s step: every position (s) or the first alone.
+    auto attend = [&](const torch::Tensor& h, const Step& out) {
       torch::Tensor q, k, v;
       if (!p[kQkv].empty()) {
         auto qkv = project(h, p[kQkv], panel(kQkv)).view({s.rows, s.tokens, 3, heads, s.dh}).permute({2, 0, 3, 1, 4});
-        q = qkv[0], k = qkv[1], v = qkv[2];
-        if (first) q = q.narrow(2, 0, 1);
+        q = qkv[0].narrow(2, 0, out.tokens), k = qkv[1], v = qkv[2];
       } else {
-        q = project(first ? h.narrow(1, 0, 1) : h, p[kQ], panel(kQ)).view({s.rows, first ? 1 : s.tokens, heads, s.dh})
-                .transpose(1, 2);
+        q = out.split(project(h.narrow(1, 0, out.tokens), p[kQ], panel(kQ)));
         k = s.split(project(h, p[kK], panel(kK))), v = s.split(project(h, p[kV], panel(kV)));
       }
-      auto out = decode_attention(q, k, v, mask, {}, c10::nullopt, 0);
-      return project(out.transpose(1, 2).reshape({s.rows, first ? 1 : s.tokens, s.d}), p[kOut], panel(kOut));
+      return project(out.merge(decode_attention(q, k, v, mask, {}, c10::nullopt, 0)), p[kOut], panel(kOut));
     };
-    if (keep_first && l == count - 1 && s.tokens > 1) {  // the sublayer of the kept position: its residual is x[:, :1]
-      auto kept = x.narrow(1, 0, 1).contiguous();
-      if (pre_norm) {
-        x = rows_add_(attend(rows_layer_norm(x, n[kSelfAttnNorm][0], n[kSelfAttnNorm][1], e[kSelfAttnNorm]), true), kept);
-      } else {
-        x = rows_layer_norm(rows_add_(attend(x, true), kept), n[kSelfAttnNorm][0], n[kSelfAttnNorm][1], e[kSelfAttnNorm]);
-      }
-      s.tokens = 1;
+    if (keep_first && l == count - 1 && s.tokens > 1) {  // the kept position's sub-layer: its residual is x[:, :1]
+      Step first = s;
+      first.tokens = 1;
+      x = s.sublayer(x, x.narrow(1, 0, 1).contiguous(), n[kSelfAttnNorm], e[kSelfAttnNorm],
+                     [&](const torch::Tensor& h) { return attend(h, first); });
+      s = first;
     } else {
-      x = s.sublayer(x, n[kSelfAttnNorm], e[kSelfAttnNorm], [&](const torch::Tensor& h) { return attend(h, false); });
+      x = s.sublayer(x, n[kSelfAttnNorm], e[kSelfAttnNorm], [&](const torch::Tensor& h) { return attend(h, s); });
     }
     x = s.sublayer(x, n[kFfnNorm], e[kFfnNorm], [&](const torch::Tensor& h) {
       return project(s.activate(project(h, p[kFc1], panel(kFc1))), p[kFc2], panel(kFc2));
