@@ -29,6 +29,12 @@ class Cell:
     length: int = 0  # tokens per input row (prompt, source or sequence) where a table needs it
     seconds: dict[str, float] = field(default_factory=dict)
     pruned: list[str] = field(default_factory=list)  # variants timed by their warm-up only
+    bandwidth: list[dict[int, float]] = field(default_factory=list)  # read rates probed before each timed round
+
+    def read_bandwidth(self) -> dict[int, float]:
+        """Working-set bytes -> the median of the rates probed during this cell's rounds ({} without a probe)."""
+        return {size: statistics.median(p[size] for p in self.bandwidth) for size in self.bandwidth[0]} \
+            if self.bandwidth else {}
 
     def best(self, engine: str) -> tuple[float, int] | None:
         """(rate, threads) of ``engine`` in its fastest thread count."""
@@ -62,9 +68,10 @@ def _slow(times: dict[str, list[float]], prune: float) -> list[str]:
 
 
 def alternate(cell: Cell, variants: dict[str, tuple[int, Callable[[], list[int]]]], expected: int,
-              repeats: int, prune: float) -> Cell:
+              repeats: int, prune: float, probe: Callable[[], dict[int, float]] | None = None) -> Cell:
     """Warm up, then time every variant ``repeats`` times in rotating order (a short run after an untimed one of
-    its own: :data:`LEAD_IN_BELOW_S`); store the medians.
+    its own: :data:`LEAD_IN_BELOW_S`); store the medians. ``probe`` (benchmarks/floor.py's BandwidthProbe) runs
+    before each timed round, its readings kept in ``cell.bandwidth``.
 
     A thread count whose warm-up took over ``prune`` x the same engine's fastest warm-up, twice, is
     not timed further (on a shared machine, spinning OpenMP threads can make it 5-30x slower): its
@@ -80,6 +87,8 @@ def alternate(cell: Cell, variants: dict[str, tuple[int, Callable[[], list[int]]
             torch.set_num_threads(threads)
             run()
     for round_ in range(repeats + 1):
+        if round_ and probe is not None:
+            cell.bandwidth.append(probe())
         for name in order[round_ % len(order):] + order[: round_ % len(order)]:
             threads, run = variants[name]
             torch.set_num_threads(threads)

@@ -37,7 +37,8 @@ from benchmarks.common import machine_line, markdown_table
 from model.checkpoint import save_checkpoint
 
 
-def decode_cells(models: peers.Models, args: argparse.Namespace, translators: dict) -> list[Cell]:
+def decode_cells(models: peers.Models, args: argparse.Namespace, translators: dict,
+                 probe: floor.BandwidthProbe) -> list[Cell]:
     cells = []
     for family, grid in (("causal_lm", args.causal_cells), ("seq2seq", args.seq2seq_cells)):
         causal = family == "causal_lm"
@@ -59,11 +60,11 @@ def decode_cells(models: peers.Models, args: argparse.Namespace, translators: di
                 for kind in ("fp32", "int8") if translators else ():
                     run = peers.ct2_translate(translators[kind, n], models.tokenizer, inputs, beams, new)
                     variants[f"CT2 {kind}@{n}"] = (1, run)
-            cells.append(alternate(cell, variants, new, args.repeats, args.prune))
+            cells.append(alternate(cell, variants, new, args.repeats, args.prune, probe))
     return cells
 
 
-def classifier_cells(models: peers.Models, args: argparse.Namespace) -> list[Cell]:
+def classifier_cells(models: peers.Models, args: argparse.Namespace, probe: floor.BandwidthProbe) -> list[Cell]:
     cells = []
     for batch in args.classifier_batches:
         ids = peers.random_ids(batch, args.classifier_len, seed=batch)
@@ -74,7 +75,7 @@ def classifier_cells(models: peers.Models, args: argparse.Namespace) -> list[Cel
             variants[f"ours int8@{n}"] = (n, peers.ours_classify(models.classifier_int8, ids))
             variants[f"HF@{n}"] = (n, peers.hf_classify(models.hf_classifier, ids))
         cell = Cell("classifier", "forward", batch, 0, batch)
-        cells.append(alternate(cell, variants, batch, args.classifier_repeats, args.prune))
+        cells.append(alternate(cell, variants, batch, args.classifier_repeats, args.prune, probe))
     return cells
 
 
@@ -124,9 +125,11 @@ def targets(cells: list[Cell], overhead: dict[str, float] | None) -> str:
     return markdown_table(["target", "cell", "measured", ""], rows)
 
 
-def floor_table(cells: list[Cell], rates: floor.Rates, args: argparse.Namespace) -> str:
+def floor_table(cells: list[Cell], peak: floor.Rates, args: argparse.Namespace) -> str:
+    """Each cell's floor at the bandwidth read during it (the run's best GEMM rates) and each engine's share."""
     rows = []
     for c in cells:
+        rates = peak.during(c.read_bandwidth())
         if c.family == "classifier":
             fp32, int8 = (floor.classifier_floor(c.batch, args.classifier_len, rates, b)
                           for b in (floor.FP32, floor.INT8))
@@ -166,16 +169,18 @@ def measure(root: Path, args: argparse.Namespace) -> list[str]:
     if models.ct2_dir is not None and not args.skip_decode:
         translators = {(kind, n): peers.CT2Process(models.ct2_dir, kind.replace("fp32", "float32"), n)
                        for kind in ("fp32", "int8") for n in args.threads}
+    working_sets = [floor.decoder_weights(f) * b for f in ("causal_lm", "seq2seq") for b in (floor.FP32, floor.INT8)]
+    probe = floor.BandwidthProbe(working_sets, args.threads)
     cells = []
     try:
         if not args.skip_decode:
-            cells += decode_cells(models, args, translators)
+            cells += decode_cells(models, args, translators, probe)
             out += ["", f"Decoding done: {load()}"]
     finally:
         for translator in translators.values():
             translator.close()
     if not args.skip_classifier:
-        cells += classifier_cells(models, args)
+        cells += classifier_cells(models, args, probe)
         out += [f"Classifier done: {load()}"]
     overhead = None
     if not args.skip_service:
@@ -185,7 +190,6 @@ def measure(root: Path, args: argparse.Namespace) -> list[str]:
         save_checkpoint(root / "serve" / "causal_lm", models.causal, models.tokenizer)
         overhead = service_overhead.measure(root / "serve", "causal_lm", args.new_tokens, max(args.repeats, 5))
         out += [f"Service done: {load()}"]
-    working_sets = [floor.decoder_weights(f) * b for f in ("causal_lm", "seq2seq") for b in (floor.FP32, floor.INT8)]
     rates = floor.measure_rates(working_sets, args.threads)
     pruned = "; ".join(f"{c.family} {c.label} b{c.batch}: {', '.join(c.pruned)}" for c in cells if c.pruned)
     out += ["", "### Results (items/s, best thread count in brackets)", "", results_table(cells), "",
@@ -198,8 +202,10 @@ def measure(root: Path, args: argparse.Namespace) -> list[str]:
         out += ["### Service overhead (causal_lm greedy, batch 1, one client, 1 thread)", "",
                 markdown_table(["path", "seconds", "tokens/s", "vs offline"], rows), ""]
     bw = ", ".join(f"{size / 1e6:.0f} MB: {rate / 1e9:.1f} GB/s" for size, rate in rates.bandwidth.items())
-    out += ["### Floor", "", f"Read bandwidth by working set: {bw}; fp32 GEMM {rates.fp32_flops / 1e9:.0f} GFLOP/s, "
-            f"int8 GEMM {rates.int8_ops / 1e9:.0f} GOP/s; threads of each best: {rates.threads}", "",
+    out += ["### Floor", "", f"Best read bandwidth by working set: {bw}; fp32 GEMM {rates.fp32_flops / 1e9:.0f} "
+            f"GFLOP/s, int8 GEMM {rates.int8_ops / 1e9:.0f} GOP/s; threads of each best: {rates.threads}. Each "
+            "cell's floor takes the bandwidth read during it instead (the best of 3 reads before each timed round, "
+            "the median of the rounds): the machine's memory is shared with other work.", "",
             floor_table(cells, rates, args), "", f"End: {time.strftime('%Y-%m-%d %H:%M:%S')}, {load()}"]
     return out
 

@@ -8,6 +8,10 @@ the matmul rate by fp32 GEMMs (1024^3, and 512 rows through a 512 x 2048 linear)
 the faster of fbgemm's dynamic int8 linear and ours (model/kernels/int8_vnni.cpp); a served shape adds
 512 rows through its own FFN linear in both. Each is the fastest of 7 runs at the best of the thread
 counts tried.
+A machine shared with other work reads memory at different rates from minute to minute (33-58 GB/s here within
+an hour), so a cell's floor takes the bandwidth read *while the cell ran*: :class:`BandwidthProbe`, run before
+each of its timed rounds (benchmarks/cells.py), the median of those; the best rate of the run stays in the
+report beside it.
 The cross-attention K/V of beams of one source count once. The classifier's floor counts every
 layer in full (ours computes only [CLS] in its last layer, so it can beat it by up to 1/L).
 Sizes come from a :class:`Dims` (default: the toy shape of benchmarks/peers.py; benchmarks/shapes.py
@@ -18,7 +22,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -77,6 +81,10 @@ class Rates:
         size = min(self.bandwidth, key=lambda s: abs(s - nbytes))
         return self.bandwidth[size]
 
+    def during(self, bandwidth: dict[int, float]) -> Rates:
+        """These rates with the bandwidth read at some moment (a cell's rounds) in place of the best one."""
+        return replace(self, bandwidth={size: bandwidth.get(size, rate) for size, rate in self.bandwidth.items()})
+
     def best_with(self, other: Rates) -> Rates:
         """The higher of each rate in two measurements (on a shared machine one may have met other work)."""
         pick = {"fp32": self.fp32_flops >= other.fp32_flops, "int8": self.int8_ops >= other.int8_ops}
@@ -87,6 +95,30 @@ class Rates:
             int8_ops=max(self.int8_ops, other.int8_ops),
             threads={k: (self if pick.get(k, True) else other).threads.get(k, n) for k, n in self.threads.items()},
         )
+
+
+class BandwidthProbe:
+    """Reads buffers as large as the given working sets, the best of ``repeats`` reads each."""
+
+    def __init__(self, working_sets: list[int], threads: list[int], repeats: int = 3) -> None:
+        self.buffers = {size: torch.ones(size // 4) for size in working_sets}
+        self.threads, self.repeats = threads, repeats
+
+    def read(self) -> dict[int, float]:
+        """Working-set bytes -> bytes/s at the calling thread's intra-op thread count."""
+        with torch.inference_mode():
+            return {size: size / _best_seconds(buf.sum, self.repeats) for size, buf in self.buffers.items()}
+
+    def __call__(self) -> dict[int, float]:
+        """Working-set bytes -> bytes/s at the best of the thread counts, now (a fraction of a second)."""
+        before, rates = torch.get_num_threads(), {}
+        try:
+            for n in self.threads:
+                torch.set_num_threads(n)
+                rates = {size: max(rates.get(size, 0.0), rate) for size, rate in self.read().items()}
+        finally:
+            torch.set_num_threads(before)
+        return rates
 
 
 def measure_rates(working_sets: list[int], threads: list[int], linears: list[tuple[int, int, int]] = ()) -> Rates:
@@ -110,14 +142,14 @@ def measure_rates(working_sets: list[int], threads: list[int], linears: list[tup
     ours = Int8Linear(w, None)  # the int8 GEMM our models run (the VNNI kernel where it runs, else fbgemm)
     extra = [(torch.randn(rows, n_in), torch.randn(n_out, n_in) * 0.02) for rows, n_in, n_out in linears]
     extra = [(xl, wl, Int8Linear(wl, None)) for xl, wl in extra]
-    buffers = {size: torch.ones(size // 4) for size in working_sets}
+    probe = BandwidthProbe(working_sets, threads, repeats=7)
     before = torch.get_num_threads()
     try:
         for n in threads:
             torch.set_num_threads(n)
             with torch.inference_mode():
-                for size, buf in buffers.items():
-                    keep(f"bw{size}", size / _best_seconds(buf.sum), n)
+                for size, rate in probe.read().items():
+                    keep(f"bw{size}", rate, n)
                 keep("fp32", 2 * 1024**3 / _best_seconds(lambda: a @ b), n)
                 keep("fp32", 2 * 512 * 512 * 2048 / _best_seconds(lambda: torch.nn.functional.linear(x32, w32)), n)
                 for xl, wl, wl8 in extra:
@@ -175,5 +207,5 @@ def classifier_floor(batch: int, length: int, rates: Rates, weight_bytes: int, d
     return max(flops / flop_rate, nbytes / rates.read_rate(nbytes))
 
 
-__all__ = ["FP32", "INT8", "TOY", "Dims", "Rates", "classifier_floor", "decode_floor", "decoder_weights",
-           "measure_rates"]
+__all__ = ["FP32", "INT8", "TOY", "BandwidthProbe", "Dims", "Rates", "classifier_floor", "decode_floor",
+           "decoder_weights", "measure_rates"]

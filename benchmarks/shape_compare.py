@@ -21,7 +21,7 @@ tokens of ours and of CTranslate2 against HF's on three inputs, the classifier's
 Runtime against HF's; a fp32 engine that disagrees (beyond a tie) is reported as MISMATCH and not timed,
 int8 agreement is reported. Timing as for the toy shape (benchmarks/cells.py): variants alternate in
 rotating order after a warm-up, medians, each engine at its best thread count. The floor per cell and each
-engine's share of it come from benchmarks/floor.py with the shape's sizes.
+engine's share of it come from benchmarks/floor.py with the shape's sizes, at the bandwidth read during the cell.
 """
 
 from __future__ import annotations
@@ -86,7 +86,8 @@ TINY_GRIDS = {
 # ---- cells --------------------------------------------------------------------------------------------------
 
 
-def decode_cells(engines: Engines, grid: list[tuple[int, int]], spec: Grid, args: argparse.Namespace) -> list[Cell]:
+def decode_cells(engines: Engines, grid: list[tuple[int, int]], spec: Grid, args: argparse.Namespace,
+                 probe: floor.BandwidthProbe) -> list[Cell]:
     name, cells = engines.files.shape.name, []
     pieces = ct2_pieces(engines.files) if engines.translators else []
     for k, (beams, batch) in enumerate(grid, 1):
@@ -105,11 +106,12 @@ def decode_cells(engines: Engines, grid: list[tuple[int, int]], spec: Grid, args
                     run = ct2_decode(engines.translators[kind, n], pieces, inputs, beams, spec.new_tokens)
                     variants[f"CT2 {kind}@{n}"] = (1, run)
         variants = {v: run for v, run in variants.items() if v.rsplit("@", 1)[0] not in engines.excluded}
-        cells.append(alternate(cell, variants, spec.new_tokens, args.repeats, args.prune))
+        cells.append(alternate(cell, variants, spec.new_tokens, args.repeats, args.prune, probe))
     return cells
 
 
-def classifier_cells(engines: Engines, grid: list[tuple[int, int]], args: argparse.Namespace) -> list[Cell]:
+def classifier_cells(engines: Engines, grid: list[tuple[int, int]], args: argparse.Namespace,
+                     probe: floor.BandwidthProbe) -> list[Cell]:
     name, cells = engines.files.shape.name, []
     for k, (length, batch) in enumerate(grid, 1):
         logger.info("%s: cell %d/%d, length %d batch %d (%s)", name, k, len(grid), length, batch, load())
@@ -125,7 +127,7 @@ def classifier_cells(engines: Engines, grid: list[tuple[int, int]], args: argpar
                     variants[f"ORT {kind}@{n}"] = (1, repeated(rows_of(ort_logits, engines.ort[kind, n], ids), times))
         variants = {v: run for v, run in variants.items() if v.rsplit("@", 1)[0] not in engines.excluded}
         cell = Cell(name, f"length {length}", batch, 0, batch * length * times, length=length)
-        cells.append(alternate(cell, variants, batch, args.repeats, args.prune))
+        cells.append(alternate(cell, variants, batch, args.repeats, args.prune, probe))
     return cells
 
 
@@ -171,10 +173,12 @@ def targets_table(cells: list[Cell], shares: dict[tuple[str, int, str], float]) 
     return markdown_table(["target", "cell", "measured", ""], rows)
 
 
-def floors(cells: list[Cell], spec: shapes.Shape, rates: floor.Rates, new_tokens: int) -> dict:
-    """(family, batch, label) -> (fp32 floor seconds, int8 floor seconds) of each cell."""
+def floors(cells: list[Cell], spec: shapes.Shape, peak: floor.Rates, new_tokens: int) -> dict:
+    """(family, batch, label) -> (fp32 floor seconds, int8 floor seconds) of each cell, at the bandwidth read
+    during the cell (the run's best GEMM rates)."""
     out = {}
     for c in cells:
+        rates = peak.during(c.read_bandwidth())
         if spec.family == "classifier":
             times = c.items // (c.batch * c.length)  # forwards per run
             fp32, int8 = (times * floor.classifier_floor(c.batch, c.length, rates, b, spec.dims)
@@ -186,19 +190,21 @@ def floors(cells: list[Cell], spec: shapes.Shape, rates: floor.Rates, new_tokens
     return out
 
 
-def floor_table(cells: list[Cell], limits: dict) -> tuple[str, dict]:
+def floor_table(cells: list[Cell], limits: dict, fp32_weights: int) -> tuple[str, dict]:
     rows, shares = [], {}
     engines = [e for e in ENGINES if any(c.best(e) for c in cells)]
     for c in cells:
         fp32, int8 = limits[c.family, c.batch, c.label]
-        row = [f"{c.family} {c.label}", c.batch, f"{c.items / fp32:,.0f}", f"{c.items / int8:,.0f}"]
+        read = c.read_bandwidth().get(fp32_weights)
+        row = [f"{c.family} {c.label}", c.batch, f"{read / 1e9:.1f}" if read else "-", f"{c.items / fp32:,.0f}",
+               f"{c.items / int8:,.0f}"]
         for engine in engines:
             best = c.best(engine)
             if best:
                 shares[c.family, c.batch, c.label, engine] = best[0] * (int8 if "int8" in engine else fp32) / c.items
             row.append(f"{shares[c.family, c.batch, c.label, engine]:.0%}" if best else "-")
         rows.append(row)
-    headers = ["cell", "batch", "floor fp32 /s", "floor int8 /s", *[f"{e} % of floor" for e in engines]]
+    headers = ["cell", "batch", "read GB/s", "floor fp32 /s", "floor int8 /s", *[f"{e} % of floor" for e in engines]]
     return markdown_table(headers, rows), shares
 
 
@@ -219,6 +225,7 @@ def run(args: argparse.Namespace) -> str:
     out.append(f"Start: {time.strftime('%Y-%m-%d %H:%M:%S')}, {load()}")
     logger.info("%s: measuring the floor's rates, loading the engines (%s)", spec.name, load())
     rates = measure_rates(spec, args.threads)  # again after the cells: the better of the two counts
+    probe = floor.BandwidthProbe(weight_bytes(spec), args.threads)
     engines = load_engines(files, args.threads)
     if engines.ort:
         out.append(f"ONNX Runtime graph: {shapes.onnx_fusions(files)} (onnxruntime.transformers.optimizer), "
@@ -228,14 +235,14 @@ def run(args: argparse.Namespace) -> str:
         checks = check_classifier(engines, args.threads[0]) if spec.family == "classifier" else \
             check_decoding(engines, grid.length, grid.new_tokens)
         if spec.family == "classifier":
-            cells = classifier_cells(engines, cells_grid, args)
+            cells = classifier_cells(engines, cells_grid, args, probe)
         else:
-            cells = decode_cells(engines, cells_grid, grid, args)
+            cells = decode_cells(engines, cells_grid, grid, args, probe)
     finally:
         engines.close()
     out += [f"Cells done: {load()}"]
     rates = rates.best_with(measure_rates(spec, args.threads))
-    table, shares = floor_table(cells, floors(cells, spec, rates, grid.new_tokens))
+    table, shares = floor_table(cells, floors(cells, spec, rates, grid.new_tokens), weight_bytes(spec)[0])
     pruned = "; ".join(f"{c.family} {c.label} b{c.batch}: {', '.join(c.pruned)}" for c in cells if c.pruned)
     bw = ", ".join(f"{size / 1e6:.0f} MB: {r / 1e9:.1f} GB/s" for size, r in rates.bandwidth.items())
     out += ["", "### Outputs", "", markdown_table(["engine", "check", "result"], checks), "",
@@ -243,19 +250,25 @@ def run(args: argparse.Namespace) -> str:
             results_table(cells, engines.excluded, spec.name == "opus-mt" and not args.tiny), "",
             f"Timed by their warm-up only (over {args.prune}x slower than the same engine's best): {pruned or 'none'}",
             "", "### Targets", "", targets_table(cells, shares), "",
-            "### Floor", "", f"Read bandwidth by working set: {bw}; fp32 GEMM {rates.fp32_flops / 1e9:.0f} GFLOP/s, "
-            f"int8 GEMM {rates.int8_ops / 1e9:.0f} GOP/s; threads of each best: {rates.threads} (each the better of "
-            "a measurement before and one after the cells)", "", table, "",
+            "### Floor", "", f"Best read bandwidth by working set: {bw}; fp32 GEMM {rates.fp32_flops / 1e9:.0f} "
+            f"GFLOP/s, int8 GEMM {rates.int8_ops / 1e9:.0f} GOP/s; threads of each best: {rates.threads} (each the "
+            "better of a measurement before and one after the cells). Each cell's floor takes the bandwidth read "
+            "during it instead (\"read GB/s\", fp32 weights' working set: the best of 3 reads before each timed "
+            "round, the median of the rounds): the machine's memory is shared with other work.", "", table, "",
             f"End: {time.strftime('%Y-%m-%d %H:%M:%S')}, {load()}"]
     return "\n".join(out)
 
 
-def measure_rates(spec: shapes.Shape, threads: list[int]) -> floor.Rates:
-    """The floor's bandwidth (at the shape's fp32 and int8 weight sizes) and GEMM rates (with its FFN linear)."""
+def weight_bytes(spec: shapes.Shape) -> list[int]:
+    """The shape's weights read per step (a classifier: per forward) in fp32 and in int8: the floor's working sets."""
     weights = spec.dims.layers * (spec.dims.self_attn + spec.dims.ffn) if spec.family == "classifier" else \
         floor.decoder_weights(spec.family, spec.dims)
-    return floor.measure_rates([weights * floor.FP32, weights * floor.INT8], threads,
-                               [(512, spec.dims.d_model, spec.dims.d_ff)])
+    return [weights * floor.FP32, weights * floor.INT8]
+
+
+def measure_rates(spec: shapes.Shape, threads: list[int]) -> floor.Rates:
+    """The floor's bandwidth (at the shape's fp32 and int8 weight sizes) and GEMM rates (with its FFN linear)."""
+    return floor.measure_rates(weight_bytes(spec), threads, [(512, spec.dims.d_model, spec.dims.d_ff)])
 
 
 def _sizes(spec: shapes.Shape) -> str:

@@ -10,7 +10,8 @@ import re
 
 import pytest
 
-from benchmarks import compare, decode, gemm, gpu_compare, grammar, layout, prefix_cache, speculative, vmap
+from benchmarks import compare, decode, floor, gemm, gpu_compare, grammar, layout, prefix_cache, speculative, vmap
+from benchmarks.cells import Cell, alternate
 
 
 def _table(report: str, section: str) -> list[list[str]]:
@@ -44,7 +45,7 @@ def test_compare_quick_run_reports_every_engine_and_target(tmp_path):
     for goal in ("causal_lm greedy >= 2x HF", "seq2seq fp32 >= 1.5x HF", "seq2seq fp32 >= 1x CT2 fp32",
                  "seq2seq int8 >= 0.8x CT2 int8", "classifier >= 1x HF"):
         assert goal in targets
-    assert re.search(r"Read bandwidth by working set: 92 MB: [\d.]+ GB/s", report)
+    assert re.search(r"Best read bandwidth by working set: 92 MB: [\d.]+ GB/s", report)
     assert "floor fp32 /s" in report
 
 
@@ -100,7 +101,29 @@ def test_the_other_shapes_at_tiny_size_check_outputs_then_time_every_engine(tmp_
     assert {(row[0], row[1]) for row in results[1:]} == cells
     for row in results[1:]:
         assert all(float(value.split()[0].replace(",", "")) > 0 for value in row[2:2 + len(engines)]), row
-    assert "floor fp32 /s" in report
+    floors = _table(report, "Floor")
+    assert floors[0][:4] == ["cell", "batch", "read GB/s", "floor fp32 /s"]
+    assert all(float(row[2]) > 0 for row in floors[1:]), floors  # the bandwidth read during each cell
+
+
+def test_a_cells_floor_takes_the_bandwidth_read_during_its_rounds():
+    """A probe runs before each timed round (not the warm-up); the cell's floor uses the median reading, so a
+    slower reading gives a longer floor for a bandwidth-bound cell."""
+    size = 8_000_000
+    probe = floor.BandwidthProbe([size], [1])
+    cell = alternate(Cell("causal_lm", "greedy", 1, 1, 4), {"ours@1": (1, lambda: [4])}, 4, 3, 3.0, probe)
+    assert len(cell.bandwidth) == 3 and all(reading[size] > 0 for reading in cell.bandwidth)
+    assert cell.read_bandwidth()[size] == sorted(r[size] for r in cell.bandwidth)[1]
+
+    best = floor.Rates({size: 40e9}, fp32_flops=1e12, int8_ops=4e12, threads={})
+    during = best.during({size: 20e9})
+    assert during.bandwidth == {size: 20e9} and during.fp32_flops == best.fp32_flops
+    assert best.during({}).bandwidth == best.bandwidth  # no probe: the best reading stands
+
+    def seconds(rates: floor.Rates) -> float:
+        return floor.decode_floor("causal_lm", 1, 1, 16, 32, rates, floor.FP32)
+
+    assert seconds(during) > 1.5 * seconds(best)  # batch 1 is bound by reading the weights
 
 
 def test_the_gpu_comparison_checks_then_times_ours_and_hf_on_every_shape_and_dtype(tmp_path):
