@@ -362,14 +362,42 @@ def run_decoder(
     return plan_for(stack)(x, mask, cache, memory_mask)
 
 
+# An encoder's inference forward over more tokens than this runs its rows in chunks of at most this many tokens
+# (one row at least), so that a chunk's activations stay in the caches: BERT-base at 64 rows x 256 tokens took
+# 1.17x (fp32) and 1.45x (int8) as long in one forward as in chunks of 1,024 tokens, whose speed held from
+# 512 to 2,048 tokens a chunk (docs/benchmarks.md, issue 19 lever 9). Rows are independent: outputs are the same.
+ENCODER_CHUNK_TOKENS = 1024
+
+
 def run_encoder(
     stack: LayerStack, x: torch.Tensor, mask: torch.Tensor | None, attention_weights: bool = False,
     keep_last: slice | None = None,
 ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
-    """``stack(x, mask, attention_weights=..., keep_last=...)`` of an encoder (no cache, no memory). Rows of up to
-    ``MAX_STEP_TOKENS`` positions in float32 CPU inference without active adapters take the C++ stack
-    (``DecoderStack.encode``), which saves the interpreter's time per layer (about 0.1 ms, a tenth of BERT-base's
-    forward over 16 tokens); ``keep_last`` may then be None or the first position alone."""
+    """``stack(x, mask, attention_weights=..., keep_last=...)`` of an encoder (no cache, no memory), in chunks of
+    rows (:data:`ENCODER_CHUNK_TOKENS`) for a large inference forward without attention maps or per-row
+    adapters."""
+    rows = max(1, ENCODER_CHUNK_TOKENS // max(x.shape[1], 1))
+    if (
+        x.shape[0] <= rows
+        or attention_weights
+        or stack.training
+        or torch.is_grad_enabled()
+        or (mask is not None and mask.shape[0] != x.shape[0])
+        or any(type(m) is LoRALinear and m.routing.groups is not None for m in stack.modules())
+    ):
+        return _encode(stack, x, mask, attention_weights, keep_last)
+    chunks = [_encode(stack, x[i: i + rows], mask[i: i + rows] if mask is not None else None, False, keep_last)[0]
+              for i in range(0, x.shape[0], rows)]
+    return torch.cat(chunks), [{} for _ in stack.layers]
+
+
+def _encode(
+    stack: LayerStack, x: torch.Tensor, mask: torch.Tensor | None, attention_weights: bool, keep_last: slice | None
+) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
+    """One forward of the stack. Rows of up to ``MAX_STEP_TOKENS`` positions in float32 CPU inference without
+    active adapters take the C++ stack (``DecoderStack.encode``), which saves the interpreter's time per layer
+    (about 0.1 ms, a tenth of BERT-base's forward over 16 tokens); ``keep_last`` may then be None or the first
+    position alone."""
     plan = None if stack.training or attention_weights or x.dtype != torch.float32 else plan_for(stack)
     native_step = plan.native if plan is not None else None
     if (
