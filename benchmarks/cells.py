@@ -29,10 +29,10 @@ class Cell:
     length: int = 0  # tokens per input row (prompt, source or sequence) where a table needs it
     seconds: dict[str, float] = field(default_factory=dict)
     pruned: list[str] = field(default_factory=list)  # variants timed by their warm-up only
-    bandwidth: list[dict[int, float]] = field(default_factory=list)  # read rates probed before each timed round
+    bandwidth: list[dict[int, float]] = field(default_factory=list)  # read rates probed before each timed run
 
     def read_bandwidth(self) -> dict[int, float]:
-        """Working-set bytes -> the median of the rates probed during this cell's rounds ({} without a probe)."""
+        """Working-set bytes -> the median of the rates probed during this cell's runs ({} without a probe)."""
         return {size: statistics.median(p[size] for p in self.bandwidth) for size in self.bandwidth[0]} \
             if self.bandwidth else {}
 
@@ -71,7 +71,8 @@ def alternate(cell: Cell, variants: dict[str, tuple[int, Callable[[], list[int]]
               repeats: int, prune: float, probe: Callable[[], dict[int, float]] | None = None) -> Cell:
     """Warm up, then time every variant ``repeats`` times in rotating order (a short run after an untimed one of
     its own: :data:`LEAD_IN_BELOW_S`); store the medians. ``probe`` (benchmarks/floor.py's BandwidthProbe) runs
-    before each timed round, its readings kept in ``cell.bandwidth``.
+    before each timed run (a round of several engines lasts long enough for the machine's bandwidth to move), its
+    readings kept in ``cell.bandwidth``.
 
     A thread count whose warm-up took over ``prune`` x the same engine's fastest warm-up, twice, is
     not timed further (on a shared machine, spinning OpenMP threads can make it 5-30x slower): its
@@ -87,9 +88,9 @@ def alternate(cell: Cell, variants: dict[str, tuple[int, Callable[[], list[int]]
             torch.set_num_threads(threads)
             run()
     for round_ in range(repeats + 1):
-        if round_ and probe is not None:
-            cell.bandwidth.append(probe())
         for name in order[round_ % len(order):] + order[: round_ % len(order)]:
+            if round_ and probe is not None:
+                cell.bandwidth.append(probe())
             threads, run = variants[name]
             torch.set_num_threads(threads)
             if name in short:

@@ -204,8 +204,8 @@ def measure(root: Path, args: argparse.Namespace) -> list[str]:
     bw = ", ".join(f"{size / 1e6:.0f} MB: {rate / 1e9:.1f} GB/s" for size, rate in rates.bandwidth.items())
     out += ["### Floor", "", f"Best read bandwidth by working set: {bw}; fp32 GEMM {rates.fp32_flops / 1e9:.0f} "
             f"GFLOP/s, int8 GEMM {rates.int8_ops / 1e9:.0f} GOP/s; threads of each best: {rates.threads}. Each "
-            "cell's floor takes the bandwidth read during it instead (the best of 3 reads before each timed round, "
-            "the median of the rounds): the machine's memory is shared with other work.", "",
+            "cell's floor takes the bandwidth read during it instead (the best of 3 reads before each timed run, "
+            "the median of the runs): the machine's memory is shared with other work.", "",
             floor_table(cells, rates, args), "", f"End: {time.strftime('%Y-%m-%d %H:%M:%S')}, {load()}"]
     return out
 

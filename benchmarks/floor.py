@@ -10,7 +10,7 @@ the faster of fbgemm's dynamic int8 linear and ours (model/kernels/int8_vnni.cpp
 counts tried.
 A machine shared with other work reads memory at different rates from minute to minute (33-58 GB/s here within
 an hour), so a cell's floor takes the bandwidth read *while the cell ran*: :class:`BandwidthProbe`, run before
-each of its timed rounds (benchmarks/cells.py), the median of those; the best rate of the run stays in the
+each of its timed runs (benchmarks/cells.py), the median of those; the best rate of the run stays in the
 report beside it.
 The cross-attention K/V of beams of one source count once. The classifier's floor counts every
 layer in full (ours computes only [CLS] in its last layer, so it can beat it by up to 1/L).

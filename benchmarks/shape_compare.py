@@ -254,7 +254,7 @@ def run(args: argparse.Namespace) -> str:
             f"GFLOP/s, int8 GEMM {rates.int8_ops / 1e9:.0f} GOP/s; threads of each best: {rates.threads} (each the "
             "better of a measurement before and one after the cells). Each cell's floor takes the bandwidth read "
             "during it instead (\"read GB/s\", fp32 weights' working set: the best of 3 reads before each timed "
-            "round, the median of the rounds): the machine's memory is shared with other work.", "", table, "",
+            "run, the median of the runs): the machine's memory is shared with other work.", "", table, "",
             f"End: {time.strftime('%Y-%m-%d %H:%M:%S')}, {load()}"]
     return "\n".join(out)
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from model import native
 from model.restricted_vocab import VocabularyRestriction
 from model.shared_prefix import SharedPrefix
 
@@ -237,18 +238,26 @@ class KVCache:
         Beam search moves a fraction of its rows per step, and a moved beam shares its new parent's history but
         for its last few tokens (``tails``): copying those rows' differing window alone (gathered before any
         write, so a row that is both a source and a target is read first) saves most of the traffic of a full
-        reorder. Tails beyond the used prefix keep finite values, as ``select`` requires.
+        reorder. Tails beyond the used prefix keep finite values, as ``select`` requires. On CPU buffers the
+        kernels copy every buffer's windows in one call (model/kernels/elementwise.cpp).
         """
-        moved = (index != torch.arange(index.shape[0], device=index.device)).nonzero().flatten()
-        if moved.numel() == 0:
+        rows = index.tolist()
+        moved = [i for i, source in enumerate(rows) if source != i]
+        if not moved:
             return
-        sources = index.index_select(0, moved)
+        sources = [rows[i] for i in moved]
         start = 0
         if tails is not None:  # the earliest position any moved row may differ at
-            start = max(int((self.lengths.index_select(0, moved) - tails.index_select(0, moved)).min()), 0)
-        for buffer in self.keys + self.values:
+            lengths, differing = self.lengths.tolist(), tails.tolist()
+            start = max(min(lengths[i] - differing[i] for i in moved), 0)
+        buffers = self.keys + self.values
+        kernels = native.kernels()
+        if kernels is not None and kernels.rows_copy_windows(buffers, moved, sources, start, self.max_length):
+            return
+        targets, parents = torch.tensor(moved, device=index.device), torch.tensor(sources, device=index.device)
+        for buffer in buffers:
             window = buffer[:, :, start: self.max_length]
-            window[moved] = window.index_select(0, sources)
+            window[targets] = window.index_select(0, parents)
 
     @classmethod
     def concat(cls, caches: list[KVCache]) -> KVCache:

@@ -106,14 +106,16 @@ def test_the_other_shapes_at_tiny_size_check_outputs_then_time_every_engine(tmp_
     assert all(float(row[2]) > 0 for row in floors[1:]), floors  # the bandwidth read during each cell
 
 
-def test_a_cells_floor_takes_the_bandwidth_read_during_its_rounds():
-    """A probe runs before each timed round (not the warm-up); the cell's floor uses the median reading, so a
-    slower reading gives a longer floor for a bandwidth-bound cell."""
+def test_a_cells_floor_takes_the_bandwidth_read_during_its_runs():
+    """A probe runs before each timed run of every variant (not the warm-ups); the cell's floor uses the median
+    reading, so a slower reading gives a longer floor for a bandwidth-bound cell."""
     size = 8_000_000
     probe = floor.BandwidthProbe([size], [1])
-    cell = alternate(Cell("causal_lm", "greedy", 1, 1, 4), {"ours@1": (1, lambda: [4])}, 4, 3, 3.0, probe)
-    assert len(cell.bandwidth) == 3 and all(reading[size] > 0 for reading in cell.bandwidth)
-    assert cell.read_bandwidth()[size] == sorted(r[size] for r in cell.bandwidth)[1]
+    variants = {"ours@1": (1, lambda: [4]), "HF@1": (1, lambda: [4])}
+    cell = alternate(Cell("causal_lm", "greedy", 1, 1, 4), variants, 4, 3, 3.0, probe)
+    assert len(cell.bandwidth) == 2 * 3 and all(reading[size] > 0 for reading in cell.bandwidth)
+    readings = sorted(r[size] for r in cell.bandwidth)
+    assert cell.read_bandwidth()[size] == pytest.approx((readings[2] + readings[3]) / 2)
 
     best = floor.Rates({size: 40e9}, fp32_flops=1e12, int8_ops=4e12, threads={})
     during = best.during({size: 20e9})

@@ -25,6 +25,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("rows_activate_", &rows_activate_, "an Activation in place", release());
   module.def("rows_add_", &rows_add_, "y += x in place", release());
   module.def("rows_cache_write", &rows_cache_write, "cache[:, :, position:position + t] = src (B, H, t, Dh)", release());
+  module.def("rows_copy_windows", &rows_copy_windows,
+             "buffers[targets[j], :, start:end] = buffers[sources[j], :, start:end] in every (B, H, C, Dh) buffer; "
+             "False: not copied", release());
   module.def("lora_delta_add_", &lora_delta_add_, "y += ((x A^T) * scales) B^T in place (LoRA deltas)", release());
 
   // The native step's contract (kernels.h), by name: model/fast_step.py reads the values from here.

@@ -31,6 +31,8 @@ enum Norm : int64_t { kSelfAttnNorm, kCrossAttnNorm, kFfnNorm, kNorms };  // a l
 torch::Tensor rows_activate_(torch::Tensor h, Activation activation);
 torch::Tensor rows_add_(torch::Tensor y, const torch::Tensor& x);
 void rows_cache_write(const torch::Tensor& cache, int64_t position, const torch::Tensor& src);
+bool rows_copy_windows(const std::vector<torch::Tensor>& buffers, const std::vector<int64_t>& targets,
+                       const std::vector<int64_t>& sources, int64_t start, int64_t end);
 void lora_delta_add_(const torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& b,
                      const torch::Tensor& scales);
 

@@ -69,3 +69,27 @@ def test_cache_write_fills_one_position_of_every_row_and_head(layout):
 def test_cache_write_outside_the_buffer_raises():
     with pytest.raises(RuntimeError):
         kernel.rows_cache_write(torch.zeros(1, 2, 4, 8), 4, torch.randn(1, 2, 1, 8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rows_copy_windows_moves_each_rows_window_reading_sources_before_writes(dtype):
+    """Rows swapped (each both a source and a target) and one duplicated, in buffers of two shapes: each target
+    row gets its source's positions [2, 5) as they were before the call; everything else stays."""
+    buffers = [torch.randn(4, 3, 8, 5).to(dtype), torch.randn(4, 2, 8, 7).to(dtype)]
+    before = [b.clone() for b in buffers]
+    targets, sources = [0, 1, 3], [1, 0, 1]
+    assert kernel.rows_copy_windows(buffers, targets, sources, 2, 5)
+    for old, new in zip(before, buffers, strict=True):
+        want = old.clone()
+        want[targets, :, 2:5] = old[sources, :, 2:5]
+        assert torch.equal(new, want)
+
+
+def test_rows_copy_windows_declines_what_it_does_not_cover_and_copies_nothing():
+    buffer = torch.randn(3, 2, 6, 4)
+    strided = torch.randn(3, 6, 2, 4).transpose(1, 2)  # (3, 2, 6, 4), not contiguous
+    before = buffer.clone()
+    assert not kernel.rows_copy_windows([buffer, strided], [0], [1], 0, 4)
+    assert not kernel.rows_copy_windows([buffer], [0], [3], 0, 4)  # a source past the rows
+    assert not kernel.rows_copy_windows([buffer], [0], [1], 0, 7)  # past the capacity
+    assert torch.equal(buffer, before)

@@ -92,9 +92,12 @@ def test_concat_of_reordered_uniform_caches_never_reads_their_unset_tails():
         assert torch.isfinite(out[row]).all() and (out[row] - alone).abs().max() < 1e-10
 
 
+@pytest.mark.parametrize("kernels", ["on", "off"])
 @pytest.mark.parametrize("index", [[2, 0, 1, 1], [0, 1, 2, 3], [3, 3, 0, 2], [1, 0, 3, 2]])
-def test_same_size_reorder_in_place_equals_a_gather(index):
-    """Beams reordered in place (only moved rows copied, sources read before any write) = index_select."""
+def test_same_size_reorder_in_place_equals_a_gather(index, kernels, kernel_options):
+    """Beams reordered in place (only moved rows copied, sources read before any write) = index_select, by the
+    kernels' copy (where they run) and by tensor ops."""
+    kernel_options(decode_kernels=kernels == "on")
     cache = KVCache.empty(2, 4, 2, 3, 10, "cpu", torch.float64)
     for buf in cache.keys + cache.values:
         buf.copy_(torch.randn_like(buf))
@@ -108,10 +111,12 @@ def test_same_size_reorder_in_place_equals_a_gather(index):
 
 
 
-def test_a_reorder_with_tails_copies_only_the_positions_that_may_differ():
+@pytest.mark.parametrize("kernels", ["on", "off"])
+def test_a_reorder_with_tails_copies_only_the_positions_that_may_differ(kernels, kernel_options):
     """With a search's tails (row 0 may differ from its new parent in its last 2 positions), the moved row gets
     the parent's last 2 positions and keeps its own before (the search vouches they hold the same tokens);
     rows that stay are untouched."""
+    kernel_options(decode_kernels=kernels == "on")
     cache = KVCache.empty(1, 3, 2, 3, 10, "cpu", torch.float64)
     for buf in cache.keys + cache.values:
         buf.copy_(torch.randn_like(buf))
