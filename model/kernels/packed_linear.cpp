@@ -6,10 +6,10 @@
 // 32-column strip of an input-major weight is 128 bytes every N x 4 bytes, which the hardware prefetchers
 // do not follow. pack_weight lays W (N, K) out once as panels (ceil(N / 32), K, 32), so each strip is one
 // contiguous run; packed_linear then computes y = x W^T + b with tiles of up to 12 rows x 32 columns held
-// in registers (a broadcast of x and two weight vectors per k, software prefetch 32 rows ahead), panels
-// spread over ATen's threads: 1.3-1.45x MKL on the causal step's 37 weights at 8-64 rows. The packed copy
-// is as large as the weight: model/packed_weights.py makes it only for batched steps and refreshes it when
-// the weight changes.
+// in registers (a broadcast of x and two weight vectors per k, software prefetch 32 rows ahead into L1, or 64
+// into L2 for tiles of up to 4 rows), panels spread over ATen's threads: 1.3-1.45x MKL on the causal step's
+// 37 weights at 8-64 rows. The packed copy is as large as the weight: model/packed_weights.py makes it only for
+// batched steps and refreshes it when the weight changes.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -27,6 +27,11 @@ constexpr int64_t kPanel = 32;         // columns per panel: two vectors
 constexpr int64_t kMaxTileRows = 12;   // 12 x 2 accumulators + 2 weight vectors + a broadcast fit 32 registers
 constexpr int64_t kRowBlockBytes = 768 * 1024;  // rows of x a thread keeps in L2 (1 MB on Zen 4) while it walks its panels
 constexpr int64_t kPrefetchRows = 32;  // panel rows prefetched ahead (into the next panel near the end: harmless)
+// Tiles of up to this many rows are bound by reading the panel, not by their FMAs (a decoding step at batch 1,
+// beams of one source): they prefetch farther ahead into L2 instead. 1-row GEMVs over GPT-2's twelve layers
+// read 29.5 GB/s with the rule above and 34.5 GB/s so, where torch.sum read 36 (docs/benchmarks.md, lever 11).
+constexpr int kStreamingTileRows = 4;
+constexpr int64_t kStreamingPrefetchRows = 64;
 
 struct Problem {
   const float* x;       // (rows, k) contiguous
@@ -43,10 +48,13 @@ AVX512 void tile(const Problem& q, int64_t p, int64_t r0) {
   for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   const float* panel = q.panels + p * q.k * kPanel;
   const float* x = q.x + r0 * q.k;
+  constexpr bool streaming = R <= kStreamingTileRows;
+  constexpr int64_t ahead = (streaming ? kStreamingPrefetchRows : kPrefetchRows) * kPanel;
+  constexpr auto hint = streaming ? _MM_HINT_T1 : _MM_HINT_T0;
   for (int64_t i = 0; i < q.k; ++i) {
     const float* row = panel + i * kPanel;
-    _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchRows * kPanel), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchRows * kPanel + 16), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(row + ahead), hint);
+    _mm_prefetch(reinterpret_cast<const char*>(row + ahead + 16), hint);
     const __m512 w0 = _mm512_loadu_ps(row), w1 = _mm512_loadu_ps(row + 16);
     for (int r = 0; r < R; ++r) {
       const __m512 xr = _mm512_set1_ps(x[r * q.k + i]);

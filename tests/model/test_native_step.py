@@ -137,6 +137,23 @@ def test_native_step_over_input_major_weights_equals_the_python_replay():
     _assert_equal(mt, seq2seq_cache(mt, False), tol=1e-5)
 
 
+def test_native_step_follows_weights_changed_in_place_or_re_laid_between_steps():
+    """The step keeps its packed copies between steps; a weight changed in place (its version) or re-laid (its
+    data) since is packed again, so the step keeps computing what the replay does."""
+    lm = tiny_causal_lm()
+    cache = causal_cache(lm, False)
+    _assert_equal(lm, cache)
+    fc1 = lm.decoder.layers[0].ffn.fc1.weight
+    before = plan_for(lm.decoder).native.panels(native.kernels(), 2)
+    with torch.no_grad():
+        fc1.mul_(3.0)
+    _assert_equal(lm, cache)
+    after = plan_for(lm.decoder).native.panels(native.kernels(), 2)
+    assert any(a is not b for a, b in zip(before, after, strict=True))
+    use_input_major_weights(lm)  # new data for every weight, the same Parameters
+    _assert_equal(lm, cache, tol=1e-5)
+
+
 def test_native_step_with_beams_sharing_their_source():
     mt = tiny_seq2seq()
     cache = seq2seq_cache(mt, True)
