@@ -82,7 +82,7 @@ class Rates:
         return self.bandwidth[size]
 
     def during(self, bandwidth: dict[int, float]) -> Rates:
-        """These rates with the bandwidth read at some moment (a cell's rounds) in place of the best one."""
+        """These rates with the bandwidth read at some moment (a cell's runs) in place of the best one."""
         return replace(self, bandwidth={size: bandwidth.get(size, rate) for size, rate in self.bandwidth.items()})
 
     def best_with(self, other: Rates) -> Rates:

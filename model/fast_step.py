@@ -292,7 +292,7 @@ class _NativeStep:
             state = [(p[0]._version, p[0].data_ptr()) for p in self.projections if len(p) == 2]
         except RuntimeError:  # an inference tensor keeps no version: packed() declines it, asked every step
             state = []
-        if not state or state != self._panel_state or not self._panels:
+        if not state or state != self._panel_state:
             found = [packed_weights.packed(kernels, p[0]) if len(p) == 2 else None for p in self.projections]
             self._panels = [_ABSENT if panels is None else panels for panels in found]
             self._panel_state = state
