@@ -10,6 +10,8 @@ from collections.abc import Callable
 
 import torch
 
+from model.cpu import this_cpu
+
 
 def run_times(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
     """Wall times of ``repeats`` runs of ``fn`` after ``warmup`` untimed runs."""
@@ -28,21 +30,10 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> f
     return statistics.median(run_times(fn, repeats, warmup))
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def machine_line() -> str:
     """One line naming the date, CPU, core count, torch version and thread count."""
     return (
-        f"{time.strftime('%Y-%m-%d')} · {cpu_name()} · {os.cpu_count()} cores · torch {torch.__version__} · "
+        f"{time.strftime('%Y-%m-%d')} · {this_cpu().model_name} · {os.cpu_count()} cores · torch {torch.__version__} · "
         f"{torch.get_num_threads()} intra-op threads · python {platform.python_version()}"
     )
 

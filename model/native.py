@@ -5,7 +5,9 @@ with the system's C++ compiler and ninja) into ``TSERVE_KERNEL_DIR`` (default ``
 under a name carrying the sources' hash and the Python/torch versions: later processes import the built
 module directly (no compiler needed then, as in the Docker image, which builds it at image build time),
 and edited sources build afresh. Only x86-64 Linux; each kernel also checks the CPU features it needs
-(``has_vnni``, ``has_avx512``), and :func:`load` returns None, with the reason, where it cannot run.
+(``has_vnni``, ``has_avx512``), and :func:`load` returns None, with the reason, where it cannot run. The rule
+that depends on the CPU's make and caches (model/cpu.py) is set at every load, not compiled in: an image built on
+one CPU runs with the rule of the CPU it runs on.
 
 How they are used is one :class:`KernelOptions`, read once per process from the environment (``TSERVE_*``,
 listed in the service's settings table); :func:`kernels` is the module every decoding-step caller asks.
@@ -31,6 +33,8 @@ from types import ModuleType
 from typing import Any
 
 import torch
+
+from model.cpu import PanelTuning, kernel_tuning, this_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -174,9 +178,16 @@ def load_from(directory: Path) -> tuple[ModuleType | None, str]:
         return None, f"the kernels are built for x86-64 Linux, not {sys.platform}/{platform.machine()}"
     name = module_name()
     try:
-        return import_built(directory, name) or _build(directory, name), ""
+        module = import_built(directory, name) or _build(directory, name)
     except Exception as exc:  # no compiler, no ninja, a read-only cache: the PyTorch paths serve instead
         return None, f"could not build the C++ kernels ({type(exc).__name__}: {str(exc).strip()[:300]})"
+    apply_tuning(module, kernel_tuning(this_cpu()))
+    return module, ""
+
+
+def apply_tuning(module: ModuleType, tuning: PanelTuning) -> None:
+    """Set the kernels' CPU-dependent rule (model/cpu.py) in ``module``."""
+    module.set_panel_tuning(module.PanelTuning(**dataclasses.asdict(tuning)))
 
 
 @functools.cache
@@ -203,6 +214,7 @@ def main() -> None:
         return
     logger.info("C++ kernels: %s; int8 AVX512-VNNI: %s, decoding step and attention (AVX-512): %s",
                 options().kernel_dir / module_name(), module.has_vnni(), module.has_avx512())
+    logger.info("CPU: %s; panel GEMM: %s", this_cpu(), kernel_tuning(this_cpu()))
 
 if __name__ == "__main__":
     main()

@@ -10,8 +10,22 @@ import re
 
 import pytest
 
-from benchmarks import compare, decode, floor, gemm, gpu_compare, grammar, layout, prefix_cache, speculative, vmap
+from benchmarks import (
+    compare,
+    cpu_rules,
+    decode,
+    floor,
+    gemm,
+    gpu_compare,
+    grammar,
+    layout,
+    prefix_cache,
+    speculative,
+    vmap,
+)
 from benchmarks.cells import Cell, alternate
+from model import native
+from model.cpu import kernel_tuning, this_cpu
 
 
 def _table(report: str, section: str) -> list[list[str]]:
@@ -156,6 +170,25 @@ def test_gemm_benchmark_checks_then_times_every_kernel(capsys):
     peers = 2 if importlib.util.find_spec("onnxruntime") and importlib.util.find_spec("onnx") else 0
     for _, cells in rows:
         assert len(re.findall(r"\d+ \(\d+\.\d\dx\)", cells)) == 2 + peers, cells
+
+
+@pytest.mark.skipif(native.kernels() is None, reason="the C++ kernels do not run here")
+def test_cpu_rules_benchmark_checks_then_times_every_rule_and_restores_this_cpus(capsys, tmp_path):
+    """benchmarks.cpu_rules at one layer and a tiny GPT-2: each rule's products checked against float64 and its
+    tokens against the others' first (it raises otherwise), every cell timed under every rule, and the kernels
+    left with this CPU's rule."""
+    pytest.importorskip("transformers")
+    cpu_rules.main(["--rounds", "1", "--layers", "1", "--rows", "16", "--threads", "1", "--generate", "gpt2-small",
+                    "--tiny", "--new-tokens", "4", "--cache", str(tmp_path)])
+    out = capsys.readouterr().out
+    table = out[out.index("| cell |"):].splitlines()
+    assert "this CPU's rule | AMD's rule | Intel's rule | torch.sum GB/s" in table[0]
+    assert [line.split(" | ")[0] for line in table[2:]] == [
+        "| streaming, 1 row", "| streaming, 4 rows", "| 16 rows, 768 -> 3072", "| gpt2-small greedy b1",
+        "| gpt2-small beam 4 b1"]
+    assert all(re.search(r"\| [\d.]+ \(1\.00x\) \|( [\d.]+ \([\d.]+x\) \|){2}", line) for line in table[2:])
+    in_force, chosen = native.kernels().panel_tuning(), kernel_tuning(this_cpu())
+    assert all(getattr(in_force, name) == value for name, value in chosen.__dict__.items())
 
 
 def test_decode_benchmark_reports_cached_and_uncached_rows():

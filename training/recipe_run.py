@@ -16,7 +16,6 @@ under an adapter, a retrained model under its evaluations) is redone. ``force`` 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import multiprocessing
@@ -30,6 +29,7 @@ from typing import Any
 
 import torch
 
+from model.cpu import this_cpu
 from training.recipe_stages import Paths, Stage, pipelines
 from training.recipe_summary import build_summary
 from training.recipes import Tier
@@ -44,12 +44,9 @@ def _clock(seconds: float) -> str:
 
 def machine() -> dict[str, Any]:
     """The date, CPU, cores and library versions the numbers were measured with."""
-    cpu = platform.processor() or "unknown CPU"
-    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as f:
-        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     return {
         "date": time.strftime("%Y-%m-%d"),
-        "cpu": cpu,
+        "cpu": this_cpu().model_name,
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),

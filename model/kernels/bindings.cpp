@@ -20,6 +20,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("pack_weight", &pack_weight, "an (N, K) float32 weight as (ceil(N / 32), K, 32) panels", release());
   module.def("packed_linear", &packed_linear, "float32 linear over pack_weight's panels: x (..., K) -> (..., n)",
              release());
+  module.def("set_panel_tuning", &set_panel_tuning, "packed_linear's blocking and prefetch rule (model/cpu.py)");
+  module.def("panel_tuning", &panel_tuning, "packed_linear's blocking and prefetch rule in force");
   module.def("greedy_pick", &greedy_pick, "greedy choice per row: (first argmax outside banned, its log-prob)", release());
   module.def("rows_layer_norm", &rows_layer_norm, "LayerNorm over the last dim (the native step's)", release());
   module.def("rows_activate_", &rows_activate_, "an Activation in place", release());
@@ -52,6 +54,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       .value("self_attn_norm", kSelfAttnNorm)
       .value("cross_attn_norm", kCrossAttnNorm)
       .value("ffn_norm", kFfnNorm);
+  pybind11::class_<PanelTuning>(module, "PanelTuning", "model.cpu.PanelTuning's fields, for the kernel")
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, bool, int64_t>(), arg("row_block_bytes"),
+           arg("prefetch_rows"), arg("streaming_tile_rows"), arg("streaming_prefetch_rows"), arg("streaming_into_l2"),
+           arg("gemv_panels"))
+      .def_readonly("row_block_bytes", &PanelTuning::row_block_bytes)
+      .def_readonly("prefetch_rows", &PanelTuning::prefetch_rows)
+      .def_readonly("streaming_tile_rows", &PanelTuning::streaming_tile_rows)
+      .def_readonly("streaming_prefetch_rows", &PanelTuning::streaming_prefetch_rows)
+      .def_readonly("streaming_into_l2", &PanelTuning::streaming_into_l2)
+      .def_readonly("gemv_panels", &PanelTuning::gemv_panels);
   pybind11::class_<StepCache>(module, "StepCache", "one step's KV cache and masks, as DecoderStack.step reads them")
       .def(pybind11::init<Tensors, Tensors, Tensors, Tensors, int64_t, int64_t, c10::optional<torch::Tensor>,
                           c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, int64_t, Tensors,

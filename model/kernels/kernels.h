@@ -19,6 +19,17 @@ torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& weigh
 torch::Tensor pack_weight(const torch::Tensor& weight);
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
                             const c10::optional<torch::Tensor>& bias);
+// packed_linear's blocking and prefetch rule (model.cpu.PanelTuning, the same fields): set once when the kernels load.
+struct PanelTuning {
+  int64_t row_block_bytes;
+  int64_t prefetch_rows;
+  int64_t streaming_tile_rows;
+  int64_t streaming_prefetch_rows;
+  bool streaming_into_l2;
+  int64_t gemv_panels;
+};
+void set_panel_tuning(const PanelTuning& chosen);
+PanelTuning panel_tuning();
 std::tuple<torch::Tensor, torch::Tensor> greedy_pick(const torch::Tensor& logits, const std::vector<int64_t>& banned);
 torch::Tensor rows_layer_norm(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias, double eps);
 

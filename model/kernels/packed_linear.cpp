@@ -6,8 +6,8 @@
 // 32-column strip of an input-major weight is 128 bytes every N x 4 bytes, which the hardware prefetchers
 // do not follow. pack_weight lays W (N, K) out once as panels (ceil(N / 32), K, 32), so each strip is one
 // contiguous run; packed_linear then computes y = x W^T + b with tiles of up to 12 rows x 32 columns held
-// in registers (a broadcast of x and two weight vectors per k, software prefetch 32 rows ahead into L1, or 64
-// into L2 for tiles of up to 4 rows), panels spread over ATen's threads: 1.3-1.45x MKL on the causal step's
+// in registers (a broadcast of x and two weight vectors per k, software prefetch ahead by the CPU's rule below),
+// panels spread over ATen's threads: 1.3-1.45x MKL on the causal step's
 // 37 weights at 8-64 rows. The packed copy is as large as the weight: model/packed_weights.py makes it only for
 // batched steps and refreshes it when the weight changes.
 #include <torch/extension.h>
@@ -25,14 +25,16 @@ namespace {
 
 constexpr int64_t kPanel = 32;         // columns per panel: two vectors
 constexpr int64_t kMaxTileRows = 12;   // 12 x 2 accumulators + 2 weight vectors + a broadcast fit 32 registers
-constexpr int64_t kRowBlockBytes = 768 * 1024;  // rows of x a thread keeps in L2 (1 MB on Zen 4) while it walks its panels
-constexpr int64_t kPrefetchRows = 32;  // panel rows prefetched ahead (into the next panel near the end: harmless)
-// Tiles of up to this many rows are bound by reading the panel, not by their FMAs (a decoding step at batch 1,
-// beams of one source): they prefetch farther ahead into L2 instead. 1-row GEMVs over GPT-2's twelve layers
-// read 29.5 GB/s with the rule above and 34.5 GB/s so, where torch.sum read 36 (docs/benchmarks.md, lever 11).
-constexpr int kStreamingTileRows = 4;
-constexpr int64_t kStreamingPrefetchRows = 64;
+constexpr int64_t kMaxGemvRows = 2;    // tiles that may walk several panels at once (2 x 4 x 2 accumulators at most)
 
+// The blocking and prefetch rule, chosen per CPU at run time (model/cpu.py sets it through set_panel_tuning when
+// the kernels load): rows of x a thread keeps in L2 while it walks its panels (3/4 of the L2 the CPU reports); panel
+// rows prefetched ahead (into the next panel near the end: harmless) by wide tiles, into L1; tiles of up to
+// streaming_tile_rows rows (a decoding step at batch 1, beams of one source) are bound by reading the panel, not by
+// their FMAs, and on Zen 4 read faster prefetching farther ahead into L2 (docs/benchmarks.md, lever 11); tiles of
+// 1-2 rows walk gemv_panels panels side by side, for more streams from memory in flight per core (lever 12). The
+// defaults are Zen 4's.
+PanelTuning tuning{768 * 1024, 32, 4, 64, true, 4};
 struct Problem {
   const float* x;       // (rows, k) contiguous
   const float* panels;  // (panels, k, 32)
@@ -41,39 +43,58 @@ struct Problem {
   int64_t rows, k, n;
 };
 
-// y[r0 .. r0 + R, 32 p .. 32 p + 32) for panel p, the columns past n left out.
-template <int R>
-AVX512 void tile(const Problem& q, int64_t p, int64_t r0) {
-  __m512 acc[R][2];
-  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+// y[r0 .. r0 + R, 32 p .. 32 (p + S)) for the S panels p .. p + S - 1 walked side by side (S streams of weights
+// from memory at once), the columns past n left out; prefetching `ahead` floats ahead in each panel.
+template <int R, int S, _mm_hint Hint>
+AVX512 void tile(const Problem& q, int64_t p, int64_t r0, int64_t ahead) {
+  __m512 acc[R][S][2];
+  for (int r = 0; r < R; ++r)
+    for (int s = 0; s < S; ++s) acc[r][s][0] = acc[r][s][1] = _mm512_setzero_ps();
   const float* panel = q.panels + p * q.k * kPanel;
   const float* x = q.x + r0 * q.k;
-  constexpr bool streaming = R <= kStreamingTileRows;
-  constexpr int64_t ahead = (streaming ? kStreamingPrefetchRows : kPrefetchRows) * kPanel;
-  constexpr auto hint = streaming ? _MM_HINT_T1 : _MM_HINT_T0;
   for (int64_t i = 0; i < q.k; ++i) {
-    const float* row = panel + i * kPanel;
-    _mm_prefetch(reinterpret_cast<const char*>(row + ahead), hint);
-    _mm_prefetch(reinterpret_cast<const char*>(row + ahead + 16), hint);
-    const __m512 w0 = _mm512_loadu_ps(row), w1 = _mm512_loadu_ps(row + 16);
+    __m512 w[S][2];
+    for (int s = 0; s < S; ++s) {
+      const float* row = panel + (s * q.k + i) * kPanel;
+      _mm_prefetch(reinterpret_cast<const char*>(row + ahead), Hint);
+      _mm_prefetch(reinterpret_cast<const char*>(row + ahead + 16), Hint);
+      w[s][0] = _mm512_loadu_ps(row), w[s][1] = _mm512_loadu_ps(row + 16);
+    }
     for (int r = 0; r < R; ++r) {
       const __m512 xr = _mm512_set1_ps(x[r * q.k + i]);
-      acc[r][0] = _mm512_fmadd_ps(xr, w0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(xr, w1, acc[r][1]);
+      for (int s = 0; s < S; ++s) {
+        acc[r][s][0] = _mm512_fmadd_ps(xr, w[s][0], acc[r][s][0]);
+        acc[r][s][1] = _mm512_fmadd_ps(xr, w[s][1], acc[r][s][1]);
+      }
     }
   }
-  const int64_t c0 = p * kPanel;
-  const __mmask16 m0 = tserve::first_lanes(q.n - c0), m1 = tserve::first_lanes(std::max<int64_t>(q.n - c0 - 16, 0));
-  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-  if (q.bias != nullptr) b0 = _mm512_maskz_loadu_ps(m0, q.bias + c0), b1 = _mm512_maskz_loadu_ps(m1, q.bias + c0 + 16);
-  for (int r = 0; r < R; ++r) {
-    float* out = q.y + (r0 + r) * q.n + c0;
-    _mm512_mask_storeu_ps(out, m0, _mm512_add_ps(acc[r][0], b0));
-    _mm512_mask_storeu_ps(out + 16, m1, _mm512_add_ps(acc[r][1], b1));
+  for (int s = 0; s < S; ++s) {
+    const int64_t c0 = (p + s) * kPanel;
+    const __mmask16 m0 = tserve::first_lanes(q.n - c0), m1 = tserve::first_lanes(std::max<int64_t>(q.n - c0 - 16, 0));
+    __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+    if (q.bias != nullptr)
+      b0 = _mm512_maskz_loadu_ps(m0, q.bias + c0), b1 = _mm512_maskz_loadu_ps(m1, q.bias + c0 + 16);
+    for (int r = 0; r < R; ++r) {
+      float* out = q.y + (r0 + r) * q.n + c0;
+      _mm512_mask_storeu_ps(out, m0, _mm512_add_ps(acc[r][s][0], b0));
+      _mm512_mask_storeu_ps(out + 16, m1, _mm512_add_ps(acc[r][s][1], b1));
+    }
   }
 }
 
-void tile_rows(const Problem& q, int64_t p, int64_t r0, int64_t rows) {
+// A tile of R rows over S panels under the tuning's prefetch rule for its width.
+template <int R, int S = 1>
+void tile(const Problem& q, int64_t p, int64_t r0) {
+  if (R > tuning.streaming_tile_rows) return tile<R, S, _MM_HINT_T0>(q, p, r0, tuning.prefetch_rows * kPanel);
+  const int64_t ahead = tuning.streaming_prefetch_rows * kPanel;
+  if (tuning.streaming_into_l2) return tile<R, S, _MM_HINT_T1>(q, p, r0, ahead);
+  tile<R, S, _MM_HINT_T0>(q, p, r0, ahead);
+}
+
+// Rows r0 .. r0 + rows over `panels` panels from p: several only for tiles of up to kMaxGemvRows rows.
+void tile_rows(const Problem& q, int64_t p, int64_t r0, int64_t rows, int64_t panels) {
+  if (panels == 4) return rows == 1 ? tile<1, 4>(q, p, r0) : tile<2, 4>(q, p, r0);
+  if (panels == 2) return rows == 1 ? tile<1, 2>(q, p, r0) : tile<2, 2>(q, p, r0);
   switch (rows) {
     case 1: return tile<1>(q, p, r0);
     case 2: return tile<2>(q, p, r0);
@@ -93,6 +114,17 @@ void tile_rows(const Problem& q, int64_t p, int64_t r0, int64_t rows) {
 int64_t panels_for(int64_t n) { return (n + kPanel - 1) / kPanel; }
 
 }  // namespace
+
+void set_panel_tuning(const PanelTuning& chosen) {
+  TORCH_CHECK(chosen.row_block_bytes > 0 && chosen.prefetch_rows >= 0 && chosen.streaming_prefetch_rows >= 0 &&
+                  chosen.streaming_tile_rows >= 0 && chosen.streaming_tile_rows <= kMaxTileRows,
+              "set_panel_tuning: sizes must be positive, streaming_tile_rows at most ", kMaxTileRows);
+  TORCH_CHECK(chosen.gemv_panels == 1 || chosen.gemv_panels == 2 || chosen.gemv_panels == 4,
+              "set_panel_tuning: gemv_panels must be 1, 2 or 4");
+  tuning = chosen;
+}
+
+PanelTuning panel_tuning() { return tuning; }
 
 // weight (N, K) float32, any strides -> its panels (ceil(N / 32), K, 32), the columns past N zero.
 torch::Tensor pack_weight(const torch::Tensor& weight) {
@@ -129,13 +161,17 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
   const int64_t tiles = (rows + kMaxTileRows - 1) / kMaxTileRows, per_tile = (rows + tiles - 1) / tiles;  // even tiles
   // Inputs larger than L2: each thread walks its panels once per block of rows that stays in L2, rather than all the
   // rows once per panel (a 4,096-token batch's x, 12-50 MB, streamed from L3 or memory for each of 24-96 panels).
-  const int64_t block = rows * k * 4 <= kRowBlockBytes ? rows
-                                                       : std::max<int64_t>(1, kRowBlockBytes / (k * 4) / per_tile) * per_tile;
+  const int64_t block_bytes = tuning.row_block_bytes;
+  const int64_t block = rows * k * 4 <= block_bytes ? rows
+                                                    : std::max<int64_t>(1, block_bytes / (k * 4) / per_tile) * per_tile;
+  const int64_t together = per_tile <= kMaxGemvRows ? tuning.gemv_panels : 1;
   at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
     for (int64_t first = 0; first < rows; first += block)
-      for (int64_t p = begin; p < end; ++p)
+      for (int64_t p = begin, step; p < end; p += step) {
+        step = p + together <= end ? together : 1;
         for (int64_t r0 = first; r0 < std::min(first + block, rows); r0 += per_tile)
-          tile_rows(q, p, r0, std::min(per_tile, rows - r0));
+          tile_rows(q, p, r0, std::min(per_tile, rows - r0), step);
+      }
   });
   return y;
 }
