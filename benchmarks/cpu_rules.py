@@ -68,12 +68,13 @@ def main(argv: list[str] | None = None) -> None:
     if kernel is None:
         raise SystemExit("the C++ kernels do not run here: nothing to compare")
     torch.set_num_threads(args.threads)
+    named = rules()
     with torch.no_grad():
-        table = _compare(kernel, args)
+        table = _compare(kernel, named, args)
     print()
     print("GB/s of weights read (streaming), GFLOP/s (wide) or tokens/s (generation), medians; each rule's rate "
           "against this CPU's")
-    print(markdown_table(["cell", *(f"{label} rule" for label in rules()), "torch.sum GB/s"], table))
+    print(markdown_table(["cell", *(f"{label} rule" for label in named), "torch.sum GB/s"], table))
 
 
 Cells = dict[str, tuple[Callable[[], object], float, str]]  # name -> (call, work per call, unit)
@@ -135,9 +136,8 @@ def _generation_cells(kernel, named: dict[str, PanelTuning], name: str, args: ar
     return cells
 
 
-def _compare(kernel, args: argparse.Namespace) -> list[list[str]]:
+def _compare(kernel, named: dict[str, PanelTuning], args: argparse.Namespace) -> list[list[str]]:
     """Check, then time every cell under every rule, the rules in rotating order; the table's rows."""
-    named = rules()
     print(machine_line())
     print(f"CPU report: {this_cpu()}")
     for label, rule in named.items():

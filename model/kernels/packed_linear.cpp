@@ -7,9 +7,9 @@
 // do not follow. pack_weight lays W (N, K) out once as panels (ceil(N / 32), K, 32), so each strip is one
 // contiguous run; packed_linear then computes y = x W^T + b with tiles of up to 12 rows x 32 columns held
 // in registers (a broadcast of x and two weight vectors per k, software prefetch ahead by the CPU's rule below),
-// panels spread over ATen's threads: 1.3-1.45x MKL on the causal step's
-// 37 weights at 8-64 rows. The packed copy is as large as the weight: model/packed_weights.py makes it only for
-// batched steps and refreshes it when the weight changes.
+// panels spread over ATen's threads: 1.3-1.45x MKL on the causal step's 37 weights at 8-64 rows. The packed copy
+// is as large as the weight: model/packed_weights.py makes it only for batched steps and refreshes it when the
+// weight changes.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -33,14 +33,16 @@ constexpr int64_t kMaxGemvRows = 2;    // tiles that may walk several panels at 
 // streaming_tile_rows rows (a decoding step at batch 1, beams of one source) are bound by reading the panel, not by
 // their FMAs, and on Zen 4 read faster prefetching farther ahead into L2 (docs/benchmarks.md, lever 11); tiles of
 // 1-2 rows walk gemv_panels panels side by side, for more streams from memory in flight per core (lever 12). The
-// defaults are Zen 4's.
+// defaults are Zen 4's. Each call takes a copy, so a rule set meanwhile never changes a call halfway.
 PanelTuning tuning{768 * 1024, 32, 4, 64, true, 4};
+
 struct Problem {
   const float* x;       // (rows, k) contiguous
   const float* panels;  // (panels, k, 32)
   const float* bias;    // (n,) or null
   float* y;             // (rows, n) contiguous
   int64_t rows, k, n;
+  PanelTuning rule;     // the rule in force when the call began
 };
 
 // y[r0 .. r0 + R, 32 p .. 32 (p + S)) for the S panels p .. p + S - 1 walked side by side (S streams of weights
@@ -85,9 +87,9 @@ AVX512 void tile(const Problem& q, int64_t p, int64_t r0, int64_t ahead) {
 // A tile of R rows over S panels under the tuning's prefetch rule for its width.
 template <int R, int S = 1>
 void tile(const Problem& q, int64_t p, int64_t r0) {
-  if (R > tuning.streaming_tile_rows) return tile<R, S, _MM_HINT_T0>(q, p, r0, tuning.prefetch_rows * kPanel);
-  const int64_t ahead = tuning.streaming_prefetch_rows * kPanel;
-  if (tuning.streaming_into_l2) return tile<R, S, _MM_HINT_T1>(q, p, r0, ahead);
+  if (R > q.rule.streaming_tile_rows) return tile<R, S, _MM_HINT_T0>(q, p, r0, q.rule.prefetch_rows * kPanel);
+  const int64_t ahead = q.rule.streaming_prefetch_rows * kPanel;
+  if (q.rule.streaming_into_l2) return tile<R, S, _MM_HINT_T1>(q, p, r0, ahead);
   tile<R, S, _MM_HINT_T0>(q, p, r0, ahead);
 }
 
@@ -157,14 +159,14 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
   const torch::Tensor input = x.is_contiguous() ? x : x.contiguous();
   const torch::Tensor b = bias.has_value() ? bias->contiguous() : torch::Tensor();
   const Problem q{input.data_ptr<float>(), packed.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr,
-                  y.data_ptr<float>(), rows, k, n};
+                  y.data_ptr<float>(), rows, k, n, tuning};
   const int64_t tiles = (rows + kMaxTileRows - 1) / kMaxTileRows, per_tile = (rows + tiles - 1) / tiles;  // even tiles
   // Inputs larger than L2: each thread walks its panels once per block of rows that stays in L2, rather than all the
   // rows once per panel (a 4,096-token batch's x, 12-50 MB, streamed from L3 or memory for each of 24-96 panels).
-  const int64_t block_bytes = tuning.row_block_bytes;
+  const int64_t block_bytes = q.rule.row_block_bytes;
   const int64_t block = rows * k * 4 <= block_bytes ? rows
                                                     : std::max<int64_t>(1, block_bytes / (k * 4) / per_tile) * per_tile;
-  const int64_t together = per_tile <= kMaxGemvRows ? tuning.gemv_panels : 1;
+  const int64_t together = per_tile <= kMaxGemvRows ? q.rule.gemv_panels : 1;
   at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
     for (int64_t first = 0; first < rows; first += block)
       for (int64_t p = begin, step; p < end; p += step) {
