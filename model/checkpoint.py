@@ -31,13 +31,13 @@ from model.calibration import Calibration, CalibrationError
 from model.causal_lm import CausalLM
 from model.classifier import TransformerClassifier
 from model.config import ConfigError, TransformerConfig
-from model.files import make_shareable
+from model.files import UnreadableFile, make_shareable, read_regular
 from model.hf import hf_companions, is_hf_directory, load_hf_checkpoint
 from model.hf.generation import GENERATION_FILE, GenerationRules, generation_rules
 from model.hf.sentence import EmbeddingDefaults
 from model.lora_io import AdapterLayout
 from model.seq2seq import Seq2SeqTransformer
-from model.tokenizer import Tokenizer, TokenizerError
+from model.tokenizer import Tokenizer, TokenizerError, file_limit
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
@@ -47,6 +47,7 @@ SOURCE_TOKENIZER_FILE = "source_tokenizer.json"
 LABELS_FILE = "labels.json"
 HF_DIR = "hf"  # an imported checkpoint's Hugging Face companion files (tokenizer, generation config, ...)
 METRICS_FILE = "metrics.json"
+MAX_JSON_BYTES = 16 << 20  # config.json, labels.json, metrics.json: a few KB
 
 MODELS: dict[str, type[nn.Module]] = {
     "seq2seq": Seq2SeqTransformer,
@@ -235,12 +236,13 @@ def load_checkpoint(
     metrics = _read_json(directory / METRICS_FILE) if (directory / METRICS_FILE).exists() else {}
     if (directory / HF_DIR).is_dir():  # imported (python -m training import): its HF tokenizer and settings
         return Checkpoint(model, config, metrics=metrics, path=directory, **hf_companions(directory / HF_DIR, config))
-    tokenizer = _load_tokenizer(directory / TOKENIZER_FILE)
+    tokenizer = _load_tokenizer(directory / TOKENIZER_FILE, config.vocab_size)
     source_path = directory / SOURCE_TOKENIZER_FILE
-    source_tokenizer = _load_tokenizer(source_path) if source_path.exists() else None
+    source_size = getattr(config, "src_vocab_size", None) or config.vocab_size
+    source_tokenizer = _load_tokenizer(source_path, source_size) if source_path.exists() else None
     _check_vocab(directory / TOKENIZER_FILE, tokenizer, config.vocab_size)
     if source_tokenizer is not None:
-        _check_vocab(source_path, source_tokenizer, getattr(config, "src_vocab_size", None) or config.vocab_size)
+        _check_vocab(source_path, source_tokenizer, source_size)
     labels = _read_json(directory / LABELS_FILE) if (directory / LABELS_FILE).exists() else None
     if config.family == "classifier" and not (isinstance(labels, list) and len(labels) == config.num_labels
                                               or labels is None and config.num_labels == 0):  # 0: an embedder
@@ -290,9 +292,9 @@ def parameter_count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _load_tokenizer(path: Path) -> Tokenizer:
+def _load_tokenizer(path: Path, vocab_size: int) -> Tokenizer:
     try:
-        return Tokenizer.load(path)
+        return Tokenizer.load(path, file_limit(vocab_size))
     except TokenizerError as exc:
         raise CheckpointError(str(exc)) from exc
 
@@ -306,11 +308,15 @@ def _check_vocab(path: Path, tokenizer: Tokenizer, vocab_size: int) -> None:
 
 def _read_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(read_regular(path, MAX_JSON_BYTES).decode("utf-8"))
     except FileNotFoundError as exc:
         raise CheckpointError(f"{path}: file not found") from exc
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: invalid JSON ({exc})") from exc
+    except UnreadableFile as exc:  # a FIFO, a device, too large: refused before a byte is read
+        raise CheckpointError(f"{path}: {exc}") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise CheckpointError(f"{path}: invalid JSON ({str(exc)[:200]})") from exc
 
 
 def _write_json(path: Path, data: Any) -> None:

@@ -7,6 +7,13 @@ before a step picks, the logits of every token outside its row's set become -inf
 consumes the picked token. Beams and samples fork their parent's matcher, so each keeps its own state.
 
 Byte-level BPE tokenizers only (ours and GPT-2's): the library reads their tokenizer.json.
+
+Regular expressions (``regex``, and a schema's ``pattern``) are in the library's dialect, Rust's ``regex``
+crate: classes such as ``\\d``, ``\\w`` and ``\\s`` are Unicode-aware (``\\d`` matches every decimal digit,
+Arabic-Indic ones included: write ``[0-9]`` for ASCII digits), and a pattern matches the whole output.
+Everything the library would only find out while decoding is checked when a constraint is compiled: counted
+repetitions that unroll past ``MAX_UNROLLED`` atoms (model.regex_size), and grammars that admit no output at all
+(a schema that only refers to itself).
 """
 
 from __future__ import annotations
@@ -20,10 +27,14 @@ from typing import Any
 import llguidance
 import torch
 
+from model.regex_size import unrolled_size
 from model.tokenizer import Tokenizer
 
 MAX_GRAMMAR_CHARS = 64 * 1024  # a schema, regex or choice list longer than this (as JSON) is refused
 MAX_CHOICES = 256
+# Counted repetitions unrolled (a{10000} is 10,000): the library expands them while decoding, a{100000} at ~10 ms
+# a token and a{1000000} not at all.
+MAX_UNROLLED = 10_000
 KINDS = ("json_schema", "regex", "choice")
 
 
@@ -47,6 +58,12 @@ class Constraint:
         if size > MAX_GRAMMAR_CHARS:
             raise ConstraintError(f"the {self.kind} is {size:,} characters as JSON, over the {MAX_GRAMMAR_CHARS:,} "
                                   "allowed")
+        for pattern in self._patterns():
+            size = unrolled_size(pattern)
+            if size > MAX_UNROLLED:
+                raise ConstraintError(f"the regular expression {pattern[:64]!r} unrolls its counted "
+                                      f"repetitions ({{n}}, {{n,m}}) to {size:,} characters, over the "
+                                      f"{MAX_UNROLLED:,} allowed")
         if self.kind == "json_schema":
             try:  # compact JSON: no free whitespace, so an output ends as soon as its value does
                 return llguidance.LLMatcher.grammar_from_json_schema(
@@ -58,6 +75,23 @@ class Constraint:
         if not self.value or len(self.value) > MAX_CHOICES:
             raise ConstraintError(f"choice needs 1 to {MAX_CHOICES} strings, got {len(self.value)}")
         return llguidance.LLMatcher.grammar_from_regex("|".join(f"(?:{re.escape(c)})" for c in self.value))
+
+    def _patterns(self) -> list[str]:
+        """The regular expressions of the constraint: a regex, or every ``pattern`` (and ``patternProperties``
+        key) in a schema."""
+        if self.kind == "regex":
+            return [self.value] if isinstance(self.value, str) else []
+        found, todo = [], [self.value] if self.kind == "json_schema" else []
+        while todo:
+            node = todo.pop()
+            if isinstance(node, list):
+                todo.extend(node)
+            elif isinstance(node, dict):
+                found += [v for k, v in node.items() if k == "pattern" and isinstance(v, str)]
+                patterned = node.get("patternProperties")
+                found += list(patterned) if isinstance(patterned, dict) else []
+                todo.extend(node.values())
+        return found
 
 
 _TOKENIZERS: weakref.WeakKeyDictionary[Tokenizer, llguidance.LLTokenizer] = weakref.WeakKeyDictionary()
@@ -82,7 +116,14 @@ def compile(constraint: Constraint, tokenizer: Tokenizer) -> CompiledConstraint:
     error = llguidance.LLMatcher.validate_grammar(grammar, vocabulary)
     if error:
         raise ConstraintError(f"{constraint.kind}: {error.strip().splitlines()[0]}")
-    return CompiledConstraint(vocabulary, grammar)
+    compiled = CompiledConstraint(vocabulary, grammar)
+    first = compiled._matcher()
+    first.compute_bitmask()  # the first step's mask: a grammar with no finite output fails here, not after a 200
+    if first.is_error():
+        reason = first.get_error().strip().splitlines()[0]
+        raise ConstraintError(f"admits no output ({reason}): e.g. a schema that refers only to itself has no "
+                              "finite value")
+    return compiled
 
 
 @dataclass(frozen=True)

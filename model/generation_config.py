@@ -12,6 +12,8 @@ from enum import StrEnum
 from typing import Literal
 
 MAX_LOGPROBS = 20  # most alternatives per generated token a search records (OpenAI's top_logprobs cap)
+# |length_penalty| at most this: length ** penalty stays a float for any length (1e308 overflows at length 2)
+MAX_LENGTH_PENALTY = 10.0
 
 
 class ConfigError(ValueError):
@@ -87,7 +89,9 @@ class GenerationConfig:
                      f"must be 1 for greedy, got {self.num_return_sequences}")
         require(isinstance(self.early_stopping, bool) or self.early_stopping == "never", "early_stopping",
                  f"must be true, false or 'never', got {self.early_stopping!r}")
-        require(math.isfinite(self.length_penalty), "length_penalty", f"must be finite, got {self.length_penalty}")
+        require(isinstance(self.length_penalty, int | float) and abs(self.length_penalty) <= MAX_LENGTH_PENALTY,
+                "length_penalty", f"must be in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}], "
+                f"got {self.length_penalty!r}")
         require(math.isfinite(self.temperature) and self.temperature > 0, "temperature",
                  f"must be finite and > 0, got {self.temperature}")
         require(self.top_k >= 0, "top_k", f"must be >= 0, got {self.top_k}")

@@ -12,9 +12,16 @@ from model.config import TransformerConfig
 from model.kernel_layers import LayerNorm, Linear, activate, kernels_for
 from model.kv_cache import KVCache
 
+# The most positions a sinusoidal table covers: 16x OPUS-MT-big's 1,024 (the table is computed, not stored,
+# so nothing else bounds it; at d_model 1024 it is 64 MiB per embedding).
+MAX_POSITIONS = 1 << 14
+
 
 def sinusoidal_table(max_len: int, d_model: int) -> torch.Tensor:
-    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d)); shape (max_len, d)."""
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d)); shape (max_len, d).
+    ValueError above MAX_POSITIONS positions."""
+    if max_len > MAX_POSITIONS:
+        raise ValueError(f"a sinusoidal table of {max_len} positions is over the limit of {MAX_POSITIONS}")
     position = torch.arange(max_len, dtype=torch.float64)[:, None]
     two_i = torch.arange(0, d_model, 2, dtype=torch.float64)
     angle = position / torch.pow(10000.0, two_i / d_model)

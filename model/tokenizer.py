@@ -32,6 +32,7 @@ import tokenizers
 import torch
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 
+from model.files import UnreadableFile, read_regular
 from model.placeholders import MAX_SENTINELS, TOKEN_PATTERN, sentinel
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,16 @@ logger = logging.getLogger(__name__)
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>", "[CLS]", "[SEP]", "[MASK]")
 TOKENIZER_FILE = "tokenizer.json"
 MAX_PLACEHOLDERS = 200  # most frequent placeholders kept as single tokens
+# What a tokenizer may claim, so that ``max_token_bytes`` (the service's byte bound before encoding) bounds the
+# work: a vocabulary piece covers at most MAX_PIECE_BYTES (real ones: tens of bytes), and WordPiece's
+# max_input_chars_per_word is at most MAX_WORD_CHARS (BERT's is 100). WordPiece tries every prefix of every
+# remaining suffix, so a word costs ~chars**3: a 1,000-char word takes 40 ms, 8,000 take 8 s.
+MAX_PIECE_BYTES = 1024
+MAX_WORD_CHARS = 200
+# tokenizer.json's size: at most 64 MiB, and at most 1 MiB + 256 bytes per id of the model's vocabulary (GPT-2's
+# is 27 bytes per id, XLM-R's ~70): parsing peaks at ~16x the file, so a file too large is refused before that.
+MAX_TOKENIZER_BYTES = 64 << 20
+TOKENIZER_BYTES_PER_ID = 256
 _BYTE_ALPHABET = 256  # ByteLevel initial alphabet: every byte is always a token
 
 
@@ -134,13 +145,16 @@ class Tokenizer:
         return cls(backend)
 
     @classmethod
-    def load(cls, path: str | Path) -> Tokenizer:
-        """Load a tokenizer.json file, or a directory containing one."""
+    def load(cls, path: str | Path, max_bytes: int | None = None) -> Tokenizer:
+        """Load a tokenizer.json file, or a directory containing one (a regular file of at most ``max_bytes``,
+        MAX_TOKENIZER_BYTES by default: see ``file_limit``)."""
         file = _resolve_file(Path(path))
         try:
-            text = file.read_text(encoding="utf-8")
+            text = read_regular(file, MAX_TOKENIZER_BYTES if max_bytes is None else max_bytes).decode("utf-8")
         except FileNotFoundError:
             raise TokenizerError(f"tokenizer file not found: {file}") from None
+        except UnreadableFile as e:
+            raise TokenizerError(f"{file}: {e}") from None
         except (OSError, UnicodeDecodeError) as e:
             raise TokenizerError(f"cannot read tokenizer file {file}: {e}") from e
         try:
@@ -266,8 +280,10 @@ class Tokenizer:
             token = self._backend.id_to_token(i) if i >= 0 else None
             if token is None:
                 raise ValueError(f"token id {i} is outside the vocabulary (size {self.vocab_size})")
-            # Added tokens (specials, placeholders) are stored as raw text, not byte-level.
-            pieces.append(token if i in self._added_ids else self._backend.decoder.decode([token]))
+            # Added tokens (specials, placeholders) are stored as raw text, not byte-level; without a decoder
+            # (tokenizer.json's "decoder": null) a piece is its text, as convert_ids_to_tokens gives it.
+            decoder = self._backend.decoder
+            pieces.append(token if i in self._added_ids or decoder is None else decoder.decode([token]))
         return pieces
 
     def _wrap(self, ids: list[int], add_bos: bool, add_eos: bool) -> list[int]:
@@ -295,16 +311,32 @@ def _frequent_placeholders(texts: Iterable[str], min_frequency: int, limit: int)
     return ranked[:limit]
 
 
+def file_limit(vocab_size: int) -> int:
+    """The most bytes a tokenizer.json for a model of ``vocab_size`` ids may hold (see MAX_TOKENIZER_BYTES)."""
+    return min(MAX_TOKENIZER_BYTES, (1 << 20) + TOKENIZER_BYTES_PER_ID * max(vocab_size, 0))
+
+
 def _max_token_bytes(backend: tokenizers.Tokenizer, added: Iterable[AddedToken]) -> int:
-    """The most UTF-8 bytes one token of ``backend`` covers (see ``Tokenizer.max_token_bytes``)."""
-    pieces = backend.get_vocab(with_added_tokens=False)
-    if isinstance(backend.pre_tokenizer, pre_tokenizers.ByteLevel):
-        longest = max(map(len, pieces))  # byte-level pieces are one character per byte
-    else:  # a prefix such as "##" or "▁" only makes this bound looser
-        longest = max(len(piece.encode("utf-8")) for piece in pieces)
+    """The most UTF-8 bytes one token of ``backend`` covers (see ``Tokenizer.max_token_bytes``); TokenizerError
+    naming a piece over MAX_PIECE_BYTES or a WordPiece max_input_chars_per_word over MAX_WORD_CHARS."""
+    vocabulary = list(backend.get_vocab(with_added_tokens=False))
+    pieces = [*vocabulary, *(token.content for token in added)]  # added tokens are raw text
+    # byte-level pieces are one character per byte; elsewhere a prefix such as "##" or "▁" only loosens the bound
+    byte_level = isinstance(backend.pre_tokenizer, pre_tokenizers.ByteLevel)
+    sizes = [len(piece) if byte_level and i < len(vocabulary) else len(piece.encode("utf-8"))
+             for i, piece in enumerate(pieces)]
+    longest = max(sizes, default=0)
+    if longest > MAX_PIECE_BYTES:
+        piece = pieces[sizes.index(longest)]
+        raise TokenizerError(f"the piece {piece[:40]!r}{'...' if len(piece) > 40 else ''} is {longest} bytes long, "
+                             f"over the limit of {MAX_PIECE_BYTES}")
     if isinstance(backend.model, models.WordPiece):  # a longer word is one [UNK]
-        longest = max(longest, 4 * backend.model.max_input_chars_per_word)
-    return max([longest] + [len(token.content.encode("utf-8")) for token in added])
+        chars = backend.model.max_input_chars_per_word
+        if chars > MAX_WORD_CHARS:
+            raise TokenizerError(f"model.max_input_chars_per_word={chars} is over the limit of {MAX_WORD_CHARS} "
+                                 "(WordPiece's cost grows with its cube)")
+        longest = max(longest, 4 * chars)
+    return longest
 
 
 def _check_byte_level(backend: tokenizers.Tokenizer) -> None:

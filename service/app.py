@@ -16,7 +16,13 @@ from starlette.types import Scope
 from service import tracing
 from service.engine import Engine
 from service.http_errors import install_error_handlers
-from service.middleware import BodyLimitMiddleware, DisconnectMiddleware, MetricsMiddleware, RequestIdMiddleware
+from service.middleware import (
+    BodyLimitMiddleware,
+    DisconnectMiddleware,
+    KeyFirstMiddleware,
+    MetricsMiddleware,
+    RequestIdMiddleware,
+)
 from service.routes import ROUTERS
 from service.settings import Settings
 from service.tracing import TracingMiddleware
@@ -75,10 +81,12 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     for router in ROUTERS:
         app.include_router(router)
     # Added last = outermost: the request id is set before anything can answer; metrics see the
-    # final status of every /v1 request, 413s included; the body limit answers before routing; a client
-    # that hangs up cancels its handler (innermost, so the metrics see it as 499).
+    # final status of every /v1 request, 401s and 413s included; a request without a valid key is refused before
+    # its body is read; the body limit answers before routing; a client that hangs up cancels its handler
+    # (innermost, so the metrics see it as 499).
     app.add_middleware(DisconnectMiddleware)
     app.add_middleware(BodyLimitMiddleware, limit_for=_body_limit(settings))
+    app.add_middleware(KeyFirstMiddleware, settings=settings)
     app.add_middleware(MetricsMiddleware)
     app.add_middleware(RequestIdMiddleware)
     if tracing.configure(settings.otlp_traces_endpoint):

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, HTTPException
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security.utils import get_authorization_scheme_param
 
 from service.deps import get_settings
+from service.errors import InvalidRequest
 from service.settings import Settings
+from service.types import QueueTag
 
 _bearer = HTTPBearer(auto_error=False, description="An API key (TSERVE_API_KEYS or TSERVE_ADMIN_KEYS).")
 _CHALLENGE = {"WWW-Authenticate": "Bearer"}
@@ -45,6 +49,14 @@ def _role(credentials: HTTPAuthorizationCredentials | None, settings: Settings) 
     raise HTTPException(401, "invalid API key", headers=_CHALLENGE)
 
 
+def role_of(authorization: str | None, settings: Settings) -> str:
+    """:func:`_role` of a raw ``Authorization`` header, read as ``HTTPBearer`` reads it (for middleware that
+    answers before a route runs)."""
+    scheme, key = get_authorization_scheme_param(authorization)
+    bearer = bool(authorization and scheme and key) and scheme.lower() == "bearer"
+    return _role(HTTPAuthorizationCredentials(scheme=scheme, credentials=key) if bearer else None, settings)
+
+
 def require_key(
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
     settings: Annotated[Settings, Depends(get_settings)],
@@ -53,14 +65,33 @@ def require_key(
     return _role(credentials, settings)
 
 
-def client_key(
+@dataclass(frozen=True)
+class Caller:
+    """Who is asking, for the queue: a digest of the caller's key (None with auth off: one tenant) and the lowest
+    priority value it may ask for (None: any; a user key's is ``min_user_priority``)."""
+
+    client: str | None = None
+    min_priority: int | None = None
+
+    def queue(self, priority: int) -> QueueTag:
+        """Where this caller's request at ``priority`` waits; InvalidRequest (422) below what its key may ask for."""
+        if self.min_priority is not None and priority < self.min_priority:
+            raise InvalidRequest("priority", f"{priority} is below {self.min_priority}, the lowest a user API key may "
+                                 f"ask for (min_user_priority={self.min_priority}, TSERVE_MIN_USER_PRIORITY); "
+                                 "admin keys may use any")
+        return QueueTag(priority, self.client)
+
+
+def caller(
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
     role: Annotated[str, Depends(require_key)],
-) -> str | None:
-    """Who is asking, for the per-key queue cap: a digest of the caller's (checked) key; None with auth off."""
+    settings: Annotated[Settings, Depends(get_settings)],
+) -> Caller:
+    """Dependency of the routes that queue work: the per-key cap and fair share count the key's digest."""
     if role == "open":
-        return None
-    return hashlib.sha256(credentials.credentials.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+        return Caller()
+    digest = hashlib.sha256(credentials.credentials.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+    return Caller(digest, None if role == "admin" else settings.min_user_priority)
 
 
 def require_admin(role: Annotated[str, Depends(require_key)]) -> None:

@@ -4,8 +4,9 @@ Iteration-level batching in vLLM's ``schedule()`` / ``update_from_output()`` sha
 ``RunningBatch`` (``filter`` / ``concatenate``):
 
 1. drop running jobs that were cancelled or passed their deadline (``filter``: their rows leave);
-2. admit waiting jobs (by priority, FIFO within one) while their *maximum* rows (beams expand after the first
-   step) fit in ``max_batch_size`` (a job larger than that runs when the batch is empty, alone);
+2. admit waiting jobs (by priority; within one, API keys take turns: ``fair_order``) while their *maximum* rows
+   (beams expand after the first step) fit in ``max_batch_size`` (a job larger than that runs when the batch is
+   empty, alone);
 3. one step for all running rows, with per-row LoRA adapters: a decode step, or a verification step when a job
    drafted tokens (service/speculation.py);
 4. prefill the admitted jobs together (the family's ``GenerationRunner``, service/runners.py, reusing cached

@@ -4,10 +4,15 @@ served under its directory name; start-up, lookup and draining. Torch only, no H
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import os
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from model.checkpoint import Checkpoint, load_checkpoint
 from model.generation_config import ConfigError
@@ -20,6 +25,12 @@ from service.types import EngineSettings, ModelInfo
 from service.worker import ModelWorker
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class LoadTimeout(TimeoutError):
+    """A model's load did not finish within its deadline (its thread is left behind, a daemon)."""
 
 
 class NoModelsLoaded(RuntimeError):
@@ -64,10 +75,8 @@ class Engine:
             start = time.perf_counter()
             worker = None
             try:
-                checkpoint = await asyncio.to_thread(load_checkpoint, directory, self.settings.device,
-                                                     self.settings.dtype)
-                prepare_for_inference(checkpoint.model, mode_for(self.settings.quantize, name))
-                draft = await self._draft_for(name, checkpoint)
+                checkpoint, draft = await _within(self.settings.model_load_timeout_s,
+                                                  functools.partial(self._load, directory))
                 worker = ModelWorker(name, checkpoint, self.settings, self.metrics, self.adapters_dir, draft)
                 await worker.start(threads)
                 self.metrics.model_load_seconds.labels(name).set(time.perf_counter() - start)
@@ -89,7 +98,13 @@ class Engine:
             raise NoModelsLoaded(f"no model in {self.models_dir} loaded:{reasons}")
         self.ready = True
 
-    async def _draft_for(self, name: str, checkpoint: Checkpoint) -> Checkpoint | None:
+    def _load(self, directory: Path) -> tuple[Checkpoint, Checkpoint | None]:
+        """The checkpoint in ``directory``, prepared for inference, and its draft model (blocking: files, torch)."""
+        checkpoint = load_checkpoint(directory, self.settings.device, self.settings.dtype)
+        prepare_for_inference(checkpoint.model, mode_for(self.settings.quantize, directory.name))
+        return checkpoint, self._draft_for(directory.name, checkpoint)
+
+    def _draft_for(self, name: str, checkpoint: Checkpoint) -> Checkpoint | None:
         """The draft model (settings.draft_model) of model ``name``, loaded for it alone; raises when it cannot
         draft for it (not found, another family or tokenizer), which fails the model's load with that reason."""
         draft_name = draft_model_for(self.settings.draft_model, name, checkpoint.family)
@@ -97,8 +112,7 @@ class Engine:
             return None
         if not (self.models_dir / draft_name).is_dir():
             raise ConfigError("draft_model", f"draft model {draft_name!r} for {name!r} is not a model directory")
-        draft = await asyncio.to_thread(load_checkpoint, self.models_dir / draft_name, self.settings.device,
-                                        self.settings.dtype)
+        draft = load_checkpoint(self.models_dir / draft_name, self.settings.device, self.settings.dtype)
         prepare_for_inference(draft.model, mode_for(self.settings.quantize, draft_name))
         check_draft_model(checkpoint.model, checkpoint.tokenizer.backend.get_vocab(), draft.model,
                           draft.tokenizer.backend.get_vocab())
@@ -139,4 +153,34 @@ class Engine:
             worker.close()
 
 
-__all__ = ["Engine", "NoModelsLoaded"]
+async def _within(timeout_s: float, fn: Callable[[], T]) -> T:
+    """``fn()`` run in a daemon thread, awaited at most ``timeout_s`` (LoadTimeout after it). A load that never
+    returns (a read that blocks) fails its model instead of the start-up, and its thread, left behind, holds up
+    neither the event loop nor the process's exit (asyncio.to_thread's pool would be joined at exit)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if done.done():  # timed out meanwhile
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = fn(), None
+        except BaseException as exc:  # handed to the awaiting coroutine
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop closed while this load hung: nobody waits for it
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="model-load", daemon=True).start()
+    try:
+        return await asyncio.wait_for(done, timeout_s)
+    except TimeoutError:
+        raise LoadTimeout(f"did not load within {timeout_s:g} s") from None
+
+
+__all__ = ["Engine", "LoadTimeout", "NoModelsLoaded"]

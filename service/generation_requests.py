@@ -22,6 +22,7 @@ from model.placeholders import Protected, protect, sentinels_for
 from model.speculative import SpeculativeConfig
 from service.errors import InvalidRequest
 from service.jobs import GenerationJob, StreamText, continuation
+from service.limits import check_cost
 from service.runners import GenerationRunner
 from service.schemas import DEFAULT_NEW_TOKENS, GenerateRequest
 from service.types import EngineSettings
@@ -93,6 +94,9 @@ class GenerationRequests:
                                  f"streaming returns one sequence, got {values['num_return_sequences']}")
         if not beam:
             values["num_beams"] = 1
+        width = ("num_beams", values["num_beams"]) if beam else ("num_return_sequences", values["num_return_sequences"])
+        check_cost(s.max_tokens_per_request, dict([("inputs", len(req.inputs)), width,
+                                                   ("max_new_tokens", values["max_new_tokens"])]), values["logprobs"])
         rules = self._rules
         for name in RULED_FIELDS:  # the request's own value over the model's rule
             value = values.pop(name)

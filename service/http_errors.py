@@ -64,10 +64,12 @@ def error_response(
     return JSONResponse(payload, status_code=status, headers=dict(headers or {}))
 
 
-async def json_error(status: int, code: str, message: str, scope: Scope, send: Send) -> None:
+async def json_error(status: int, code: str, message: str, scope: Scope, send: Send,
+                     extra_headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
     """Send an error from raw ASGI (middleware that answers before the app runs)."""
     body = json.dumps(error_payload(code, message, None, request_id(scope)), separators=(",", ":")).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               *extra_headers]
     if status == 413:
         headers.append((b"connection", b"close"))  # the unread body must not be parsed as a next request
     await send({"type": "http.response.start", "status": status, "headers": headers})

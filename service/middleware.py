@@ -1,4 +1,5 @@
-"""Pure ASGI middleware: request ids, the body-size limit, per-request metrics, client disconnects.
+"""Pure ASGI middleware: request ids, keys before bodies, the body-size limit, per-request metrics, client
+disconnects.
 
 Pure ASGI (not BaseHTTPMiddleware) so that streaming responses pass through untouched and the
 body limit acts on the raw byte stream, before anything parses JSON.
@@ -16,9 +17,11 @@ from fastapi import HTTPException
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service.auth import role_of
 from service.errors import ServiceError
 from service.http_errors import json_error
 from service.routes.tokenize import ROOT_PATHS
+from service.settings import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +103,32 @@ class BodyLimitMiddleware:
             await json_error(413, "payload_too_large", exc.detail, scope, send)
 
 
+def is_api_path(path: str) -> bool:
+    """The API's paths (/v1, and vLLM's root paths of service.routes.tokenize): behind keys, measured per request."""
+    return path.startswith("/v1/") or path in ROOT_PATHS
+
+
+class KeyFirstMiddleware:
+    """With API keys on, an API request without a valid key is answered 401 before its body is read, let alone
+    parsed: a client without a key learns nothing from a malformed body. The routes' ``require_key`` decides the
+    same way again (service.auth, one rule) and gives them the caller's role."""
+
+    def __init__(self, app: ASGIApp, settings: Settings) -> None:
+        self.app = app
+        self.settings = settings
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.settings.auth_enabled and is_api_path(scope["path"]):
+            try:
+                role_of(Headers(scope=scope).get("authorization"), self.settings)
+            except HTTPException as exc:  # the unread body must not be parsed as a next request: close
+                headers = [(k.lower().encode(), v.encode()) for k, v in (exc.headers or {}).items()]
+                await json_error(exc.status_code, "unauthorized", exc.detail, scope, send,
+                                 [*headers, (b"connection", b"close")])
+                return
+        await self.app(scope, receive, send)
+
+
 class MetricsMiddleware:
     """Records ``engine.metrics.record_request`` once per API request (/v1, and vLLM's root paths of
     service.routes.tokenize), whatever its outcome.
@@ -112,7 +141,7 @@ class MetricsMiddleware:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not (scope["path"].startswith("/v1/") or scope["path"] in ROOT_PATHS):
+        if scope["type"] != "http" or not is_api_path(scope["path"]):
             return await self.app(scope, receive, send)
         status = 500
 

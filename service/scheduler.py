@@ -2,8 +2,9 @@
 
 Every model call happens on the worker thread (adapter loads and unloads too, between steps), under
 ``torch.inference_mode``; the event loop only enqueues jobs and awaits their futures. Waiting jobs are taken
-lowest ``priority`` first, FIFO within one; a queue holds at most ``max_queue`` jobs, and at most
-``max_queue_per_key`` of one API key. Generation is continuous batching (``GenerationScheduler``,
+lowest ``priority`` first; within one, API keys take turns (``fair_order``: vLLM's fair scheduling), FIFO per key.
+A queue holds at most ``max_queue`` waiting jobs, and one API key at most ``max_queue_per_key`` waiting or running
+jobs. Generation is continuous batching (``GenerationScheduler``,
 service/continuous_batching.py); classification and embedding use dynamic batching (``PoolingScheduler``,
 service/pooling.py).
 """
@@ -11,19 +12,21 @@ service/pooling.py).
 from __future__ import annotations
 
 import concurrent.futures
+import heapq
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from model.constraints import ConstraintError
 from model.lora import set_adapters
 from service.adapters import AdapterRegistry
-from service.errors import EngineFailure, NotReady, QueueFull, ServiceError
+from service.errors import EngineFailure, InvalidRequest, NotReady, QueueFull, ServiceError
 from service.jobs import CallJob, Job
 from service.metrics import Metrics
 from service.threads import use_threads
@@ -47,6 +50,7 @@ class Scheduler:
         self.fault_hook: FaultHook | None = None
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
+        self._held: Counter[str] = Counter()  # per API key digest, its jobs waiting or running (max_queue_per_key)
         self._controls: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
         self._accepting = True
         self._stopping: ServiceError | None = None
@@ -66,7 +70,8 @@ class Scheduler:
         self._thread.start()
 
     def submit(self, job: Job) -> None:
-        """Enqueue ``job``; raises NotReady when closed, QueueFull (at once) when max_queue jobs wait."""
+        """Enqueue ``job``; raises NotReady when closed, QueueFull (at once) when max_queue jobs wait or its API
+        key already has max_queue_per_key jobs waiting or running."""
         with self._cond:
             if not self._accepting:
                 raise NotReady(f"model {self.name!r} is not accepting requests (shutting down)")
@@ -75,10 +80,12 @@ class Scheduler:
                 raise QueueFull(f"model {self.name!r}: {len(self._waiting)} requests are waiting "
                                 f"(max_queue={self.settings.max_queue}); retry later", retry_after=retry)
             cap, client = self.settings.max_queue_per_key, job.queue.client
-            if cap is not None and client is not None and sum(j.queue.client == client for j in self._waiting) >= cap:
-                raise QueueFull(f"model {self.name!r}: {cap} requests of this API key are waiting "
+            if cap is not None and client is not None and self._held[client] >= cap:
+                raise QueueFull(f"model {self.name!r}: {cap} requests of this API key are waiting or running "
                                 f"(max_queue_per_key={cap}); retry later", retry_after=retry)
             self._waiting.append(job)
+            if client is not None:
+                self._held[client] += 1
             self.metrics.waiting.labels(self.name).set(len(self._waiting))
             self._cond.notify()
 
@@ -191,9 +198,12 @@ class Scheduler:
         return False, max_wait - waited
 
     def _take(self, budget: int, alone_ok: bool) -> list[Job]:
-        """Take waiting jobs, lowest priority value first and FIFO within one, while their rows fit ``budget``
-        (the first that does not fit stops the taking); dead ones are failed or dropped."""
+        """Take waiting jobs in ``fair_order`` (by priority, API keys taking turns within one) while their rows fit
+        ``budget`` (the first that does not fit stops the taking); dead ones are failed or dropped."""
         now = time.monotonic()
+        running: Counter[str | None] = Counter()
+        for job in self.running_jobs():
+            running[job.queue.client] += job.rows
         taken: list[Job] = []
         with self._cond:
             alive = []
@@ -202,8 +212,7 @@ class Scheduler:
                     self._finish(job, exc=job.timeout_error())
                 else:
                     alive.append(job)
-            order = sorted(alive, key=lambda j: j.queue.priority)  # stable: arrival order within a priority
-            for job in order:
+            for job in fair_order(alive, running):
                 if job.rows > budget and not (alone_ok and not taken):
                     break
                 taken.append(job)
@@ -211,8 +220,8 @@ class Scheduler:
                 alone_ok = False
             chosen = {id(j) for j in taken}
             self._waiting = deque(j for j in alive if id(j) not in chosen)
+            self._taken = taken  # under the lock: a job is always waiting or taken for submit's count
             self.metrics.waiting.labels(self.name).set(len(self._waiting))
-        self._taken = taken
         return taken
 
     def _admit(self, job: Job) -> bool:
@@ -261,6 +270,11 @@ class Scheduler:
             return
         job.done = True
         job.finished_at = time.monotonic()
+        if job.queue.client is not None:
+            with self._cond:
+                self._held[job.queue.client] -= 1
+                if not self._held[job.queue.client]:
+                    del self._held[job.queue.client]
         if job.adapter is not None:
             self.registry.release(job.adapter)
         self._outbox.append((job, value, exc))
@@ -279,7 +293,11 @@ class Scheduler:
                 job.resolve(value)
 
     @staticmethod
-    def _failure(job: Job, exc: BaseException | str) -> EngineFailure:
+    def _failure(job: Job, exc: BaseException | str) -> ServiceError:
+        """What the client of a request that raised ``exc`` in the engine is told: a constraint the grammar library
+        gave up on while decoding is the request's own fault (422), anything else a 500 naming the request."""
+        if isinstance(exc, ConstraintError):
+            return InvalidRequest("constraint", f"could not be followed while decoding: {exc}")
         return EngineFailure(f"request {job.id!r} failed in the engine: {exc}", request_id=job.id)
 
     def _abort(self, reason: ServiceError) -> None:
@@ -306,3 +324,26 @@ class Scheduler:
 
     def _iteration(self) -> None:
         raise NotImplementedError
+
+
+def fair_order(jobs: list[Job], running: Counter[str | None]) -> list[Job]:
+    """``jobs`` (waiting, oldest first) in the order to take them: lowest priority value first; within a priority,
+    API keys take turns, the key holding the fewest rows (``running``: rows per key already in the batch, plus those
+    ordered before) next, ties to the older job. One key (or none: auth off) keeps FIFO."""
+    held = Counter(running)
+    levels: dict[int, dict[str | None, deque[tuple[int, Job]]]] = defaultdict(lambda: defaultdict(deque))
+    for arrival, job in enumerate(jobs):
+        levels[job.queue.priority][job.queue.client].append((arrival, job))
+    order: list[Job] = []
+    for priority in sorted(levels):
+        keys = levels[priority]
+        turns = [(held[key], queue[0][0], key) for key, queue in keys.items()]  # (rows held, head's arrival, key)
+        heapq.heapify(turns)  # arrivals are unique: keys (None among strings) are never compared
+        while turns:
+            _, _, key = heapq.heappop(turns)
+            _, job = keys[key].popleft()
+            order.append(job)
+            held[key] += job.rows
+            if keys[key]:
+                heapq.heappush(turns, (held[key], keys[key][0][0], key))
+    return order

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from model import lora_config
-from model.constraints import MAX_CHOICES
+from model.constraints import MAX_CHOICES, MAX_UNROLLED
 from model.decoding import Strategy
-from model.generation_config import MAX_LOGPROBS
+from model.generation_config import MAX_LENGTH_PENALTY, MAX_LOGPROBS
 from model.speculative import MAX_SPECULATIVE_TOKENS
 from service.attention import MAX_ATTENTION_VALUES
 
@@ -27,10 +27,30 @@ MIN_TEMPERATURE = 1e-4
 MIN_TOP_P = 1e-6
 MAX_SEED = 2**62  # input i samples with seed + i: room left below torch's 2**63
 
-Text = Annotated[str, Field(min_length=1, description="Non-empty text.")]
+
+
+def unicode_text(value: object) -> object:
+    """``value`` unless it is a string that is not valid Unicode: JSON's ``\\ud800`` escapes can smuggle a lone
+    surrogate into a string, which no tokenizer can encode (the one text check of every text field of every route;
+    run before the type's own checks, whose error for it says nothing useful)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"contains a lone surrogate (U+{ord(value[exc.start]):04X}) at character {exc.start}: "
+                             "not valid Unicode text") from None
+    return value
+
+
+# The check wraps the constrained type (not the other way round), so that the type keeps its own messages.
+AnyText = Annotated[str, BeforeValidator(unicode_text), Field(description="Text (valid Unicode).")]
+Text = Annotated[Annotated[str, Field(min_length=1)], BeforeValidator(unicode_text), Field(description="Non-empty text.")]
 Name = Annotated[str, Field(pattern=NAME_PATTERN, description=f"{lora_config.NAME_RULE}.")]
 Priority = Annotated[int, Field(ge=-(2**31), le=2**31 - 1, description="Among requests waiting for this model, lower "
-                                "values are taken first (FIFO within a priority); running requests are not preempted.")]
+                                "values are taken first (within a priority, API keys take turns, FIFO per key); "
+                                "running requests are not preempted. A user API key may not go below "
+                                "min_user_priority (TSERVE_MIN_USER_PRIORITY, default 0; 422 below it); admin keys, "
+                                "and a server without keys, may use any.")]
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED, description="0 <= seed <= 2**62.")]
 
 
@@ -149,7 +169,12 @@ class ConstraintRequest(RequestModel):
 
     json_schema: dict[str, Any] | bool | None = Field(None, description="The output is JSON valid under this schema.")
     # Its size is checked with the grammar's (MAX_GRAMMAR_CHARS), not here: the body limit may be smaller.
-    regex: str | None = Field(None, min_length=1, description="The output matches this regular expression (whole).")
+    regex: Text | None = Field(
+        None, description="The output matches this regular expression (whole), in Rust's regex syntax (llguidance's "
+        "dialect): \\d, \\w and \\s are Unicode-aware (\\d matches every decimal digit, e.g. Arabic-Indic ones: write "
+        f"[0-9] for ASCII digits); counted repetitions ({{n}}, {{n,m}}) may unroll to at most {MAX_UNROLLED:,} "
+        "characters."
+    )
     choice: list[Text] | None = Field(None, min_length=1, max_length=MAX_CHOICES,
                                       description="The output is one of these strings.")
 
@@ -189,7 +214,8 @@ class GenerateRequest(RequestModel):
     )
     min_new_tokens: int = Field(0, ge=0, description="End-of-sequence is suppressed before this many tokens.")
     num_beams: int = Field(4, ge=1, description="Beam width (strategy=beam); capped by max_beams.")
-    length_penalty: float = Field(1.0, ge=-10.0, le=10.0, description="Beam score = logprob / length**penalty.")
+    length_penalty: float = Field(1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY,
+                                  description="Beam score = logprob / length**penalty.")
     early_stopping: bool | Literal["never"] = Field(
         True,
         description="Beam search ends (as in transformers' generate()) at num_beams finished (true), when the best "
@@ -224,7 +250,7 @@ class GenerateRequest(RequestModel):
         None, description="Draft-and-verify decoding (one input, greedy or one sample): the same tokens, fewer model "
         "steps when the text repeats itself. Default: the model's (setting speculative)."
     )
-    target_prefix: list[str] | None = Field(
+    target_prefix: list[AnyText] | None = Field(
         None, description="seq2seq only, one per input: the start of its translation (typed by a user) to "
         "continue; the outputs hold what follows it (with logprobs, the alternatives at the next position)."
     )
@@ -398,7 +424,7 @@ class CompletionRequest(RequestModel):
     priority: Priority = 0  # an extension, as vLLM's
     # Constrained decoding under vLLM's names (at most one of the four):
     guided_json: dict[str, Any] | str | None = Field(None, description="A JSON schema (object or its JSON text).")
-    guided_regex: str | None = Field(None, min_length=1)
+    guided_regex: Text | None = Field(None, description="As generate's constraint.regex (Rust's regex syntax).")
     guided_choice: list[Text] | None = Field(None, min_length=1, max_length=MAX_CHOICES)
     response_format: ResponseFormat | None = Field(
         None, description='{"type": "json_object"} (any JSON object) or {"type": "json_schema", "json_schema": '
@@ -502,7 +528,7 @@ class TokenizeRequest(RequestModel):
     """vLLM's /tokenize body (its completion form: chat ``messages`` are not supported)."""
 
     model: Name = Field(description="A model from GET /v1/models.")
-    prompt: str = Field(description="The text (a translator's is its source text, read by the source tokenizer).")
+    prompt: AnyText = Field(description="The text (a translator's is its source text, read by the source tokenizer).")
     add_special_tokens: bool = Field(
         True, description="true: the ids the model reads for this text as an input (<s> text for a causal LM, "
         "text </s> for a translator, [CLS] text [SEP] for a classifier); false: the text's own tokens alone."

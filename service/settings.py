@@ -20,6 +20,7 @@ from model.native import KernelOptions
 from model.quantize import QuantizeError, mode_for
 from model.speculative import draft_model_for, speculative_for
 from service import tracing
+from service.limits import DEFAULT_MAX_TOKENS_PER_REQUEST
 from service.types import EngineSettings
 from service.vllm_metrics import COMPAT_MODES
 
@@ -82,17 +83,33 @@ class Settings:
     max_queue: int = _setting(256, "TSERVE_MAX_QUEUE", "queued requests per model before 429", int)
     max_queue_per_key: int | None = _setting(
         None, "TSERVE_MAX_QUEUE_PER_KEY",
-        "queued requests per model and API key before 429 for that key (with API keys; default: no cap)",
+        "requests per model and API key, waiting or running, before 429 for that key (with API keys; default: no cap)",
         _optional_int,
+    )
+    min_user_priority: int = _setting(
+        0, "TSERVE_MIN_USER_PRIORITY",
+        "lowest (first-served) priority a user API key may ask for, 422 below it; admin keys, and a server without "
+        "keys, may use any",
+        int,
     )
     max_new_tokens: int = _setting(256, "TSERVE_MAX_NEW_TOKENS", "cap on max_new_tokens / max_tokens", int)
     max_beams: int = _setting(8, "TSERVE_MAX_BEAMS", "cap on num_beams", int)
     max_return_sequences: int = _setting(8, "TSERVE_MAX_RETURN_SEQUENCES", "cap on num_return_sequences / n", int)
     max_inputs: int = _setting(64, "TSERVE_MAX_INPUTS", "most inputs (prompts) in one request", int)
+    max_tokens_per_request: int = _setting(
+        DEFAULT_MAX_TOKENS_PER_REQUEST, "TSERVE_MAX_TOKENS_PER_REQUEST",
+        "most token entries one generate / completions request may produce, checked before it runs: rows (inputs x "
+        "beams or sequences) x max new tokens x (1 + logprobs); echo: prompt tokens x (1 + logprobs); 422 above",
+        int,
+    )
     max_input_tokens: int | None = _setting(
         None, "TSERVE_MAX_INPUT_TOKENS", "cap on input tokens (default: each model's maximum length)", _optional_int
     )
     request_timeout_s: float = _setting(60.0, "TSERVE_REQUEST_TIMEOUT_S", "per-request time-out (504 after it)", float)
+    model_load_timeout_s: float = _setting(
+        600.0, "TSERVE_MODEL_LOAD_TIMEOUT_S", "seconds one model's load may take at start-up before it is listed under "
+        "failed (a directory whose files block or crawl) and the other models are served", float
+    )
     max_resident_adapters: int = _setting(
         8, "TSERVE_MAX_RESIDENT_ADAPTERS", "LoRA adapters kept in memory per model (least recently used evicted)", int
     )
@@ -200,6 +217,7 @@ class Settings:
             "max_beams",
             "max_return_sequences",
             "max_inputs",
+            "max_tokens_per_request",
             "max_resident_adapters",
             "max_body_bytes",
             "max_adapter_upload_bytes",
@@ -212,7 +230,7 @@ class Settings:
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise SettingsError(f"{name} ({_env(name)}) must be a finite number >= 0, got {value}")
-        for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s"):
+        for name in ("request_timeout_s", "header_timeout_s", "body_timeout_s", "model_load_timeout_s"):
             value = getattr(self, name)
             if not math.isfinite(value) or value <= 0:
                 raise SettingsError(f"{name} ({_env(name)}) must be a finite number > 0, got {value}")
@@ -278,7 +296,9 @@ class Settings:
             max_beams=self.max_beams,
             max_return_sequences=self.max_return_sequences,
             max_inputs_per_request=self.max_inputs,
+            max_tokens_per_request=self.max_tokens_per_request,
             request_timeout_s=self.request_timeout_s,
+            model_load_timeout_s=self.model_load_timeout_s,
             max_resident_adapters=self.max_resident_adapters,
             warmup=self.warmup,
             quantize=self.quantize,

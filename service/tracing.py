@@ -24,6 +24,7 @@ from model.generation_config import Strategy
 from service.jobs import GenerationJob, Job, PoolingJob
 
 UNTRACED_PATHS = ("/health", "/ready", "/metrics", "/favicon.ico")  # probes and scrapes: noise in a trace store
+HTTP_METHODS = frozenset(("GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"))
 OPERATIONS = {"generate": "text_completion", "stream": "text_completion", "embed": "embeddings",
               "classify": "classification"}
 
@@ -84,8 +85,10 @@ class TracingMiddleware:
         from opentelemetry.trace import SpanKind, Status, StatusCode
 
         carrier = {key.decode("latin-1"): value.decode("latin-1") for key, value in scope["headers"]}
-        method = scope["method"]
-        with _tracer.start_as_current_span(f"{method} {scope['path']}", context=extract(carrier),
+        method = scope["method"] if scope["method"] in HTTP_METHODS else "_OTHER"  # OpenTelemetry's bounded name
+        # Named "{method} {route template}" once routed; until then (and for a path no route matches) by the
+        # method alone, as OpenTelemetry's HTTP conventions name it: a raw path would make span names unbounded.
+        with _tracer.start_as_current_span(method, context=extract(carrier),
                                            kind=SpanKind.SERVER) as span:
             span.set_attributes({"http.request.method": method, "url.path": scope["path"]})
             returned: dict[str, str] = {}

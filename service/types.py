@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from service.limits import DEFAULT_MAX_TOKENS_PER_REQUEST
+
 
 @dataclass
 class StreamEvent:
@@ -68,8 +70,9 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class QueueTag:
-    """Where a request waits: lower ``priority`` is taken first (FIFO within one), and ``client`` (a digest of
-    the caller's API key; None without auth) is what the per-key queue cap counts."""
+    """Where a request waits: lower ``priority`` is taken first (API keys taking turns within one, FIFO per key),
+    and ``client`` (a digest of the caller's API key; None without auth) is what the per-key cap and the turns
+    count."""
 
     priority: int = 0
     client: str | None = None
@@ -87,13 +90,15 @@ class EngineSettings:
     max_batch_size: int = 32  # rows per model step (generation) / inputs per forward (classify, embed)
     max_wait_ms: float = 5.0  # how long an idle pooled-family worker waits to fill a batch
     max_queue: int = 256  # waiting requests per model before QueueFull
-    max_queue_per_key: int | None = None  # waiting requests per model and API key before QueueFull (None: no cap)
+    max_queue_per_key: int | None = None  # requests per model and API key, waiting or running, before QueueFull
     max_input_tokens: int | None = None  # None -> the model's limit
     max_new_tokens: int = 256
     max_beams: int = 8
     max_return_sequences: int = 8
     max_inputs_per_request: int = 64
+    max_tokens_per_request: int = DEFAULT_MAX_TOKENS_PER_REQUEST  # rows x new tokens x (1 + logprobs) of a request
     request_timeout_s: float = 60.0
+    model_load_timeout_s: float = 600.0  # one model's load (files, draft model, int8): failed past it, the others go on
     max_resident_adapters: int = 8
     warmup: bool = True
     quantize: str = "none"  # model.quantize.mode_for spec: "int8", or per model "name=int8,..."

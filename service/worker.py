@@ -40,6 +40,7 @@ from service.continuous_batching import GenerationScheduler
 from service.errors import InvalidRequest, NotReady, ServiceError
 from service.generation_requests import GenerationRequests
 from service.jobs import DEADLINE_GRACE_S, CallJob, GenerationJob, Job, PoolingJob
+from service.limits import check_cost
 from service.metrics import Metrics
 from service.pooling import PoolingScheduler
 from service.runners import RUNNERS
@@ -57,6 +58,16 @@ from service.types import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+def input_ids(checkpoint: Checkpoint, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+    """Token ids of ``texts``: as the model reads them as inputs (its special tokens included; the worker's
+    encoding), or the texts' own tokens alone."""
+    if not add_special_tokens:
+        return checkpoint.prompt_tokenizer.encode_batch(texts)
+    if checkpoint.family == "classifier":
+        return [checkpoint.tokenizer.encode_pair(text)[0] for text in texts]
+    return checkpoint.encode_prompts(texts)
 
 TOKENIZER_THREADS = 2  # per model: encoding is bounded per input, so two threads keep requests from queueing
 T = TypeVar("T")
@@ -360,10 +371,10 @@ class ModelWorker(GenerationRequests):
                                  f"allow: one token of this model covers at most {tokenizer.max_token_bytes} bytes")
         return text
 
-    def _check_length(self, i: int, encoded: Any) -> Any:
+    def _check_length(self, i: int, encoded: Any, field: str = "inputs") -> Any:
         ids = encoded[0] if isinstance(encoded, tuple) else encoded
         if len(ids) > self.max_input_tokens:
-            raise InvalidRequest(f"inputs[{i}]", f"{len(ids)} tokens exceeds max_input_tokens={self.max_input_tokens}")
+            raise InvalidRequest(f"{field}[{i}]", f"{len(ids)} tokens exceeds max_input_tokens={self.max_input_tokens}")
         return encoded
 
     async def echo(self, texts: list[str], adapter: str | None, top: int, request_id: str,
@@ -371,7 +382,8 @@ class ModelWorker(GenerationRequests):
         """Per text, its prompt tokens (a BOS the model adds left out), each one's log-prob given the tokens before
         it (None for a first token) and, with ``top`` > 0, the ``top`` likeliest (id, log-prob) at its position."""
         self._require("echo", ("causal_lm",))
-        prompts = await self._tokenize(lambda: self.checkpoint.encode_prompts(texts))
+        prompts = await self.input_ids(texts)
+        check_cost(self.settings.max_tokens_per_request, {"prompt tokens": sum(map(len, prompts))}, top)
         version = self._acquire(adapter)
 
         def run() -> list[tuple[list[int], list[float | None], list | None]]:
@@ -387,6 +399,17 @@ class ModelWorker(GenerationRequests):
         job.adapter = version
         self._submit(job, queue)
         return await self._result(job)
+
+    async def input_ids(self, texts: list[str], add_special_tokens: bool = True, field: str = "inputs"
+                        ) -> list[list[int]]:
+        """The ids of ``texts`` as the model reads them (:func:`input_ids`), each text held to the bytes its token
+        limit allows before it is encoded and to max_input_tokens after: the input check of the routes that encode
+        text without generating from it (echo, tokenize)."""
+        tokenizer = self.checkpoint.prompt_tokenizer
+        texts = [self._check_size(f"{field}[{i}]", self._text(i, text), tokenizer, self.max_input_tokens)
+                 for i, text in enumerate(texts)]
+        ids = await self._tokenize(lambda: input_ids(self.checkpoint, texts, add_special_tokens))
+        return [self._check_length(i, one, field) for i, one in enumerate(ids)]
 
     async def prompt_tokens(self, texts: list[str]) -> int:
         """Input tokens of ``texts`` as generate counts them (prompts already accepted by it)."""

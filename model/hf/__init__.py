@@ -21,11 +21,13 @@ import torch
 from torch import nn
 
 from model.config import TransformerConfig
+from model.files import read_regular
 from model.hf.common import CONFIG_FILE, HFImportError, read_config, read_weights
 from model.hf.generation import GENERATION_FILE, generation_rules
 from model.hf.marian_tokenizer import MARIAN_FILES, is_marian_tokenizer, load_marian_tokenizers
 from model.hf.sentence import embedding_defaults, sentence_files
 from model.hf.tokenizer import TOKENIZER_FILES, load_tokenizer
+from model.tokenizer import MAX_TOKENIZER_BYTES  # the largest file a companion may be
 
 if TYPE_CHECKING:
     from model.checkpoint import Checkpoint
@@ -108,7 +110,8 @@ def companion_files(directory: Path) -> dict[str, bytes]:
     """The files :func:`hf_companions` reads in ``directory`` (relative name -> bytes), to keep beside an
     imported checkpoint: config.json, the tokenizer's files, generation_config.json, sentence-transformers'."""
     names = [CONFIG_FILE, GENERATION_FILE, *TOKENIZER_FILES, *MARIAN_FILES, *sentence_files(directory)]
-    return {name: (directory / name).read_bytes() for name in dict.fromkeys(names) if (directory / name).is_file()}
+    return {name: read_regular(directory / name, MAX_TOKENIZER_BYTES) for name in dict.fromkeys(names)
+            if (directory / name).is_file()}
 
 
 def _check_vocabularies(config: TransformerConfig, source: object | None, target: object) -> None:

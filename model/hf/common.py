@@ -17,6 +17,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from model.files import UnreadableFile, read_regular
+
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"  # sharded weights: {"weight_map": {tensor: shard file}}
@@ -49,23 +51,22 @@ def read_config(directory: Path) -> dict[str, Any]:
 
 
 def read_bytes(path: Path, limit: int, hint: str = "") -> bytes:
-    """The bytes of ``path``, at most ``limit`` of them (HFImportError naming the file; ``hint`` says what to do
-    when it cannot be read)."""
+    """The bytes of the regular file ``path``, at most ``limit`` of them (model.files.read_regular; HFImportError
+    naming the file, ``hint`` saying what to do when it cannot be read)."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read(limit + 1)
+        return read_regular(path, limit)
+    except UnreadableFile as exc:  # a FIFO, a device, too large: refused before a byte is read
+        raise HFImportError(f"{path.name}: {exc}") from None
     except OSError as exc:
         raise HFImportError(f"{path.name}: cannot read it ({exc.strerror or exc}){'; ' + hint if hint else ''}") \
             from None
-    if len(raw) > limit:
-        raise HFImportError(f"{path.name}: over {limit} bytes")
-    return raw
 
 
 def read_json(path: Path, limit: int, kind: type = dict, hint: str = "") -> Any:
     """The JSON value of ``path`` (at most ``limit`` bytes), which must be a ``kind``."""
+    raw = read_bytes(path, limit, hint)
     try:
-        value = json.loads(read_bytes(path, limit, hint))
+        value = json.loads(raw)
     except (ValueError, RecursionError) as exc:
         raise HFImportError(f"{path.name}: not valid JSON: {str(exc)[:200]}") from None
     if not isinstance(value, kind):
@@ -108,6 +109,8 @@ def read_weights(directory: Path) -> Tensors:
     if (directory / WEIGHTS_INDEX).is_file() and not (directory / WEIGHTS_FILE).is_file():
         return _read_shards(directory)
     path = directory / WEIGHTS_FILE
+    if path.exists() and not path.is_file():  # a FIFO would block the reader: refused by name
+        raise HFImportError(f"{WEIGHTS_FILE}: not a regular file")
     if not path.is_file():
         pickled = [name for name in PICKLE_WEIGHTS if (directory / name).exists()]
         if pickled:

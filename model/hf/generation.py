@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from model.config import TransformerConfig
+from model.generation_config import ConfigError, GenerationConfig
 from model.hf.common import HFImportError, read_config, read_json
 
 GENERATION_FILE = "generation_config.json"
@@ -97,9 +98,12 @@ def generation_rules(directory: Path, config: TransformerConfig) -> GenerationRu
     source = read_json(directory / GENERATION_FILE, MAX_FILE_BYTES) if has_file else read_config(directory)
     name = GENERATION_FILE if has_file else "config.json"
     try:
-        return _rules(source, config)
-    except HFImportError as exc:
+        rules = _rules(source, config)
+        # what every request starts from must be a search we run: a default refused here, not on each request
+        GenerationConfig(**rules.imposed(), **rules.defaults, eos_token_id=getattr(config, "eos_id", None) or 0)
+    except (HFImportError, ConfigError) as exc:
         raise HFImportError(f"{name}: {exc}") from None
+    return rules
 
 
 def _rules(source: dict, config: TransformerConfig) -> GenerationRules:

@@ -32,7 +32,7 @@ import torch
 
 from model.config import Seq2SeqConfig, TransformerConfig
 from model.hf.common import HFImportError, Tensors, Unsupported, activation, check_supported, field, take
-from model.layers import sinusoidal_table
+from model.layers import MAX_POSITIONS, sinusoidal_table
 from model.lora_config import LoRAConfig
 from model.lora_io import KEY_PREFIX, AdapterLayout, PeftFiles, peft_files, peft_targets, unmapped_tensor
 
@@ -86,6 +86,9 @@ def to_config(hf: Mapping[str, Any]) -> Seq2SeqConfig:
         if not 0 <= value < limit:
             raise HFImportError(f"config.json: {name}={value} is outside the vocabulary (size {limit})")
     max_len = field(hf, "max_position_embeddings", default=1024)
+    if not 0 < max_len <= MAX_POSITIONS:  # the table is computed from this number alone: nothing else bounds it
+        raise HFImportError(f"config.json: max_position_embeddings={max_len} is outside [1, {MAX_POSITIONS}] (the "
+                            "sinusoidal table is built for every position)")
     return Seq2SeqConfig(
         vocab_size=decoder_vocab,
         src_vocab_size=None if share and tie else vocab,  # transformers unties everything without tie_word_embeddings
@@ -116,13 +119,13 @@ def to_config(hf: Mapping[str, Any]) -> Seq2SeqConfig:
 def state_dict(c: Seq2SeqConfig, t: Tensors) -> Tensors:
     """Our Seq2SeqTransformer's state dict from Marian's tensors (shapes checked, the model dim un-permuted)."""
     d = c.d_model
+    src, tgt, head = _embeddings(c, t)  # first: their shapes bound d_model before anything is sized by it
     order = _order(d)
-    table = sinusoidal_table(c.max_len, d)[:, permutation(d)]
     for side in ("encoder", "decoder"):  # old saves hold the table, which transformers then adds as stored
         name = f"model.{side}.embed_positions.weight"
-        if name in t and not torch.equal(take(t, name, (c.max_len, d)), table.to(t[name].dtype)):  # fp16: rounded
-            raise HFImportError(f"model.safetensors: {name!r} is not Marian's sinusoidal table")
-    src, tgt, head = _embeddings(c, t)
+        if name in t and not torch.equal(take(t, name, (c.max_len, d)),
+                                         sinusoidal_table(c.max_len, d)[:, permutation(d)].to(t[name].dtype)):
+            raise HFImportError(f"model.safetensors: {name!r} is not Marian's sinusoidal table")  # fp16: rounded
     ours = {"src_embed.tokens.weight": src[:, order], "tgt_embed.tokens.weight": tgt[:, order],
             "lm_head.weight": head[:, order]}
     bias = take(t, BIAS, (1, c.vocab_size), minus_inf=True)[0] if BIAS in t else torch.zeros(c.vocab_size)

@@ -16,11 +16,12 @@ from typing import Any
 import sentencepiece
 
 from model.hf.common import HFImportError, read_bytes, read_json
+from model.tokenizer import MAX_PIECE_BYTES
 
 SOURCE_SPM, TARGET_SPM, VOCAB, TARGET_VOCAB = "source.spm", "target.spm", "vocab.json", "target_vocab.json"
 CONFIG = "tokenizer_config.json"
 MARIAN_FILES = (SOURCE_SPM, TARGET_SPM, VOCAB, TARGET_VOCAB, CONFIG)  # everything this module reads
-MAX_FILE_BYTES = 64 << 20  # OPUS-MT's vocab.json is ~1.5 MB, each .spm ~0.8 MB
+MAX_FILE_BYTES = 16 << 20  # OPUS-MT's vocab.json is ~1.5 MB, each .spm ~0.8 MB; JSON parses to ~10x its size
 HINT = f"an OPUS-MT directory needs {SOURCE_SPM}, {TARGET_SPM} and {VOCAB}"
 MAX_UNKNOWN_BYTES = 4  # a character neither vocabulary knows is one <unk>: at most 4 UTF-8 bytes
 SPIECE_UNDERLINE = "\u2581"
@@ -133,4 +134,8 @@ def _vocab(path: Path) -> dict[str, int]:
     if not vocab or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids) \
             or len(set(ids)) != len(ids):
         raise HFImportError(f"{path.name}: expected distinct non-negative integer ids")
+    longest = max(vocab, key=lambda piece: len(piece.encode("utf-8")))
+    if len(longest.encode("utf-8")) > MAX_PIECE_BYTES:  # the service's byte bound before encoding would bound nothing
+        raise HFImportError(f"{path.name}: the piece {longest[:40]!r}... is {len(longest.encode('utf-8'))} bytes long, "
+                            f"over the limit of {MAX_PIECE_BYTES}")
     return vocab

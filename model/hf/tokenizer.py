@@ -15,20 +15,20 @@ import tokenizers
 
 from model.config import TransformerConfig
 from model.hf.common import HFImportError, read_bytes, read_json
-from model.tokenizer import SpecialIds, Tokenizer, TokenizerError
+from model.tokenizer import SpecialIds, Tokenizer, TokenizerError, file_limit
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKEN_FILES = ("tokenizer_config.json", "special_tokens_map.json")  # the first that names a token wins
 TOKENIZER_FILES = (TOKENIZER_FILE, *TOKEN_FILES)  # everything this module reads
-MAX_TOKENIZER_BYTES = 64 << 20  # GPT-2's is 1.4 MB; multilingual vocabularies reach ~20 MB
 MAX_TOKEN_FILE_BYTES = 1 << 20
 ROLES = ("pad", "bos", "eos", "unk", "cls", "sep", "mask")
 
 
 def load_tokenizer(directory: Path, config: TransformerConfig) -> Tokenizer:
-    """``directory``'s tokenizer.json with its special ids (see the module docstring)."""
-    raw = read_bytes(directory / TOKENIZER_FILE, MAX_TOKENIZER_BYTES, "a Hugging Face model directory needs its "
-                     "tokenizer.json beside config.json")
+    """``directory``'s tokenizer.json with its special ids (see the module docstring); its size is bounded by the
+    model's vocabulary (model.tokenizer.file_limit) before a byte is read."""
+    raw = read_bytes(directory / TOKENIZER_FILE, file_limit(config.vocab_size), "a Hugging Face model directory "
+                     "needs its tokenizer.json beside config.json")
     try:
         backend = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
     except Exception as exc:  # tokenizers raises a bare Exception for bad JSON or schema

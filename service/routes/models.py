@@ -6,13 +6,14 @@ import dataclasses
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response
 
 from service.attention import MapSelection
-from service.auth import client_key, require_key
+from service.auth import Caller, caller, require_key
 from service.deps import get_engine, get_worker, request_id
 from service.engine import Engine
 from service.http_errors import errors
+from service.routes.json_body import json_response
 from service.routes.sse import SSE_RESPONSE, sse_response
 from service.schemas import (
     AttentionRequest,
@@ -28,14 +29,14 @@ from service.schemas import (
     ModelList,
     ModelLoadFailure,
 )
-from service.types import ModelInfo, QueueTag
+from service.types import ModelInfo
 from service.worker import ModelWorker
 
 router = APIRouter(prefix="/v1/models", tags=["models"], dependencies=[Depends(require_key)])
 
 Worker = Annotated[ModelWorker, Depends(get_worker)]
 RequestId = Annotated[str, Depends(request_id)]
-Client = Annotated[str | None, Depends(client_key)]
+Client = Annotated[Caller, Depends(caller)]
 _COMMON = (400, 401, 404, 413, 422, 429, 500, 503, 504)
 
 
@@ -72,7 +73,7 @@ def stream_event(e: Any) -> dict[str, Any]:
 )
 async def generate(
     req: GenerateRequest, request: Request, worker: Worker, rid: RequestId, client: Client
-) -> GenerateResponse | StreamingResponse:
+) -> Response:
     """Translate (seq2seq) or continue (causal_lm) each input: greedy, beam or sampling.
 
     With `"stream": true` (one input), tokens arrive as server-sent events `data: {"text", "token",
@@ -80,10 +81,10 @@ async def generate(
     with a finish_reason (and `"placeholders_ok"` where placeholders are protected), then `data: [DONE]`.
     """
     request.state.adapter = req.adapter
-    queue = QueueTag(req.priority, client)
+    queue = client.queue(req.priority)
     if req.stream:
         return await sse_response(await worker.stream(req, rid, queue), stream_event, rid)
-    return GenerateResponse(outputs=await worker.generate(req, rid, queue))
+    return await json_response(GenerateResponse(outputs=await worker.generate(req, rid, queue)), exclude_unset=True)
 
 
 @router.post("/{model}/classify", name="classify", response_model=ClassifyResponse, responses=errors(*_COMMON))
@@ -91,7 +92,7 @@ async def classify(req: ClassifyRequest, request: Request, worker: Worker, rid: 
                    client: Client) -> ClassifyResponse:
     """Label each text or [text, text] pair, with every label's probability (top_k: the k likeliest)."""
     request.state.adapter = req.adapter
-    outputs = await worker.classify(list(req.inputs), req.adapter, req.top_k, rid, QueueTag(req.priority, client),
+    outputs = await worker.classify(list(req.inputs), req.adapter, req.top_k, rid, client.queue(req.priority),
                                     min_confidence=req.min_confidence)
     return ClassifyResponse(outputs=[Classification(label=o.label, score=o.score, probabilities=dict(o.probabilities),
                                                     abstained=o.abstained) for o in outputs])
@@ -100,7 +101,7 @@ async def classify(req: ClassifyRequest, request: Request, worker: Worker, rid: 
 @router.post("/{model}/embed", name="embed", response_model=EmbedResponse, responses=errors(*_COMMON))
 async def embed(req: EmbedRequest, worker: Worker, rid: RequestId, client: Client) -> EmbedResponse:
     """One vector per input: the encoder's [CLS] state, or the mean or max over its tokens."""
-    vectors = await worker.embed(req.inputs, req.pooling, rid, req.normalize, QueueTag(req.priority, client))
+    vectors = await worker.embed(req.inputs, req.pooling, rid, req.normalize, client.queue(req.priority))
     return EmbedResponse(embeddings=vectors, dimensions=len(vectors[0]) if vectors else 0)
 
 

@@ -18,16 +18,17 @@ from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from model.decoding import Strategy
-from service.auth import client_key, require_key
+from service.auth import Caller, caller, require_key
 from service.deps import get_engine, get_settings, request_id, worker_for
 from service.engine import Engine
 from service.errors import InvalidRequest
 from service.http_errors import errors
+from service.limits import check_cost
+from service.routes.json_body import json_response
 from service.routes.sse import SSE_RESPONSE, sse_response
-from service.routes.tokenize import input_ids
 from service.schemas import (
     DEFAULT_MAX_TOKENS,
     MIN_TEMPERATURE,
@@ -190,8 +191,8 @@ async def completions(
     engine: Annotated[Engine, Depends(get_engine)],
     settings: Annotated[Settings, Depends(get_settings)],
     rid: Annotated[str, Depends(request_id)],
-    client: Annotated[str | None, Depends(client_key)],
-) -> CompletionResponse | StreamingResponse:
+    client: Annotated[Caller, Depends(caller)],
+) -> Response:
     """OpenAI-compatible text completion (also streamed as OpenAI's SSE chunks, ending `data: [DONE]`)."""
     name, _, adapter = req.model.partition(":")
     request.state.model, request.state.adapter = name, adapter or None
@@ -202,13 +203,17 @@ async def completions(
     check_completion(req, settings)
     prompts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
     generate = completion_request(req, prompts, adapter or None, worker)
+    # Over the model's cap, max_tokens gets the engine's own 422 naming that cap.
+    check_cost(settings.max_tokens_per_request, {"prompt": len(prompts), "n": req.n,
+                                                 "max_tokens": min(generate.max_new_tokens, worker.max_new_tokens)},
+               req.logprobs)
     head = {
         "id": f"cmpl-{uuid.uuid4().hex}",
         "object": "text_completion",
         "created": int(time.time()),
         "model": req.model,
     }
-    queue = QueueTag(req.priority, client)
+    queue = client.queue(req.priority)
     try:
         if req.stream:
             return await _stream(worker, prompts, req, generate, head, rid, queue)
@@ -234,7 +239,7 @@ async def completions(
             completion_tokens += len(seq.tokens)
     prompt = await worker.prompt_tokens(prompts)
     usage = Usage(prompt_tokens=prompt, completion_tokens=completion_tokens, total_tokens=prompt + completion_tokens)
-    return CompletionResponse(**head, choices=choices, usage=usage)
+    return await json_response(CompletionResponse(**head, choices=choices, usage=usage))
 
 
 async def _stream(
@@ -364,7 +369,7 @@ async def embeddings(
     request: Request,
     engine: Annotated[Engine, Depends(get_engine)],
     rid: Annotated[str, Depends(request_id)],
-    client: Annotated[str | None, Depends(client_key)],
+    client: Annotated[Caller, Depends(caller)],
 ) -> EmbeddingResponse:
     """OpenAI-compatible embeddings of classifier (encoder) models: the vectors of `/v1/models/{model}/embed`
     with the model's default pooling and normalization."""
@@ -379,10 +384,10 @@ async def embeddings(
                              f"{size} (vectors are not shortened): leave it unset or send {size}")
     texts = [req.input] if isinstance(req.input, str) else list(req.input)
     try:
-        vectors = await worker.embed(texts, None, rid, None, QueueTag(req.priority, client))
+        vectors = await worker.embed(texts, None, rid, None, client.queue(req.priority))
     except InvalidRequest as exc:
         raise openai_names(exc, _EMBEDDING_FIELDS) from None
-    tokens = sum(map(len, await asyncio.to_thread(input_ids, worker.checkpoint, texts)))
+    tokens = sum(map(len, await worker.input_ids(texts)))
     data = [Embedding(index=i, embedding=encode_vector(v, req.encoding_format)) for i, v in enumerate(vectors)]
     return EmbeddingResponse(data=data, model=req.model, usage=EmbeddingUsage(prompt_tokens=tokens,
                                                                               total_tokens=tokens))

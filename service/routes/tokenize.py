@@ -12,7 +12,6 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
 
-from model.checkpoint import Checkpoint
 from service.auth import require_key
 from service.deps import get_engine, worker_for
 from service.engine import Engine
@@ -24,29 +23,19 @@ router = APIRouter(prefix="/v1", tags=["tokenize"], dependencies=[Depends(requir
 _ERRORS = errors(400, 401, 404, 413, 422, 503)
 
 
-def input_ids(checkpoint: Checkpoint, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
-    """Token ids of ``texts``: as the model reads them as inputs (its special tokens included; the worker's
-    encoding), or the texts' own tokens alone."""
-    if not add_special_tokens:
-        return checkpoint.prompt_tokenizer.encode_batch(texts)
-    if checkpoint.family == "classifier":
-        return [checkpoint.tokenizer.encode_pair(text)[0] for text in texts]
-    return checkpoint.encode_prompts(texts)
-
-
 @router.post("/tokenize", name="tokenize", response_model=TokenizeResponse, responses=_ERRORS)
 async def tokenize(req: TokenizeRequest, request: Request,
                    engine: Annotated[Engine, Depends(get_engine)]) -> TokenizeResponse:
     """The token ids of a text, as vLLM's `/tokenize` gives them (`count`, `max_model_len`, `tokens`)."""
     request.state.model = req.model
     worker = worker_for(engine, req.model)
-    checkpoint = worker.checkpoint
-
-    def encode() -> tuple[list[int], list[str] | None]:
-        (ids,) = input_ids(checkpoint, [req.prompt], req.add_special_tokens)
-        return ids, checkpoint.prompt_tokenizer.token_strings(ids) if req.return_token_strs else None
-
-    ids, strings = await asyncio.to_thread(encode)  # off the event loop: a prompt may fill the body limit
+    try:
+        (ids,) = await worker.input_ids([req.prompt], req.add_special_tokens, field="prompt")
+    except InvalidRequest as exc:  # the one index of a single prompt is not the client's
+        raise InvalidRequest("prompt", exc.message) from None
+    strings = None
+    if req.return_token_strs:
+        strings = await asyncio.to_thread(worker.checkpoint.prompt_tokenizer.token_strings, ids)
     return TokenizeResponse(count=len(ids), max_model_len=worker.max_input_tokens, tokens=ids, token_strs=strings)
 
 

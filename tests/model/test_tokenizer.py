@@ -11,8 +11,11 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from model.placeholders import TOKEN_PATTERN as PLACEHOLDER_PATTERN
 from model.tokenizer import (
+    MAX_PIECE_BYTES,
+    MAX_WORD_CHARS,
     SPECIAL_TOKENS,
     TOKENIZER_FILE,
+    SpecialIds,
     Tokenizer,
     TokenizerError,
     pad_batch,
@@ -236,3 +239,37 @@ def test_concurrent_encode_matches_serial(tok: Tokenizer) -> None:
     texts = TRICKY * 20
     with ThreadPoolExecutor(max_workers=8) as pool:
         assert list(pool.map(tok.encode, texts)) == [tok.encode(t) for t in texts]
+
+
+def test_without_a_decoder_token_strings_are_the_pieces(tok: Tokenizer) -> None:
+    """tokenizer.json's "decoder": null: each id's piece as it is stored (transformers' convert_ids_to_tokens)."""
+    backend = tokenizers.Tokenizer.from_str(tok.backend.to_str())
+    backend.decoder = None
+    bare = Tokenizer(backend, SpecialIds())
+    ids = bare.encode("the cat")
+    assert bare.token_strings(ids) == [backend.id_to_token(i) for i in ids] and "Ġcat" in bare.token_strings(ids)
+
+
+def _wordpiece(vocab: dict[str, int], max_chars: int) -> tokenizers.Tokenizer:
+    backend = tokenizers.Tokenizer(models.WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=max_chars))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return backend
+
+
+def test_max_token_bytes_is_bounded_or_the_tokenizer_refused() -> None:
+    """WordPiece's cost per word grows with the cube of max_input_chars_per_word, and a long piece lifts the
+    byte bound before encoding: both are bounded, so max_token_bytes never exceeds MAX_PIECE_BYTES."""
+    vocab = {"[UNK]": 0, "a": 1, "##a": 2}
+    assert Tokenizer(_wordpiece(vocab, MAX_WORD_CHARS), SpecialIds()).max_token_bytes == 4 * MAX_WORD_CHARS
+    assert 4 * MAX_WORD_CHARS <= MAX_PIECE_BYTES
+    with pytest.raises(TokenizerError, match=f"max_input_chars_per_word={MAX_WORD_CHARS + 1} is over the limit"):
+        Tokenizer(_wordpiece(vocab, MAX_WORD_CHARS + 1), SpecialIds())
+    long = {**vocab, "b" * (MAX_PIECE_BYTES + 1): 3}
+    with pytest.raises(TokenizerError, match=f"is {MAX_PIECE_BYTES + 1} bytes long, over the limit"):
+        Tokenizer(_wordpiece(long, 100), SpecialIds())
+
+
+def test_load_refuses_a_fifo_at_once(tmp_path) -> None:
+    os.mkfifo(tmp_path / TOKENIZER_FILE)  # a blocking open would wait for a writer forever
+    with pytest.raises(TokenizerError, match="a FIFO, not a regular file"):
+        Tokenizer.load(tmp_path)

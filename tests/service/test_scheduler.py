@@ -10,6 +10,7 @@ import torch
 
 from model.lora import adapter_names
 from service.errors import EngineFailure, NotReady, QueueFull, RequestTimeout
+from service.types import QueueTag
 from tests.helpers import StepGate, block_worker, gather_queued, on_stop, stepping, wait_until
 from tests.service.conftest import ADAPTERS, LM, MT, ask, assert_same, histogram_count, offline, running_engine
 
@@ -176,6 +177,35 @@ def test_queue_full_is_immediate(models_dir):
             assert len(await asyncio.gather(*queued)) == 2
 
     asyncio.run(main())
+
+
+def test_api_keys_take_turns_within_a_priority(models_dir):
+    """Within a priority the worker takes waiting jobs round-robin across API keys (the key holding the fewest rows
+    first, ties to the older job, FIFO within a key); a lower priority value still goes first, and the per-key cap
+    counts a key's running jobs with its waiting ones."""
+    sends = [("a1", "a", 0), ("a2", "a", 0), ("a3", "a", 0), ("b1", "b", 0), ("b2", "b", 0), ("c1", "c", 0),
+             ("p", "a", -1)]
+
+    async def main():
+        async with running_engine(models_dir, None, max_batch_size=4, max_queue_per_key=4) as engine:
+            worker = engine.get(LM)
+            release = block_worker(worker)
+            tasks = []
+            for n, (rid, key, priority) in enumerate(sends, 1):  # queued one by one: arrival order is the list's
+                tasks.append(asyncio.create_task(worker.generate(ask("a", max_new_tokens=3), rid,
+                                                                 QueueTag(priority, key))))
+                await wait_until(lambda n=n: worker.scheduler.num_waiting == n)
+            gate = StepGate(worker.scheduler)
+            release.set()
+            await gate.until_parked()  # the first batch's prefill
+            first = list(gate.ids)
+            with pytest.raises(QueueFull, match="waiting or running"):  # a: p and a1 running, a2 and a3 waiting
+                await worker.generate(ask("a", max_new_tokens=3), "a4", QueueTag(0, "a"))
+            gate.release()
+            await asyncio.gather(*tasks)
+            return first
+
+    assert asyncio.run(main()) == ["p", "b1", "c1", "a1"]
 
 
 def test_deadline_fails_the_request_and_frees_its_rows(models_dir):

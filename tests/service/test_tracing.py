@@ -51,8 +51,10 @@ def test_requests_are_traced_under_the_callers_trace(models_dir, adapters_dir):
         classified = httpx.post(f"{server.url}/v1/models/{CLS}/classify",
                                 json={"inputs": ["i love it"], "adapter": ADAPTERS[CLS]}, timeout=60)
         assert httpx.get(f"{server.url}/health").status_code == 200
+        assert httpx.get(f"{server.url}/no/route/x7q2").status_code == 404  # named by its method: names stay bounded
         by_name = wait_for(spans, {f"text_completion {LM}", f"classification {CLS}", "queue", "prefill", "decode",
-                                   "compute", "POST /v1/models/{model}/generate"})
+                                   "compute", "POST /v1/models/{model}/generate", "GET"})
+        assert not any("x7q2" in name for name in by_name)
     assert generated.status_code == classified.status_code == 200
     returned = generated.headers["traceparent"].split("-")
     assert returned[1] == CALLER_TRACE and returned[2] != CALLER_SPAN  # our server span, in the caller's trace
