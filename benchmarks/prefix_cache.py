@@ -15,6 +15,14 @@ Then, in this process, one running batch of the burst (service/runners.py's ``Ca
 it) with the cache off and on: the KV memory the batch holds (``KVCache.nbytes``: with the cache, its rows read
 the cached prefix blocks in place, so the batch holds the prefix once) and the time of its decoding steps,
 alternating off and on step by step; the greedy tokens of the two must agree.
+
+``--distinct [--seconds 30] [--clients 4] [--prompt-tokens 860] [--budget-mb 64] [--rounds 1] [--before-tree DIR]``
+(issue 33) measures what the cache costs a workload that never repeats a prefix: ``--clients`` closed-loop clients send
+distinct prompts of about ``--prompt-tokens`` tokens (consecutive stdlib words from random places) for
+``--seconds`` to a tiny random causal LM (max_len 1024), one server after the other: cache off, cache on at
+``--budget-mb``, and, with ``--before-tree`` (a source tree, e.g. ``git archive HEAD | tar -x -C DIR``), cache on
+served from that tree's code. Reported per server: requests/s and its ratio to cache off, the server's RSS added
+over the run (after one warm-up request), that minus cache off's, and the latter over the budget.
 """
 
 from __future__ import annotations
@@ -25,8 +33,10 @@ import logging
 import os
 import random
 import shutil
+import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,9 +49,10 @@ from benchmarks.serve_setup import stdlib_texts
 from model.causal_lm import CausalLM
 from model.checkpoint import load_checkpoint, save_checkpoint
 from model.config import CausalLMConfig
-from model.prefix_cache import PrefixCache
+from model.prefix_cache import ENTRY_OVERHEAD_BYTES, PrefixCache
 from model.tokenizer import Tokenizer
 from service.runners import CausalRunner
+from tests.reliability.helpers import rss_bytes
 from tests.service.server import metric_samples, running_server
 
 logger = logging.getLogger("benchmarks.prefix_cache")
@@ -49,6 +60,7 @@ logger = logging.getLogger("benchmarks.prefix_cache")
 MODEL = "prefix-lm"
 SIZES = dict(d_model=512, n_heads=8, d_ff=2048, n_layers=6, vocab_size=8000, max_len=512, dropout=0.0)
 TINY_SIZES = dict(d_model=64, n_heads=4, d_ff=128, n_layers=2, vocab_size=1000, max_len=512, dropout=0.0)
+DISTINCT_SIZES = dict(TINY_SIZES, max_len=1024)  # --distinct: the issue's tiny random LM with 1024 positions
 BURSTS = ("cold", "warm")
 OUTPUT_TOKENS = 4  # TTFT is the point; a few tokens check that the streams carry on
 BATCH_STEPS = 32  # decoding steps of the in-process running batch, each timed off and on
@@ -64,9 +76,9 @@ class Burst:
     queries: float = 0.0
 
 
-def build_model(directory: Path, tiny: bool) -> str:
+def build_model(directory: Path, tiny: bool, sizes: dict | None = None) -> str:
     """A random-weight causal LM with a BPE trained on stdlib source; returns what it is."""
-    sizes = TINY_SIZES if tiny else SIZES
+    sizes = sizes or (TINY_SIZES if tiny else SIZES)
     tokenizer = Tokenizer.train(stdlib_texts(200_000 if tiny else 2_000_000), vocab_size=sizes["vocab_size"])
     torch.manual_seed(0)
     model = CausalLM(CausalLMConfig(**dict(sizes, vocab_size=tokenizer.vocab_size))).eval()
@@ -206,15 +218,147 @@ def report(args: argparse.Namespace, described: str, bursts: dict[str, Burst], m
     return "\n".join(lines)
 
 
+@dataclass
+class Served:
+    """One server of the distinct-prompts case: what it served and the RSS it added (bytes)."""
+
+    label: str
+    requests: int
+    seconds: float
+    rss_added: int
+    cache_bytes: float
+
+    @property
+    def rate(self) -> float:
+        return self.requests / self.seconds
+
+
+async def closed_loop(url: str, clients: int, seconds: float, prompt: Callable[[], str]) -> int:
+    """``clients`` loops each sending one request after the other (at least one) until ``seconds`` have passed;
+    returns how many completed."""
+    done = 0
+
+    async def client(http: httpx.AsyncClient) -> None:
+        nonlocal done
+        while done == 0 or time.perf_counter() < end:
+            text = prompt()
+            record = await send(http, f"/v1/models/{MODEL}/generate",
+                                PlannedRequest(0.0, text, len(text.split()), OUTPUT_TOKENS), time.perf_counter())
+            if record.error is not None:
+                raise RuntimeError(f"a request failed: {record.error}")
+            done += 1
+
+    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+        end = time.perf_counter() + seconds
+        await asyncio.gather(*(client(http) for _ in range(clients)))
+    return done
+
+
+def serve_distinct(models: Path, label: str, budget_mb: float, args: argparse.Namespace, prompt: Callable[[], str],
+                   tree: Path | None = None) -> Served:
+    """Start a server (from ``tree``'s code if given), send one warm-up request, then the closed loop."""
+    module = ("-m", "service") if tree is None else (
+        "-c", f"import runpy, sys; sys.path.insert(0, {str(tree)!r}); "
+              "runpy.run_module('service', run_name='__main__', alter_sys=True)")
+    env = dict(TSERVE_THREADS=str(args.threads), TSERVE_REQUEST_TIMEOUT_S="600", TSERVE_PREFIX_CACHE_MB=str(budget_mb))
+    with running_server(models, ready_timeout_s=300, module_args=module, **env) as server:
+        asyncio.run(closed_loop(server.url, 1, 0.0, prompt))  # one request: the first prefill's allocations
+        before = rss_bytes(server.process.pid)
+        start = time.perf_counter()
+        requests = asyncio.run(closed_loop(server.url, args.clients, args.seconds, prompt))
+        seconds = time.perf_counter() - start
+        added = rss_bytes(server.process.pid) - before
+        text = httpx.get(server.url + "/metrics", timeout=30).text
+        cache = sum(metric_samples(text, "tserve_prefix_cache_bytes").values())
+    logger.info("%s: %d requests in %.1f s, RSS +%.0f MiB", label, requests, seconds, added / 2**20)
+    return Served(label, requests, seconds, added, cache)
+
+
+def run_distinct(args: argparse.Namespace) -> str:
+    """The distinct-prompts case (module docstring): cache off, on, and on from ``--before-tree``, as a table."""
+    work = Path(tempfile.mkdtemp(prefix="bench-prefix-distinct-"))
+    try:
+        models = work / "models"
+        models.mkdir()
+        described = build_model(models, True, DISTINCT_SIZES)
+        tokenizer = Tokenizer.load(models / MODEL / "tokenizer.json")
+        words = source_words()
+        sample = passages(tokenizer, words, args.prompt_tokens, 8, seed=0)
+        per_word = sum(len(tokenizer.encode(t)) for t in sample) / sum(len(t.split()) for t in sample)
+        length = int(args.prompt_tokens / per_word)
+        starts = random.Random(0).sample(range(len(words) - 2 * length), len(words) - 2 * length)  # no start twice
+
+        def prompt() -> str:  # about --prompt-tokens tokens: cut by tokens, not words (their ratio varies)
+            start = starts.pop()
+            return tokenizer.decode(tokenizer.encode(" ".join(words[start: start + 2 * length]))[: args.prompt_tokens])
+
+        mean = sum(len(tokenizer.encode(prompt(), add_bos=True)) for _ in range(32)) / 32
+        load_before = os.getloadavg()
+        runs: list[list[Served]] = []
+        for _ in range(args.rounds):  # the servers in turn, round after round: the machine's load hits them alike
+            runs.append([serve_distinct(models, "off", 0, args, prompt),
+                         serve_distinct(models, f"on, {args.budget_mb:g} MB", args.budget_mb, args, prompt)])
+            if args.before_tree is not None:
+                runs[-1].append(serve_distinct(models, f"on, {args.budget_mb:g} MB, before (--before-tree)",
+                                               args.budget_mb, args, prompt, args.before_tree))
+        served = [Served(rounds[0].label, sum(r.requests for r in rounds), sum(r.seconds for r in rounds),
+                         int(statistics.median(r.rss_added for r in rounds)), rounds[-1].cache_bytes)
+                  for rounds in zip(*runs, strict=True)]
+        loads = (load_before, os.getloadavg())
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return distinct_report(args, described, mean, served, loads)
+
+
+def distinct_report(args: argparse.Namespace, described: str, mean_prompt: float, served: list[Served],
+                    loads: tuple[tuple[float, ...], tuple[float, ...]]) -> str:
+    off, budget = served[0], args.budget_mb * 2**20
+    rows = [[s.label, f"{s.requests:,}", f"{s.rate:.1f}", f"{s.rate / off.rate:.2f}x", f"{s.rss_added / 2**20:+,.0f}",
+             "-" if s is off else f"{(s.rss_added - off.rss_added) / 2**20:+,.0f}",
+             "-" if s is off else f"{(s.rss_added - off.rss_added) / budget:.2f}x", f"{s.cache_bytes / 2**20:,.0f}"]
+            for s in served]
+    block = DISTINCT_SIZES["n_layers"] * 2 * DISTINCT_SIZES["d_model"] * 16 * 4
+    return "\n".join([
+        f"Machine: {machine_line()}",
+        f"Load average (1/5/15 min): {'/'.join(f'{x:.2f}' for x in loads[0])} before, "
+        f"{'/'.join(f'{x:.2f}' for x in loads[1])} after",
+        f"Model: {described}, max_len {DISTINCT_SIZES['max_len']} (a cached block: {block / 1024:.0f} KiB of K/V "
+        f"+ ~{ENTRY_OVERHEAD_BYTES / 1024:.0f} KiB of RSS besides: a full cache should add "
+        f"{1 + ENTRY_OVERHEAD_BYTES / block:.2f}x its budget)",
+        f"Load: {args.clients} closed-loop clients x {args.seconds:g} s per server and round, {args.rounds} rounds "
+        f"(servers in turn; requests/s over all rounds, RSS added: the median round's), distinct prompts of "
+        f"{mean_prompt:.0f} tokens on average (with BOS), {OUTPUT_TOKENS} greedy tokens streamed; "
+        f"TSERVE_THREADS={args.threads}",
+        "",
+        markdown_table(["server", "requests", "requests/s", "vs cache off", "RSS added (MiB)",
+                        "minus cache off's (MiB)", "that / budget", "tserve_prefix_cache_bytes (MiB)"], rows),
+    ])
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=32, help="requests per burst")
     parser.add_argument("--prefix-tokens", type=int, default=384, help="tokens of the shared prefix")
     parser.add_argument("--suffix-tokens", type=int, default=16, help="tokens of each request's own suffix")
-    parser.add_argument("--rounds", type=int, default=3, help="server pairs (off, on) started one after the other")
+    parser.add_argument("--rounds", type=int, help="server pairs (off, on) started one after the other (default 3; "
+                        "--distinct: 1)")
     parser.add_argument("--threads", type=int, default=2, help="server torch intra-op threads (TSERVE_THREADS)")
     parser.add_argument("--tiny", action="store_true", help="a toy model and short run (the test suite's smoke run)")
+    parser.add_argument("--distinct", action="store_true", help="the distinct-prompts case instead (issue 33)")
+    parser.add_argument("--seconds", type=float, default=30.0, help="--distinct: closed-loop seconds per server")
+    parser.add_argument("--clients", type=int, default=4, help="--distinct: concurrent closed-loop clients")
+    parser.add_argument("--prompt-tokens", type=int, default=860, help="--distinct: tokens per prompt, about")
+    parser.add_argument("--budget-mb", type=float, default=64.0, help="--distinct: the cache-on servers' budget")
+    parser.add_argument("--before-tree", type=Path, help="--distinct: also serve cache on from this source tree")
     args = parser.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = 1 if args.distinct else 3
+    if args.distinct:
+        too_long = args.prompt_tokens + OUTPUT_TOKENS + 8 > DISTINCT_SIZES["max_len"]
+        if too_long or min(args.clients, args.seconds, args.rounds) <= 0:
+            parser.error(f"--prompt-tokens + {OUTPUT_TOKENS} must fit {DISTINCT_SIZES['max_len']} positions, and "
+                         "--clients, --seconds and --rounds be positive")
+        return args
     if args.tiny:
         args.requests, args.prefix_tokens, args.suffix_tokens, args.rounds = 4, 64, 8, 1
     if min(args.requests, args.prefix_tokens, args.suffix_tokens, args.rounds, args.threads) < 1:
@@ -228,7 +372,7 @@ def main(argv: list[str] | None = None) -> str:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    text = run(args)
+    text = run_distinct(args) if args.distinct else run(args)
     print(text)
     return text
 

@@ -6,9 +6,10 @@ its own KV buffer: the batch lists each distinct block once, every row names its
 attention reads the blocks ahead of the row's own keys (vLLM's paged attention, for the prefix;
 model/kernels/decode_attention.cpp on the CPU, :func:`model.attention.prefix_attention` elsewhere). Thirty-two rows
 of one system prompt hold it once. The prefix cache never evicts a block a batch references (its reference
-count says so); the block is evictable again once the last row reading it leaves. Rows' own buffers hold their
-positions from the prefix on, so a row's position is its prefix length plus its own length
-(``KVCache.begin_step``).
+count says so); the block is evictable again once the last row reading it leaves, and its slot is then rewritten
+with another block (model.prefix_cache.BlockPool): whatever reads a block after the call that matched it must
+hold its tensor, as this class does, not just its Entry. Rows' own buffers hold their positions from the prefix
+on, so a row's position is its prefix length plus its own length (``KVCache.begin_step``).
 """
 
 from __future__ import annotations

@@ -138,3 +138,35 @@ def test_a_bursts_rows_read_the_cached_prefix_blocks_in_place_not_copies(models_
     assert cache.capacity <= max(map(len, prompts)) - len(chain) * BLOCK_TOKENS + DECODE_HEADROOM
     assert cache.nbytes < copied.nbytes * 0.75
     torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+
+
+def test_slots_that_eviction_frees_never_overwrite_a_block_a_running_batch_reads(models_dir):
+    """A full cache writes new blocks into the slots evictions free (model.prefix_cache.BlockPool): the blocks a
+    running batch reads in place are never among them, so after distinct prompts churned every other slot the batch
+    still holds its prefix's K/V and decodes like the same rows without a cache."""
+    ckpt = load_checkpoint(models_dir / LM, device="cpu")
+    prompts = [ckpt.tokenizer.encode(SYSTEM + s, add_bos=True) for s in SUFFIXES[:2]]
+    block_bytes = ckpt.config.n_layers * 2 * ckpt.config.d_model * BLOCK_TOKENS * 4  # fp32 K and V per layer
+    spare = 3
+    budget = (sum(len(p) // BLOCK_TOKENS for p in prompts) + spare) * block_bytes
+    runner, plain = CausalRunner(ckpt.model, PrefixCache(budget)), CausalRunner(ckpt.model)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        runner.prefill(prompts, [None] * 2, [[], []])  # caches the prompts' blocks (the shared ones once)
+        logits, cache = runner.prefill(prompts, [None] * 2, [[], []])  # its rows read them in place
+        want_logits, want = plain.prefill(prompts, [None] * 2, [[], []])
+        assert cache.prefix is not None and len(cache.prefix.blocks) >= 2
+        held = [block.clone() for block in cache.prefix.blocks]
+        pool = runner.prefix_cache.pool
+        slabs = list(pool.slabs)
+        for _ in range(2 * spare):  # distinct prompts of `spare` blocks and a token: each refills every free slot
+            other = torch.randint(7, ckpt.config.vocab_size, (spare * BLOCK_TOKENS + 1,), generator=generator)
+            runner.prefill([other.tolist()], [None], [[]])
+        assert pool.slabs == slabs and not pool.free and pool.block_bytes == block_bytes  # slots reused, no new slab
+        assert all(torch.equal(block, copy) for block, copy in zip(cache.prefix.blocks, held, strict=True))
+        torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
+        tokens = logits.argmax(-1)
+        for _ in range(3):
+            step, want_step = runner.decode(tokens, cache), plain.decode(tokens, want)
+            torch.testing.assert_close(step, want_step, rtol=1e-4, atol=1e-4)
+            tokens = want_step.argmax(-1)
