@@ -28,34 +28,42 @@ Models: by default the random-weight checkpoints of benchmarks/serve_setup.py (t
 served); ``--models DIR`` serves a models directory (its first causal_lm, else seq2seq, or
 ``--model NAME``); ``--shape opus-mt`` serves benchmarks/shapes.py's random-weight OPUS-MT directory
 (translation requests); ``--url URL`` measures a running server. Servers start with
-tests/service/server.py's ``running_server`` on 127.0.0.1. ``--plot PATH`` writes an SVG of p50/p99
+service/local_server.py's ``running_server`` on 127.0.0.1. ``--plot PATH`` writes an SVG of p50/p99
 TTFT and throughput against the offered rate.
+
+This module runs the rates and reports them; the load generator (arrivals, streamed requests, one rate's run and
+its result) is benchmarks/open_loop_load.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import math
 import os
-import random
 import shutil
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 from benchmarks.common import machine_line, markdown_table
+from benchmarks.open_loop_load import (
+    LoadConfig,
+    PlannedRequest,
+    RateResult,
+    percentile,
+    plan_requests,
+    run_rate,
+    source_words,
+)
 from benchmarks.open_loop_plot import plot_svg
-from benchmarks.serve import batch_sizes, process_cpu_s
-from benchmarks.serve_setup import build_models, stdlib_texts
-from tests.service.server import metric_samples, running_server
+from benchmarks.serve_setup import build_models
+from service.local_server import running_server
 
 logger = logging.getLogger("benchmarks.open_loop")
 
@@ -63,243 +71,7 @@ TTFT_SLO_S = 1.0
 PERCENTILES = (50, 90, 99)
 
 
-# ---- the workload: Poisson arrivals, drawn lengths --------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LoadConfig:
-    """What one rate's load looks like, and its bounds."""
-
-    duration_s: float
-    seed: int
-    prompt_words: tuple[int, int]  # inclusive range, uniform
-    output_tokens: tuple[int, int]  # inclusive range, uniform
-    max_in_flight: int
-    drain_s: float
-
-
-@dataclass(frozen=True)
-class PlannedRequest:
-    arrival_s: float  # after the start of the rate's run
-    prompt: str
-    prompt_words: int
-    output_tokens: int
-
-
-def arrival_times(rate: float, duration_s: float, rng: random.Random) -> list[float]:
-    """Poisson arrivals at ``rate`` per second in [0, duration_s): cumulative exponential gaps."""
-    times, t = [], rng.expovariate(rate)
-    while t < duration_s:
-        times.append(t)
-        t += rng.expovariate(rate)
-    return times
-
-
-def plan_requests(rate: float, config: LoadConfig, words: Sequence[str]) -> list[PlannedRequest]:
-    """The requests of one rate. Request i has the same prompt and output length at every rate (their own
-    seeded stream), and the arrivals are the same seeded unit-rate process scaled by 1 / rate."""
-    arrivals = arrival_times(rate, config.duration_s, random.Random(f"arrivals-{config.seed}"))
-    lengths = random.Random(f"lengths-{config.seed}")
-    planned = []
-    for arrival in arrivals:
-        count = lengths.randint(*config.prompt_words)
-        start = lengths.randrange(len(words) - count)
-        planned.append(PlannedRequest(arrival, " ".join(words[start:start + count]), count,
-                                      lengths.randint(*config.output_tokens)))
-    return planned
-
-
-def source_words(limit_chars: int = 300_000) -> list[str]:
-    """The alphabetic words of Python's standard library source, in order (the prompts' material): names,
-    keywords, comments and docstrings without punctuation, so a word is a token or two of a BPE and a
-    prompt's token count follows its word count closely enough to keep prompt + output within a model."""
-    return [word for text in stdlib_texts(limit_chars) for word in text.split() if word.isalpha()]
-
-
-# ---- one request, streamed --------------------------------------------------------------------------
-
-
-@dataclass
-class RequestRecord:
-    """What the client saw of one request (times in seconds)."""
-
-    planned: PlannedRequest
-    send_lag_s: float  # sent this long after its arrival time
-    token_times: list[float] = field(default_factory=list)  # after sending, one per token event
-    e2e_s: float | None = None
-    error: str | None = None
-
-    @property
-    def ttft_s(self) -> float:
-        return self.token_times[0]
-
-    @property
-    def itls_s(self) -> list[float]:
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
-
-
-def generate_body(request: PlannedRequest) -> dict:
-    """A streamed greedy generate of exactly the drawn number of tokens."""
-    tokens = request.output_tokens
-    return {"inputs": [request.prompt], "strategy": "greedy", "max_new_tokens": tokens, "min_new_tokens": tokens,
-            "stream": True}
-
-
-async def send(client: httpx.AsyncClient, path: str, request: PlannedRequest, scheduled: float) -> RequestRecord:
-    """Send ``request`` (scheduled at perf_counter ``scheduled``) and time each token event of its stream."""
-    sent = time.perf_counter()
-    record = RequestRecord(request, sent - scheduled)
-    try:
-        async with client.stream("POST", path, json=generate_body(request)) as response:
-            if response.status_code != 200:
-                record.error = f"{response.status_code} {(await response.aread()).decode(errors='replace')[:200]}"
-                return record
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[len("data: "):])
-                if "error" in event:  # the stream failed after its first event
-                    record.error = f"{event['error']['code']}: {event['error']['message']}"
-                    return record
-                if event.get("token") is not None:
-                    record.token_times.append(time.perf_counter() - sent)
-    except (httpx.HTTPError, ValueError) as exc:  # ValueError: an event that is not JSON
-        record.error = f"{type(exc).__name__}: {exc}"
-        return record
-    record.e2e_s = time.perf_counter() - sent
-    if len(record.token_times) != request.output_tokens:
-        record.error = f"{len(record.token_times)} token events, expected {request.output_tokens}"
-    return record
-
-
-# ---- one rate, open loop ----------------------------------------------------------------------------
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0-100) with linear interpolation between closest ranks; nan when empty."""
-    ordered = sorted(values)
-    if not ordered:
-        return math.nan
-    position = (len(ordered) - 1) * q / 100
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
-@dataclass
-class RateResult:
-    rate: float  # offered, requests per second
-    planned: int
-    completed: list[RequestRecord]
-    failed: list[RequestRecord]
-    shed: int  # arrivals not sent: the in-flight cap was reached
-    unfinished: int  # cancelled at the drain deadline
-    seconds: float  # from the start of the arrivals to the last answer (or the drain deadline)
-    peak_in_flight: int
-    send_lags_s: list[float]  # of every request sent
-    client_cpu_s: float
-    prompt_tokens: float | None = None  # the server's count over the rate (None: unknown)
-    rows_per_call: float | None = None  # the server's mean tserve_batch_size (decode steps and prefills) over the rate
-    server_cpu_s: float | None = None  # CPU time of the server process over the rate (None: unknown)
-
-    @property
-    def first_error(self) -> str | None:
-        return self.failed[0].error if self.failed else None
-
-    @property
-    def request_throughput(self) -> float:
-        return len(self.completed) / self.seconds if self.seconds > 0 else 0.0
-
-    @property
-    def token_throughput(self) -> float:
-        tokens = sum(r.planned.output_tokens for r in self.completed)
-        return tokens / self.seconds if self.seconds > 0 else 0.0
-
-    def ttft(self, q: float) -> float:
-        return percentile([r.ttft_s for r in self.completed], q)
-
-    def itl(self, q: float) -> float:
-        return percentile([gap for r in self.completed for gap in r.itls_s], q)
-
-    def e2e(self, q: float) -> float:
-        return percentile([r.e2e_s for r in self.completed], q)
-
-    def saturated(self, slo_s: float) -> bool:
-        """p99 TTFT above ``slo_s``, or requests whose TTFT is unbounded (shed, unfinished) or none completed."""
-        return not self.completed or self.shed > 0 or self.unfinished > 0 or self.ttft(99) > slo_s
-
-
-async def prompt_tokens_counted(client: httpx.AsyncClient, model: str) -> float:
-    """The server's tserve_prompt_tokens counter for ``model`` (all adapters)."""
-    samples = metric_samples((await client.get("/metrics")).text, "tserve_prompt_tokens_total")
-    return sum(value for labels, value in samples.items() if ("model", model) in labels)
-
-
-@dataclass(frozen=True)
-class ServerCounters:
-    """The server's cumulative counters that a rate's result reports the increase of."""
-
-    prompt_tokens: float
-    batch_rows: tuple[float, float]  # (sum, count) of tserve_batch_size
-    cpu_s: float | None
-
-    @classmethod
-    async def read(cls, client: httpx.AsyncClient, model: str, pid: int | None) -> ServerCounters:
-        return cls(await prompt_tokens_counted(client, model), await batch_sizes(client, model), process_cpu_s(pid))
-
-    def since(self, before: ServerCounters) -> dict[str, float | None]:
-        """RateResult's server fields over the time from ``before`` to this reading."""
-        calls = self.batch_rows[1] - before.batch_rows[1]
-        return dict(prompt_tokens=self.prompt_tokens - before.prompt_tokens,
-                    rows_per_call=(self.batch_rows[0] - before.batch_rows[0]) / calls if calls else None,
-                    server_cpu_s=self.cpu_s - before.cpu_s if self.cpu_s is not None and before.cpu_s is not None
-                    else None)
-
-
-async def run_rate(url: str, model: str, rate: float, planned: list[PlannedRequest], config: LoadConfig,
-                   pid: int | None = None) -> RateResult:
-    """Send ``planned`` at their arrival times, never waiting for answers; then wait up to the drain time.
-    ``pid``: the server's process, for its CPU time (None: not reported)."""
-    limits = httpx.Limits(max_connections=config.max_in_flight + 4, max_keepalive_connections=config.max_in_flight)
-    timeout = httpx.Timeout(config.duration_s + config.drain_s + 60.0)
-    path = f"/v1/models/{model}/generate"
-    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
-        server_before, cpu_before = await ServerCounters.read(client, model, pid), time.process_time()
-        tasks: list[asyncio.Task[RequestRecord]] = []
-        in_flight: set[asyncio.Task[RequestRecord]] = set()
-        shed = peak = 0
-        start = time.perf_counter()
-        for request in planned:
-            scheduled = start + request.arrival_s
-            await asyncio.sleep(max(0.0, scheduled - time.perf_counter()))
-            if len(in_flight) >= config.max_in_flight:
-                shed += 1
-                continue
-            task = asyncio.create_task(send(client, path, request, scheduled))
-            tasks.append(task)
-            in_flight.add(task)
-            task.add_done_callback(in_flight.discard)
-            peak = max(peak, len(in_flight))
-        drain_deadline = start + config.duration_s + config.drain_s
-        await finish(tasks, drain_deadline - time.perf_counter())
-        seconds = time.perf_counter() - start
-        records = [t.result() for t in tasks if not t.cancelled()]
-        unfinished = len(tasks) - len(records)
-        cpu = time.process_time() - cpu_before
-        server = (await ServerCounters.read(client, model, pid)).since(server_before)
-    failed = [r for r in records if r.error]
-    return RateResult(rate, len(planned), [r for r in records if not r.error], failed, shed, unfinished, seconds,
-                      peak, [r.send_lag_s for r in records], cpu, **server)
-
-
-async def finish(tasks: list[asyncio.Task[RequestRecord]], timeout_s: float) -> None:
-    """Wait up to ``timeout_s`` for ``tasks``, then cancel the rest (closing their streams: the server drops them)."""
-    if not tasks:
-        return
-    _, pending = await asyncio.wait(tasks, timeout=max(timeout_s, 0.0))
-    for task in pending:
-        task.cancel()
-    await asyncio.gather(*pending, return_exceptions=True)
+# ---- the verdict ------------------------------------------------------------------------------------
 
 
 def saturation_rate(results: Sequence[RateResult], slo_s: float) -> float | None:
@@ -433,7 +205,7 @@ def server_url(args: argparse.Namespace) -> Iterator[tuple[str, str, int | None]
 
 def describe(args: argparse.Namespace, config: LoadConfig, model: str, family: str, source: str,
              loads: tuple[tuple[float, ...], tuple[float, ...]]) -> list[str]:
-    server = (f"python -m service on 127.0.0.1 (tests/service/server.py), TSERVE_THREADS={args.threads}, "
+    server = (f"python -m service on 127.0.0.1 (service/local_server.py), TSERVE_THREADS={args.threads}, "
               "max_batch_size 32 (default; generation starts a lone request at once), max_queue 1024, "
               "request timeout 600 s"
               if not args.url else args.url)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from xml.sax.saxutils import escape
 
 if TYPE_CHECKING:
-    from benchmarks.open_loop import RateResult
+    from benchmarks.open_loop_load import RateResult
 
 
 @dataclass(frozen=True)

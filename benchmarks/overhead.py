@@ -1,7 +1,7 @@
 """What the service adds over the model: one 128-token greedy generation at batch 1, three ways.
 
 - offline: ``model.generation.generate_causal`` on the prompt's ids;
-- engine: ``service.worker.ModelWorker.generate`` in this process (scheduler thread, searches, detokenising);
+- engine: ``service.engine.worker.ModelWorker.generate`` in this process (scheduler thread, searches, detokenising);
 - HTTP: ``POST /v1/models/<name>/generate`` to ``python -m service`` on 127.0.0.1 (uvicorn), one client.
 
 Runs alternate; the server process and this one both use one intra-op thread.
@@ -24,16 +24,17 @@ PROMPT = "the service adds what over the engine"
 
 def measure(models_dir: Path, name: str, new_tokens: int, repeats: int) -> dict[str, float]:
     """Median seconds per generation for "offline", "engine" and "http"."""
-    from service.engine import Engine
-    from service.schemas import GenerateRequest
-    from service.types import EngineSettings
-    from tests.service.server import running_server
+    from service.api.convert import generation_request
+    from service.api.schemas import GenerateRequest
+    from service.engine.engine import Engine
+    from service.engine.types import EngineSettings
+    from service.local_server import running_server
 
     ckpt = load_checkpoint(models_dir / name, device="cpu")
     use_input_major_weights(ckpt.model)  # as the engine does
     prompt = ckpt.tokenizer.encode(PROMPT, add_bos=True)  # what the engine feeds for this text
     config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, eos_token_id=ckpt.config.eos_id)
-    request = GenerateRequest(inputs=[PROMPT], max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    request = generation_request(GenerateRequest(inputs=[PROMPT], max_new_tokens=new_tokens, min_new_tokens=new_tokens))
     body = {"inputs": [PROMPT], "max_new_tokens": new_tokens, "min_new_tokens": new_tokens}
     loop = asyncio.new_event_loop()
     engine = Engine(EngineSettings(device="cpu", dtype="float32"), models_dir, None)

@@ -11,7 +11,7 @@ the cache). TTFT is timed by the client from sending to the first token event. R
 p90 over all rounds' requests with the cache off and on, the ratio of the p50s (off / on), and the server's
 prefix-cache hits over its queries (tokens). The issue's goal: TTFT with the cache >= 5x lower (warm burst).
 
-Then, in this process, one running batch of the burst (service/runners.py's ``CausalRunner``, as the server runs
+Then, in this process, one running batch of the burst (service/engine/runners.py's ``CausalRunner``, as the server runs
 it) with the cache off and on: the KV memory the batch holds (``KVCache.nbytes``: with the cache, its rows read
 the cached prefix blocks in place, so the batch holds the prefix once) and the time of its decoding steps,
 alternating off and on step by step; the greedy tokens of the two must agree.
@@ -44,16 +44,15 @@ import httpx
 import torch
 
 from benchmarks.common import machine_line, markdown_table
-from benchmarks.open_loop import PlannedRequest, RequestRecord, percentile, send, source_words
+from benchmarks.open_loop_load import PlannedRequest, RequestRecord, percentile, send, source_words
 from benchmarks.serve_setup import stdlib_texts
 from model.causal_lm import CausalLM
 from model.checkpoint import load_checkpoint, save_checkpoint
 from model.config import CausalLMConfig
 from model.prefix_cache import ENTRY_OVERHEAD_BYTES, PrefixCache
 from model.tokenizer import Tokenizer
-from service.runners import CausalRunner
-from tests.reliability.helpers import rss_bytes
-from tests.service.server import metric_samples, running_server
+from service.engine.runners import CausalRunner
+from service.local_server import metric_samples, rss_bytes, running_server
 
 logger = logging.getLogger("benchmarks.prefix_cache")
 

@@ -13,7 +13,7 @@ d_model 256, 4 layers, 4 heads, ffn 1024, with a byte-level BPE of 8000 tokens t
 standard library source, saved by model.checkpoint.save_checkpoint; and 8 random LoRA adapters per
 model (model.lora.add_adapter + save_adapter with random nonzero B; not trained: throughput only);
 see benchmarks/serve_setup.py. It starts ``python -m service`` on 127.0.0.1 with
-tests/service/server.py's ``running_server`` (the HTTP tests' mechanism), one server with
+service/local_server.py's ``running_server`` (the HTTP tests' mechanism), one server with
 batching and one without, one after the other. ``--models DIR``
 benchmarks existing checkpoints instead (the first causal_lm, else seq2seq, and the first
 classifier), with the adapters of ``--adapters DIR`` if it holds 8 per model, else random ones.
@@ -21,7 +21,7 @@ classifier), with the adapters of ``--adapters DIR`` if it holds 8 per model, el
 max_batch_size 1); cells that need what the server lacks are skipped.
 
 ``--tracing`` adds a third server (batching on) that exports a span per request over OTLP/HTTP to a receiver in
-this process (service/tracing.py), and runs every base-model cell on it right after the untraced one: the
+this process (service/engine/tracing.py), and runs every base-model cell on it right after the untraced one: the
 overhead of tracing, as a throughput ratio and server CPU per request.
 
 Prints the machine line, the configuration, one markdown table with every cell, and the ratios
@@ -49,7 +49,7 @@ import httpx
 
 from benchmarks.common import machine_line, markdown_table
 from benchmarks.serve_setup import NUM_ADAPTERS, build_models, find_models, prepare_adapters, prompts_from, stdlib_texts
-from tests.service.server import metric_samples, otlp_receiver, running_server
+from service.local_server import metric_samples, otlp_receiver, running_server
 
 logger = logging.getLogger("benchmarks.serve")
 
@@ -389,7 +389,7 @@ def prepare(args: argparse.Namespace, work: Path) -> tuple[Path | None, Path | N
 
 def describe(args: argparse.Namespace, workload: Workload, source: str, adapters: str,
              loads: tuple[tuple[float, ...], tuple[float, ...]]) -> list[str]:
-    server = (f"python -m service on 127.0.0.1 (tests/service/server.py), TSERVE_THREADS={args.threads}, "
+    server = (f"python -m service on 127.0.0.1 (service/local_server.py), TSERVE_THREADS={args.threads}, "
               f"max_wait_ms 5 (default: classify only; generation starts at once), "
               f"batching on = max_batch_size {args.max_batch_size}, off = max_batch_size 1"
               if not args.url else f"{args.url} (batching on), {args.url_unbatched or 'none'} (batching off)")

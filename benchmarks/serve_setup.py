@@ -1,4 +1,4 @@
-"""Checkpoints, adapters and prompts for benchmarks/serve.py.
+"""Checkpoints, adapters and prompts for benchmarks/serve.py (and the tiny ones of benchmarks/soak.py).
 
 Random weights decode exactly as fast as trained ones, so the default checkpoints are random, with a
 real byte-level BPE trained on Python's standard library source; the adapters are random LoRA
@@ -17,14 +17,16 @@ import torch
 from model.causal_lm import CausalLM
 from model.checkpoint import load_checkpoint, load_config, save_checkpoint
 from model.classifier import TransformerClassifier
-from model.config import CausalLMConfig, ClassifierConfig
+from model.config import CausalLMConfig, ClassifierConfig, Seq2SeqConfig
 from model.lora import LoRAConfig, add_adapter
 from model.lora_io import save_adapter
+from model.seq2seq import Seq2SeqTransformer
 from model.tokenizer import Tokenizer
 
 logger = logging.getLogger("benchmarks.serve")
 
 SIZES = dict(vocab_size=8000, d_model=256, n_heads=4, d_ff=1024, dropout=0.0)
+TINY_SIZES = dict(d_model=32, n_heads=4, d_ff=64, dropout=0.0)  # build_tiny_models: the soak's server
 LABELS = ["negative", "neutral", "positive"]
 NUM_ADAPTERS = 8
 ADAPTER_RANK, ADAPTER_ALPHA, ADAPTER_STD = 8, 16.0, 0.02
@@ -56,23 +58,51 @@ def build_models(directory: Path) -> tuple[str, str]:
     return "bench-lm", "bench-cls"
 
 
+def randomize_adapter(model: torch.nn.Module, name: str, seed: int) -> None:
+    """Add LoRA adapter ``name`` to ``model`` with PEFT's init of A and a random nonzero B (not trained)."""
+    config = LoRAConfig(r=ADAPTER_RANK, lora_alpha=ADAPTER_ALPHA, target_modules=ADAPTER_TARGETS)
+    add_adapter(model, name, config, seed=seed)
+    generator = torch.Generator().manual_seed(1000 + seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "lora_B") and name in module.lora_B:
+                weight = module.lora_B[name].weight
+                weight.copy_(torch.randn(weight.shape, generator=generator) * ADAPTER_STD)
+
+
 def random_adapters(model_dir: Path, out_root: Path, count: int) -> list[str]:
     """``count`` LoRA adapters with random nonzero B for the checkpoint in ``model_dir`` (not trained)."""
     ckpt = load_checkpoint(model_dir, device="cpu")
-    config = LoRAConfig(r=ADAPTER_RANK, lora_alpha=ADAPTER_ALPHA, target_modules=ADAPTER_TARGETS)
     names = []
     for i in range(count):
         name = f"rand-{i}"
-        add_adapter(ckpt.model, name, config, seed=i)
-        generator = torch.Generator().manual_seed(1000 + i)
-        with torch.no_grad():
-            for module in ckpt.model.modules():
-                if hasattr(module, "lora_B") and name in module.lora_B:
-                    weight = module.lora_B[name].weight
-                    weight.copy_(torch.randn(weight.shape, generator=generator) * ADAPTER_STD)
+        randomize_adapter(ckpt.model, name, i)
         save_adapter(ckpt.model, name, out_root / model_dir.name / name, base_model_name_or_path=model_dir.name)
         names.append(name)
     return names
+
+
+def build_tiny_models(directory: Path) -> tuple[Path, Path]:
+    """Random-weight tiny-lm (causal_lm), tiny-mt (seq2seq) and tiny-cls (classifier) of d_model 32, 2 layers (the
+    test suite's shapes), with a BPE over some stdlib source, and one random LoRA adapter each (lm-a, mt-a, cls-a).
+    Returns (models_dir, adapters_dir)."""
+    models, adapters = directory / "models", directory / "adapters"
+    tokenizer = Tokenizer.train(stdlib_texts(200_000), vocab_size=300)
+    sizes = dict(TINY_SIZES, vocab_size=tokenizer.vocab_size)
+    torch.manual_seed(0)
+    built = {
+        "tiny-lm": (CausalLM(CausalLMConfig(**sizes, n_layers=2, max_len=128)), {}),
+        "tiny-mt": (Seq2SeqTransformer(Seq2SeqConfig(**sizes, n_encoder_layers=2, n_decoder_layers=2, max_len=64,
+                                                     max_src_len=64)), {}),
+        "tiny-cls": (TransformerClassifier(ClassifierConfig(**sizes, n_layers=2, max_len=128, num_labels=len(LABELS),
+                                                            cls_id=tokenizer.cls_id)), {"labels": LABELS}),
+    }
+    for seed, (name, (model, extra)) in enumerate(built.items()):
+        save_checkpoint(models / name, model.eval(), tokenizer, **extra)
+        adapter = f"{name.removeprefix('tiny-')}-a"
+        randomize_adapter(model, adapter, seed)
+        save_adapter(model, adapter, adapters / name / adapter, base_model_name_or_path=name)
+    return models, adapters
 
 
 def find_models(directory: Path) -> tuple[str | None, str | None]:

@@ -5,9 +5,10 @@ Mixed traffic from concurrent clients against a real server on 127.0.0.1 for N m
 adapter that is replaced under its name every second (uploads alternating two versions) while a
 second adapter is loaded and unloaded, invalid requests, and clients that hang up mid-request.
 
-Without ``--url`` it trains the test suite's tiny checkpoints and adapters (tests/service/fixtures.py:
-causal_lm, seq2seq and classifier of d_model 32, 2 layers, one LoRA adapter each) and starts
-``python -m service`` on them with a small queue (``--max-queue``, so that bursts meet 429s).
+Without ``--url`` it makes tiny random-weight checkpoints and adapters of the test suite's shapes
+(benchmarks/serve_setup.py ``build_tiny_models``: causal_lm, seq2seq and classifier of d_model 32, 2 layers, one
+random LoRA adapter each) and starts ``python -m service`` on them with a small queue (``--max-queue``, so that
+bursts meet 429s).
 
 Every answer is classified: succeeded (the expected status, and for deterministic requests the same
 tokens or labels as the request gave alone at warm-up), rejected (429), or failed (anything else:
@@ -35,7 +36,8 @@ from pathlib import Path
 import httpx
 
 from benchmarks.common import machine_line, markdown_table
-from tests.reliability.helpers import adapter_archive, adapter_variant, rss_bytes
+from benchmarks.serve_setup import build_tiny_models
+from service.local_server import adapter_archive, adapter_variant, metric_samples, rss_bytes, running_server
 
 logger = logging.getLogger("benchmarks.soak")
 
@@ -78,13 +80,10 @@ class Stats:
 
 @contextmanager
 def own_server(args: argparse.Namespace, workdir: Path) -> Iterator[tuple[str, int, Path]]:
-    """Tiny trained checkpoints and a ``python -m service`` on them: (url, pid, adapters dir)."""
-    from tests.service.fixtures import build_models
-    from tests.service.server import running_server
-
+    """Tiny random checkpoints and a ``python -m service`` on them: (url, pid, adapters dir)."""
     start = time.perf_counter()
-    models, adapters = build_models(workdir)
-    logger.info("trained the tiny checkpoints and adapters in %.0f s", time.perf_counter() - start)
+    models, adapters = build_tiny_models(workdir)
+    logger.info("made the tiny checkpoints and adapters in %.0f s", time.perf_counter() - start)
     env = dict(TSERVE_MAX_QUEUE=str(args.max_queue), TSERVE_LOG_LEVEL="warning", TSERVE_THREADS=str(args.threads),
                TSERVE_MAX_BODY_BYTES="65536")  # fmt: skip
     with running_server(models, adapters, **env) as server:
@@ -268,8 +267,6 @@ async def soak(args: argparse.Namespace, url: str, pid: int | None, adapters_dir
                          swapper(url, versions, end, stats), sample_rss(pid, end, rss))  # fmt: skip
     elapsed = time.monotonic() - start
     rss_end = rss_bytes(pid) if pid else None
-    from tests.service.server import metric_samples
-
     async with httpx.AsyncClient(base_url=url, timeout=10) as c:
         server_statuses = Counter()
         for labels, value in metric_samples((await c.get("/metrics")).text, "tserve_requests_total").items():
@@ -328,7 +325,7 @@ def report(args: argparse.Namespace, result: dict) -> tuple[str, dict]:
         "",
         machine_line(),
         "",
-        f"Server: {args.url or 'python -m service on the test suite tiny checkpoints'}"
+        f"Server: {args.url or 'python -m service on tiny random checkpoints'}"
         + ("" if args.url else f", max_queue {args.max_queue}, {args.threads} torch thread(s), max_body_bytes 65536"),
         "",
         markdown_table(["kind", "sent", "succeeded", "429", "failed", "hung up", "p50 ms", "p99 ms"], rows),

@@ -1,7 +1,7 @@
 """Speculative decoding at batch 1: `python -m benchmarks.speculative [--models DIR] [--new-tokens 64]
 [--prompts 16] [--num-tokens 4] [--threads 2] [--draft-model NAME] [--quantize SPEC] [--tiny]`.
 
-Two workloads, each request alone (batch 1) through the engine in this process (service.worker, its scheduler
+Two workloads, each request alone (batch 1) through the engine in this process (service.engine.worker, its scheduler
 thread): **code**, completions of windows of Python's standard library source by the models directory's causal
 LM (default `code`), and **translation**, copy-heavy messages (paths, placeholders, options, numbers) by its
 seq2seq model (default `translation`). Greedy, exactly ``--new-tokens`` per request where the model allows
@@ -99,7 +99,8 @@ def build_tiny(directory: Path) -> None:
 
 
 async def run_workload(engine, workload: Workload, new_tokens: int, num_tokens: int) -> None:
-    from service.schemas import GenerateRequest
+    from service.api.convert import generation_request
+    from service.api.schemas import GenerateRequest
 
     worker = engine.get(workload.model)
     metric = engine.metrics.registry.get_sample_value
@@ -107,8 +108,9 @@ async def run_workload(engine, workload: Workload, new_tokens: int, num_tokens: 
     for i, prompt in enumerate(workload.prompts):
         room = min(new_tokens, worker.max_new_tokens)
         fields = dict(inputs=[prompt], max_new_tokens=room, min_new_tokens=room if workload.force_length else 0)
-        plain = GenerateRequest(**fields)
-        fast = GenerateRequest(**fields, speculative={"method": workload.method, "num_tokens": num_tokens})
+        plain = generation_request(GenerateRequest(**fields))
+        fast = generation_request(GenerateRequest(**fields, speculative={"method": workload.method,
+                                                                          "num_tokens": num_tokens}))
         outputs = {}
         for kind in (("plain", "fast") if i % 2 == 0 else ("fast", "plain")):
             before = (metric("tserve_spec_decode_draft_tokens_total", labels) or 0.0,
@@ -132,11 +134,11 @@ async def run_workload(engine, workload: Workload, new_tokens: int, num_tokens: 
 
 def run(args: argparse.Namespace) -> str:
     from model.checkpoint import load_checkpoint
-    from service.engine import Engine
-    from service.threads import keep_serial
-    from service.types import EngineSettings
+    from service.engine.engine import Engine
+    from service.engine.threads import keep_serial
+    from service.engine.types import EngineSettings
 
-    keep_serial()  # as python -m service: the engine's worker thread alone has an OpenMP pool (service.threads)
+    keep_serial()  # as python -m service: the engine's worker thread alone has an OpenMP pool (service.engine.threads)
     work = Path(tempfile.mkdtemp(prefix="bench-speculative-")) if args.tiny else None
     try:
         models = Path(args.models) if work is None else work
@@ -151,7 +153,7 @@ def run(args: argparse.Namespace) -> str:
         if not args.tiny and (models / args.translation).is_dir():
             workloads.append(Workload("translation", args.translation, MESSAGES[: args.prompts], force_length=False))
         loop = asyncio.new_event_loop()
-        settings = EngineSettings(device="cpu", dtype="float32", prefix_cache_bytes=0, threads=args.threads,
+        settings = EngineSettings(device="cpu", dtype="float32", prefix_cache_mb=0, threads=args.threads,
                                   draft_model=f"{args.code}={args.draft_model}" if args.draft_model else "",
                                   quantize=args.quantize)
         engine = Engine(settings, models, None)

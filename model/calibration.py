@@ -2,7 +2,7 @@
 confidences match its accuracy, and the confidence below which it answers "unknown" by default.
 
 Written by `python -m training calibrate` (training/calibration.py), which fits both on the valid split; read by
-model.checkpoint for classifier checkpoints; applied by the service's classify (service/pooling.py).
+model.checkpoint for classifier checkpoints; applied by the service's classify (service/engine/pooling.py).
 """
 
 from __future__ import annotations

@@ -27,17 +27,17 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from model.build import build_model, resolve_device, resolve_dtype
 from model.calibration import Calibration, CalibrationError
-from model.causal_lm import CausalLM
-from model.classifier import TransformerClassifier
-from model.config import ConfigError, TransformerConfig
+from model.config import ModelConfigError, TransformerConfig
 from model.files import UnreadableFile, make_shareable, read_regular
-from model.hf import hf_companions, is_hf_directory, load_hf_checkpoint
+from model.hf import hf_companions, is_hf_directory, load_hf_model
 from model.hf.generation import GENERATION_FILE, GenerationRules, generation_rules
 from model.hf.sentence import EmbeddingDefaults
 from model.lora_io import AdapterLayout
-from model.seq2seq import Seq2SeqTransformer
+from model.placeholders import MAX_SENTINELS, sentinel
 from model.tokenizer import Tokenizer, TokenizerError, file_limit
+from model.vocab_map import VMAP_FILE, VocabularyMap, VocabularyMapError, load_vocabulary_map
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
@@ -48,12 +48,6 @@ LABELS_FILE = "labels.json"
 HF_DIR = "hf"  # an imported checkpoint's Hugging Face companion files (tokenizer, generation config, ...)
 METRICS_FILE = "metrics.json"
 MAX_JSON_BYTES = 16 << 20  # config.json, labels.json, metrics.json: a few KB
-
-MODELS: dict[str, type[nn.Module]] = {
-    "seq2seq": Seq2SeqTransformer,
-    "classifier": TransformerClassifier,
-    "causal_lm": CausalLM,
-}
 
 logger = logging.getLogger(__name__)
 
@@ -110,39 +104,6 @@ def encode_prompts(tokenizer: Tokenizer, family: str, texts: Sequence[str]) -> l
         return tokenizer.encode_templated(texts)
     add_bos, add_eos = PROMPT_SPECIALS[family]
     return tokenizer.encode_batch(texts, add_bos=add_bos, add_eos=add_eos)
-
-
-def build_model(config: TransformerConfig) -> nn.Module:
-    """Instantiate the model class of ``config.family``."""
-    return MODELS[config.family](config)
-
-
-def resolve_device(device: str | torch.device = "auto") -> torch.device:
-    """ "auto" -> CUDA when available, else CPU."""
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """ "auto"/None -> bf16 on CUDA (fp16 where bf16 is unsupported), fp32 on CPU."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype in (None, "auto"):
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
-    names = {
-        "float32": torch.float32,
-        "fp32": torch.float32,
-        "bfloat16": torch.bfloat16,
-        "bf16": torch.bfloat16,
-        "float16": torch.float16,
-        "fp16": torch.float16,
-    }
-    if dtype not in names:
-        raise CheckpointError(f"unknown dtype {dtype!r}; expected one of {sorted(names)}")
-    return names[dtype]
 
 
 def tied_aliases(model: nn.Module) -> dict[str, str]:
@@ -210,7 +171,7 @@ def load_config(directory: str | Path) -> TransformerConfig:
         raise CheckpointError(f"{path}: format_version {version!r} is not supported (expected {FORMAT_VERSION})")
     try:
         return TransformerConfig.from_dict(data)
-    except ConfigError as exc:
+    except ModelConfigError as exc:
         raise CheckpointError(f"{path}: {exc}") from exc
 
 
@@ -231,8 +192,7 @@ def load_checkpoint(
     config = load_config(directory)
     model = build_model(config)
     load_weights(model, directory / WEIGHTS_FILE)
-    torch_device = resolve_device(device)
-    model.to(device=torch_device, dtype=resolve_dtype(dtype, torch_device)).eval()
+    _place(model, device, dtype)
     metrics = _read_json(directory / METRICS_FILE) if (directory / METRICS_FILE).exists() else {}
     if (directory / HF_DIR).is_dir():  # imported (python -m training import): its HF tokenizer and settings
         return Checkpoint(model, config, metrics=metrics, path=directory, **hf_companions(directory / HF_DIR, config))
@@ -256,6 +216,27 @@ def load_checkpoint(
         raise CheckpointError(str(exc)) from None
     return Checkpoint(model, config, tokenizer, source_tokenizer, labels, metrics, directory, generation=generation,
                       calibration=calibration)
+
+
+def load_hf_checkpoint(
+    directory: str | Path, device: str | torch.device = "auto", dtype: str | torch.dtype | None = None
+) -> Checkpoint:
+    """An HF directory as a Checkpoint (format "hf"): the model (model.hf) on ``device`` in ``dtype``, and what else
+    the directory brings (:func:`model.hf.hf_companions`)."""
+    directory = Path(directory)
+    model, config = load_hf_model(directory)
+    _place(model, device, dtype)
+    return Checkpoint(model, config, path=directory, format="hf", **hf_companions(directory, config))
+
+
+def _place(model: nn.Module, device: str | torch.device, dtype: str | torch.dtype | None) -> None:
+    """Move ``model`` onto ``device`` ("auto": CUDA when available) in ``dtype``, for inference."""
+    torch_device = resolve_device(device)
+    try:
+        torch_dtype = resolve_dtype(dtype, torch_device)
+    except ValueError as exc:  # an unknown dtype name
+        raise CheckpointError(str(exc)) from None
+    model.to(device=torch_device, dtype=torch_dtype).eval()
 
 
 def load_weights(model: nn.Module, path: Path) -> None:
@@ -290,6 +271,24 @@ def load_weights(model: nn.Module, path: Path) -> None:
 def parameter_count(model: nn.Module) -> int:
     """Number of distinct parameters (tied weights counted once)."""
     return sum(p.numel() for p in model.parameters())
+
+
+def checkpoint_vocabulary_map(checkpoint: Checkpoint) -> VocabularyMap | None:
+    """The vocabulary map of a seq2seq checkpoint (its directory's vmap.txt, in its vocabularies' tokens), or None
+    without one. Every special token and placeholder sentinel (model.placeholders) of the target side is always a
+    candidate; the source's own tokens are where the model shares one vocabulary. Raises VocabularyMapError."""
+    if checkpoint.family != "seq2seq" or checkpoint.path is None or not (checkpoint.path / VMAP_FILE).is_file():
+        return None
+    target, config = checkpoint.tokenizer, checkpoint.config
+    always = {i for i in (target.pad_id, target.bos_id, target.eos_id, target.unk_id, config.pad_id, config.bos_id,
+                          config.eos_id) if i is not None}
+    for n in range(MAX_SENTINELS):
+        always.update(target.encode(sentinel(n)))
+    try:
+        return load_vocabulary_map(checkpoint.path / VMAP_FILE, checkpoint.src_tokenizer.backend.token_to_id,
+                                   target.backend.token_to_id, always, copy_source=config.src_vocab_size is None)
+    except VocabularyMapError as exc:
+        raise VocabularyMapError(f"{checkpoint.path / VMAP_FILE}: {exc}") from None
 
 
 def _load_tokenizer(path: Path, vocab_size: int) -> Tokenizer:
@@ -355,12 +354,11 @@ def _replace_dir(tmp: Path, target: Path) -> None:
 __all__ = [
     "Checkpoint",
     "CheckpointError",
-    "build_model",
     "load_checkpoint",
+    "load_hf_checkpoint",
     "save_checkpoint",
-    "resolve_device",
-    "resolve_dtype",
     "load_config",
     "old_sibling",
     "parameter_count",
+    "checkpoint_vocabulary_map",
 ]

@@ -18,8 +18,9 @@ NORMS = ("pre", "post")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
 
 
-class ConfigError(ValueError):
-    """A config field is missing or outside its allowed range."""
+class ModelConfigError(ValueError):
+    """A model config field is missing or outside its allowed range (a request's bad generation field is
+    model.generation_config.ConfigError)."""
 
 
 @dataclass
@@ -73,15 +74,15 @@ class TransformerConfig:
         family = data.pop("family", cls.family)
         config_cls = CONFIGS.get(family)
         if config_cls is None:
-            raise ConfigError(f"unknown model family {family!r}; expected one of {sorted(CONFIGS)}")
+            raise ModelConfigError(f"unknown model family {family!r}; expected one of {sorted(CONFIGS)}")
         names = {f.name for f in dataclasses.fields(config_cls)}
         unknown = sorted(set(data) - names)
         if unknown:
-            raise ConfigError(f"unknown {family} config fields: {unknown}")
+            raise ModelConfigError(f"unknown {family} config fields: {unknown}")
         try:
             return config_cls(**data)
         except TypeError as exc:
-            raise ConfigError(f"invalid {family} config: {exc}") from exc
+            raise ModelConfigError(f"invalid {family} config: {exc}") from exc
 
 
 @dataclass
@@ -145,4 +146,4 @@ CONFIGS: dict[str, type[TransformerConfig]] = {c.family: c for c in (Seq2SeqConf
 
 def _check(ok: bool, field: str, message: str) -> None:
     if not ok:
-        raise ConfigError(f"{field} {message}")
+        raise ModelConfigError(f"{field} {message}")

@@ -31,7 +31,7 @@ from model.int8_linear import Int8Linear
 from model.kernel_layers import is_layer_norm, is_plain, linear
 from model.kv_cache import KVCache
 from model.layers import LayerStack, TransformerLayer
-from model.lora import LoRALinear
+from model.lora_layers import LoRALinear
 
 Op = Callable[[torch.Tensor], torch.Tensor]
 
@@ -232,7 +232,7 @@ class _NativeStep:
     _panel_state: list[tuple[int, int]] = field(default_factory=list)
 
     def deltas(self, rows: int, tokens: int = 1) -> list[list[torch.Tensor]] | None:
-        """This step's LoRA deltas per projection (model.lora.RowDeltas as lists; [] where a projection adds
+        """This step's LoRA deltas per projection (model.lora_layers.RowDeltas as lists; [] where a projection adds
         none, and [] for the whole step when none does), or None when one must come from the Python replay
         (training mode, autograd, non-finite adapter weights). With several ``tokens`` per row, each row's
         scales repeat for its tokens (the kernel adds deltas per token row)."""

@@ -1,4 +1,4 @@
-"""Batched generation: the models' decode steps driven by a search from model.decoding.
+"""Batched generation: the models' decode steps driven by a search (model.search, made by model.decoding).
 
 Inputs are token id lists of any lengths (right-padded into one batch); rows may use different
 LoRA adapters. A batch gives each input the same result as decoding it alone.
@@ -11,12 +11,14 @@ from collections.abc import Callable, Sequence
 import torch
 
 from model.causal_lm import CausalLM
-from model.decoding import ConfigError, GenerationConfig, Hypothesis, Search, StopFn, Strategy, make_search, run_search
+from model.decoding import make_search
+from model.generation_config import ConfigError, GenerationConfig, Strategy
 from model.kv_cache import KVCache
 from model.lora import AdapterSelection, set_adapters, use_adapters
 from model.restricted_vocab import VocabularyRestriction
+from model.search import Hypothesis, Search, StopFn, run_search
 from model.seq2seq import Seq2SeqTransformer
-from model.speculative import Drafter, SpeculativeConfig, make_drafter, verify
+from model.speculative import Drafter, SpeculativeConfig, make_drafter, next_draft, verify
 from model.tokenizer import Tokenizer, pad_batch
 from model.vocab_map import VocabularyMap
 
@@ -62,8 +64,7 @@ def _run_speculative(model: CausalLM, search: Search, first: torch.Tensor, cache
     tokens, _ = search.advance(first)
     while not search.done:
         drafter.append(int(tokens[0]))
-        room = search.config.max_new_tokens - search.step - 1
-        draft = drafter.draft(min(drafter.config.num_tokens, room)) if room > 0 else []
+        draft = next_draft(drafter, search)
         before = cache.lengths
         fed = torch.tensor([[int(tokens[0]), *draft]], device=before.device)
         verdict = verify(search, model.verify_step(fed, cache)[0], draft)
@@ -93,11 +94,11 @@ def generate_seq2seq(
     search = make_search(config, len(sources), prefixes=[[model.config.bos_id, *t] for t in targets])
     with torch.inference_mode(), _AdapterRows(model, adapters, len(sources)) as rows:
         capacity = config.max_new_tokens + 1 + max(map(len, targets))
-        vocabulary = None
         if vocab_map is not None:
-            vocabulary = VocabularyRestriction.of_sources(vocab_map, sources, model.config.vocab_size, device)
-        first, cache = model.start(src.to(device), capacity=capacity, targets=targets, vocabulary=vocabulary)
-        return run_search(search, first, lambda t: model.decode_step(t, cache), rows.select_with(cache.select))
+            search.vocabulary = VocabularyRestriction.of_sources(vocab_map, sources, model.config.vocab_size, device)
+        first, cache = model.start(src.to(device), capacity=capacity, targets=targets, vocabulary=search.vocabulary)
+        return run_search(search, first, lambda t: model.decode_step(t, cache, search.vocabulary),
+                          rows.select_with(cache.select))
 
 
 def prompt_logprobs(model: CausalLM, prompt: Sequence[int], top: int = 0

@@ -65,6 +65,11 @@ class GenerationConfig:
     repetition_penalty: float = 1.0  # > 1: tokens of prefix + output less likely (HF's rule: score / p if > 0 else * p)
     logprobs: int | None = None  # N: record each token's log-prob and the N likeliest tokens at its position
 
+    @property
+    def rows_per_input(self) -> int:
+        """Most rows a search of this config holds per input: its beams, its samples, or one (greedy)."""
+        return {Strategy.BEAM: self.num_beams, Strategy.SAMPLE: self.num_return_sequences}.get(self.strategy, 1)
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "banned_token_ids", tuple(self.banned_token_ids))

@@ -10,8 +10,6 @@ seq2seq decoding) a step writes one slice for all rows and a single new token ne
 Cross-attention K/V (encoder-decoder) are computed once per source and only reordered.
 Rows may start from a shared prefix (model.shared_prefix: cached prompt blocks read in place): their buffers
 then hold their own positions only, and a row's token positions count from its prefix's length.
-A translator's rows may be restricted to target vocabularies (model.restricted_vocab): that per-row state
-follows the rows through ``select`` and ``concat`` with the rest.
 """
 
 from __future__ import annotations
@@ -23,7 +21,6 @@ import torch
 import torch.nn.functional as F
 
 from model import native
-from model.restricted_vocab import VocabularyRestriction
 from model.shared_prefix import SharedPrefix
 
 GROWTH = 64  # positions added when a buffer runs out; amortises the copy
@@ -96,7 +93,6 @@ class KVCache:
     cross: CrossAttentionMemory | None = None
     uniform: bool = True  # every row holds exactly max_length tokens (host-side, no device sync)
     prefix: SharedPrefix | None = None  # cached blocks each row reads ahead of its own K/V
-    vocabulary: VocabularyRestriction | None = None  # the target ids each row may produce (seq2seq)
     _write_positions: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
@@ -215,7 +211,7 @@ class KVCache:
 
         When the row count stays (beams reordered), only the rows that change are copied, in place:
         a shallow copy of this cache sharing its buffers sees the change too. Otherwise new buffers.
-        ``tails`` (a search's :attr:`model.decoding.Search.tails`): per row, how many of its last positions may
+        ``tails`` (a search's :attr:`model.search.Search.tails`): per row, how many of its last positions may
         differ from old row ``index[i]``'s; the positions before hold the same tokens and are not copied.
         """
         if index.shape[0] == self.batch_size:
@@ -229,8 +225,6 @@ class KVCache:
             self.cross = self.cross.select(index)
         if self.prefix is not None:
             self.prefix = self.prefix.select(index)
-        if self.vocabulary is not None:
-            self.vocabulary = self.vocabulary.select(index)
 
     def _reorder_in_place(self, index: torch.Tensor, tails: torch.Tensor | None) -> None:
         """Copy the used positions of old row ``index[i]`` into row i wherever they differ.
@@ -270,7 +264,6 @@ class KVCache:
             max_length=max(c.max_length for c in caches),
             uniform=all(c.uniform for c in caches) and len({c.max_length for c in caches}) == 1,
             prefix=SharedPrefix.concat([c.prefix for c in caches], [c.batch_size for c in caches]),
-            vocabulary=VocabularyRestriction.concat([c.vocabulary for c in caches], [c.batch_size for c in caches]),
         )
         if not joined.uniform:  # shorter rows now read (masked) past their own cache's end: make it finite
             start = 0

@@ -28,10 +28,6 @@ from torch import nn
 from model.config import TransformerConfig
 from model.files import make_shareable
 from model.lora import (
-    AdapterError,
-    HeadCopies,
-    LoRAConfig,
-    LoRALinear,
     check_new_name,
     find_targets,
     get_adapter_config,
@@ -40,7 +36,8 @@ from model.lora import (
     wrap_heads,
     wrap_targets,
 )
-from model.lora_config import CONFIG_FILE, MAX_CONFIG_BYTES, WEIGHTS_FILE, quote
+from model.lora_config import CONFIG_FILE, MAX_CONFIG_BYTES, WEIGHTS_FILE, AdapterError, LoRAConfig, quote
+from model.lora_layers import HeadCopies, LoRALinear
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from model.int8_linear import Int8Linear
 from model.kernel_layers import is_plain
 from model.layers import TransformerLayer
 from model.layout import use_input_major_weights
-from model.lora import HeadCopies, LoRALinear
+from model.lora_layers import HeadCopies, LoRALinear
 
 logger = logging.getLogger(__name__)
 

@@ -83,46 +83,47 @@ class Seq2SeqTransformer(nn.Module):
     def start(self, src: torch.Tensor, capacity: int, targets: Sequence[Sequence[int]] | None = None,
               vocabulary: VocabularyRestriction | None = None) -> tuple[torch.Tensor, KVCache]:
         """Encode ``src`` and feed BOS (then each row's target prefix): the next-token logits (B, V) and the cache.
-        ``vocabulary``: the target ids each row may produce (model.restricted_vocab), from the first token on."""
+        ``vocabulary``: the target ids each row may produce (model.restricted_vocab)."""
         memory, src_mask, _ = self.encode(src)
-        cache = self.new_cache(memory, src_mask, capacity)
-        cache.vocabulary = vocabulary
-        return self.start_from(cache, targets)
+        return self.start_from(self.new_cache(memory, src_mask, capacity), targets, vocabulary)
 
-    def start_from(self, cache: KVCache, targets: Sequence[Sequence[int]] | None = None
-                   ) -> tuple[torch.Tensor, KVCache]:
+    def start_from(self, cache: KVCache, targets: Sequence[Sequence[int]] | None = None,
+                   vocabulary: VocabularyRestriction | None = None) -> tuple[torch.Tensor, KVCache]:
         """Feed BOS to every row of a fresh ``cache``, followed by the row's ``targets`` prefix when given (the start
         of a translation to continue): the logits (B, V) of the token after them, and the cache."""
         device = cache.lengths.device
         if not targets or not any(targets):
             bos = torch.full((cache.batch_size,), self.config.bos_id, dtype=torch.long, device=device)
-            return self.decode_step(bos, cache), cache
+            return self.decode_step(bos, cache, vocabulary), cache
         starts = [[self.config.bos_id, *t] for t in targets]
         ids, lengths = (t.to(device) for t in pad_batch(starts, self.config.pad_id))
         positions, mask = cache.begin_step(ids.shape[1])
         x, _ = self.decoder(self.tgt_embed(ids, positions), mask, memory_mask=cache.cross.attention_mask, cache=cache)
         cache.end_step(lengths, max_advance=ids.shape[1])
-        return self.logits(x[torch.arange(ids.shape[0], device=device), lengths - 1], cache), cache
+        return self.logits(x[torch.arange(ids.shape[0], device=device), lengths - 1], vocabulary), cache
 
-    def decode_step(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Feed one target token per row (N,); return next-token logits (N, V)."""
+    def decode_step(self, tokens: torch.Tensor, cache: KVCache, vocabulary: VocabularyRestriction | None = None
+                    ) -> torch.Tensor:
+        """Feed one target token per row (N,); return next-token logits (N, V) (``vocabulary``: the target ids each
+        row may produce, the others -inf)."""
         positions, mask = cache.begin_step(1)
         x = self.tgt_embed(tokens[:, None], positions)
         x = run_decoder(self.decoder, x, mask, cache, cache.cross.attention_mask)
         cache.end_step(1)
-        return self.logits(x[:, 0], cache)
+        return self.logits(x[:, 0], vocabulary)
 
-    def verify_step(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def verify_step(self, ids: torch.Tensor, cache: KVCache, vocabulary: VocabularyRestriction | None = None
+                    ) -> torch.Tensor:
         """Feed t target tokens per row (B, t) (a fed token and a speculative draft); return the logits (B, t, V)
         after each. The cache keeps all t positions; :meth:`KVCache.truncate` forgets the rejected ones."""
         positions, mask = cache.begin_step(ids.shape[1])
         x = run_decoder(self.decoder, self.tgt_embed(ids, positions), mask, cache, cache.cross.attention_mask)
         cache.end_step(ids.shape[1])
-        return self.logits(x, cache)
+        return self.logits(x, vocabulary)
 
-    def logits(self, hidden: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """The output head over ``hidden`` (B, [t,] D): every target token's logit, or with the cache's vocabulary
+    def logits(self, hidden: torch.Tensor, vocabulary: VocabularyRestriction | None = None) -> torch.Tensor:
+        """The output head over ``hidden`` (B, [t,] D): every target token's logit, or under a ``vocabulary``
         restriction the candidates' (the others -inf)."""
-        if cache.vocabulary is None:
+        if vocabulary is None:
             return self.lm_head(hidden)
-        return cache.vocabulary.logits(self.lm_head, hidden)
+        return vocabulary.logits(self.lm_head, hidden)

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from model.causal_lm import CausalLM
-from model.decoding import Search
 from model.generation_config import ConfigError, require
+from model.search import Search
 
 MAX_SPECULATIVE_TOKENS = 16  # draft tokens per step; more costs a longer verification step for little gain
 METHODS = ("ngram", "draft_model")
@@ -169,6 +169,13 @@ class ModelDrafter:
 
 
 Drafter = NgramDrafter | ModelDrafter
+
+
+def next_draft(drafter: Drafter, search: Search) -> list[int]:
+    """The draft for a single-row ``search``'s next step: up to the drafter's ``num_tokens``, as many as fit before
+    max_new_tokens with the step's own pick after them (none when only that pick fits)."""
+    room = search.config.max_new_tokens - search.step - 1
+    return drafter.draft(min(drafter.config.num_tokens, room)) if room > 0 else []
 
 
 def make_drafter(config: SpeculativeConfig, tokens: list[int], draft_model: CausalLM | None) -> Drafter:

@@ -11,7 +11,8 @@ CTranslate2's format, one entry per line, tokens as the vocabularies spell them:
 A line with an empty source lists tokens every source may use (specials, punctuation, frequent words). Where
 source and target share one vocabulary the source's own tokens are candidates too (names, numbers, paths and
 placeholders are copied), and every special and placeholder sentinel is always a candidate.
-:func:`build_vocabulary_map` makes one from a parallel corpus by co-occurrence.
+:func:`build_vocabulary_map` makes one from a parallel corpus by co-occurrence; a checkpoint keeps its map in
+VMAP_FILE (model.checkpoint.checkpoint_vocabulary_map reads it).
 """
 
 from __future__ import annotations
@@ -21,12 +22,6 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-from model.placeholders import MAX_SENTINELS, sentinel
-
-if TYPE_CHECKING:
-    from model.checkpoint import Checkpoint
 
 VMAP_FILE = "vmap.txt"  # a checkpoint's vocabulary map, next to its weights
 MAX_NGRAM = 3  # longest source n-gram a map may key (CTranslate2 reads any; longer ones are rare)
@@ -136,21 +131,3 @@ def load_vocabulary_map(path: str | Path, source_id: Callable[[str], int | None]
                         copy_source: bool) -> VocabularyMap:
     """:meth:`VocabularyMap.parse` of the file at ``path`` (UTF-8)."""
     return VocabularyMap.parse(Path(path).read_text(encoding="utf-8"), source_id, target_id, always, copy_source)
-
-
-def checkpoint_vocabulary_map(checkpoint: Checkpoint) -> VocabularyMap | None:
-    """The vocabulary map of a seq2seq checkpoint (its directory's vmap.txt, in its vocabularies' tokens), or None
-    without one. Every special token and placeholder sentinel (model.placeholders) of the target side is always a
-    candidate; the source's own tokens are where the model shares one vocabulary. Raises VocabularyMapError."""
-    if checkpoint.family != "seq2seq" or checkpoint.path is None or not (checkpoint.path / VMAP_FILE).is_file():
-        return None
-    target, config = checkpoint.tokenizer, checkpoint.config
-    always = {i for i in (target.pad_id, target.bos_id, target.eos_id, target.unk_id, config.pad_id, config.bos_id,
-                          config.eos_id) if i is not None}
-    for n in range(MAX_SENTINELS):
-        always.update(target.encode(sentinel(n)))
-    try:
-        return load_vocabulary_map(checkpoint.path / VMAP_FILE, checkpoint.src_tokenizer.backend.token_to_id,
-                                   target.backend.token_to_id, always, copy_source=config.src_vocab_size is None)
-    except VocabularyMapError as exc:
-        raise VocabularyMapError(f"{checkpoint.path / VMAP_FILE}: {exc}") from None

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 import uvicorn
 from starlette.types import ASGIApp
 
-from service.connections import ConnectionLimits, guarded_protocol
+from service.api.connections import ConnectionLimits, guarded_protocol
 from service.settings import Settings, SettingsError, setting_fields
 
 # uvicorn's own deadline, a backstop after the engine's drain: at it, uvicorn cancels what is left (bare 500s).
@@ -119,10 +119,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write("python -m service: --models (or TSERVE_MODELS) is required\n")
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from service.threads import keep_serial
+    from service.engine.threads import keep_serial
 
-    keep_serial()  # model workers set their own threads (service.threads)
-    from service.app import create_app
+    keep_serial()  # model workers set their own threads (service.engine.threads)
+    from service.api.app import create_app
 
     config = server_config(create_app(settings), settings)
     logging.getLogger("uvicorn.access").addFilter(NoQueryStrings())  # after Config, which configures logging

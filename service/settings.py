@@ -19,12 +19,12 @@ from model.generation_config import ConfigError
 from model.native import KernelOptions
 from model.quantize import QuantizeError, mode_for
 from model.speculative import draft_model_for, speculative_for
-from service import tracing
-from service.limits import DEFAULT_MAX_TOKENS_PER_REQUEST
-from service.types import EngineSettings
-from service.vllm_metrics import COMPAT_MODES
+from service.engine import tracing
+from service.engine.types import EngineSettings
+from service.engine.vllm_metrics import COMPAT_MODES
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+_ENGINE_DEFAULTS = {f.name: f.default for f in fields(EngineSettings)}
 
 
 class SettingsError(ValueError):
@@ -52,6 +52,11 @@ def _optional_path(value: str) -> Path | None:
     return Path(value) if value.strip() else None
 
 
+def _engine(env: str, help: str, parse: Callable[[str], Any]) -> Any:
+    """A setting the engine takes: its default is EngineSettings' (the one source) of the same name, TSERVE_NAME."""
+    return _setting(_ENGINE_DEFAULTS[env.removeprefix("TSERVE_").lower()], env, help, parse)
+
+
 def _setting(default: Any, env: str, help: str, parse: Callable[[str], Any], **kw: Any) -> Any:
     meta = {"env": env, "help": help, "parse": parse}
     if isinstance(default, tuple | list):
@@ -74,15 +79,14 @@ class Settings:
     )
     host: str = _setting("127.0.0.1", "TSERVE_HOST", "address to listen on", str)
     port: int = _setting(8000, "TSERVE_PORT", "TCP port to listen on", int)
-    device: str = _setting("auto", "TSERVE_DEVICE", "torch device: auto (CUDA when available), cpu, cuda, cuda:N", str)
-    dtype: str = _setting("auto", "TSERVE_DTYPE", "weights dtype: auto, float32, float16, bfloat16", str)
-    max_batch_size: int = _setting(32, "TSERVE_MAX_BATCH_SIZE", "most requests one forward pass batches", int)
-    max_wait_ms: float = _setting(5.0, "TSERVE_MAX_WAIT_MS", "how long an idle classifier / embedder waits to fill "
-                                  "a batch (ms); generation starts at once (later requests join its running batch)",
-                                  float)
-    max_queue: int = _setting(256, "TSERVE_MAX_QUEUE", "queued requests per model before 429", int)
-    max_queue_per_key: int | None = _setting(
-        None, "TSERVE_MAX_QUEUE_PER_KEY",
+    device: str = _engine("TSERVE_DEVICE", "torch device: auto (CUDA when available), cpu, cuda, cuda:N", str)
+    dtype: str = _engine("TSERVE_DTYPE", "weights dtype: auto, float32, float16, bfloat16", str)
+    max_batch_size: int = _engine("TSERVE_MAX_BATCH_SIZE", "most requests one forward pass batches", int)
+    max_wait_ms: float = _engine("TSERVE_MAX_WAIT_MS", "how long an idle classifier / embedder waits to fill a batch "
+                                 "(ms); generation starts at once (later requests join its running batch)", float)
+    max_queue: int = _engine("TSERVE_MAX_QUEUE", "queued requests per model before 429", int)
+    max_queue_per_key: int | None = _engine(
+        "TSERVE_MAX_QUEUE_PER_KEY",
         "requests per model and API key, waiting or running, before 429 for that key (with API keys; default: no cap)",
         _optional_int,
     )
@@ -92,26 +96,26 @@ class Settings:
         "keys, may use any",
         int,
     )
-    max_new_tokens: int = _setting(256, "TSERVE_MAX_NEW_TOKENS", "cap on max_new_tokens / max_tokens", int)
-    max_beams: int = _setting(8, "TSERVE_MAX_BEAMS", "cap on num_beams", int)
-    max_return_sequences: int = _setting(8, "TSERVE_MAX_RETURN_SEQUENCES", "cap on num_return_sequences / n", int)
-    max_inputs: int = _setting(64, "TSERVE_MAX_INPUTS", "most inputs (prompts) in one request", int)
-    max_tokens_per_request: int = _setting(
-        DEFAULT_MAX_TOKENS_PER_REQUEST, "TSERVE_MAX_TOKENS_PER_REQUEST",
+    max_new_tokens: int = _engine("TSERVE_MAX_NEW_TOKENS", "cap on max_new_tokens / max_tokens", int)
+    max_beams: int = _engine("TSERVE_MAX_BEAMS", "cap on num_beams", int)
+    max_return_sequences: int = _engine("TSERVE_MAX_RETURN_SEQUENCES", "cap on num_return_sequences / n", int)
+    max_inputs: int = _engine("TSERVE_MAX_INPUTS", "most inputs (prompts) in one request", int)
+    max_tokens_per_request: int = _engine(
+        "TSERVE_MAX_TOKENS_PER_REQUEST",
         "most token entries one generate / completions request may produce, checked before it runs: rows (inputs x "
         "beams or sequences) x max new tokens x (1 + logprobs); echo: prompt tokens x (1 + logprobs); 422 above",
         int,
     )
-    max_input_tokens: int | None = _setting(
-        None, "TSERVE_MAX_INPUT_TOKENS", "cap on input tokens (default: each model's maximum length)", _optional_int
+    max_input_tokens: int | None = _engine(
+        "TSERVE_MAX_INPUT_TOKENS", "cap on input tokens (default: each model's maximum length)", _optional_int
     )
-    request_timeout_s: float = _setting(60.0, "TSERVE_REQUEST_TIMEOUT_S", "per-request time-out (504 after it)", float)
-    model_load_timeout_s: float = _setting(
-        600.0, "TSERVE_MODEL_LOAD_TIMEOUT_S", "seconds one model's load may take at start-up before it is listed under "
+    request_timeout_s: float = _engine("TSERVE_REQUEST_TIMEOUT_S", "per-request time-out (504 after it)", float)
+    model_load_timeout_s: float = _engine(
+        "TSERVE_MODEL_LOAD_TIMEOUT_S", "seconds one model's load may take at start-up before it is listed under "
         "failed (a directory whose files block or crawl) and the other models are served", float
     )
-    max_resident_adapters: int = _setting(
-        8, "TSERVE_MAX_RESIDENT_ADAPTERS", "LoRA adapters kept in memory per model (least recently used evicted)", int
+    max_resident_adapters: int = _engine(
+        "TSERVE_MAX_RESIDENT_ADAPTERS", "LoRA adapters kept in memory per model (least recently used evicted)", int
     )
     max_body_bytes: int = _setting(1 << 20, "TSERVE_MAX_BODY_BYTES", "largest request body (413 above)", int)
     max_adapter_upload_bytes: int = _setting(
@@ -132,8 +136,8 @@ class Settings:
         "comma-separated Bearer keys that may also load and unload adapters (with auth on and none set, nobody may)",
         _keys,
     )
-    threads: int | None = _setting(
-        None, "TSERVE_THREADS", "torch intra-op threads of each model's worker (default: the CPU cores divided among "
+    threads: int | None = _engine(
+        "TSERVE_THREADS", "torch intra-op threads of each model's worker (default: the CPU cores divided among "
         "the models, at least 1)", _optional_int
     )
     drain_timeout_s: float = _setting(
@@ -160,23 +164,20 @@ class Settings:
         "limit (ulimit -n)",
         int,
     )
-    prefix_cache_mb: float = _setting(
-        256.0,
+    prefix_cache_mb: float = _engine(
         "TSERVE_PREFIX_CACHE_MB",
         "memory per generative model for reused prompt prefixes (causal LM) and encoded sources (seq2seq), "
         "least recently used evicted; 0 turns prefix caching off",
         float,
     )
-    speculative: str = _setting(
-        "none",
+    speculative: str = _engine(
         "TSERVE_SPECULATIVE",
         "draft-and-verify decoding for requests that leave \"speculative\" unset (one input, greedy or one sample): "
         "none, ngram:K (prompt lookup, K draft tokens per step), draft_model:K (the model's draft model), or per "
         "model name=... entries plus an optional bare default, e.g. none,code=ngram:4",
         str,
     )
-    draft_model: str = _setting(
-        "",
+    draft_model: str = _engine(
         "TSERVE_DRAFT_MODEL",
         "the smaller causal LM (a directory of the models directory, same tokenizer) that drafts for speculative "
         "method draft_model: TARGET=DRAFT entries, or one DRAFT for every other causal LM; empty: none",
@@ -194,14 +195,13 @@ class Settings:
         "",
         "TSERVE_OTLP_TRACES_ENDPOINT",
         "OTLP/HTTP traces URL (e.g. http://collector:4318/v1/traces) to export a span per request to (service/"
-        "tracing.py; needs requirements-otel.txt); empty: OpenTelemetry's OTEL_EXPORTER_OTLP_ENDPOINT decides, "
+        "engine/tracing.py; needs requirements-otel.txt); empty: OpenTelemetry's OTEL_EXPORTER_OTLP_ENDPOINT decides, "
         "unset = off",
         str,
     )
     log_level: str = _setting("info", "TSERVE_LOG_LEVEL", "logging level: " + ", ".join(LOG_LEVELS), str)
-    warmup: bool = _setting(True, "TSERVE_WARMUP", "run one tiny request per model before reporting ready", _bool)
-    quantize: str = _setting(
-        "none",
+    warmup: bool = _engine("TSERVE_WARMUP", "run one tiny request per model before reporting ready", _bool)
+    quantize: str = _engine(
         "TSERVE_QUANTIZE",
         "int8 linear weights (CPU only): none, int8, or per model name=mode entries plus an optional bare "
         "default, e.g. none,translation=int8",
@@ -283,30 +283,8 @@ class Settings:
         return cls(**{**values, **overrides})
 
     def engine_settings(self) -> EngineSettings:
-        """The subset the engine takes."""
-        return EngineSettings(
-            device=self.device,
-            dtype=self.dtype,
-            max_batch_size=self.max_batch_size,
-            max_wait_ms=self.max_wait_ms,
-            max_queue=self.max_queue,
-            max_queue_per_key=self.max_queue_per_key,
-            max_input_tokens=self.max_input_tokens,
-            max_new_tokens=self.max_new_tokens,
-            max_beams=self.max_beams,
-            max_return_sequences=self.max_return_sequences,
-            max_inputs_per_request=self.max_inputs,
-            max_tokens_per_request=self.max_tokens_per_request,
-            request_timeout_s=self.request_timeout_s,
-            model_load_timeout_s=self.model_load_timeout_s,
-            max_resident_adapters=self.max_resident_adapters,
-            warmup=self.warmup,
-            quantize=self.quantize,
-            prefix_cache_bytes=int(self.prefix_cache_mb * 2**20),
-            speculative=self.speculative,
-            draft_model=self.draft_model,
-            threads=self.threads,
-        )
+        """The subset the engine takes (EngineSettings' fields, by name)."""
+        return EngineSettings(**{f.name: getattr(self, f.name) for f in fields(EngineSettings)})
 
 
 def _env(name: str) -> str:

@@ -1,7 +1,8 @@
-"""benchmarks/open_loop.py: its pure parts (arrivals, percentiles, saturation, the plot) and a tiny real run.
+"""benchmarks/open_loop.py and open_loop_load.py: their pure parts (arrivals, percentiles, saturation, the plot)
+and a tiny real run.
 
 The real run serves a random-weight causal_lm of toy size with ``python -m service`` (benchmarks.open_loop's
-own ``--models`` path, which starts it with tests/service/server.py's ``running_server``) and checks the
+own ``--models`` path, which starts it with service/local_server.py's ``running_server``) and checks the
 report's bookkeeping, never a latency or throughput value.
 """
 
@@ -14,8 +15,8 @@ import numpy
 import pytest
 import torch
 
-from benchmarks import open_loop, open_loop_plot
-from benchmarks.open_loop import LoadConfig, PlannedRequest, RateResult, RequestRecord
+from benchmarks import open_loop, open_loop_load, open_loop_plot
+from benchmarks.open_loop_load import LoadConfig, PlannedRequest, RateResult, RequestRecord
 from model.causal_lm import CausalLM
 from model.checkpoint import save_checkpoint
 from model.config import CausalLMConfig
@@ -28,9 +29,9 @@ SVG = "{http://www.w3.org/2000/svg}"
 
 
 def test_arrivals_from_a_seed_are_reproducible_and_have_the_poisson_mean_gap():
-    first = open_loop.arrival_times(4.0, 5000.0, random.Random(7))
-    assert first == open_loop.arrival_times(4.0, 5000.0, random.Random(7))
-    assert first != open_loop.arrival_times(4.0, 5000.0, random.Random(8))
+    first = open_loop_load.arrival_times(4.0, 5000.0, random.Random(7))
+    assert first == open_loop_load.arrival_times(4.0, 5000.0, random.Random(7))
+    assert first != open_loop_load.arrival_times(4.0, 5000.0, random.Random(8))
     gaps = [b - a for a, b in zip([0.0, *first], first, strict=False)]
     assert all(g > 0 for g in gaps) and first[-1] < 5000.0
     # ~20,000 exponential gaps of mean 1/4 and standard deviation 1/4: the mean's standard error is ~0.0018.
@@ -42,7 +43,7 @@ def test_the_plan_keeps_each_requests_lengths_across_rates_and_scales_the_arriva
     config = LoadConfig(duration_s=20.0, seed=3, prompt_words=(2, 9), output_tokens=(4, 12), max_in_flight=8,
                         drain_s=1.0)
     words = [f"w{i}" for i in range(500)]
-    slow, fast = open_loop.plan_requests(1.0, config, words), open_loop.plan_requests(4.0, config, words)
+    slow, fast = open_loop_load.plan_requests(1.0, config, words), open_loop_load.plan_requests(4.0, config, words)
     assert len(fast) > len(slow) > 0
     for a, b in zip(slow, fast, strict=False):
         assert (a.prompt, a.prompt_words, a.output_tokens) == (b.prompt, b.prompt_words, b.output_tokens)
@@ -56,8 +57,8 @@ def test_the_plan_keeps_each_requests_lengths_across_rates_and_scales_the_arriva
 def test_percentile_matches_numpys_linear_interpolation(size):
     values = [random.Random(size).expovariate(1.0) for _ in range(size)]
     for q in (0, 1, 25, 50, 90, 99, 100):
-        assert open_loop.percentile(values, q) == pytest.approx(float(numpy.percentile(values, q)))
-    assert math.isnan(open_loop.percentile([], 50))
+        assert open_loop_load.percentile(values, q) == pytest.approx(float(numpy.percentile(values, q)))
+    assert math.isnan(open_loop_load.percentile([], 50))
 
 
 def _rate(rate: float, ttfts: list[float], shed: int = 0, unfinished: int = 0) -> RateResult:
@@ -108,7 +109,7 @@ def test_the_plot_has_a_line_per_series_with_a_point_per_measured_rate():
 def tiny_models(tmp_path_factory: pytest.TempPathFactory):
     """A random-weight causal_lm of toy size with a BPE tokenizer trained on a few stdlib files."""
     directory = tmp_path_factory.mktemp("open-loop") / "models"
-    tokenizer = Tokenizer.train(open_loop.stdlib_texts(200_000), vocab_size=300)
+    tokenizer = Tokenizer.train(open_loop_load.stdlib_texts(200_000), vocab_size=300)
     torch.manual_seed(0)
     config = CausalLMConfig(vocab_size=tokenizer.vocab_size, d_model=32, n_heads=4, d_ff=64, n_layers=2,
                             max_len=128, dropout=0.0)

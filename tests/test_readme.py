@@ -31,6 +31,6 @@ def test_the_packages_import_from_outside_the_repository(tmp_path):
     snippet = next(b for b in re.findall(r"```python\n(.*?)```", README, re.S) if "model.checkpoint" in b)
     imports = "\n".join(line for line in snippet.splitlines() if line.startswith("from model"))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run([sys.executable, "-c", imports + "\nimport service.app, training.cli"], cwd=tmp_path,
+    done = subprocess.run([sys.executable, "-c", imports + "\nimport service.api.app, training.cli"], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from model.config import CONFIGS, ConfigError, TransformerConfig
+from model.config import CONFIGS, ModelConfigError, TransformerConfig
 from training.errors import UserError
 
 # --arch: the config fields that make each published architecture ("default" = the config defaults).
@@ -60,7 +60,7 @@ def build_config(family: str, sizes: ModelSizes, vocab_size: int, **family_field
         fields["n_layers"] = sizes.layers
     try:
         return CONFIGS[family](**fields, **family_fields)
-    except ConfigError as e:
+    except ModelConfigError as e:
         raise UserError(f"invalid model size: {e}") from e
 
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from model.checkpoint import resolve_device
+from model.build import resolve_device
 from training.errors import UserError
 
 logger = logging.getLogger(__name__)

@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from model.checkpoint import Checkpoint, CheckpointError, load_checkpoint
+from model.checkpoint import Checkpoint, CheckpointError, checkpoint_vocabulary_map, load_checkpoint
 from model.lora import AdapterError
 from model.lora_io import load_adapter
 from model.quantize import QuantizeError, prepare_for_inference
-from model.vocab_map import VMAP_FILE, VocabularyMap, VocabularyMapError, checkpoint_vocabulary_map
+from model.vocab_map import VMAP_FILE, VocabularyMap, VocabularyMapError
 from training.distributed import user_device
 from training.errors import UserError
 from training.runs import DEVICE, EvalRun

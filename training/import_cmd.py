@@ -22,8 +22,8 @@ def import_hf(source: str | Path, out: str | Path, overwrite: bool = False) -> P
     """Write HF model directory ``source`` as our checkpoint ``out``; returns ``out``."""
     import torch
 
-    from model.checkpoint import HF_DIR, save_checkpoint
-    from model.hf import HFImportError, companion_files, load_hf_checkpoint
+    from model.checkpoint import HF_DIR, load_hf_checkpoint, save_checkpoint
+    from model.hf import HFImportError, companion_files
     from training.errors import UserError
 
     out = Path(out)

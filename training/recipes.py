@@ -76,10 +76,6 @@ class Tier:
     def families(self) -> tuple[FamilyRecipe, ...]:
         return (self.translation, self.langid, self.code)
 
-    @property
-    def budget_minutes(self) -> float:
-        return sum(f.train_minutes + f.lora_minutes + f.eval_minutes for f in self.families)
-
 
 # ---- the default tiers: one table ---------------------------------------------------------------
 

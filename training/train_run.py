@@ -18,6 +18,7 @@ import tokenizers
 import torch
 from torch import nn
 
+from model.build import build_model
 from model.checkpoint import (
     CONFIG_FILE,
     FORMAT_VERSION,
@@ -25,7 +26,6 @@ from model.checkpoint import (
     SOURCE_TOKENIZER_FILE,
     Checkpoint,
     CheckpointError,
-    build_model,
     load_checkpoint,
     load_config,
     parameter_count,

@@ -14,8 +14,8 @@ SAMPLE = 1000  # training sources whose candidate counts the report averages
 
 
 def _run(run: BuildVmapRun) -> None:
-    from model.checkpoint import CheckpointError, load_checkpoint
-    from model.vocab_map import VMAP_FILE, build_vocabulary_map, checkpoint_vocabulary_map
+    from model.checkpoint import CheckpointError, checkpoint_vocabulary_map, load_checkpoint
+    from model.vocab_map import VMAP_FILE, build_vocabulary_map
     from training.tasks import TASKS, TaskOptions
     from training.tasks.base import TokenIds
 

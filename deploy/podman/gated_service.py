@@ -15,20 +15,18 @@ import time
 from pathlib import Path
 
 from service.__main__ import main
-from service.scheduler import Scheduler
+from service.engine.scheduler import FaultHook, Scheduler, install_fault_hooks
 
 HOLD = "hold"
 POLL_S = 0.005  # how often a parked worker looks for the hold file's removal
 
 
 def install(directory: Path) -> None:
-    """Every Scheduler created from now on parks its worker while ``directory/hold`` exists."""
+    """Every Scheduler built from now on parks its worker while ``directory/hold`` exists."""
     hold = directory / HOLD
-    real_init = Scheduler.__init__
 
-    def init(self: Scheduler, *args, **kwargs) -> None:
-        real_init(self, *args, **kwargs)
-        parked = directory / f"parked-{self.name}"
+    def gate(scheduler: Scheduler) -> FaultHook:
+        parked = directory / f"parked-{scheduler.name}"
 
         def park(ids: list[str]) -> None:
             if not hold.exists():
@@ -40,9 +38,9 @@ def install(directory: Path) -> None:
             finally:
                 parked.unlink(missing_ok=True)
 
-        self.fault_hook = park
+        return park
 
-    Scheduler.__init__ = init
+    install_fault_hooks(gate)
 
 
 if __name__ == "__main__":

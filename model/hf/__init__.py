@@ -5,9 +5,9 @@ the weights (safetensors only) and maps them onto our module names. One module p
 ``ARCHITECTURES`` (the ``architectures`` names it takes), ``to_config`` (HF config -> ours) and ``state_dict``
 (HF tensors -> ours), and ``ADAPTER_LAYOUT`` (PEFT adapters in its names <-> ours): gpt2.py (GPT2LMHeadModel,
 GPT2Model), bert.py (BertForSequenceClassification, BertModel), marian.py (MarianMTModel).
-:func:`load_hf_checkpoint` adds what else the directory brings (:func:`hf_companions`): tokenizer.json
-(tokenizer.py) or OPUS-MT's SentencePiece files (marian_tokenizer.py), generation_config.json's rules
-(generation.py) and sentence-transformers' pooling (sentence.py).
+:func:`hf_companions` reads what else the directory brings (model.checkpoint.load_hf_checkpoint adds it to the
+model): tokenizer.json (tokenizer.py) or OPUS-MT's SentencePiece files (marian_tokenizer.py), generation_config.json's
+rules (generation.py) and sentence-transformers' pooling (sentence.py).
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
+from model.build import build_model
 from model.config import TransformerConfig
 from model.files import read_regular
 from model.hf.common import CONFIG_FILE, HFImportError, read_config, read_weights
@@ -28,9 +29,6 @@ from model.hf.marian_tokenizer import MARIAN_FILES, is_marian_tokenizer, load_ma
 from model.hf.sentence import embedding_defaults, sentence_files
 from model.hf.tokenizer import TOKENIZER_FILES, load_tokenizer
 from model.tokenizer import MAX_TOKENIZER_BYTES  # the largest file a companion may be
-
-if TYPE_CHECKING:
-    from model.checkpoint import Checkpoint
 
 # config.json's model_type -> the module of its importer (imported when a directory of that type loads)
 IMPORTERS = {"gpt2": "model.hf.gpt2", "bert": "model.hf.bert", "marian": "model.hf.marian"}
@@ -54,8 +52,6 @@ def _importer(hf: dict) -> ModuleType:
 
 def load_hf_model(directory: str | Path, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, TransformerConfig]:
     """The model of HF directory ``directory`` as ours, in eval mode (HFImportError says what does not fit)."""
-    from model.checkpoint import build_model  # model.checkpoint will import this package to detect HF layouts
-
     directory = Path(directory)
     hf = read_config(directory)
     model_type = hf.get("model_type")
@@ -70,19 +66,6 @@ def load_hf_model(directory: str | Path, dtype: torch.dtype = torch.float32) -> 
     model = build_model(config)
     model.load_state_dict({k: v.float() for k, v in state.items()})
     return model.to(dtype).eval(), config
-
-
-def load_hf_checkpoint(
-    directory: str | Path, device: str | torch.device = "auto", dtype: str | torch.dtype | None = None
-) -> Checkpoint:
-    """An HF directory as a Checkpoint (format "hf"): the model on ``device`` in ``dtype``, its tokenizer."""
-    from model.checkpoint import Checkpoint, resolve_device, resolve_dtype
-
-    directory = Path(directory)
-    model, config = load_hf_model(directory)
-    torch_device = resolve_device(device)
-    model.to(device=torch_device, dtype=resolve_dtype(dtype, torch_device)).eval()
-    return Checkpoint(model, config, path=directory, format="hf", **hf_companions(directory, config))
 
 
 def hf_companions(directory: Path, config: TransformerConfig) -> dict[str, Any]:
@@ -125,5 +108,4 @@ def _check_vocabularies(config: TransformerConfig, source: object | None, target
                                 f"{size}")
 
 
-__all__ = ["HFImportError", "companion_files", "hf_companions", "is_hf_directory", "load_hf_checkpoint",
-           "load_hf_model"]
+__all__ = ["HFImportError", "companion_files", "hf_companions", "is_hf_directory", "load_hf_model"]

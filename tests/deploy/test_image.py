@@ -26,7 +26,7 @@ import httpx
 import pytest
 import yaml
 
-from service.schemas import GenerateOutput
+from service.api.schemas import GenerateOutput
 from tests.deploy.conftest import ROOT
 from tests.service.conftest import ADAPTERS, CLS, LM, MT, assert_same, offline
 from tests.service.server import free_port, metric_samples

@@ -26,8 +26,8 @@ import yaml
 
 from model.native import KernelOptions
 from service.__main__ import BACKSTOP_S
-from service.metrics import Metrics
-from service.routes.health import router as health_router
+from service.api.routes.health import router as health_router
+from service.engine.metrics import Metrics
 from service.settings import Settings
 from tests.deploy.conftest import ROOT
 from tests.deploy.test_containers import exported_series_names, stages
@@ -322,7 +322,7 @@ def test_settings_are_the_service_settings(rendered):
             else:
                 assert mounts[str(settings.models)].get("readOnly") is True, f"{name}: models must be read-only"
             assert not mounts[str(settings.adapters)].get("readOnly"), f"{name}: adapter uploads need a writable volume"
-            # Each model worker runs TSERVE_THREADS threads (service/threads.py): together within the CPU limit.
+            # Each model worker runs TSERVE_THREADS threads (service/engine/threads.py): together within the CPU limit.
             cpus = float(container["resources"]["limits"]["cpu"])
             assert settings.threads is not None and settings.threads * len(FAMILIES) <= cpus, name
             assert settings.device == ("cuda" if name == "overlays/gpu" else "cpu"), name
@@ -419,7 +419,7 @@ def exposition(models_dir: Path, adapters_dir: Path) -> str:
 
 
 def test_autoscalers_scale_on_the_queue_metric_the_service_exports(rendered, exposition):
-    waiting = Metrics().waiting.describe()[0].name  # the queue gauge of service/metrics.py
+    waiting = Metrics().waiting.describe()[0].name  # the queue gauge of service/engine/metrics.py
     assert waiting in exported_series_names(exposition)
     queries = {f"{name}: {where}": query for name, objects in rendered.items()
                for where, query in autoscaler_queries(objects).items()}

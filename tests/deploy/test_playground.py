@@ -37,7 +37,8 @@ def server(models_dir: Path, adapters_dir: Path) -> Iterator[Server]:
     with running_server(models_dir, adapters_dir) as s:
         for name in ("playground.js", "playground.css"):  # the page's own files, beside index.html
             r = httpx.get(f"{s.url}/static/{name}", timeout=10)
-            assert r.status_code == 200, f"GET /static/{name}: {r.status_code}: the service must serve service/static/"
+            assert r.status_code == 200, (f"GET /static/{name}: {r.status_code}: the service must serve "
+                                     "service/api/static/")
         yield s
 
 

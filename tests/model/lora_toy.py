@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.lora import LoRAConfig, LoRALinear, adapter_names, add_adapter, use_adapters
+from model.lora import LoRAConfig, adapter_names, add_adapter, use_adapters
+from model.lora_layers import LoRALinear
 
 D = 8
 ATTN = LoRAConfig(r=4, lora_alpha=12.0)  # scaling 3

@@ -6,8 +6,9 @@ from collections import Counter
 import pytest
 import torch
 
-from model.decoding import GenerationConfig, Hypothesis, make_search, run_search
+from model.decoding import GenerationConfig, make_search
 from model.logits import apply_top_k, apply_top_p, repeated_ngram_bans, top_k
+from model.search import Hypothesis, run_search
 from tests.hf_compare import repeats_ngram
 
 EOS = 2

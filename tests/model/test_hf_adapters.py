@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from model.hf import load_hf_checkpoint
+from model.checkpoint import load_hf_checkpoint
 from model.lora import AdapterError, adapter_names, layers_with, use_adapters
 from model.lora_io import check_adapter, load_adapter
 from tests.hf_compare import ATOL, peft_adapter

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.hf import load_hf_checkpoint
-from model.lora import HeadCopies, adapter_names, delete_adapter, use_adapters
+from model.checkpoint import load_hf_checkpoint
+from model.lora import adapter_names, delete_adapter, use_adapters
 from model.lora_io import check_adapter, load_adapter, save_adapter
+from model.lora_layers import HeadCopies
 from tests.hf_compare import ATOL, peft_adapter
 from tests.hf_directories import with_tokenizer
 from tests.model import hf_bert

@@ -11,7 +11,6 @@ from torch import nn
 from model.lora import (
     AdapterError,
     LoRAConfig,
-    LoRALinear,
     adapter_names,
     add_adapter,
     clear_adapters,
@@ -23,6 +22,7 @@ from model.lora import (
     use_adapters,
 )
 from model.lora_io import lora_state_dict
+from model.lora_layers import LoRALinear
 from tests.model.lora_toy import (
     ATTN,
     ROWS,

@@ -8,7 +8,8 @@ import torch
 from model import native
 from model.fast_step import plan_for
 from model.layout import use_input_major_weights
-from model.lora import LoRAConfig, LoRALinear, add_adapter, use_adapters
+from model.lora import LoRAConfig, add_adapter, use_adapters
+from model.lora_layers import LoRALinear
 from model.quantize import quantize_int8
 from tests.model.conftest import random_ids, tiny_classifier, tiny_seq2seq
 

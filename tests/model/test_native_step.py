@@ -10,13 +10,13 @@ from model.fast_step import plan_for, run_decoder
 from model.layout import use_input_major_weights
 from model.lora import (
     LoRAConfig,
-    LoRALinear,
     add_adapter,
     delete_adapter,
     merge_adapter,
     unmerge_adapter,
     use_adapters,
 )
+from model.lora_layers import LoRALinear
 from model.quantize import quantize_int8
 from tests.model.conftest import random_ids, tiny_causal_lm, tiny_seq2seq
 from tests.model.helpers import causal_cache, decode, seq2seq_cache

@@ -9,7 +9,8 @@ from model.decoding import GenerationConfig
 from model.fast_step import plan_for
 from model.generation import generate_causal, generate_seq2seq
 from model.layout import input_major, use_input_major_weights
-from model.lora import LoRAConfig, LoRALinear, add_adapter, merge_adapter
+from model.lora import LoRAConfig, add_adapter, merge_adapter
+from model.lora_layers import LoRALinear
 from tests.model.conftest import random_ids, tiny_causal_lm, tiny_seq2seq
 
 kernel = native.kernels()

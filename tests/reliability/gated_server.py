@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from service.__main__ import main
-from service.scheduler import Scheduler
+from service.engine.scheduler import FaultHook, Scheduler, install_fault_hooks
 from tests.helpers import on_stop
 
 HOLD = "hold"
@@ -50,13 +50,12 @@ class ServerGate:
 
 
 def install(directory: Path) -> None:
+    """Every Scheduler built from now on parks its worker while ``directory/hold`` exists and logs its calls."""
     hold = directory / HOLD
-    real_init = Scheduler.__init__
 
-    def init(self: Scheduler, *args, **kwargs) -> None:
-        real_init(self, *args, **kwargs)
-        parked, stopping = directory / f"parked-{self.name}", threading.Event()
-        calls = directory / f"calls-{self.name}"
+    def gate(scheduler: Scheduler) -> FaultHook:
+        parked, stopping = directory / f"parked-{scheduler.name}", threading.Event()
+        calls = directory / f"calls-{scheduler.name}"
 
         def park(ids: list[str]) -> None:
             with calls.open("a") as log:
@@ -70,10 +69,10 @@ def install(directory: Path) -> None:
             finally:
                 parked.unlink(missing_ok=True)
 
-        self.fault_hook = park
-        on_stop(self, stopping.set)
+        on_stop(scheduler, stopping.set)
+        return park
 
-    Scheduler.__init__ = init
+    install_fault_hooks(gate)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,14 @@
-"""Helpers of the reliability tests: an in-process real server, process memory, shared checks.
+"""Helpers of the reliability tests: an in-process real server and shared checks.
 
 ``inprocess_server`` runs uvicorn on a real 127.0.0.1 socket in a thread of the test process, so a
 test can reach into the engine (fault hooks that slow down or break model calls, the batch's rows)
-while clients talk HTTP; ``tests.service.server.running_server`` is the subprocess server for
-everything that needs a process of its own (signals, memory, logs).
+while clients talk HTTP; ``service.local_server.running_server`` is the subprocess server for
+everything that needs a process of its own (signals, memory, logs), and the home of the helpers the
+benchmarks share with these tests (process memory, adapter uploads), re-exported here.
 """
 
 from __future__ import annotations
 
-import io
-import shutil
-import tarfile
 import threading
 import time
 from collections.abc import Iterator
@@ -21,14 +19,15 @@ from pathlib import Path
 import httpx
 import uvicorn
 from fastapi import FastAPI
-from safetensors.torch import load_file, save_file
 
-from model.lora_io import CONFIG_FILE, WEIGHTS_FILE
 from service.__main__ import server_config
-from service.app import create_app
-from service.engine import Engine
+from service.api.app import create_app
+from service.engine.engine import Engine
+from service.local_server import adapter_archive, adapter_variant, free_port, metric_samples, rss_bytes
 from service.settings import Settings
-from tests.service.server import free_port, metric_samples
+
+__all__ = ["InProcessServer", "adapter_archive", "adapter_variant", "health_latencies", "inprocess_server",
+           "rss_bytes", "wait_until"]
 
 
 @dataclass
@@ -72,32 +71,6 @@ def inprocess_server(models_dir: Path, adapters_dir: Path | None = None, **setti
     finally:
         server.should_exit = True
         thread.join(30)
-
-
-def rss_bytes(pid: int) -> int:
-    """Resident set size of process ``pid`` (VmRSS in /proc/<pid>/status)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for process {pid}")
-
-
-def adapter_archive(directory: Path) -> bytes:
-    """A PEFT-layout adapter directory as the .tar.gz an upload sends."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        for name in (CONFIG_FILE, WEIGHTS_FILE):
-            tar.add(directory / name, arcname=name)
-    return buf.getvalue()
-
-
-def adapter_variant(source: Path, target: Path) -> Path:
-    """A second version of an adapter: the same A, B negated (other outputs, same shapes)."""
-    target.mkdir(parents=True)
-    shutil.copy(source / CONFIG_FILE, target / CONFIG_FILE)
-    tensors = load_file(str(source / WEIGHTS_FILE))
-    save_file({k: (-v if "lora_B" in k else v) for k, v in tensors.items()}, str(target / WEIGHTS_FILE))
-    return target
 
 
 def wait_until(condition, timeout_s: float = 10.0, interval_s: float = 0.02) -> bool:

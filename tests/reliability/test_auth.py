@@ -15,7 +15,7 @@ import httpx
 import pytest
 from fastapi import HTTPException
 
-from service import auth
+from service.api import auth
 from service.settings import Settings
 from tests.helpers import error_of
 from tests.service.conftest import ADAPTERS, LM

@@ -109,8 +109,8 @@ BEAM = {"inputs": ["x"], "strategy": "beam"}
         (f"{MT}/attention", {"input": "x", "target": "y " * 500}, "target", "max_len"),
         (f"{LM}/attention", {"input": "x", "target": "y " * 500}, "target", "max_len"),
         # very many inputs (under the byte limit)
-        (f"{LM}/generate", {"inputs": ["x"] * 10000}, "inputs", "max_inputs_per_request=4"),
-        (f"{CLS}/classify", {"inputs": ["x"] * 5000}, "inputs", "max_inputs_per_request=4"),
+        (f"{LM}/generate", {"inputs": ["x"] * 10000}, "inputs", "max_inputs=4"),
+        (f"{CLS}/classify", {"inputs": ["x"] * 5000}, "inputs", "max_inputs=4"),
         ("completions", {"model": LM, "prompt": ["x"] * 5000}, "prompt", "max_inputs"),
         # adapter names that try to leave the adapters directory
         (f"{LM}/generate", {**X, "adapter": "/etc/passwd"}, "adapter", "pattern"),

@@ -30,8 +30,8 @@ from schemathesis.checks import (
 )
 from schemathesis.generation.meta import negated_parameters
 
-from service.app import create_app
-from service.routes.adapters import ARCHIVE_TYPES
+from service.api.app import create_app
+from service.api.routes.adapters import ARCHIVE_TYPES
 from service.settings import Settings
 from tests.service.conftest import ADAPTERS, CLS, LM, MT
 

@@ -10,8 +10,8 @@ import time
 import httpx
 from prometheus_client import generate_latest
 
-from service.app import create_app
-from service.engine import Engine
+from service.api.app import create_app
+from service.engine.engine import Engine
 from service.settings import Settings
 from tests.helpers import wait_until
 from tests.reliability.gated_server import ServerGate

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import pytest
 
 from model.checkpoint import load_checkpoint
-from service.attention import MAX_ATTENTION_VALUES
+from service.engine.attention import MAX_ATTENTION_VALUES
 from tests.reliability.helpers import health_latencies
 from tests.service.fixtures import CLS, LM, MT
 from tests.service.server import running_server

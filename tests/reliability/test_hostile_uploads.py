@@ -37,8 +37,8 @@ import httpx
 import pytest
 
 from model.lora_io import CONFIG_FILE, WEIGHTS_FILE
-from service import archive_sandbox
-from service.archive import ArchiveError, read_adapter_archive
+from service.api import archive_sandbox
+from service.api.archive import ArchiveError, read_adapter_archive
 from tests.helpers import error_of
 from tests.reliability.helpers import (
     adapter_archive,
@@ -181,7 +181,7 @@ pathlib.Path({marker!r}).write_text(str(os.getpid()))
 while not pathlib.Path({release!r}).exists():
     time.sleep(0.01)
 sys.argv = ["archive_sandbox", *sys.argv[1:]]
-runpy.run_module("service.archive_sandbox", run_name="__main__")
+runpy.run_module("service.api.archive_sandbox", run_name="__main__")
 """
 
 

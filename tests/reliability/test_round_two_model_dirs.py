@@ -5,7 +5,7 @@ load with the reason, at once and in bounded memory, and never takes the server 
    2.2 GB peak; 10^9 tried to allocate 8 GB): refused above model.layers.MAX_POSITIONS, by name.
 9. A FIFO as tokenizer.json or 1_Pooling/config.json hung start-up forever: every file of a model directory is
    opened non-blocking and read only when fstat says it is a regular file of bounded size
-   (model.files.read_regular); a load that hangs anyway fails at its deadline (service.engine), its thread left
+   (model.files.read_regular); a load that hangs anyway fails at its deadline (service.engine.engine), its thread left
    behind as a daemon, so the other models serve and SIGTERM still ends the server.
 10. tokenizer.json's ``"decoder": null`` (token strings are then the pieces, as transformers'
    convert_ids_to_tokens gives them); WordPiece's ``max_input_chars_per_word`` and a vocabulary piece's length
@@ -191,7 +191,7 @@ def test_a_hostile_directory_is_listed_under_failed_while_the_good_ones_serve(go
 def install_hanging_loads(markers: Path) -> None:
     """Fault hook: the load of a model directory holding HANG_FILE (a FIFO) first reads it with a blocking open, as
     a read of a hung file system would block (``markers/hanging-<name>`` says it started)."""
-    import service.engine as engine
+    import service.engine.engine as engine
 
     real = engine.load_checkpoint
 
@@ -219,7 +219,7 @@ def test_a_load_that_hangs_fails_at_its_deadline_and_the_others_serve(good, tmp_
     shutil.copytree(good / "gpt2", models / "gpt2")
     shutil.copytree(good / "bert", models / "hung")
     os.mkfifo(models / "hung" / HANG_FILE)
-    import service.engine as engine
+    import service.engine.engine as engine
 
     monkeypatch.setattr(engine, "load_checkpoint", engine.load_checkpoint)  # restored after the test
     install_hanging_loads(tmp_path)

@@ -12,7 +12,7 @@ import pytest
 
 from model.checkpoint import load_checkpoint
 from model.constraints import MAX_UNROLLED
-from service.schemas import GenerateResponse
+from service.api.schemas import GenerateResponse
 from tests.reliability.helpers import inprocess_server
 from tests.reliability.test_hostile_inputs import HUGE_TOKEN
 from tests.service.fixtures import LM, MT

@@ -1,4 +1,4 @@
-"""Slow clients are timed out and connections are capped (issue 15, item 6; service/connections.py).
+"""Slow clients are timed out and connections are capped (issue 15, item 6; service/api/connections.py).
 
 Each test runs ``python -m service`` (tests/service/server.py) with small limits and talks to it over
 raw sockets, which can stop half-way through a request as a slow or hostile client does. The server

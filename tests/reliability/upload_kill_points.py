@@ -2,7 +2,7 @@
 stopping dead the first time an adapter upload reaches POINT: it writes MARKER, then sleeps, so that a test
 can SIGKILL it there (the way tests/reliability/kill_points.py stops training mid-save).
 
-Points (service.adapter_store):
+Points (service.engine.adapter_store):
 
 - ``parsed``: the upload's files are written to their ``.upload-*`` directory and checked; nothing swapped;
 - ``exchanged``: the upload is swapped in; the adapter it replaced sits in the ``.upload-*`` directory;
@@ -18,8 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-from service import adapter_store
 from service.__main__ import main
+from service.engine import adapter_store
 
 
 def _stop_here(marker: Path) -> None:

@@ -23,16 +23,16 @@ from typing import Any
 
 import pytest
 
-from model.checkpoint import load_checkpoint
+from model.checkpoint import checkpoint_vocabulary_map, load_checkpoint
 from model.decoding import GenerationConfig
 from model.generation import generate_causal, generate_seq2seq, stop_strings, trim_stop
 from model.lora_io import load_adapter
-from model.vocab_map import checkpoint_vocabulary_map
-from service.engine import Engine
-from service.generation_requests import DECODING_FIELDS
-from service.jobs import continuation, token_logprobs
-from service.schemas import DEFAULT_NEW_TOKENS, Candidate, GenerateOutput, GenerateRequest
-from service.types import EngineSettings
+from service.api.convert import generation_request
+from service.api.schemas import DEFAULT_NEW_TOKENS, GenerateRequest
+from service.engine.engine import Engine
+from service.engine.jobs import continuation, token_logprobs
+from service.engine.requests import DECODING_FIELDS, GenerationRequest
+from service.engine.types import EngineSettings, GeneratedSequence, GenerationOutput
 from tests.service.fixtures import (
     ADAPTERS,
     CLS,
@@ -90,13 +90,14 @@ async def running_engine(models_dir: Path, adapters_dir: Path | None, **settings
         await engine.stop(drain_timeout_s=5.0)
 
 
-def ask(*inputs: str, **fields: Any) -> GenerateRequest:
-    """A generate request for ``inputs`` (GenerateRequest ``fields``)."""
-    return GenerateRequest(inputs=list(inputs), **fields)
+def ask(*inputs: str, **fields: Any) -> GenerationRequest:
+    """The engine's request for ``inputs`` with GenerateRequest ``fields``: validated and converted as the route
+    does."""
+    return generation_request(GenerateRequest(inputs=list(inputs), **fields))
 
 
 def offline(model_dir: Path, texts: list[str], fields: dict[str, Any], adapter_dir: Path | None = None
-            ) -> list[GenerateOutput]:
+            ) -> list[GenerationOutput]:
     """Each text generated alone by model.generation's offline functions (the engine's reference), decoding as
     a GenerateRequest with ``fields`` asks (a translator's vocabulary map applied unless use_vmap is false)."""
     ckpt = load_checkpoint(model_dir, device="cpu")
@@ -120,14 +121,14 @@ def offline(model_dir: Path, texts: list[str], fields: dict[str, Any], adapter_d
             hyps = generate_seq2seq(ckpt.model, [ckpt.src_tokenizer.encode(text, add_eos=True)], config,
                                     adapters=adapters, targets=[target], vocab_map=vocab_map)[0]
         text_of = continuation(ckpt.tokenizer.decode, target)
-        candidates = [Candidate(text=trim_stop(text_of(h.tokens), req.stop), tokens=h.tokens,
-                                score=h.score, finish_reason=h.finish_reason,
-                                logprobs=token_logprobs(h, ckpt.tokenizer.decode)) for h in hyps]
-        outputs.append(GenerateOutput(**dict(candidates[0]), candidates=candidates))
+        candidates = [GeneratedSequence(text=trim_stop(text_of(h.tokens), req.stop), tokens=h.tokens,
+                                        score=h.score, finish_reason=h.finish_reason,
+                                        logprobs=token_logprobs(h, ckpt.tokenizer.decode)) for h in hyps]
+        outputs.append(GenerationOutput(**vars(candidates[0]), candidates=candidates))
     return outputs
 
 
-def assert_same(got: list[GenerateOutput], want: list[GenerateOutput]) -> None:
+def assert_same(got: list[GenerationOutput], want: list[GenerationOutput]) -> None:
     """Same texts, tokens and finish reasons; scores equal up to float rounding (an output without candidates
     is its own one candidate)."""
     assert len(got) == len(want)

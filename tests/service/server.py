@@ -1,111 +1,30 @@
-"""A real server for the HTTP tests: ``python -m service`` in a subprocess on a free 127.0.0.1 port.
+"""A real server for the HTTP tests: service/local_server.py's ``running_server`` (``python -m service`` in a
+subprocess on a free 127.0.0.1 port) and its helpers, plus what only the tests read (event streams).
 
 Usage::
 
     with running_server(models_dir, adapters_dir, TSERVE_MAX_QUEUE="2") as server:
         httpx.get(server.url + "/ready")
-
-Settings go in as ``TSERVE_*`` environment variables (the way an operator sets them); the server's
-output goes to a log file whose tail is shown if it fails to become ready.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import threading
-import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
+from collections.abc import Iterator
 
-import httpx
+from service.local_server import (
+    ROOT,
+    Server,
+    free_port,
+    metric_samples,
+    otlp_receiver,
+    running_server,
+    stop,
+    wait_ready,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@dataclass
-class Server:
-    url: str
-    process: subprocess.Popen
-    log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def client(self, **kwargs) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=kwargs.pop("timeout", 60.0), **kwargs)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(url: str, process: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with status {process.returncode}")
-        try:
-            if httpx.get(url + "/ready", timeout=2.0).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"server at {url} not ready after {timeout_s} s")
-
-
-def stop(process: subprocess.Popen, timeout_s: float = 15.0) -> int:
-    """SIGTERM (graceful: drains in-flight requests), SIGKILL if it does not exit in time."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-    return process.returncode
-
-
-@contextmanager
-def running_server(
-    models_dir: Path,
-    adapters_dir: Path | None = None,
-    ready_timeout_s: float = 60.0,
-    module_args: Sequence[str] = ("-m", "service"),
-    **env: str,
-) -> Iterator[Server]:
-    """Start ``python -m service`` with ``env`` (TSERVE_* settings) added; stop it on exit.
-
-    ``module_args``: what runs instead of ``-m service``, e.g. a wrapper that installs fault hooks first
-    (tests/reliability/gated_server.py); the server's own flags follow them."""
-    port = free_port()
-    args = [sys.executable, *module_args, "--models", str(models_dir), "--host", "127.0.0.1", "--port", str(port)]
-    if adapters_dir is not None:
-        args += ["--adapters", str(adapters_dir)]
-    environ = {**os.environ, "TSERVE_THREADS": "1", "TSERVE_LOG_LEVEL": "warning", **env}
-    log = tempfile.NamedTemporaryFile(prefix="tserve-", suffix=".log", delete=False)  # noqa: SIM115
-    process = subprocess.Popen(args, cwd=ROOT, env=environ, stdout=log, stderr=subprocess.STDOUT)
-    server = Server(f"http://127.0.0.1:{port}", process, Path(log.name))
-    try:
-        try:
-            wait_ready(server.url, process, ready_timeout_s)
-        except (RuntimeError, TimeoutError) as exc:
-            raise RuntimeError(f"{exc}; server log:\n{server.log()[-4000:]}") from None
-        yield server
-    finally:
-        stop(process)
-        log.close()
-        os.unlink(log.name)
+__all__ = ["ROOT", "Server", "free_port", "metric_samples", "otlp_receiver", "running_server", "sse_data", "stop",
+           "wait_ready"]
 
 
 def sse_data(lines: Iterator[str]) -> list:
@@ -116,46 +35,3 @@ def sse_data(lines: Iterator[str]) -> list:
             payload = line[len("data: ") :]
             out.append(payload if payload == "[DONE]" else json.loads(payload))
     return out
-
-
-def metric_samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
-    """Samples of metric ``name`` in Prometheus text: {sorted label pairs: value}."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name:
-                out[tuple(sorted(sample.labels.items()))] = sample.value
-    return out
-
-
-@contextmanager
-def otlp_receiver() -> Iterator[tuple[str, list]]:
-    """An OTLP/HTTP (protobuf) traces endpoint on 127.0.0.1: (its base URL, the spans received so far)."""
-    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as trace_service
-
-    spans: list = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-            request = trace_service.ExportTraceServiceRequest()
-            request.ParseFromString(self.rfile.read(int(self.headers["Content-Length"])))
-            for resource in request.resource_spans:
-                for scope in resource.scope_spans:
-                    spans.extend(scope.spans)
-            self.send_response(200)
-            self.send_header("Content-Type", "application/x-protobuf")
-            self.end_headers()
-            self.wfile.write(trace_service.ExportTraceServiceResponse().SerializeToString())
-
-        def log_message(self, *args) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", spans
-    finally:
-        server.shutdown()

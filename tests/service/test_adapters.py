@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from model.lora import adapter_names
-from service.errors import InvalidRequest, NotFound, QueueFull
+from service.engine.errors import InvalidRequest, NotFound, QueueFull
 from tests.helpers import StepGate, step_until, stepping, wait_until
 from tests.service.conftest import ADAPTERS, LM, MT, ask, assert_same, make_adapter, offline, running_engine
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from model.checkpoint import load_checkpoint
-from service.routes.models import model_schema
+from service.api.routes.models import model_schema
 from tests.service.conftest import CLS, LM, running_engine
 from tests.service.fixtures import write_labels
 from training.cli import main

@@ -11,7 +11,7 @@ import re
 import jsonschema
 import pytest
 
-from service.errors import InvalidRequest
+from service.engine.errors import InvalidRequest
 from tests.helpers import gather_queued
 from tests.service.conftest import ADAPTERS, LM, MT, ask, assert_same, offline, running_engine
 

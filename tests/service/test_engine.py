@@ -10,12 +10,14 @@ import pytest
 import torch
 from prometheus_client import generate_latest
 
-from model.checkpoint import build_model, load_checkpoint, parameter_count, save_checkpoint
+from model.build import build_model
+from model.checkpoint import load_checkpoint, parameter_count, save_checkpoint
 from model.lora import set_adapters
 from model.lora_io import load_adapter
-from service.errors import EngineFailure, InvalidRequest, NotFound
-from service.schemas import GenerateRequest
-from service.types import EngineSettings
+from service.api.schemas import GenerateRequest
+from service.engine.errors import EngineFailure, InvalidRequest, NotFound
+from service.engine.requests import GenerationRequest
+from service.engine.types import EngineSettings
 from tests.service.conftest import ADAPTERS, CLS, LABELS, LM, MT, ask, histogram_count, running_engine
 
 METRICS = [
@@ -57,11 +59,11 @@ def test_start_serves_good_checkpoints_and_reports_broken_ones(models_dir, adapt
 
 def test_validation_names_field_and_limit(models_dir, adapters_dir):
     async def main():
-        async with running_engine(models_dir, adapters_dir, max_input_tokens=8, max_inputs_per_request=3,
+        async with running_engine(models_dir, adapters_dir, max_input_tokens=8, max_inputs=3,
                                   max_new_tokens=20, max_beams=2) as engine:
             lm, cls = engine.get(LM), engine.get(CLS)
-            def p(*inputs: str, **kw) -> GenerateRequest:
-                return GenerateRequest(inputs=list(inputs), **{"max_new_tokens": 5, **kw})
+            def p(*inputs: str, **kw) -> GenerationRequest:
+                return ask(*inputs, **{"max_new_tokens": 5, **kw})
 
             cases = [
                 (lambda: cls.generate(p("a"), "r"), "model 'tiny-cls' is a classifier; generate needs"),
@@ -70,7 +72,7 @@ def test_validation_names_field_and_limit(models_dir, adapters_dir):
                 (lambda: lm.embed(["a"], "mean", "r"), "embed needs a classifier"),
                 (lambda: lm.generate(p("a", "the quick brown fox jumps"), "r"),
                  r"inputs\[1\]: \d+ tokens exceeds max_input_tokens=8"),
-                (lambda: lm.generate(p(*["a"] * 4), "r"), "4 inputs exceeds max_inputs_per_request=3"),
+                (lambda: lm.generate(p(*["a"] * 4), "r"), "4 inputs exceeds max_inputs=3"),
                 (lambda: lm.generate(p("a", max_new_tokens=21), "r"), "max_new_tokens: 21 exceeds the limit 20"),
                 (lambda: lm.generate(p("a", strategy="beam", num_beams=3), "r"), "num_beams: 3 exceeds max_beams=2"),
                 (lambda: lm.generate(p("a", strategy="beam", num_beams=2, stop=["x"]), "r"), "stop:"),

@@ -6,16 +6,20 @@ import asyncio
 import io
 import shutil
 import tarfile
+import time
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
-from service.app import create_app
-from service.archive import ArchiveError, read_adapter_archive
+from service.api.app import create_app
+from service.api.archive import ArchiveError, read_adapter_archive
 from service.settings import Settings
-from tests.helpers import error_of
+from tests.helpers import block_worker, error_of
+from tests.reliability.helpers import inprocess_server
+from tests.reliability.helpers import wait_until as wait_until_true
 from tests.service.conftest import ADAPTERS, CLS, LM, MT
 from tests.service.server import running_server
 
@@ -110,7 +114,7 @@ LONG = "word " * 400
     [
         (f"{LM}/generate", {"inputs": ["x"], "max_new_tokens": 17}, "max_new_tokens", "16"),
         (f"{MT}/generate", {"inputs": ["x"], "strategy": "beam", "num_beams": 4}, "num_beams", "max_beams=3"),
-        (f"{LM}/generate", {"inputs": ["x"] * 5}, "inputs", "max_inputs_per_request=4"),
+        (f"{LM}/generate", {"inputs": ["x"] * 5}, "inputs", "max_inputs=4"),
         (f"{LM}/generate", {"inputs": ["x", LONG]}, "inputs[1]", "max_input_tokens"),
         (f"{MT}/generate", {"inputs": [LONG]}, "inputs[0]", "max_input_tokens"),
         (f"{LM}/generate", {"inputs": []}, "inputs", "at least 1 item"),
@@ -266,27 +270,26 @@ def test_not_ready_is_503(models_dir):
 
 
 def test_queue_full_429_and_timeout_504(models_dir):
-    settings = dict(
-        TSERVE_MAX_QUEUE="1", TSERVE_MAX_BATCH_SIZE="1", TSERVE_REQUEST_TIMEOUT_S="0.02", TSERVE_WARMUP="false"
-    )
-    # 8 inputs x 8 beams for 100 decode steps (min_new_tokens = max_new_tokens): far over the 20 ms time-out
-    # on any machine.
-    body = {"inputs": ["hello"] * 8, "max_new_tokens": 100, "min_new_tokens": 100, "strategy": "beam", "num_beams": 8}
-    with running_server(models_dir, None, **settings) as s:
-
-        async def burst() -> list[httpx.Response]:
-            async with httpx.AsyncClient(base_url=s.url, timeout=30) as c:
-                return await asyncio.gather(*(c.post(f"/v1/models/{LM}/generate", json=body) for _ in range(8)))
-
-        responses = asyncio.run(burst())
-        statuses = sorted(r.status_code for r in responses)
-        assert set(statuses) == {429, 504}, statuses
-        for r in responses:
-            error = error_of(r, r.status_code, "queue_full" if r.status_code == 429 else "timeout")
-            if r.status_code == 429:
-                assert int(r.headers["retry-after"]) >= 1 and "max_queue=1" in error["message"]
-        assert httpx.get(s.url + "/health").status_code == 200  # still serving
-        metrics = httpx.get(s.url + "/metrics").text
+    """With the worker held, a second request finds the queue (max_queue 1) full: 429 with Retry-After; the queued
+    one, its deadline passed while it waited, is a 504. Decided by events (the worker held, the deadline moved to
+    "now"), not by how fast this machine decodes."""
+    body = {"inputs": ["hello"], "max_new_tokens": 4}
+    with inprocess_server(models_dir, max_queue=1, max_batch_size=1) as server, server.client() as client:
+        worker = server.engine.get(LM)
+        release = block_worker(worker)
+        with ThreadPoolExecutor(1) as pool:
+            queued = pool.submit(client.post, f"/v1/models/{LM}/generate", json=body)
+            assert wait_until_true(lambda: worker.scheduler.num_waiting == 1, timeout_s=60)
+            full = client.post(f"/v1/models/{LM}/generate", json=body)
+            (job,) = worker.scheduler.waiting_jobs()
+            job.deadline = time.monotonic()  # expired while it waits
+            release.set()
+            timed_out = queued.result(timeout=60)
+        error = error_of(full, 429, "queue_full")
+        assert int(full.headers["retry-after"]) >= 1 and "max_queue=1" in error["message"]
+        error_of(timed_out, 504, "timeout")
+        assert client.get("/health").status_code == 200  # still serving
+        metrics = client.get("/metrics").text
         assert 'status="429"' in metrics and 'status="504"' in metrics
 
 

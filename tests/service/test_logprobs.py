@@ -10,7 +10,8 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from service.schemas import GenerateRequest
+from service.api.convert import generate_output
+from service.api.schemas import GenerateRequest
 from tests.helpers import gather_queued
 from tests.service.conftest import ADAPTERS, LM, MT, ask, assert_same, assert_same_logprobs, offline, running_engine
 
@@ -50,7 +51,7 @@ def test_streamed_logprobs_equal_the_unstreamed_ones(models_dir, adapters_dir, f
             worker = engine.get(LM)
             request = ask("the quick brown", adapter=ADAPTERS[LM], **fields)
             whole = await worker.generate(request, "whole")
-            events = [e async for e in await worker.stream(request.model_copy(update={"stream": True}), "streamed")]
+            events = [e async for e in await worker.stream(request, "streamed")]
             return whole[0], events
 
     whole, events = asyncio.run(main())
@@ -79,4 +80,4 @@ def test_alternatives_leave_out_the_tokens_a_constraint_rules_out(models_dir):
     first = out.logprobs[0].top_logprobs
     assert 1 <= len(first) < 5  # at most the two choices' first tokens
     assert all(math.isfinite(a.logprob) for e in out.logprobs for a in e.top_logprobs)
-    json.dumps(out.model_dump(), allow_nan=False)
+    json.dumps(generate_output(out).model_dump(), allow_nan=False)

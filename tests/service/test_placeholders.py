@@ -14,7 +14,8 @@ import pytest
 
 from model.checkpoint import load_checkpoint
 from model.placeholders import check, find
-from service.errors import InvalidRequest
+from service.api.convert import generate_output
+from service.engine.errors import InvalidRequest
 from tests.service.conftest import LM, ask, running_engine
 from tests.service.fixtures import OBJECTS, PLACEHOLDERS_SEEN, VERBS
 
@@ -70,7 +71,7 @@ def test_every_translation_keeps_its_inputs_placeholders_streamed_or_not(models)
         assert events[-1].placeholders_ok == out.placeholders_ok
         assert all(e.placeholders_ok is None for e in events[:-1])
     for out in raw:
-        assert out.placeholders_ok is None and "placeholders_ok" not in out.model_fields_set
+        assert out.placeholders_ok is None and "placeholders_ok" not in generate_output(out).model_fields_set
 
 
 def test_protect_placeholders_is_for_translation_models_only(models):

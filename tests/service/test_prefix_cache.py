@@ -11,7 +11,7 @@ import torch
 
 from model.checkpoint import load_checkpoint
 from model.prefix_cache import BLOCK_TOKENS, PrefixCache
-from service.runners import DECODE_HEADROOM, CausalRunner
+from service.engine.runners import DECODE_HEADROOM, CausalRunner
 from tests.helpers import gather_queued
 from tests.service.conftest import ADAPTERS, LM, MT, ask, assert_same, offline, running_engine
 
@@ -110,7 +110,7 @@ def test_zero_megabytes_turns_prefix_caching_off(models_dir):
     prompt = SYSTEM + "hello world"
 
     async def main():
-        async with running_engine(models_dir, None, prefix_cache_bytes=0) as engine:
+        async with running_engine(models_dir, None, prefix_cache_mb=0) as engine:
             worker = engine.get(LM)
             assert worker.runner.prefix_cache is None
             outputs = [await worker.generate(ask(prompt, max_new_tokens=6), f"r{i}") for i in range(2)]

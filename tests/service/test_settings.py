@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from service.__main__ import parse_settings, server_config
-from service.connections import ConnectionLimits, GuardedH11Protocol
+from service.api.connections import ConnectionLimits, GuardedH11Protocol
 from service.settings import Settings, SettingsError, settings_table
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,7 +52,7 @@ def test_precedence_default_env_flag():
     assert s.api_keys == ("a", "b", "c") and s.admin_keys == () and s.auth_enabled
     assert s.max_queue == Settings().max_queue and s.max_input_tokens is None and s.threads is None
     engine = s.engine_settings()
-    assert (engine.max_beams, engine.max_wait_ms, engine.max_inputs_per_request) == (5, 2.5, s.max_inputs)
+    assert (engine.max_beams, engine.max_wait_ms, engine.max_inputs) == (5, 2.5, s.max_inputs)
 
 
 @pytest.mark.parametrize(

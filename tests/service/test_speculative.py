@@ -14,8 +14,8 @@ import torch
 from model.causal_lm import CausalLM
 from model.checkpoint import load_checkpoint, save_checkpoint
 from model.tokenizer import Tokenizer
-from service.errors import InvalidRequest
-from service.routes.models import model_schema
+from service.api.routes.models import model_schema
+from service.engine.errors import InvalidRequest
 from tests.helpers import gather_queued
 from tests.service.conftest import ADAPTERS, LM, MT, ask, assert_same, offline, running_engine
 

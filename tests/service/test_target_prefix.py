@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from service.errors import InvalidRequest
+from service.engine.errors import InvalidRequest
 from tests.helpers import gather_queued
 from tests.service.conftest import ADAPTERS, LM, MT, ask, assert_same, offline, running_engine
 

@@ -1,4 +1,4 @@
-"""The cores a server counts (service/threads.py): its affinity capped by its cgroup's CPU quota, read from files
+"""The cores a server counts (service/engine/threads.py): its affinity capped by its cgroup's CPU quota, read from files
 laid out as cgroup v2 and v1 lay them out."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from service.threads import available_cores, cgroup_cpu_limit, worker_threads
+from service.engine.threads import available_cores, cgroup_cpu_limit, worker_threads
 
 AFFINITY = len(os.sched_getaffinity(0))
 

@@ -11,10 +11,10 @@ import pytest
 
 pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
 
-from service.app import create_app  # noqa: E402
-from service.engine import Engine  # noqa: E402
+from service.api.app import create_app  # noqa: E402
+from service.api.middleware import TracingMiddleware  # noqa: E402
+from service.engine.engine import Engine  # noqa: E402
 from service.settings import Settings  # noqa: E402
-from service.tracing import TracingMiddleware  # noqa: E402
 from tests.service.conftest import ADAPTERS, CLS, LM  # noqa: E402
 from tests.service.server import otlp_receiver, running_server  # noqa: E402
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from model.checkpoint import load_checkpoint
-from model.vocab_map import VMAP_FILE, VocabularyMap, checkpoint_vocabulary_map
-from service.errors import InvalidRequest
+from model.checkpoint import checkpoint_vocabulary_map, load_checkpoint
+from model.vocab_map import VMAP_FILE, VocabularyMap
+from service.engine.errors import InvalidRequest
 from tests.helpers import gather_queued
 from tests.service.conftest import LM, MT, ask, assert_same, offline, running_engine
 from tests.service.fixtures import write_translation

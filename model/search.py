@@ -1,0 +1,143 @@
+"""The decoding search's contract: what a search is (:class:`Search`), what it finds (:class:`Hypothesis`), and the
+offline loop that drives one (:func:`run_search`). model.decoding holds greedy and sampling, model.beam_search the
+beam search; model.decoding.make_search picks one.
+
+A search owns some rows of a model batch. `advance(logits)` consumes the last-position logits of
+those rows and returns the token every surviving row feeds next and the current row it continues
+from, so one implementation serves offline generation (`run_search`) and an engine that
+concatenates the rows of many searches into one model step. Finished rows leave at once.
+
+Conventions:
+- `Hypothesis.tokens` holds generated tokens only. The EOS or stop token that ended a sequence is
+  left out, but its log-prob is part of `logprob`/`score` and it counts in the length. Tokens
+  that made `stop_fn` fire are kept (the caller trims the stop string from the text).
+- With ``config.logprobs = N``, every hypothesis also lists each of its tokens' log-prob (log_softmax of the
+  raw logits, as ``logprob`` sums them; the terminator's is in ``logprob`` only) and the N likeliest tokens
+  at that position with theirs, best first (the distribution the token was picked from, before bans).
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from model.generation_config import GenerationConfig, require
+from model.logits import mask_repeats, penalize_repeats
+from model.restricted_vocab import VocabularyRestriction
+
+logger = logging.getLogger(__name__)
+
+StopFn = Callable[[int, list[int]], bool]
+
+
+@dataclass
+class Hypothesis:
+    """One finished sequence."""
+
+    tokens: list[int]  # generated tokens only: no prompt, no EOS/stop token
+    score: float  # greedy/sample: == logprob; beam: logprob / length ** length_penalty
+    logprob: float  # sum of log_softmax(raw logits) of the chosen tokens, terminator included
+    finish_reason: str  # "eos" | "stop" | "length"
+    token_logprobs: list[float] | None = None  # config.logprobs set: one per token of ``tokens``
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # config.logprobs = N: per token, N (id, log-prob)
+
+
+class Search(ABC):
+    """Decoding state for a group of input sequences; vectorised over its own rows."""
+
+    def __init__(self, config: GenerationConfig, num_inputs: int, stop_fn: StopFn | None = None,
+                 prefixes: Sequence[Sequence[int]] | None = None):
+        require(num_inputs >= 1, "num_inputs", f"must be >= 1, got {num_inputs}")
+        require(not config.reads_history or (prefixes is not None and len(prefixes) == num_inputs),
+                 "no_repeat_ngram_size" if config.no_repeat_ngram_size else "repetition_penalty",
+                 "needs the prefix (prompt, or decoder start) of every input")
+        self.config = config
+        self.num_inputs = num_inputs
+        self.stop_fn = stop_fn
+        self.prefixes = [list(p) for p in prefixes] if config.reads_history else None
+        self.step = 0  # tokens generated so far by every live row
+        # After an advance that kept the row count: per row, how many of its last cached positions may differ from
+        # those of the old row at its index (the rest hold the same tokens, so the same keys and values): what a
+        # KV cache must copy when it reorders rows. None: any of them.
+        self.tails: torch.Tensor | None = None
+        # The target ids each row may produce (model.restricted_vocab; a translation under a vocabulary map), or
+        # None: set by whoever starts the search, reordered with the rows by run_search, read by the model's steps.
+        self.vocabulary: VocabularyRestriction | None = None
+
+    @property
+    @abstractmethod
+    def num_rows(self) -> int:
+        """Rows this search occupies in the model batch right now."""
+
+    @property
+    @abstractmethod
+    def done(self) -> bool:
+        """True once every input is finished (no rows left)."""
+
+    @abstractmethod
+    def advance(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Consume the rows' last-position logits (num_rows, V); return (next_tokens, parent_rows), both (R',).
+
+        parent_rows index the current rows; R' is the new row count (finished rows are left out).
+        The first call sees one row per input and may expand it (beams, samples); once done it
+        returns empty tensors.
+        """
+
+    @abstractmethod
+    def results(self) -> list[list[Hypothesis]]:
+        """Finished hypotheses per input, once done."""
+
+    def choices_ahead(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The one row's picks (t,) and their log-probs (t,) at its next t steps, each from the logits (t, V) after
+        the picks before it, where they can be made at once (greedy, the same bans at every step); else None."""
+        return None
+
+    def _check_logits(self, logits: torch.Tensor) -> None:
+        if logits.dim() != 2 or logits.size(0) != self.num_rows:  # (messages built only on failure: every step)
+            raise ValueError(f"logits must be (num_rows={self.num_rows}, V), got {tuple(logits.shape)}")
+        if max(self.config.finish_token_ids) >= logits.size(1):
+            raise ValueError(f"eos/stop token ids {self.config.finish_token_ids} out of vocabulary {logits.size(1)}")
+
+    def _history_rules(self, scores: torch.Tensor, inputs: list[int], histories: list[list[int]]) -> torch.Tensor:
+        """``scores`` of rows (input, generated tokens), in place, under the rules that read each row's prefix +
+        output, in Hugging Face's order: the repetition penalty, then the n-gram bans."""
+        sequences = [self.prefixes[i] + h for i, h in zip(inputs, histories, strict=True)]
+        if self.config.repetition_penalty != 1.0:
+            penalize_repeats(scores, sequences, self.config.repetition_penalty)
+        if self.config.no_repeat_ngram_size:
+            mask_repeats(scores, sequences, self.config.no_repeat_ngram_size)
+        return scores
+
+    def _check_done(self) -> None:
+        if not self.done:
+            raise RuntimeError("results() called before the search is done")
+
+    @staticmethod
+    def _empty(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """What ``advance`` returns once no row is left."""
+        empty = torch.empty(0, dtype=torch.long, device=device)
+        return empty, empty.clone()
+
+
+def run_search(search: Search, first_logits: torch.Tensor, step: Callable[[torch.Tensor], torch.Tensor],
+               select_rows: Callable[[torch.Tensor, torch.Tensor | None], None]) -> list[list[Hypothesis]]:
+    """Drive `search` offline: step(tokens) -> next logits; select_rows(parents, tails) reorders per-row state
+    (``tails``: :attr:`Search.tails`); the search's own vocabulary restriction follows the rows here."""
+    logits = first_logits
+    steps = 0
+    while True:
+        rows = search.num_rows
+        tokens, parents = search.advance(logits)
+        steps += 1
+        if search.done:
+            logger.debug("search over %d inputs done after %d steps", search.num_inputs, steps)
+            return search.results()
+        if parents.numel() != rows or not torch.equal(parents, torch.arange(rows, device=parents.device)):
+            select_rows(parents, search.tails)
+            if search.vocabulary is not None:
+                search.vocabulary = search.vocabulary.select(parents)
+        logits = step(tokens)

@@ -1,0 +1,77 @@
+"""Bodies of classify, embed and attention."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, Field
+
+from service.api.schemas.common import Name, Priority, RequestModel, Text, one_or_many
+from service.engine.attention import MAX_ATTENTION_VALUES
+
+# A list, not a tuple: strict validation of the parsed JSON body (Python objects) takes no list as a tuple.
+Pair = Annotated[list[Text], Field(min_length=2, max_length=2, description="A sentence pair [first, second].")]
+TextOrPair = one_or_many(Text, Pair)
+
+
+class ClassifyRequest(RequestModel):
+    inputs: list[TextOrPair] = Field(min_length=1, description="Texts or [text, text] pairs.")
+    adapter: Name | None = None
+    top_k: int | None = Field(None, ge=1, description="Return only the k likeliest labels' probabilities.")
+    min_confidence: float | None = Field(
+        None, ge=0.0, le=1.0, description="Answer \"unknown\" (abstained) for a text whose top probability is "
+        "below this. Default: the model's calibrated threshold (calibration.json), else 0 (never)."
+    )
+    priority: Priority = 0
+
+
+class Classification(BaseModel):
+    label: str = Field(description="The likeliest label, or \"unknown\" when the classifier abstained.")
+    score: float = Field(description="The top probability (calibrated when the model has a calibration).")
+    probabilities: dict[str, float]
+    abstained: bool = Field(False, description="The top probability was below min_confidence.")
+
+
+class ClassifyResponse(BaseModel):
+    outputs: list[Classification]
+
+
+class EmbedRequest(RequestModel):
+    inputs: list[Text] = Field(min_length=1)
+    pooling: Literal["cls", "mean", "max"] | None = Field(
+        None, description="cls: the [CLS] state; mean / max: over the input's tokens (padding excluded). Default: "
+        "the model's (a sentence-transformers model's Pooling module), else mean."
+    )
+    normalize: bool | None = Field(
+        None, description="Unit-length vectors. Default: the model's (a sentence-transformers Normalize module), "
+        "else false."
+    )
+    priority: Priority = 0
+
+
+class EmbedResponse(BaseModel):
+    embeddings: list[list[float]]
+    dimensions: int
+
+
+Indices = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=64)]
+
+
+class AttentionRequest(RequestModel):
+    input: Text = Field(description="The text (seq2seq: the source sentence).")
+    target: Text | None = Field(None, description="seq2seq only: the target sentence the decoder reads.")
+    layers: Indices | None = Field(None, description="Layers to return (0-based, in this order); default all.")
+    heads: Indices | None = Field(None, description="Heads to return (0-based, in this order); default all.")
+
+
+AttentionKind = Literal["encoder_self", "decoder_self", "cross", "self"]
+
+
+class AttentionResponse(BaseModel):
+    source_tokens: list[str]
+    target_tokens: list[str] | None = None
+    maps: dict[AttentionKind, list[list[list[list[float]]]]] = Field(
+        description="kind -> [layer][head][query][key] weights of the selected layers and heads; kinds: "
+        "encoder_self, decoder_self, cross (seq2seq) or self (classifier, causal_lm). At most "
+        f"{MAX_ATTENTION_VALUES:,} weights in all: a larger selection is a 422."
+    )

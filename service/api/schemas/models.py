@@ -1,0 +1,79 @@
+"""Bodies of /health, /ready, the model list and the adapter routes."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class ReadyResponse(BaseModel):
+    status: Literal["ready"] = "ready"
+    models: list[str]
+
+
+class AdapterInfoSchema(BaseModel):
+    name: str
+    rank: int
+    alpha: float
+    target_modules: list[str]
+    path: str
+    loaded_at: float | None = Field(
+        None, description="Unix time the resident version was loaded (null: on disk only, loaded on first use)."
+    )
+    last_used: float | None = Field(None, description="Unix time of its last request.")
+    in_flight: int = Field(0, description="Requests using it right now.")
+    resident: bool = Field(True, description="In memory now (false: known on disk, loaded on first use).")
+
+
+class AdapterList(BaseModel):
+    adapters: list[AdapterInfoSchema]
+
+
+class ModelInfoSchema(BaseModel):
+    id: str = Field(description="Same as name (OpenAI's model list field).")
+    object: Literal["model"] = "model"
+    created: int = Field(description="Unix time the server started.")
+    owned_by: str = "tserve"
+    name: str
+    family: Literal["seq2seq", "classifier", "causal_lm"]
+    device: str
+    dtype: str
+    parameters: int = Field(description="The model's own parameters (tied weights counted once).")
+    adapter_parameters: int = Field(description="Parameters its resident LoRA adapters add.")
+    vocab_size: int = Field(description="Tokens the model can output (a translator's target vocabulary).")
+    max_input_tokens: int
+    max_new_tokens: int = Field(description="Cap on new tokens (0 for classifiers).")
+    labels: list[str] | None = Field(None, description="Class labels (classifier).")
+    adapters: list[str] = Field(description="LoRA adapters this model can use.")
+    format: Literal["tserve", "hf"] = Field(
+        description="tserve: a checkpoint of ours; hf: a Hugging Face model directory (config.json, model.safetensors)."
+    )
+    generation_defaults: dict[str, str | int | float | bool] = Field(
+        default_factory=dict,
+        description="What generate uses for the fields a request leaves unset, from the model's own generation "
+        "config (an HF model's generation_config.json: num_beams, max_length, length_penalty, early_stopping, "
+        "do_sample), within this server's limits. Fields not named here take the request schema's defaults.",
+    )
+    draft_model: str | None = Field(None, description="The model that drafts for speculative method draft_model.")
+    calibration: dict[str, float] | None = Field(
+        None, description="A classifier's calibration (calibration.json): the temperature its probabilities are "
+        "scaled by and min_confidence, below which it answers \"unknown\" unless a request sets its own."
+    )
+
+
+class ModelLoadFailure(BaseModel):
+    name: str = Field(description="The model directory's name.")
+    error: str = Field(description="Why it did not load (paths relative to the models directory).")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelInfoSchema]
+    failed: list[ModelLoadFailure] = Field(
+        description="Configured models that failed to load at start-up, and why (not served)."
+    )

@@ -1,0 +1,186 @@
+"""The serving engine: every model under the models directory loaded into a ``ModelWorker`` (service/engine/worker.py),
+served under its directory name; start-up, lookup and draining. Torch only, no HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from model.checkpoint import Checkpoint, load_checkpoint
+from model.generation_config import ConfigError
+from model.quantize import mode_for, prepare_for_inference
+from model.speculative import check_draft_model, draft_model_for
+from service.engine.errors import NotFound, NotReady
+from service.engine.metrics import Metrics
+from service.engine.threads import available_cores, worker_threads
+from service.engine.types import EngineSettings, ModelInfo
+from service.engine.worker import ModelWorker
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class LoadTimeout(TimeoutError):
+    """A model's load did not finish within its deadline (its thread is left behind, a daemon)."""
+
+
+class NoModelsLoaded(RuntimeError):
+    """Start-up found nothing to serve: no model directory, or none that loaded (the message says why)."""
+
+
+class Engine:
+    """Every model under ``models_dir``, served under its directory name."""
+
+    def __init__(self, settings: EngineSettings, models_dir: Path, adapters_dir: Path | None) -> None:
+        self.settings = settings
+        self.models_dir = Path(models_dir)
+        self.adapters_dir = Path(adapters_dir) if adapters_dir is not None else None
+        self.metrics = Metrics()
+        self.ready = False
+        self.load_errors: dict[str, str] = {}
+        self._workers: dict[str, ModelWorker] = {}
+
+    async def start(self) -> None:
+        """Load every checkpoint and warm it up; a failing one is logged, skipped and reported in load_errors.
+
+        Raises NoModelsLoaded, naming each model and its reason, when none loads (the models directory is
+        missing, holds no model directories, or every one failed): a server with nothing to serve never reports
+        ready.
+        """
+        if not self.models_dir.is_dir():
+            raise NoModelsLoaded(f"models directory {self.models_dir} not found")
+        dirs = sorted(p for p in self.models_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+        # A checkpoint whose save was killed between its two renames is only at .<name>.old: load_checkpoint
+        # reads it from there, so list it under its name.
+        interrupted = [self.models_dir / p.name[1:-4] for p in self.models_dir.glob(".?*.old") if p.is_dir()]
+        dirs = sorted({*dirs, *(d for d in interrupted if not d.exists())})
+        if not dirs:
+            raise NoModelsLoaded(f"models directory {self.models_dir} holds no model directories")
+        threads = worker_threads(self.settings.threads, len(dirs))
+        if threads > 1 and threads * len(dirs) > available_cores():
+            logger.warning("%d model workers x %d intra-op threads exceed the %d CPU cores: every parallel region "
+                           "will wait for a sleeping thread (engine/threads.py); leave TSERVE_THREADS unset to share "
+                           "the cores", len(dirs), threads, available_cores())
+        for directory in dirs:
+            name = directory.name
+            start = time.perf_counter()
+            worker = None
+            try:
+                checkpoint, draft = await _within(self.settings.model_load_timeout_s,
+                                                  functools.partial(self._load, directory))
+                worker = ModelWorker(name, checkpoint, self.settings, self.metrics, self.adapters_dir, draft)
+                await worker.start(threads)
+                self.metrics.model_load_seconds.labels(name).set(time.perf_counter() - start)
+                if self.settings.warmup:
+                    await worker.warmup()
+            except Exception as exc:
+                logger.exception("model %r (%s) failed to load; skipped", name, directory)
+                self.load_errors[name] = self._public(f"{type(exc).__name__}: {exc}")
+                if worker is not None:  # started, then failed (its warm-up): its threads stop too
+                    worker.scheduler.close()
+                    await asyncio.to_thread(worker.scheduler.stop, NotReady(f"model {name!r} failed to load"), 10.0)
+                    worker.close()
+                continue
+            self._workers[name] = worker
+            logger.info("model %r (%s) ready in %.2fs: %s", name, checkpoint.family, time.perf_counter() - start,
+                        worker.info)
+        if not self._workers:
+            reasons = "".join(f"\n  {name}: {error}" for name, error in self.load_errors.items())
+            raise NoModelsLoaded(f"no model in {self.models_dir} loaded:{reasons}")
+        self.ready = True
+
+    def _load(self, directory: Path) -> tuple[Checkpoint, Checkpoint | None]:
+        """The checkpoint in ``directory``, prepared for inference, and its draft model (blocking: files, torch)."""
+        checkpoint = load_checkpoint(directory, self.settings.device, self.settings.dtype)
+        prepare_for_inference(checkpoint.model, mode_for(self.settings.quantize, directory.name))
+        return checkpoint, self._draft_for(directory.name, checkpoint)
+
+    def _draft_for(self, name: str, checkpoint: Checkpoint) -> Checkpoint | None:
+        """The draft model (settings.draft_model) of model ``name``, loaded for it alone; raises when it cannot
+        draft for it (not found, another family or tokenizer), which fails the model's load with that reason."""
+        draft_name = draft_model_for(self.settings.draft_model, name, checkpoint.family)
+        if draft_name is None:
+            return None
+        if not (self.models_dir / draft_name).is_dir():
+            raise ConfigError("draft_model", f"draft model {draft_name!r} for {name!r} is not a model directory")
+        draft = load_checkpoint(self.models_dir / draft_name, self.settings.device, self.settings.dtype)
+        prepare_for_inference(draft.model, mode_for(self.settings.quantize, draft_name))
+        check_draft_model(checkpoint.model, checkpoint.tokenizer.backend.get_vocab(), draft.model,
+                          draft.tokenizer.backend.get_vocab())
+        return draft
+
+    def _public(self, message: str) -> str:
+        """``message`` with the models directory's paths made relative to it (no server paths in answers)."""
+        roots = {str(self.models_dir), os.path.abspath(self.models_dir), os.path.realpath(self.models_dir)}
+        for root in sorted(roots, key=len, reverse=True):
+            message = message.replace(f"{root}{os.sep}", "")
+        return message
+
+    def get(self, model: str) -> ModelWorker:
+        worker = self._workers.get(model)
+        if worker is None:
+            raise NotFound(f"model {model!r} not found; available: {sorted(self._workers)}")
+        return worker
+
+    def models(self) -> list[ModelInfo]:
+        return [w.info for _, w in sorted(self._workers.items())]
+
+    def workers(self) -> list[ModelWorker]:
+        """The loaded models' workers, by name."""
+        return [w for _, w in sorted(self._workers.items())]
+
+    async def stop(self, drain_timeout_s: float) -> None:
+        """Refuse new requests (NotReady), let in-flight ones finish until the deadline, then stop threads."""
+        self.ready = False
+        workers = list(self._workers.values())
+        for worker in workers:
+            worker.scheduler.close()
+        deadline = time.monotonic() + drain_timeout_s
+        while any(w.scheduler.busy for w in workers) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        reason = NotReady("the engine stopped before this request finished (drain timeout)")
+        await asyncio.gather(*(asyncio.to_thread(w.scheduler.stop, reason, 10.0) for w in workers))
+        for worker in workers:
+            worker.close()
+
+
+async def _within(timeout_s: float, fn: Callable[[], T]) -> T:
+    """``fn()`` run in a daemon thread, awaited at most ``timeout_s`` (LoadTimeout after it). A load that never
+    returns (a read that blocks) fails its model instead of the start-up, and its thread, left behind, holds up
+    neither the event loop nor the process's exit (asyncio.to_thread's pool would be joined at exit)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if done.done():  # timed out meanwhile
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = fn(), None
+        except BaseException as exc:  # handed to the awaiting coroutine
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop closed while this load hung: nobody waits for it
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="model-load", daemon=True).start()
+    try:
+        return await asyncio.wait_for(done, timeout_s)
+    except TimeoutError:
+        raise LoadTimeout(f"did not load within {timeout_s:g} s") from None
+
+
+__all__ = ["Engine", "LoadTimeout", "NoModelsLoaded"]
