@@ -133,6 +133,11 @@ class CompiledConstraint:
     vocabulary: llguidance.LLTokenizer
     grammar: str
 
+    def accepts(self, tokens: list[int]) -> bool:
+        """Whether ``tokens`` are a complete output of the grammar (an output cut by a length limit may not be)."""
+        matcher = self._matcher()
+        return matcher.consume_tokens(list(tokens)) and not matcher.is_error() and matcher.is_accepting()
+
     def rows(self, count: int) -> RowMatchers:
         return RowMatchers(self, [self._matcher() for _ in range(count)])
 

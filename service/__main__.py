@@ -79,9 +79,9 @@ def server_config(app: ASGIApp, settings: Settings) -> uvicorn.Config:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m service") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m service",
+        prog=prog,
         description="Serve Transformer models over HTTP.",
         epilog="Each flag defaults to its environment variable, then to the default shown.",
     )
@@ -103,20 +103,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
+def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None,
+                   prog: str = "python -m service") -> Settings:
     """Defaults < environment < flags."""
-    args = vars(build_parser().parse_args(argv))
+    args = vars(build_parser(prog).parse_args(argv))
     return Settings.from_env(environ, **args)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m service") -> int:
+    """Serve the models ``argv`` (flags) and the environment say; the exit status (0 after a graceful stop, 2 for
+    bad settings, 3 when start-up failed)."""
     try:
-        settings = parse_settings(argv)
+        settings = parse_settings(argv, prog=prog)
     except SettingsError as exc:
-        sys.stderr.write(f"python -m service: {exc}\n")
+        sys.stderr.write(f"{prog}: {exc}\n")
         return 2
     if settings.models is None:
-        sys.stderr.write("python -m service: --models (or TSERVE_MODELS) is required\n")
+        sys.stderr.write(f"{prog}: --models (or TSERVE_MODELS) is required\n")
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from service.engine.threads import keep_serial

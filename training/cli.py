@@ -35,9 +35,9 @@ COMMANDS = (prepare_cmd, train_cmd, lora_cmd, evaluate_cmd, export_cmd, import_c
             tune_generation_cmd, calibrate_cmd, translate_po_cmd, vmap_cmd, recipe_cmd)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m training") -> argparse.ArgumentParser:
     """The top-level parser with one subparser per module in COMMANDS."""
-    parser = argparse.ArgumentParser(prog="python -m training", description="Data, training and export.")
+    parser = argparse.ArgumentParser(prog=prog, description="Data, training and export.")
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="<command>")
     for command in COMMANDS:
@@ -45,9 +45,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def command_names() -> list[str]:
+    """The commands' names, in the order `--help` lists them."""
+    actions = build_parser()._subparsers._group_actions  # argparse keeps its subparsers action there
+    return [name for action in actions for name in action.choices]
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m training") -> int:
     """Parse `argv` and run the command; 0 on success, 1 on a UserError (2 on bad usage, by argparse)."""
-    args = build_parser().parse_args(argv)
+    args = build_parser(prog).parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         args.func(args)

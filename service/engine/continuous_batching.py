@@ -319,10 +319,10 @@ class GenerationScheduler(Scheduler):
     def _complete(self, job: GenerationJob) -> None:
         results = job.search.results()
         if job.stream is not None:
-            job.emit(final_stream_event(results, job.stream, job.config.strategy == Strategy.BEAM))
+            job.emit(final_stream_event(results, job.stream, job.config.strategy == Strategy.BEAM, job.constraint))
         self._finish(job, generate_outputs(results, self.tokenizer.decode, job.stops,
                                            many=job.config.num_return_sequences > 1, targets=job.targets,
-                                           protected=job.protected))
+                                           protected=job.protected, constraint=job.constraint))
 
 
 def _tails(tails: list[torch.Tensor | None], parts: list[torch.Tensor], everything: int) -> torch.Tensor:

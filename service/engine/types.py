@@ -25,6 +25,7 @@ class GeneratedSequence:
     finish_reason: str  # eos, length or stop
     logprobs: list[TokenLogprob] | None = None  # with logprobs: one entry per token of tokens
     placeholders_ok: bool | None = None  # with protected placeholders: whether the output held them all
+    constraint_satisfied: bool | None = None  # with a constraint: whether the output is complete (not cut short)
 
 
 @dataclass
@@ -43,6 +44,7 @@ class StreamEvent:
     finish_reason: str | None = None  # set on the last event only
     logprobs: list[TokenLogprob] | None = None  # with logprobs: the entries of the tokens this event adds
     placeholders_ok: bool | None = None  # the last event, with protect_placeholders: see GeneratedSequence
+    constraint_satisfied: bool | None = None  # the last event, with a constraint: see GeneratedSequence
 
 
 @dataclass
@@ -93,6 +95,7 @@ class ModelInfo:
     generation_defaults: dict = field(default_factory=dict)  # what generate uses for fields a request leaves unset
     draft_model: str | None = None  # the model that drafts for speculative method draft_model
     calibration: dict | None = None  # a classifier's temperature and min_confidence (model.calibration)
+    embedding_defaults: dict | None = None  # a classifier's pooling and normalize where an embed request leaves them
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,28 @@ def test_every_output_matches_its_constraint(models_dir, strategy):
             checked += 1
     per_input = {"sample": 3, "beam": 2}.get(strategy.get("strategy"), 1)
     assert checked == 3 * len(PROMPTS) * per_input
+    assert all(seq.constraint_satisfied is True for out in (*schema_out, *regex_out, *choice_out)
+               for seq in sequences(out))
+
+
+def test_an_output_cut_short_says_it_does_not_satisfy_its_constraint(models_dir):
+    """max_new_tokens ends a JSON object before it closes: the answer says constraint_satisfied false (the README's
+    example parsed half a JSON by surprise), streamed too; an unconstrained output has no such field."""
+    async def main():
+        async with running_engine(models_dir, None) as engine:
+            worker = engine.get(LM)
+            cut = await worker.generate(ask("config = ", max_new_tokens=3, constraint={"json_schema": SCHEMA}), "cut")
+            events = [e async for e in await worker.stream(
+                ask("config = ", max_new_tokens=3, constraint={"json_schema": SCHEMA}), "cut-stream")]
+            free = await worker.generate(ask("config = ", max_new_tokens=3), "free")
+            return cut[0], events, free[0]
+
+    cut, events, free = asyncio.run(main())
+    assert cut.finish_reason == "length" and cut.constraint_satisfied is False
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(cut.text)
+    assert events[-1].constraint_satisfied is False and all(e.constraint_satisfied is None for e in events[:-1])
+    assert free.constraint_satisfied is None
 
 
 def test_constrained_rows_leave_the_other_rows_of_their_batch_alone(models_dir, adapters_dir):

@@ -63,6 +63,8 @@ def stream_event(e: StreamEvent) -> dict[str, Any]:
                              for entry in e.logprobs]
     if e.placeholders_ok is not None:
         event["placeholders_ok"] = e.placeholders_ok
+    if e.constraint_satisfied is not None:
+        event["constraint_satisfied"] = e.constraint_satisfied
     return event
 
 
@@ -80,7 +82,8 @@ async def generate(
 
     With `"stream": true` (one input), tokens arrive as server-sent events `data: {"text", "token",
     "finish_reason"}` (and `"logprobs"`, the entries of the tokens the event adds, when asked for), the last one
-    with a finish_reason (and `"placeholders_ok"` where placeholders are protected), then `data: [DONE]`.
+    with a finish_reason (and `"placeholders_ok"` where placeholders are protected, `"constraint_satisfied"` with a
+    constraint), then `data: [DONE]`.
     """
     request.state.adapter = req.adapter
     queue = client.queue(req.priority)

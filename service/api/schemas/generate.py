@@ -165,6 +165,10 @@ class Candidate(BaseModel):
         None, description="With protect_placeholders (seq2seq): whether the model's output held exactly the "
         "input's placeholders (positional ones in order); false: the text was repaired, review it."
     )
+    constraint_satisfied: bool | None = Field(
+        None, description="With a constraint: whether the output is complete under it (JSON that parses and "
+        "validates, a whole match); false when max_new_tokens cut it short: do not parse it as complete."
+    )
 
 
 class GenerateOutput(Candidate):
