@@ -111,8 +111,8 @@ class Settings:
     )
     request_timeout_s: float = _engine("TSERVE_REQUEST_TIMEOUT_S", "per-request time-out (504 after it)", float)
     model_load_timeout_s: float = _engine(
-        "TSERVE_MODEL_LOAD_TIMEOUT_S", "seconds one model's load may take at start-up before it is listed under "
-        "failed (a directory whose files block or crawl) and the other models are served", float
+        "TSERVE_MODEL_LOAD_TIMEOUT_S", "seconds one model's load may take (at start-up, or PUT /v1/models/NAME) "
+        "before it fails (a directory whose files block or crawl) and the other models go on serving", float
     )
     max_resident_adapters: int = _engine(
         "TSERVE_MAX_RESIDENT_ADAPTERS", "LoRA adapters kept in memory per model (least recently used evicted)", int
@@ -133,7 +133,8 @@ class Settings:
     admin_keys: tuple[str, ...] = _setting(
         (),
         "TSERVE_ADMIN_KEYS",
-        "comma-separated Bearer keys that may also load and unload adapters (with auth on and none set, nobody may)",
+        "comma-separated Bearer keys that may also load and unload models and adapters (with auth on and none set, "
+        "nobody may)",
         _keys,
     )
     threads: int | None = _engine(

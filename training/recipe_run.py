@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from model.cpu import this_cpu
+from training.recipe_report import report_lines
 from training.recipe_stages import Paths, Stage, pipelines
 from training.recipe_summary import build_summary
 from training.recipes import Tier
@@ -89,15 +90,16 @@ def run_stage(stage: Stage, paths: Paths, force: bool) -> bool:
 
 
 def run_pipeline(name: str, stages: list[Stage], paths: Paths, force: bool) -> None:
-    """Run ``stages`` in order, logging each with the time this pipeline has left by its budgets."""
+    """Run ``stages`` in order, logging each with the time this pipeline is expected to take still (the
+    training stages then log their own ETA from their fixed steps and measured pace)."""
     start = time.perf_counter()
     for i, stage in enumerate(stages, 1):
         where = f"[{name} {i}/{len(stages)}] {stage.name}"
-        left = sum(s.budget_s for s in stages[i - 1 :])
+        left = sum(s.expected_s for s in stages[i - 1 :])
         logger.info(
-            "%s: budget %s; %s elapsed, about %s to go",
+            "%s: expected %s on a quiet machine; %s elapsed, about %s to go",
             where,
-            _clock(stage.budget_s),
+            _clock(stage.expected_s),
             _clock(time.perf_counter() - start),
             _clock(left),
         )
@@ -119,7 +121,7 @@ def _run_family(tier: Tier, paths: Paths, name: str, force: bool) -> None:
 
 
 def run_families(tier: Tier, paths: Paths, force: bool, jobs: int) -> None:
-    """The three families' pipelines, ``jobs`` at a time in worker processes, longest budget first."""
+    """The three families' pipelines, ``jobs`` at a time in worker processes, the longest expected first."""
     order = sorted(tier.families, key=lambda f: -(f.train_minutes + f.lora_minutes + f.eval_minutes))
     if jobs == 1:
         for f in order:
@@ -137,13 +139,13 @@ def run_families(tier: Tier, paths: Paths, force: bool, jobs: int) -> None:
 def run_recipe(tier: Tier, paths: Paths, force: bool = False, jobs: int = 1) -> dict[str, Any]:
     """Run (or finish) ``tier`` into ``paths``, the families ``jobs`` at a time; writes and returns summary.json."""
     stages = pipelines(tier, paths)
-    budgets = {name: sum(s.budget_s for s in group) for name, group in stages.items()}
+    expected = {name: sum(s.expected_s for s in group) for name, group in stages.items()}
     logger.info(
-        "recipe %s: %d stages, %d at a time; budgets (min:s): %s -> %s",
+        "recipe %s: %d stages, %d at a time; expected on a quiet machine (min:s): %s -> %s",
         tier.name,
         sum(len(group) for group in stages.values()),
         jobs,
-        ", ".join(f"{name} {_clock(seconds)}" for name, seconds in budgets.items()),
+        ", ".join(f"{name} {_clock(seconds)}" for name, seconds in expected.items()),
         paths.out,
     )
     start = time.perf_counter()
@@ -155,8 +157,8 @@ def run_recipe(tier: Tier, paths: Paths, force: bool = False, jobs: int = 1) -> 
     }
     summary = build_summary(tier, records, {**machine(), "jobs": jobs}, wall)
     write_json(paths.out / "summary.json", summary)
-    for check in summary["checks"]:
-        log = logger.info if check["passed"] else logger.warning
-        log("%s: %s", "beats" if check["passed"] else "DOES NOT BEAT", check["what"])
     logger.info("recipe %s finished in %s -> %s", tier.name, _clock(wall), paths.out / "summary.json")
+    log = logger.info if summary["all_checks_passed"] else logger.warning
+    for line in report_lines(summary, str(paths.out)):  # the last thing it says: `make run` serves next
+        log("%s", line)
     return summary

@@ -35,6 +35,7 @@ from training.runs import (
     Data,
     EvalRun,
     LangidCorpus,
+    Loop,
     LoRARun,
     TrainRun,
     TranslationCorpus,
@@ -85,7 +86,7 @@ class Stage:
 
     name: str
     output: Path
-    budget_s: float  # for the ETA
+    expected_s: float  # about how long it takes on a quiet machine: the ETA's guess, never a limit
     run: Callable[[], dict[str, Any]]
     removes: tuple[Path, ...] = ()  # what --force deletes besides output and the record
     describe: Callable[[], dict[str, Any]] | None = None  # the record of an output found without one
@@ -180,8 +181,22 @@ def _train_then_move(final: Path, paths: Paths, command: str, run: Callable[[Pat
     return _metrics(final)
 
 
+def trained_steps(directory: Path) -> int | None:
+    """How many steps the model or adapter in ``directory`` was trained for (its metrics.json)."""
+    return _metrics(directory).get("steps_trained") if (directory / "metrics.json").is_file() else None
+
+
+def fixed_steps(loop: Loop) -> Loop:
+    """``loop`` as a recipe runs it: its max_steps and nothing else end it (no time limit), logged as lines."""
+    return replace(loop, max_minutes=None, quiet=True)
+
+
 def training_stages(f: FamilyRecipe, paths: Paths) -> list[Stage]:
-    """Train the base model, then its adapter on the domain corpus."""
+    """Train the base model, then its adapter on the domain corpus, each for its fixed number of steps.
+
+    A model or adapter trained for another number of steps (by an older, time-budgeted recipe or another
+    tier) is trained again.
+    """
     base, domain = domain_corpora(f)
     model, adapter = paths.model(f), paths.adapter(f)
 
@@ -189,17 +204,17 @@ def training_stages(f: FamilyRecipe, paths: Paths) -> list[Stage]:
         return Data(paths.split(corpus, f.kind, "train"), paths.split(corpus, f.kind, "valid"))
 
     def train_base(out: Path, resume: bool) -> None:
-        loop = replace(f.train_loop, max_minutes=f.train_minutes, quiet=True)
+        loop = fixed_steps(f.train_loop)
         run = TrainRun(
             family=f.family, data=data(base), out=out, sizes=f.sizes, vocab_size=f.vocab_size, loop=loop, resume=resume
         )
         train(run)
 
     def train_adapter(out: Path, resume: bool) -> None:
-        loop = replace(f.lora_loop, max_minutes=f.lora_minutes, quiet=True)
+        loop = fixed_steps(f.lora_loop)
         lora(LoRARun(base=model, data=data(domain), out=out, adapter=f.lora, loop=loop, resume=resume))
 
-    overhead = 20  # loading, tokenizing and the last validation, beyond the time budget
+    overhead = 20  # loading, tokenizing and the last validation
     return [
         Stage(
             f"train-{f.model}",
@@ -209,6 +224,7 @@ def training_stages(f: FamilyRecipe, paths: Paths) -> list[Stage]:
             _with_state(paths.run_dir(model)),
             lambda: _metrics(model),
             inputs=(paths.corpus(base) / "manifest.json",),
+            outdated=lambda: trained_steps(model) != f.train_loop.max_steps,
         ),
         Stage(
             f"lora-{f.model}-{f.adapter}",
@@ -218,6 +234,7 @@ def training_stages(f: FamilyRecipe, paths: Paths) -> list[Stage]:
             _with_state(paths.run_dir(adapter)),
             lambda: _metrics(adapter),
             inputs=(paths.corpus(domain) / "manifest.json", model / checkpoint.WEIGHTS_FILE),
+            outdated=lambda: trained_steps(adapter) != f.lora_loop.max_steps,
         ),
     ]
 
@@ -269,8 +286,8 @@ def evaluation_stages(f: FamilyRecipe, tier: Tier, paths: Paths) -> list[Stage]:
     evaluations.append((f"eval-{f.model}-base", scored(base, False), (weights,)))
     scored_baselines.append((f"baselines-{f.model}", baselines(base), (tokenizer,)))
     runs = evaluations + scored_baselines
-    budget = f.eval_minutes * 60 / len(runs)
-    return [Stage(name, paths.record(name), budget, run, inputs=inputs) for name, run, inputs in runs]
+    expected = f.eval_minutes * 60 / len(runs)
+    return [Stage(name, paths.record(name), expected, run, inputs=inputs) for name, run, inputs in runs]
 
 
 def tuning_stages(f: FamilyRecipe, paths: Paths) -> list[Stage]:

@@ -34,21 +34,23 @@ def _pick(metrics: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
     return {k: metrics[k] for k in keys if k in metrics}
 
 
-def _training(metrics: dict[str, Any], minutes: float) -> dict[str, Any]:
+def _training(metrics: dict[str, Any], steps: int) -> dict[str, Any]:
+    """What a run trained, with ``steps``: the tier's fixed number of steps, which steps_trained should equal."""
     train = _pick(metrics, TRAIN_KEYS)
     wall, tokens = metrics.get("total_wall_time_s"), metrics.get("total_train_tokens")
     if wall and tokens:
         train["tokens_per_s"] = round(tokens / wall, 1)
-    return {**train, "max_minutes": minutes}
+    return {**train, "fixed_steps": steps}
 
 
 def _baselines(record: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in record.items() if isinstance(v, dict)}
 
 
-def _check(what: str, value: float, other: float, higher: bool) -> dict[str, Any]:
+def _check(what: str, against: str, value: float, other: float, higher: bool) -> dict[str, Any]:
+    """``value`` against ``other``, the score of ``against`` (a baseline's name, or "base")."""
     passed = value > other if higher else value < other
-    return {"what": what, "value": value, "other": other, "passed": passed}
+    return {"what": what, "against": against, "value": value, "other": other, "passed": passed}
 
 
 def _tests(f: FamilyRecipe, result: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -83,11 +85,12 @@ def _checks(f: FamilyRecipe, tests: dict[str, dict[str, Any]]) -> list[dict[str,
         for name in scoring.baselines:
             for key in scoring.checked if name in test["baselines"] else ():
                 what = f"{label} {key} vs {name} on the {SPLIT_NAMES[split]} test split"
-                checks.append(_check(what, metrics[key], test["baselines"][name][key], scoring.higher_is_better))
+                other = test["baselines"][name][key]
+                checks.append(_check(what, name, metrics[key], other, scoring.higher_is_better))
     domain = tests["domain"]
     for key in scoring.checked:
         what = f"{f.model}+{f.adapter} {key} vs the base on the {f.adapter} test split"
-        checks.append(_check(what, domain["adapter"][key], domain["base"][key], scoring.higher_is_better))
+        checks.append(_check(what, "base", domain["adapter"][key], domain["base"][key], scoring.higher_is_better))
     return checks
 
 
@@ -100,13 +103,13 @@ def family_summary(f: FamilyRecipe, result: dict[str, dict[str, Any]]) -> tuple[
         "arch": f.sizes.arch,
         "parameters": trained.get("parameters"),
         "sizes": trained.get("sizes"),
-        "train": _training(trained, f.train_minutes),
+        "train": _training(trained, f.train_loop.max_steps),
         "adapter": {
             "name": f.adapter,
             "rank": adapted.get("rank"),
             "targets": adapted.get("targets"),
             "trainable_parameters": adapted.get("trainable_parameters"),
-            "train": _training(adapted, f.lora_minutes),
+            "train": _training(adapted, f.lora_loop.max_steps),
         },
         "test": tests,
     }
@@ -139,4 +142,5 @@ def build_summary(
         "corpora": corpora,
         "models": models,
         "checks": checks,
+        "all_checks_passed": all(check["passed"] for check in checks),
     }

@@ -1,7 +1,7 @@
 """Default recipes: what `python -m training recipe {quick,quality}` prepares, trains and measures.
 
-A tier names, for each family, the base model's sizes and time budget and one LoRA adapter that
-specialises it on a domain the base never saw:
+A tier names, for each family, the base model's sizes and number of training steps and one LoRA adapter
+that specialises it on a domain the base never saw:
 
 - translation (seq2seq, en->es): the base is trained on every package's messages but one
   (``translation_package``: PostgreSQL's server messages); the adapter on that package's only;
@@ -13,6 +13,10 @@ Everything is measured on test splits the models never trained on, against trivi
 the same splits (training.baselines): the hash split of each corpus and, for the catalog corpora, the
 packages held out whole (test-heldout, training.corpora.PackageHoldout). The stages are in
 training.recipe_run.
+
+Every training phase runs a fixed number of optimizer steps with a fixed seed (:data:`SEED`), never a time
+budget: a busy machine takes longer and trains the same models as an idle one. The minutes in the table are
+only what the recipe's ETA expects before it has measured anything.
 """
 
 from __future__ import annotations
@@ -30,18 +34,18 @@ HELDOUT_KINDS = frozenset({"translation", "langid"})  # the corpora built from c
 
 @dataclass(frozen=True)
 class FamilyRecipe:
-    """One family's base model and adapter: what `train`, `lora` and `evaluate` run with, and their time budgets."""
+    """One family's base model and adapter: what `train`, `lora` and `evaluate` run with, and how long they take."""
 
     model: str  # the model's name: its directory under models/ (what the service calls it)
     family: str  # seq2seq | classifier | causal_lm
     adapter: str  # the adapter's name: its directory under adapters/<model>/
     sizes: ModelSizes  # the base model's sizes and architecture
     vocab_size: int
-    train_loop: Loop  # the base's training loop (its max_minutes is train_minutes)
-    train_minutes: float  # the base's training budget (its share of the tier's budget)
+    train_loop: Loop  # the base's training loop: its max_steps end it, on every machine
+    train_minutes: float  # the ETA's guess for train_loop (on a quiet 2-core machine); never a budget
     lora: AdapterSpec
-    lora_loop: Loop
-    lora_minutes: float
+    lora_loop: Loop  # the adapter's training loop: its max_steps end it
+    lora_minutes: float  # the ETA's guess for lora_loop
     beams: int = EvalRun.beams  # seq2seq beam size of the evaluations
     eval_minutes: float = 0.5  # the ETA's guess for the three evaluations and the baselines
 
@@ -93,9 +97,10 @@ class Family:
 
 @dataclass(frozen=True)
 class Phase:
-    """A training phase's budget and schedule in a tier (the state is saved at every validation)."""
+    """A training phase in a tier: its fixed length and schedule (the state is saved at every validation)."""
 
-    minutes: float
+    steps: int  # optimizer steps: what ends the phase, so that every machine trains the same model
+    minutes: float  # about how long the steps take on a quiet 2-core machine: the ETA's first guess only
     eval_every: int
     lr: float
     warmup: int
@@ -122,41 +127,41 @@ FAMILIES = (
     Family(model="langid", family="classifier", adapter="iso", arch="bert", batch_tokens=4096),
     Family(model="code", family="causal_lm", adapter="tests", arch="gpt2", batch_tokens=4096),
 )
-MAX_STEPS = 100_000  # never reached: the budgets bind, not the steps
+SEED = 1  # of every phase of every tier: with the fixed steps, the same weights wherever the recipe runs
 ADAPTER = AdapterSpec(rank=16, alpha=32.0, targets=LORA_TARGETS)  # every Linear of every layer
 
 # fmt: off
 TABLE: dict[str, dict[str, Shape]] = {
-    # Under 15 minutes of wall time on 2 CPU cores, all stages included, with --jobs 2: translation
-    # trains in one process while langid, then code, train in the other.
+    # About 13 minutes of wall time on 2 quiet CPU cores, all stages included, with --jobs 2 (longer on a busy
+    # machine, for the same models): translation trains in one process while langid, then code, train in the other.
     "quick": {
         "translation": Shape(layers=2, d_model=128, vocab_size=3000, max_len=128, dropout=0.0,
-                             base=Phase(minutes=11.0, eval_every=300, lr=2e-3, warmup=200),
-                             adapter=Phase(minutes=1.0, eval_every=100, lr=3e-3, warmup=30),
+                             base=Phase(steps=1100, minutes=11.0, eval_every=300, lr=2e-3, warmup=200),
+                             adapter=Phase(steps=200, minutes=1.0, eval_every=100, lr=3e-3, warmup=30),
                              eval_minutes=0.5, valid_examples=100, beams=1),
         "langid": Shape(layers=2, d_model=128, vocab_size=3000, max_len=64, dropout=0.0,
-                        base=Phase(minutes=2.0, eval_every=150, lr=2e-3, warmup=50),
-                        adapter=Phase(minutes=1.0, eval_every=100, lr=3e-3, warmup=20),
+                        base=Phase(steps=450, minutes=2.0, eval_every=150, lr=2e-3, warmup=50),
+                        adapter=Phase(steps=250, minutes=1.0, eval_every=100, lr=3e-3, warmup=20),
                         eval_minutes=0.5),
         "code": Shape(layers=2, d_model=128, vocab_size=3000, max_len=128, dropout=0.0,
-                      base=Phase(minutes=5.0, eval_every=400, lr=3e-3, warmup=50),
-                      adapter=Phase(minutes=1.5, eval_every=200, lr=3e-3, warmup=20),
+                      base=Phase(steps=250, minutes=5.0, eval_every=400, lr=3e-3, warmup=50),
+                      adapter=Phase(steps=100, minutes=2.0, eval_every=200, lr=3e-3, warmup=20),
                       eval_minutes=1.5),
     },
-    # About 50 minutes of wall time on 2 CPU cores with --jobs 2: about twice the parameters of the
-    # quick models and four times their training, since compute, not data, limits both tiers on a CPU.
+    # About 50 minutes of wall time on 2 quiet CPU cores with --jobs 2: about twice the parameters of the quick
+    # models and four times their training time, since compute, not data, limits both tiers on a CPU.
     "quality": {
         "translation": Shape(layers=2, d_model=192, vocab_size=4000, max_len=128, dropout=0.05,
-                             base=Phase(minutes=40.0, eval_every=500, lr=1.5e-3, warmup=300),
-                             adapter=Phase(minutes=4.0, eval_every=200, lr=2e-3, warmup=50),
+                             base=Phase(steps=3850, minutes=40.0, eval_every=500, lr=1.5e-3, warmup=300),
+                             adapter=Phase(steps=290, minutes=4.0, eval_every=200, lr=2e-3, warmup=50),
                              eval_minutes=3.0, valid_examples=200, beams=4),
         "langid": Shape(layers=3, d_model=192, vocab_size=4000, max_len=64, dropout=0.1,
-                        base=Phase(minutes=8.0, eval_every=300, lr=1e-3, warmup=100),
-                        adapter=Phase(minutes=3.0, eval_every=200, lr=2e-3, warmup=50),
+                        base=Phase(steps=450, minutes=8.0, eval_every=300, lr=1e-3, warmup=100),
+                        adapter=Phase(steps=150, minutes=3.0, eval_every=200, lr=2e-3, warmup=50),
                         eval_minutes=1.5),
         "code": Shape(layers=3, d_model=192, vocab_size=4000, max_len=256, dropout=0.0,
-                      base=Phase(minutes=24.0, eval_every=300, lr=2e-3, warmup=100),
-                      adapter=Phase(minutes=4.0, eval_every=200, lr=2e-3, warmup=30),
+                      base=Phase(steps=800, minutes=24.0, eval_every=300, lr=2e-3, warmup=100),
+                      adapter=Phase(steps=130, minutes=4.0, eval_every=200, lr=2e-3, warmup=30),
                       eval_minutes=2.0),
     },
 }
@@ -166,7 +171,9 @@ TABLE: dict[str, dict[str, Shape]] = {
 def _loop(phase: Phase, batch_tokens: int, defaults: Loop, valid_examples: int = Loop.valid_examples) -> Loop:
     return replace(
         defaults,
-        max_steps=MAX_STEPS,
+        max_steps=phase.steps,
+        max_minutes=None,  # the steps end a phase, never the clock
+        seed=SEED,
         eval_every=phase.eval_every,
         save_every=phase.eval_every,
         lr=phase.lr,

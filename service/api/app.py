@@ -36,7 +36,7 @@ OpenAI-compatible surface (`/v1/completions`, `/v1/embeddings`) and vLLM's `/v1/
 
 Every error has one shape: `{"error": {"code", "message", "field", "request_id"}}`; every response
 carries `X-Request-ID`. When API keys are configured, every `/v1` route needs
-`Authorization: Bearer <key>` (adapter load/unload an admin key); `/health`, `/ready`, `/metrics`
+`Authorization: Bearer <key>` (model and adapter load/unload an admin key); `/health`, `/ready`, `/metrics`
 and `/` stay open for probes and scrapers."""
 
 
@@ -70,7 +70,9 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
 
     if settings.metrics_compat == "vllm":
         engine.metrics.registry.register(VllmCompatCollector(engine))
-    app = FastAPI(title="tserve", version="0.1.0", description=DESCRIPTION, lifespan=lifespan)
+    # /docs and /redoc are routes/ui.py's: FastAPI's own load Swagger UI and ReDoc from a CDN (blank when air-gapped)
+    app = FastAPI(title="tserve", version="0.1.0", description=DESCRIPTION, lifespan=lifespan, docs_url=None,
+                  redoc_url=None)
     app.state.settings = settings
     app.state.engine = engine
     app.state.started_at = int(time.time())

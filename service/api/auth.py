@@ -1,4 +1,4 @@
-"""Optional Bearer API keys: user keys for every /v1 route, admin keys also for adapter load/unload.
+"""Optional Bearer API keys: user keys for every /v1 route, admin keys also for model and adapter load/unload.
 
 With no keys configured the API is open. Keys are compared in constant time against every
 configured key (no early exit), and neither the header nor a key is ever logged. /health, /ready,
@@ -95,6 +95,6 @@ def caller(
 
 
 def require_admin(role: Annotated[str, Depends(require_key)]) -> None:
-    """Dependency of adapter load/unload."""
+    """Dependency of model and adapter load/unload."""
     if role not in ("admin", "open"):
-        raise HTTPException(403, "loading and unloading adapters needs an admin key")
+        raise HTTPException(403, "loading and unloading models and adapters needs an admin key")

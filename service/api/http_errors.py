@@ -12,9 +12,10 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Scope, Send
 
@@ -174,3 +175,16 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
         504: "The request took longer than the time-out.",
     }
     return {s: {"model": ErrorResponse, "description": described[s]} for s in statuses}
+
+
+def answer_other_methods(router: APIRouter, path: str) -> None:
+    """A 405 listing every method of ``router``'s routes at ``path`` for the other methods (Starlette names only
+    the first route's, e.g. ``Allow: PUT`` where DELETE is allowed too). Added after those routes."""
+    allowed = sorted({m for r in router.routes if isinstance(r, APIRoute) and r.path == router.prefix + path
+                      for m in r.methods})
+
+    async def method_not_allowed() -> None:
+        raise HTTPException(405, headers={"Allow": ", ".join(allowed)})
+
+    others = [m for m in HTTP_METHODS if m not in allowed]
+    router.add_api_route(path, method_not_allowed, methods=others, include_in_schema=False)

@@ -1,24 +1,29 @@
 """The serving engine: every model under the models directory loaded into a ``ModelWorker`` (service/engine/worker.py),
-served under its directory name; start-up, lookup and draining. Torch only, no HTTP."""
+served under its directory name; start-up, lookup, loading and unloading at run time, and draining. Torch only, no
+HTTP."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import functools
+import gc
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TypeVar
+
+import torch
 
 from model.checkpoint import Checkpoint, load_checkpoint
 from model.generation_config import ConfigError
+from model.lora_config import NAME_RULE, is_valid_name, quote
 from model.quantize import mode_for, prepare_for_inference
 from model.speculative import check_draft_model, draft_model_for
-from service.engine.errors import NotFound, NotReady
+from service.engine.errors import Conflict, InvalidRequest, NotFound, NotReady
 from service.engine.metrics import Metrics
 from service.engine.threads import available_cores, worker_threads
 from service.engine.types import EngineSettings, ModelInfo
@@ -46,8 +51,9 @@ class Engine:
         self.adapters_dir = Path(adapters_dir) if adapters_dir is not None else None
         self.metrics = Metrics()
         self.ready = False
-        self.load_errors: dict[str, str] = {}
+        self.load_errors: dict[str, str] = {}  # start-up failures only (a run-time load's failure is its answer)
         self._workers: dict[str, ModelWorker] = {}
+        self._changes = asyncio.Lock()  # run-time loads and unloads, one at a time
 
     async def start(self) -> None:
         """Load every checkpoint and warm it up; a failing one is logged, skipped and reported in load_errors.
@@ -71,38 +77,44 @@ class Engine:
                            "will wait for a sleeping thread (engine/threads.py); leave TSERVE_THREADS unset to share "
                            "the cores", len(dirs), threads, available_cores())
         for directory in dirs:
-            name = directory.name
-            start = time.perf_counter()
-            worker = None
             try:
-                checkpoint, draft = await _within(self.settings.model_load_timeout_s,
-                                                  functools.partial(self._load, directory))
-                worker = ModelWorker(name, checkpoint, self.settings, self.metrics, self.adapters_dir, draft)
-                await worker.start(threads)
-                self.metrics.model_load_seconds.labels(name).set(time.perf_counter() - start)
-                if self.settings.warmup:
-                    await worker.warmup()
+                self._workers[directory.name] = await self._open(directory.name, directory, threads)
             except Exception as exc:
-                logger.exception("model %r (%s) failed to load; skipped", name, directory)
-                self.load_errors[name] = self._public(f"{type(exc).__name__}: {exc}")
-                if worker is not None:  # started, then failed (its warm-up): its threads stop too
-                    worker.scheduler.close()
-                    await asyncio.to_thread(worker.scheduler.stop, NotReady(f"model {name!r} failed to load"), 10.0)
-                    worker.close()
-                continue
-            self._workers[name] = worker
-            logger.info("model %r (%s) ready in %.2fs: %s", name, checkpoint.family, time.perf_counter() - start,
-                        worker.info)
+                logger.exception("model %r (%s) failed to load; skipped", directory.name, directory)
+                self.load_errors[directory.name] = self._public(f"{type(exc).__name__}: {exc}")
         if not self._workers:
             reasons = "".join(f"\n  {name}: {error}" for name, error in self.load_errors.items())
             raise NoModelsLoaded(f"no model in {self.models_dir} loaded:{reasons}")
         self.ready = True
 
-    def _load(self, directory: Path) -> tuple[Checkpoint, Checkpoint | None]:
-        """The checkpoint in ``directory``, prepared for inference, and its draft model (blocking: files, torch)."""
+    async def _open(self, name: str, directory: Path, threads: int) -> ModelWorker:
+        """Model ``name`` loaded from ``directory`` (within model_load_timeout_s), its worker started (``threads``
+        intra-op threads) and warmed up per settings; on failure whatever started is stopped and the error raised."""
+        start = time.perf_counter()
+        worker = None
+        try:
+            checkpoint, draft = await _within(self.settings.model_load_timeout_s,
+                                              functools.partial(self._load, name, directory))
+            worker = ModelWorker(name, checkpoint, self.settings, self.metrics, self.adapters_dir, draft)
+            await worker.start(threads)
+            self.metrics.model_load_seconds.labels(name).set(time.perf_counter() - start)
+            if self.settings.warmup:
+                await worker.warmup()
+        except BaseException:
+            if worker is not None:  # started, then failed (its warm-up): its threads stop too
+                await _drain([worker], 0.0, NotReady(f"model {name!r} failed to load"))
+            self.metrics.remove_model(name)
+            raise
+        logger.info("model %r (%s) ready in %.2fs: %s", name, checkpoint.family, time.perf_counter() - start,
+                    worker.info)
+        return worker
+
+    def _load(self, name: str, directory: Path) -> tuple[Checkpoint, Checkpoint | None]:
+        """The checkpoint in ``directory``, prepared for inference as model ``name``, and its draft model
+        (blocking: files, torch)."""
         checkpoint = load_checkpoint(directory, self.settings.device, self.settings.dtype)
-        prepare_for_inference(checkpoint.model, mode_for(self.settings.quantize, directory.name))
-        return checkpoint, self._draft_for(directory.name, checkpoint)
+        prepare_for_inference(checkpoint.model, mode_for(self.settings.quantize, name))
+        return checkpoint, self._draft_for(name, checkpoint)
 
     def _draft_for(self, name: str, checkpoint: Checkpoint) -> Checkpoint | None:
         """The draft model (settings.draft_model) of model ``name``, loaded for it alone; raises when it cannot
@@ -138,19 +150,89 @@ class Engine:
         """The loaded models' workers, by name."""
         return [w for _, w in sorted(self._workers.items())]
 
+    def model_directory(self, path: str) -> Path:
+        """``path``, relative to the models directory, as a model directory there; InvalidRequest for an absolute
+        path, a hidden or ".." part, or one whose parents lead out of the models directory through a link (the
+        directory itself may be a link, as the start-up listing follows the models directory's entries)."""
+        relative = PurePosixPath(path) if isinstance(path, str) and "\x00" not in path else PurePosixPath("/")
+        parts = relative.parts
+        if not parts or relative.is_absolute() or any(part.startswith(".") for part in parts):
+            raise InvalidRequest("path", f"{quote(path)} is not a directory name relative to the models directory "
+                                         "(no absolute path, no hidden or '..' part)")
+        try:
+            root = self.models_dir.resolve()
+            directory = root.joinpath(*parts)
+            inside = directory.parent.resolve().is_relative_to(root)
+        except (OSError, RuntimeError, ValueError) as exc:  # a link loop, a name too long
+            raise InvalidRequest("path", f"{quote(path)}: {type(exc).__name__}") from None
+        if not inside:
+            raise InvalidRequest("path", f"{quote(path)} leads out of the models directory")
+        return directory
+
+    async def load_model(self, name: str, path: str) -> ModelInfo:
+        """Load the model directory ``path`` (relative to the models directory) and serve it as ``name``, as
+        start-up loads a model (load deadline, warm-up). InvalidRequest for a bad name or path, or a load that
+        failed (the message says why; load_errors is left alone: the other models serve on), Conflict when a
+        model ``name`` is served, NotReady while the engine is not running."""
+        if not is_valid_name(name):
+            raise InvalidRequest(None, f"model name {quote(name)} is invalid: use {NAME_RULE}")
+        directory = self.model_directory(path)
+        async with self._changes:
+            if not self.ready:
+                raise NotReady("the models are not loaded yet (or the server is shutting down)")
+            if name in self._workers:
+                raise Conflict(f"model {name!r} is already loaded; unload it first (DELETE /v1/models/{name})")
+            try:
+                worker = await self._open(name, directory, worker_threads(self.settings.threads,
+                                                                           len(self._workers) + 1))
+            except Exception as exc:
+                logger.exception("model %r (%s) failed to load at run time", name, directory)
+                raise InvalidRequest("path", f"model {name!r} did not load: "
+                                             f"{self._public(f'{type(exc).__name__}: {exc}')}") from None
+            if not self.ready:  # the engine stopped while it loaded: it would never be stopped
+                await _drain([worker], 0.0, NotReady("the engine stopped"))
+                raise NotReady("the server is shutting down")
+            self._workers[name] = worker
+            self.load_errors.pop(name, None)  # a start-up failure fixed and loaded
+            return worker.info
+
+    async def unload_model(self, name: str, drain_timeout_s: float) -> None:
+        """Stop serving model ``name``: new requests for it are NotFound at once, in-flight ones finish within
+        ``drain_timeout_s`` (then NotReady, as at shutdown), its threads stop, its metric series are removed and its
+        memory is released. NotFound for a model not served, NotReady while the engine is not running."""
+        async with self._changes:
+            if not self.ready:
+                raise NotReady("the models are not loaded yet (or the server is shutting down)")
+            worker = self.get(name)
+            del self._workers[name]
+            await _drain([worker], drain_timeout_s,
+                         NotReady(f"model {name!r} was unloaded before this request finished (drain timeout)"))
+            self.metrics.remove_model(name)  # after its thread stopped: nothing sets them again
+            device = str(next(worker.model.parameters()).device)
+            del worker
+            gc.collect()  # the model's tensors may sit in reference cycles
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+            logger.info("model %r unloaded", name)
+
     async def stop(self, drain_timeout_s: float) -> None:
         """Refuse new requests (NotReady), let in-flight ones finish until the deadline, then stop threads."""
         self.ready = False
-        workers = list(self._workers.values())
-        for worker in workers:
-            worker.scheduler.close()
-        deadline = time.monotonic() + drain_timeout_s
-        while any(w.scheduler.busy for w in workers) and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        reason = NotReady("the engine stopped before this request finished (drain timeout)")
-        await asyncio.gather(*(asyncio.to_thread(w.scheduler.stop, reason, 10.0) for w in workers))
-        for worker in workers:
-            worker.close()
+        await _drain(list(self._workers.values()), drain_timeout_s,
+                     NotReady("the engine stopped before this request finished (drain timeout)"))
+
+
+async def _drain(workers: list[ModelWorker], drain_timeout_s: float, reason: NotReady) -> None:
+    """Refuse new requests to ``workers`` (NotReady), let in-flight ones finish until the deadline, fail what is
+    left with ``reason`` and stop their threads."""
+    for worker in workers:
+        worker.scheduler.close()
+    deadline = time.monotonic() + drain_timeout_s
+    while any(w.scheduler.busy for w in workers) and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    await asyncio.gather(*(asyncio.to_thread(w.scheduler.stop, reason, 10.0) for w in workers))
+    for worker in workers:
+        worker.close()
 
 
 async def _within(timeout_s: float, fn: Callable[[], T]) -> T:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 # Seconds, from a fast GPU step (~1 ms) to a slow CPU request (minutes).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
@@ -74,6 +75,12 @@ class Metrics:
     def record_request(self, model: str, endpoint: str, adapter: str | None, status: int | str) -> None:
         """Count one finished HTTP request (the HTTP layer calls this once per request)."""
         self.requests.labels(model, endpoint, adapter_label(adapter), str(status)).inc()
+
+    def remove_model(self, model: str) -> None:
+        """Drop every series labelled ``model`` (a model unloaded, or failed to load): /metrics stops reporting it."""
+        for collector in vars(self).values():
+            if isinstance(collector, MetricWrapperBase) and collector is not self._gpu_memory:
+                collector.remove_by_labels({"model": model})
 
     def gpu_memory(self, device: str, allocated: int) -> None:
         """Set ``tserve_gpu_memory_bytes{device}``; the gauge exists only once a CUDA model reports."""

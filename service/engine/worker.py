@@ -14,6 +14,7 @@ import logging
 import shutil
 import time
 from collections.abc import AsyncIterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -124,7 +125,12 @@ class ModelWorker:
             calibration=({"temperature": self.checkpoint.calibration.temperature,
                           "min_confidence": self.checkpoint.calibration.min_confidence}
                          if self.checkpoint.calibration is not None else None),
+            embedding_defaults=asdict(self.embedding_defaults()) if self.family == "classifier" else None,
         )
+
+    def embedding_defaults(self) -> EmbeddingDefaults:
+        """What embed uses when a request leaves pooling or normalize unset."""
+        return self.checkpoint.embedding or EmbeddingDefaults()
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -240,7 +246,7 @@ class ModelWorker:
         save's modules), else mean pooling, not normalized."""
         self._require("embed", ("classifier",))
         self.inputs.count(inputs)
-        defaults = self.checkpoint.embedding or EmbeddingDefaults()
+        defaults = self.embedding_defaults()
         pooling = defaults.pooling if pooling is None else pooling
         normalize = defaults.normalize if normalize is None else normalize
         if pooling not in POOLINGS:

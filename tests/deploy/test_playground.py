@@ -1,7 +1,7 @@
-"""The playground at `/`, end to end: headless Chromium (driven by selenium) against a real server.
+"""The playground at `/`, end to end: headless Chromium (driven by selenium) against a real server, with no
+network but the server's (the page must work air-gapped).
 
-Set TSERVE_PLAYGROUND_SCREENSHOT=path.png to keep a copy of the final screenshot (docs/playground.png
-is made that way).
+docs/playground.png is this test's screenshot of the page: TSERVE_UPDATE_SCREENSHOT=1 writes it.
 """
 
 from __future__ import annotations
@@ -14,22 +14,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.deploy.browser import OFFLINE_FLAGS, By, Select, chromium_driver, severe_console_errors, wait
 from tests.service.conftest import LM, MT
 from tests.service.server import Server, running_server
 
 CLS = "tiny-cls"
 SOURCE = "the cat sat on the mat"
-CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--disable-dev-shm-usage", "--window-size=1500,1100")
-
-try:
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import Select, WebDriverWait
-except ImportError:  # a dev dependency: fail loudly rather than skip
-    webdriver = None
+SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "playground.png"
 
 
 @pytest.fixture(scope="module")
@@ -44,25 +35,8 @@ def server(models_dir: Path, adapters_dir: Path) -> Iterator[Server]:
 
 @pytest.fixture
 def browser(chromium: tuple[str, str], tmp_path: Path) -> Iterator:
-    if webdriver is None:
-        pytest.fail("selenium is not installed: it is a dev dependency (pip install -r requirements-dev.txt)")
-    binary, driver_path = chromium
-    options = webdriver.ChromeOptions()
-    options.binary_location = binary
-    for flag in CHROMIUM_FLAGS:
-        options.add_argument(flag)
-    options.add_argument(f"--user-data-dir={tmp_path / 'chromium-profile'}")
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(options=options, service=Service(executable_path=driver_path))
-    driver.set_page_load_timeout(30)
-    try:
+    with chromium_driver(chromium, tmp_path / "chromium-profile", OFFLINE_FLAGS) as driver:
         yield driver
-    finally:
-        driver.quit()
-
-
-def wait(driver, condition, timeout_s: float = 30.0):
-    return WebDriverWait(driver, timeout_s, poll_frequency=0.1).until(lambda d: condition(d))
 
 
 def open_model(driver, server: Server, model: str) -> None:
@@ -101,10 +75,6 @@ def cell_weights(driver) -> dict[tuple[int, int], float]:
         "return [...document.querySelectorAll('#heatmap svg rect.cell')]"
         ".map(c => [+c.dataset.q, +c.dataset.k, +c.dataset.w]);")
     return {(q, k): w for q, k, w in rows}
-
-
-def severe_console_errors(driver) -> list[str]:
-    return [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
 
 
 def test_translate_then_attention_heatmap(browser, server: Server):
@@ -192,7 +162,7 @@ def test_streamed_generation_arrives_in_pieces(browser, server: Server):
     assert not severe_console_errors(browser)
 
 
-def test_classify_with_adapter_and_screenshot(browser, server: Server, tmp_path: Path):
+def test_classify_with_adapter(browser, server: Server):
     open_model(browser, server, CLS)
     assert browser.find_element(By.ID, "task-title").text == "Classify"
     Select(browser.find_element(By.ID, "adapter")).select_by_value("cls-a")
@@ -204,7 +174,45 @@ def test_classify_with_adapter_and_screenshot(browser, server: Server, tmp_path:
         "inputs": ["all that glitters is not gold"], "adapter": "cls-a"}, timeout=30).json()["outputs"][0]
     assert len(rows) == len(expected["probabilities"])
     assert browser.find_element(By.CSS_SELECTOR, "#cls-output .prob.best span").text == expected["label"]
+    assert not severe_console_errors(browser)
 
+
+def card_texts(driver) -> tuple[str, str]:
+    """(the task card's input, the attention card's input) as the page holds them now."""
+    task, attention = driver.execute_script(
+        "const task = document.querySelector('#task form:not([hidden]) textarea');"
+        "return [task.value, document.getElementById('attn-input').value];")
+    return task, attention
+
+
+def test_each_cards_default_text_follows_the_model(browser, server: Server):
+    """Both cards open on one example of the selected model's kind (not code beside an English sentence), and
+    change with the model picked in the page."""
+    defaults = {}
+    for model in (LM, MT, CLS):
+        open_model(browser, server, model)
+        task, attention = card_texts(browser)
+        assert task.strip() and attention == task, (model, task, attention)
+        defaults[model] = task
+    assert len(set(defaults.values())) == 3, defaults
+    assert browser.find_element(By.ID, "attn-target").get_attribute("value") == ""
+
+    for model in (MT, LM):  # picked in the page this time (its change event), from the classifier's page
+        Select(browser.find_element(By.ID, "model")).select_by_value(model)
+        wait(browser, lambda d, m=model: card_texts(d) == (defaults[m], defaults[m]))
+    # A sentiment classifier's example is one it can tell: the model is sure of it either way.
+    expected = httpx.post(f"{server.url}/v1/models/{CLS}/classify", json={"inputs": [defaults[CLS]]},
+                          timeout=30).json()["outputs"][0]
+    assert max(expected["probabilities"].values()) > 0.9, (defaults[CLS], expected)
+    assert not severe_console_errors(browser)
+
+
+def test_screenshot_of_the_page_as_it_opens(browser, server: Server, tmp_path: Path):
+    """The classifier's page with its default text classified and its attention drawn: docs/playground.png."""
+    open_model(browser, server, CLS)
+    browser.find_element(By.ID, "cls-run").click()
+    wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#cls-output .prob") or status(d))
+    assert not status(browser), status(browser)
     # Attention of the encoder, "like the matrices in the literature".
     browser.find_element(By.ID, "attn-run").click()
     wait(browser, lambda d: cells(d) or status(d))
@@ -212,9 +220,12 @@ def test_classify_with_adapter_and_screenshot(browser, server: Server, tmp_path:
     n = len(browser.find_elements(By.CSS_SELECTOR, "#heatmap text.label.query"))
     assert n > 3 and len(cells(browser)) == n * n
 
+    # The whole page, without a scroll bar: the window grows to the height of its content.
+    height = browser.execute_script("return document.documentElement.scrollHeight + outerHeight - innerHeight;")
+    browser.set_window_size(browser.get_window_size()["width"], height)
     shot = tmp_path / "playground.png"
     assert browser.save_screenshot(str(shot))
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
-    if keep := os.environ.get("TSERVE_PLAYGROUND_SCREENSHOT"):
-        shutil.copyfile(shot, keep)
+    if os.environ.get("TSERVE_UPDATE_SCREENSHOT") == "1":
+        shutil.copyfile(shot, SCREENSHOT)
     assert not severe_console_errors(browser)

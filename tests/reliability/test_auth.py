@@ -1,4 +1,4 @@
-"""API keys: every /v1 operation of the OpenAPI schema needs a valid key (401 otherwise), adapter
+"""API keys: every /v1 operation of the OpenAPI schema needs a valid key (401 otherwise), model and adapter
 load/unload/reload need an admin key (403 with a user key), keys are compared in constant time, and no
 key (valid or not) ever reaches the server's log, even at debug level.
 """
@@ -23,7 +23,8 @@ from tests.service.server import running_server
 
 USER, USER2, ADMIN = "rel-user-key-0123456789", "rel-user-key-second", "rel-admin-key-abcdef"
 WRONG = ["rel-user-key-012345678", "rel-user-key-0123456789x", "REL-USER-KEY-0123456789", "rel-admin-key-abcdeg"]
-ADMIN_OPERATIONS = {("PUT", "/v1/models/{model}/adapters/{name}"), ("DELETE", "/v1/models/{model}/adapters/{name}")}
+ADMIN_OPERATIONS = {("PUT", "/v1/models/{model}/adapters/{name}"), ("DELETE", "/v1/models/{model}/adapters/{name}"),
+                    ("PUT", "/v1/models/{name}"), ("DELETE", "/v1/models/{name}")}
 OPEN_PATHS = {"/health", "/ready", "/metrics"}
 BODIES = {  # a valid body per operation that has one
     "/v1/models/{model}/generate": {"inputs": ["hello"], "max_new_tokens": 2},

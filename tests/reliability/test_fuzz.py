@@ -59,6 +59,8 @@ OPERATIONS = {
     "GET /v1/models/{model}/adapters": [LM, MT, CLS],
     "PUT /v1/models/{model}/adapters/{name}": [LM, MT, CLS],
     "DELETE /v1/models/{model}/adapters/{name}": [LM, MT, CLS],
+    "PUT /v1/models/{name}": [],  # generated names and paths: never the served models (prepare)
+    "DELETE /v1/models/{name}": [],
     "POST /v1/completions": [LM],
     "POST /v1/embeddings": [CLS],
     "POST /v1/tokenize": [LM, MT, CLS],
@@ -68,6 +70,7 @@ OPERATIONS = {
 BODY_MODELS = {"POST /v1/completions": [LM, f"{LM}:{ADAPTERS[LM]}", MT], "POST /v1/embeddings": [CLS, LM],
                "POST /v1/tokenize": [LM, MT, CLS], "POST /v1/detokenize": [LM, MT, CLS]}
 NOTHING_TO_VIOLATE = {"GET /health", "GET /ready", "GET /metrics"}  # no parameter, body or key
+MODEL_CONTROL = {"PUT /v1/models/{name}", "DELETE /v1/models/{name}"}  # would unload the models the others need
 
 for _media_type in ARCHIVE_TYPES:  # the upload's binary body, whichever archive type the example picks
     if _media_type != "application/octet-stream":
@@ -125,6 +128,8 @@ def prepare(case, models: list[str]) -> None:
         params["model"] = _pick(case, models)
         if "name" in params and "name" not in negated:
             params["name"] = ADAPTERS[params["model"]]
+    if case.operation.label in MODEL_CONTROL and params.get("name") in (LM, MT, CLS):
+        params["name"] += "-fuzz"
     positive = case.meta is None or not case.meta.generation.mode.is_negative
     body = case.body if isinstance(case.body, dict) else {}
     if case.operation.label in BODY_MODELS and positive and "model" in body:

@@ -54,6 +54,9 @@ def test_models_list(client):
         assert ADAPTERS[name] in m["adapters"]
     assert data[CLS]["labels"] == LABELS and data[CLS]["max_new_tokens"] == 0
     assert data[LM]["max_new_tokens"] > 0
+    # What embed does for a request that names neither: a checkpoint of ours pools by mean, unnormalized.
+    assert data[CLS]["embedding_defaults"] == {"pooling": "mean", "normalize": False}
+    assert data[LM]["embedding_defaults"] is None and data[MT]["embedding_defaults"] is None
 
 
 @pytest.mark.parametrize("model", [LM, MT])

@@ -95,6 +95,10 @@ def test_an_hf_directory_is_listed_as_hf_beside_our_checkpoints(served):
                        "opus-mt": ("hf", "seq2seq")}
     (failed,) = listing["failed"]
     assert failed["name"] == "broken-hf" and "model_type='llama' is not supported" in failed["error"]
+    # A sentence-transformers save says its own embed defaults (its Pooling and Normalize modules).
+    embedding = {m["name"]: m["embedding_defaults"] for m in listing["data"]}
+    assert embedding["bert-embed"] == {"pooling": "max", "normalize": True}
+    assert embedding["bert-cls"] == {"pooling": "mean", "normalize": False} and embedding["gpt2-hf"] is None
 
 
 @pytest.mark.parametrize("strategy", ["greedy", "beam"])

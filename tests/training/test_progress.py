@@ -45,6 +45,15 @@ def test_lines_come_at_the_first_and_last_step_and_every_interval(caplog):
     assert lines[1] == "run: step 4/10 (40%), loss 2.0000, 100 tokens/s, ETA 1:00"  # 6 steps at 10 s
 
 
+def test_a_recipe_phase_shows_its_fixed_total_and_an_eta_from_the_measured_pace(caplog):
+    now = [0.0]
+    with caplog.at_level(logging.INFO, logger="training.progress"):
+        display = ProgressDisplay(0, 1100, bar=False, lines=True, name="translation", clock=lambda: now[0])
+        now[0] = 55.0  # 55 steps in 55 s: 1,045 left at 1 s each
+        display.update(55, loss=3.5, tokens_per_s=6000.0)
+    assert _lines(caplog) == ["translation: step 55/1100 (5%), loss 3.5000, 6000 tokens/s, ETA 17:25"]
+
+
 def test_the_eta_is_capped_by_the_deadline_and_resumed_runs_count_their_own_pace(caplog):
     now = [100.0]
     with caplog.at_level(logging.INFO, logger="training.progress"):

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import math
-import random
 import shutil
 import sys
 from dataclasses import replace
@@ -19,85 +17,23 @@ import torch
 from model.calibration import Calibration
 from model.checkpoint import load_checkpoint
 from model.lora_io import load_adapter
-from tests.training.heldout import package_in
-from tests.training.mo_writer import write_locale_tree
+from tests.training.tiny_recipe import HAS_LANGDETECT, HELD_OUT, tiny_tier, write_sources
 from training import baselines
-from training.arch import ModelSizes
 from training.baselines import lm_targets, majority_class, map_langdetect, unigram_perplexity
-from training.corpora import HELDOUT_SPLITS, OUT_OF_LABEL
+from training.corpora import OUT_OF_LABEL
 from training.data import LabeledText, Pair, read_pairs
 from training.errors import UserError
 from training.out_of_label import rejections
+from training.recipe_report import report_lines
 from training.recipe_run import run_recipe, run_stage
 from training.recipe_stages import Paths, plan, prepare_stages
-from training.recipes import FamilyRecipe, Tier
-from training.runs import LORA_LOOP, AdapterSpec, Data, Loop, SplitFractions, TrainRun
+from training.runs import Data, TrainRun
 from training.train_run import train
-
-HAS_LANGDETECT = importlib.util.find_spec("langdetect") is not None
-WORDS = {
-    "es": ["archivo", "abrir", "guardar", "cerrar", "rama", "nuevo", "borrar", "todo"],
-    "fr": ["fichier", "ouvrir", "enregistrer", "fermer", "branche", "nouveau", "effacer", "tout"],
-    "de": ["Datei", "öffnen", "speichern", "schließen", "Zweig", "neu", "löschen", "alles"],
-    "tr": ["dosya", "aç", "kaydet", "kapat", "dal", "yeni", "sil", "hepsi"],  # outside langid's candidates
-}
-HELD_OUT = {split: package_in(split) for split in HELDOUT_SPLITS}
-ENGLISH = ["file", "open", "save", "close", "branch", "new", "delete", "all"]
-TINY = ModelSizes(layers=1, d_model=16, heads=2, ffn=32, max_len=32)
-LOOP = {"max_steps": 3, "eval_every": 3, "save_every": 3, "batch_tokens": 256, "warmup": 2}
-
-
-def _catalog(rng: random.Random, lang: str, n: int) -> dict[str, str]:
-    messages = {}
-    for _ in range(n):
-        idx = [rng.randrange(len(ENGLISH)) for _ in range(rng.randint(2, 5))]
-        messages[" ".join(ENGLISH[i] for i in idx)] = " ".join(WORDS[lang][i] for i in idx)
-    return messages
 
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A locale tree (es/fr/de/tr; packages alpha, beta, git, iso_3166 and two held out) and a stdlib of 24 files."""
-    root = tmp_path_factory.mktemp("sources")
-    rng = random.Random(0)
-    packages = ("alpha", "beta", "git", "iso_3166", *HELD_OUT.values())
-    tree = {lang: {pkg: _catalog(rng, lang, 80) for pkg in packages} for lang in WORDS}
-    locale = write_locale_tree(root / "locale", tree)
-    stdlib = root / "stdlib"
-    for i in range(12):
-        for rel in (f"mod{i}.py", f"test/test_mod{i}.py"):
-            path = stdlib / rel
-            path.parent.mkdir(parents=True, exist_ok=True)
-            body = "".join(f"    x{j} = {i} + {j}\n" for j in range(rng.randint(3, 9)))
-            path.write_text(f"def f{i}():\n{body}    return x0\n", encoding="utf-8")
-    return locale, stdlib
-
-
-def tiny_tier() -> Tier:
-    def family(model: str, family: str, adapter: str, arch: str) -> FamilyRecipe:
-        return FamilyRecipe(
-            model=model,
-            family=family,
-            adapter=adapter,
-            sizes=replace(TINY, arch=arch),
-            vocab_size=300,
-            train_loop=Loop(**LOOP),
-            train_minutes=1.0,
-            lora=AdapterSpec(rank=2, alpha=4),
-            lora_loop=replace(LORA_LOOP, **LOOP),
-            lora_minutes=1.0,
-            eval_minutes=0.1,
-        )
-
-    return Tier(
-        name="tiny",
-        translation=family("translation", "seq2seq", "git", "paper"),
-        langid=family("langid", "classifier", "iso", "bert"),
-        code=family("code", "causal_lm", "tests", "gpt2"),
-        translation_package="git",
-        langdetect=HAS_LANGDETECT,
-        fractions=SplitFractions(valid_fraction=0.2, test_fraction=0.2),
-    )
+    return write_sources(tmp_path_factory.mktemp("sources"))
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +72,11 @@ def test_recipe_writes_models_adapters_and_summary_in_the_service_layout(finishe
     # translation: BLEU and chrF vs copy-source on 3 splits, and vs the base; langid: accuracy vs 2 (or 1) baselines
     # on 3 splits, and vs the base; code: perplexity vs the unigram on 2 splits, and vs the base.
     assert len(summary["checks"]) == 8 + (7 if HAS_LANGDETECT else 4) + 3
-    assert all({"what", "value", "other", "passed"} <= set(c) for c in summary["checks"])
+    assert all({"what", "against", "value", "other", "passed"} <= set(c) for c in summary["checks"])
+    assert summary["all_checks_passed"] == all(c["passed"] for c in summary["checks"])
+    for name, model in summary["models"].items():  # every phase trained the tier's fixed steps
+        assert model["train"]["steps_trained"] == model["train"]["fixed_steps"] == 3, name
+        assert model["adapter"]["train"]["steps_trained"] == model["adapter"]["train"]["fixed_steps"] == 3, name
     # The code model's generation defaults, chosen on its valid split, are in its generation_config.json.
     tuned = json.loads(paths.record("tune-generation-code").read_text())["result"]
     assert len(tuned["scores"]) == 10 and all(0 <= s["loop_rate"] <= 1 and s["chrf"] >= 0 for s in tuned["scores"])
@@ -248,6 +188,9 @@ def test_recipe_skips_finished_stages_and_redoes_a_missing_or_stale_one(
     assert len(skipped) == len(stages) - 2
     assert (paths.adapter(tiny_tier().langid) / "adapter_config.json").is_file()
     assert again["models"]["translation"] == summary["models"]["translation"]
+    # The output ends with the report: every check, then the verdict (training.recipe_report).
+    ended = [r.getMessage() for r in caplog.records if r.name == "training.recipe_run"]
+    assert ended[-len(report_lines(again, str(paths.out))) :] == report_lines(again, str(paths.out))
 
 
 def test_recipe_resumes_an_interrupted_training_run(

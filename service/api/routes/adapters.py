@@ -23,7 +23,7 @@ from service.api import archive_sandbox
 from service.api.archive import ArchiveError
 from service.api.auth import require_admin, require_key
 from service.api.deps import get_settings, get_worker
-from service.api.http_errors import HTTP_METHODS, errors
+from service.api.http_errors import answer_other_methods, errors
 from service.api.schemas import NAME_PATTERN, AdapterInfoSchema, AdapterList
 from service.engine import adapter_store
 from service.engine.errors import InvalidRequest
@@ -118,18 +118,5 @@ def _check_content_type(request: Request) -> None:
         )
 
 
-def _answer_other_methods(path: str) -> None:
-    """A 405 listing every method of ``path``'s routes for the other methods (Starlette names only the first
-    route's, e.g. ``Allow: PUT`` where DELETE is allowed too). Added after those routes."""
-    allowed = sorted({m for r in router.routes if isinstance(r, APIRoute) and r.path == router.prefix + path
-                      for m in r.methods})
-
-    async def method_not_allowed() -> None:
-        raise HTTPException(405, headers={"Allow": ", ".join(allowed)})
-
-    others = [m for m in HTTP_METHODS if m not in allowed]
-    router.add_api_route(path, method_not_allowed, methods=others, include_in_schema=False)
-
-
-_answer_other_methods("/{name}")
+answer_other_methods(router, "/{name}")
 _LOAD_ROUTE = next(r for r in router.routes if isinstance(r, APIRoute) and r.name == "load_adapter")

@@ -25,11 +25,15 @@ async def health() -> HealthResponse:
 
 @router.get("/ready", name="ready", response_model=ReadyResponse, responses=errors(503))
 async def ready(engine: Annotated[Engine, Depends(get_engine)]) -> ReadyResponse:
-    """Readiness: 200 once the models are loaded and warmed up (GET /v1/models lists any that failed, and why);
-    503 before, and while shutting down. With none loaded the server does not start."""
+    """Readiness: 200 once the models are loaded and warmed up, listing them (GET /v1/models lists any that failed,
+    and why); 503 before, while shutting down, and once every model was unloaded. With none loaded the server does
+    not start."""
     if not engine.ready:
         raise NotReady("models are not loaded yet (or the server is shutting down)")
-    return ReadyResponse(models=[m.name for m in engine.models()])
+    models = [m.name for m in engine.models()]
+    if not models:
+        raise NotReady("no model is loaded (every one was unloaded): load one with PUT /v1/models/{name}")
+    return ReadyResponse(models=models)
 
 
 @router.get(

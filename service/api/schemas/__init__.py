@@ -48,6 +48,7 @@ from service.api.schemas.models import (  # noqa: F401
     ModelInfoSchema,
     ModelList,
     ModelLoadFailure,
+    ModelLoadRequest,
     ReadyResponse,
 )
 from service.api.schemas.openai import (  # noqa: F401

@@ -1,10 +1,12 @@
-"""Bodies of /health, /ready, the model list and the adapter routes."""
+"""Bodies of /health, /ready, the model list, model loads and the adapter routes."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
+
+from service.api.schemas.common import RequestModel, Text
 
 
 class HealthResponse(BaseModel):
@@ -64,6 +66,16 @@ class ModelInfoSchema(BaseModel):
         None, description="A classifier's calibration (calibration.json): the temperature its probabilities are "
         "scaled by and min_confidence, below which it answers \"unknown\" unless a request sets its own."
     )
+    embedding_defaults: dict[str, str | bool] | None = Field(
+        None, description="A classifier's embed defaults, for requests that leave them unset: pooling and "
+        "normalize (unit-length vectors). A sentence-transformers model's come from its modules (often normalized); "
+        "otherwise mean pooling, not normalized."
+    )
+
+
+class ModelLoadRequest(RequestModel):
+    path: Annotated[Text, Field(max_length=1024, description="The model directory, relative to the models "
+                                "directory (--models): no absolute path, no hidden or '..' part.")]
 
 
 class ModelLoadFailure(BaseModel):

@@ -5,14 +5,30 @@ const $ = (id) => document.getElementById(id);
 const SVG_NS = "http://www.w3.org/2000/svg";
 const KIND_NAMES = { encoder_self: "encoder self", decoder_self: "decoder self", cross: "cross", self: "self" };
 const TASKS = {
-  seq2seq: { title: "Translate", form: "generate-form", input: "Source sentence", strategy: "beam",
-             example: "Delete the file?" },
-  causal_lm: { title: "Generate", form: "generate-form", input: "Prompt", strategy: "greedy", stream: true,
-               example: "def read_lines(path):\n    " },  // the default causal model writes Python
-  classifier: { title: "Classify", form: "classify-form", input: "Text",
-                example: "The animal didn't cross the street because it was tired" },
+  seq2seq: { title: "Translate", form: "generate-form", input: "Source sentence", strategy: "beam" },
+  causal_lm: { title: "Generate", form: "generate-form", input: "Prompt", strategy: "greedy", stream: true },
+  classifier: { title: "Classify", form: "classify-form", input: "Text" },
 };
-const ATTENTION_EXAMPLE = "The animal didn't cross the street because it was tired";
+// A language-identification classifier's example: a message in one of its labels' languages.
+const LANGUAGE_EXAMPLES = {
+  fr: "Impossible d'ouvrir le fichier.",
+  de: "Die Datei konnte nicht geöffnet werden.",
+  es: "No se pudo abrir el archivo.",
+  it: "Impossibile aprire il file.",
+};
+
+// The default text of both cards (task and attention) for model m: what its family, name and labels suggest.
+function exampleFor(m) {
+  if (m.family === "seq2seq") return "Delete the file?";  // translators of UI messages (the default model's data)
+  if (m.family === "causal_lm") {
+    return /code|py/i.test(m.name) ? "def read_lines(path):\n    " : "Once upon a time, in a small town by the sea,";
+  }
+  const labels = m.labels || [];
+  const language = Object.keys(LANGUAGE_EXAMPLES).find((code) => labels.includes(code));
+  if (language) return LANGUAGE_EXAMPLES[language];
+  if (labels.includes("positive") || labels.includes("negative")) return "the food was excellent";
+  return "The animal didn't cross the street because it was tired";
+}
 
 const state = { models: [], model: null, attention: null };
 
@@ -82,12 +98,13 @@ async function selectModel(name) {
   const size = m.parameters >= 1e6 ? `${(m.parameters / 1e6).toFixed(1)}M` : `${(m.parameters / 1e3).toFixed(0)}k`;
   $("model-info").textContent = `${size} parameters · ${m.device} · ${m.dtype} · ≤ ${m.max_input_tokens} input tokens`;
   const task = TASKS[m.family];
+  const example = exampleFor(m);
   $("task-title").textContent = task.title;
   $("generate-form").hidden = task.form !== "generate-form";
   $("classify-form").hidden = task.form !== "classify-form";
   if (task.form === "generate-form") {
     $("gen-input-label").textContent = task.input;
-    $("gen-input").value = task.example;
+    $("gen-input").value = example;
     $("gen-strategy").value = task.strategy;
     showStrategyOptions();
     $("gen-stream").checked = Boolean(task.stream);
@@ -96,13 +113,13 @@ async function selectModel(name) {
     $("gen-meta").textContent = "";
     $("gen-to-attention").hidden = true;
   } else {
-    $("cls-input").value = task.example;
+    $("cls-input").value = example;
     $("cls-output").replaceChildren();
   }
   const seq2seq = m.family === "seq2seq";
   $("attn-target-row").hidden = !seq2seq;
   $("attn-input-label").textContent = seq2seq ? "Source" : "Input";
-  $("attn-input").value = seq2seq ? task.example : ATTENTION_EXAMPLE;
+  $("attn-input").value = example;
   $("attn-target").value = "";
   clearHeatmap();
   await loadAdapters();
