@@ -46,9 +46,17 @@ def build_parser(prog: str = "python -m training") -> argparse.ArgumentParser:
 
 
 def command_names() -> list[str]:
-    """The commands' names, in the order `--help` lists them."""
-    actions = build_parser()._subparsers._group_actions  # argparse keeps its subparsers action there
-    return [name for action in actions for name in action.choices]
+    """The commands' names, in the order `--help` lists them (as each module's add_parser names its parser)."""
+    names: list[str] = []
+
+    class Recorder:  # stands in for argparse's subparsers: keeps the names, hands out throwaway parsers
+        def add_parser(self, name: str, **kwargs) -> argparse.ArgumentParser:
+            names.append(name)
+            return argparse.ArgumentParser(add_help=False)
+
+    for command in COMMANDS:
+        command.add_parser(Recorder())
+    return names
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m training") -> int:
