@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.helpers import archive, assert_same_outputs, generate
+from tests.helpers import archive, assert_same_outputs, block_worker, generate
+from tests.reliability.helpers import inprocess_server, wait_until
 from tests.service.conftest import ADAPTERS, CLS, LABELS, LM, MT, TEXTS
 from tests.service.fixtures import PROMPTS
 from tests.service.server import metric_samples, running_server, sse_data
@@ -179,18 +181,23 @@ def test_adapters_list_load_upload_unload(client, server, adapters_dir):
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
 
 
-async def _concurrently(url: str, path: str, bodies: list[dict]) -> list[httpx.Response]:
-    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
-        return await asyncio.gather(*(c.post(path, json=b) for b in bodies))
-
-
-def test_concurrent_requests_batch_and_match_sequential(client, server):
+def test_concurrent_requests_batch_and_match_sequential(models_dir):
+    """Requests that wait together are batched (a model step of several rows) and answer as each does alone. They
+    are made to wait together by holding the worker until all of them are queued (an event), not by hoping
+    concurrent HTTP requests overlap on a busy machine."""
     bodies = [{"inputs": [p], "max_new_tokens": 8} for p in PROMPTS]
-    sequential = [generate(client, LM, **b)["outputs"] for b in bodies]
-    responses = asyncio.run(_concurrently(server.url, f"/v1/models/{LM}/generate", bodies))
-    assert [r.status_code for r in responses] == [200] * len(bodies)
-    assert_same_outputs([r.json()["outputs"] for r in responses], sequential)
-    metrics = client.get("/metrics").text
+    with inprocess_server(models_dir) as server, server.client() as client:
+        sequential = [generate(client, LM, **b)["outputs"] for b in bodies]
+        worker = server.engine.get(LM)
+        release = block_worker(worker)
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            pending = [pool.submit(client.post, f"/v1/models/{LM}/generate", json=b) for b in bodies]
+            assert wait_until(lambda: worker.scheduler.num_waiting == len(bodies), timeout_s=60)
+            release.set()
+            responses = [f.result(timeout=60) for f in pending]
+        assert [r.status_code for r in responses] == [200] * len(bodies)
+        assert_same_outputs([r.json()["outputs"] for r in responses], sequential)
+        metrics = client.get("/metrics").text
     count = metric_samples(metrics, "tserve_batch_size_count")[(("model", LM),)]
     alone = metric_samples(metrics, "tserve_batch_size_bucket")[(("le", "1.0"), ("model", LM))]
     assert count > alone, "no model step ran more than one row"
