@@ -94,18 +94,48 @@ def prefix_attention(
     return (from_prefix.view(heads, b, t, dh).transpose(0, 1) + weights[..., shared:] @ v).to(dtype)
 
 
-class MultiHeadAttention(nn.Module):
-    """Self- or cross-attention with separate q/k/v/out projections (the names LoRA targets)."""
+class Rotary(nn.Module):
+    """Rotary position embedding (RoPE, half-split layout as Llama's): q and k of each row rotated by its positions.
 
-    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, bias: bool = True) -> None:
+    The angles are computed in float32 whatever the model's dtype (inverse frequencies too), as transformers does.
+    """
+
+    def __init__(self, head_dim: int, theta: float = 10000.0, scale: float = 1.0) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.register_buffer("inv_freq", inv_freq / scale, persistent=False)  # linear scaling: positions / scale
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x (B, H, T, Dh) rotated at ``positions`` (B|1, T)."""
+        freqs = positions[..., None].float() * self.inv_freq.float()  # (B, T, Dh/2)
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, Dh)
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+
+class MultiHeadAttention(nn.Module):
+    """Self- or cross-attention with separate q/k/v/out projections (the names LoRA targets).
+
+    Optional: ``n_kv_heads`` < ``n_heads`` (grouped-query attention: K/V, and the cache, hold n_kv_heads, each read
+    by n_heads / n_kv_heads consecutive query heads), a ``head_dim`` other than d_model / n_heads, and ``rotary``
+    positions applied to q and k at each row's absolute position (before K is cached).
+    """
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, bias: bool = True, *,
+                 n_kv_heads: int | None = None, head_dim: int | None = None, rotary: Rotary | None = None) -> None:
         super().__init__()
         self.n_heads = n_heads
-        self.head_dim = d_model // n_heads
+        self.n_kv_heads = n_kv_heads or n_heads
+        self.head_dim = head_dim or d_model // n_heads
         self.dropout = dropout
-        self.q_proj = Linear(d_model, d_model, bias=bias)
-        self.k_proj = Linear(d_model, d_model, bias=bias)
-        self.v_proj = Linear(d_model, d_model, bias=bias)
-        self.out_proj = Linear(d_model, d_model, bias=bias)
+        inner, kv_inner = n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.q_proj = Linear(d_model, inner, bias=bias)
+        self.k_proj = Linear(d_model, kv_inner, bias=bias)
+        self.v_proj = Linear(d_model, kv_inner, bias=bias)
+        self.out_proj = Linear(inner, d_model, bias=bias)
+        self.rotary = rotary
         # Optional (D -> 3D) projection computing q, k, v of self-attention in one GEMM (model.quantize
         # builds an int8 one); used only while q/k/v are still the modules it was built from, so a
         # LoRA wrapper around any of them switches back to the separate projections.
@@ -118,9 +148,9 @@ class MultiHeadAttention(nn.Module):
         return self.qkv_proj is not None and (self.q_proj, self.k_proj, self.v_proj) == self._qkv_of
 
     def split_heads(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, T, D) -> (B, H, T, Dh)."""
+        """(B, T, H*Dh) -> (B, H, T, Dh) (H: query or K/V heads, by the width)."""
         b, t, _ = x.shape
-        return x.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        return x.view(b, t, -1, self.head_dim).transpose(1, 2)
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The fused projection's output (B, T, 3D) -> q, k, v, each (B, H, T, Dh)."""
@@ -159,8 +189,14 @@ class MultiHeadAttention(nn.Module):
         else:
             q = self.split_heads(self.q_proj(x))  # (B, H, T, Dh)
             k, v = kv if kv is not None else self.project_kv(x if source is None else source)
+        if self.rotary is not None and source is None and kv is None:
+            positions = self._positions(x, cache)
+            q, k = self.rotary(q, positions), self.rotary(k, positions)
         if cache is not None and kv is None:
-            k, v = cache.write(layer, k, v)
+            k, v = cache.write(layer, k, v)  # (B, H_kv, K, Dh)
+        if self.n_kv_heads != self.n_heads:  # each K/V head serves a group of consecutive query heads
+            groups = self.n_heads // self.n_kv_heads
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         dropout = self.dropout if self.training else 0.0
         if k.dtype != q.dtype:  # a cache kept in another dtype
             k, v = k.to(q.dtype), v.to(q.dtype)
@@ -178,3 +214,14 @@ class MultiHeadAttention(nn.Module):
             out = decode_attention(q, k, v, mask)
             weights = None
         return self.out_proj(self.merge_heads(out)), weights
+
+    @staticmethod
+    def _positions(x: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+        """Each row's absolute positions of ``x``'s tokens (B|1, T): the cache's write positions (the ones position
+        embeddings get from :meth:`KVCache.begin_step`, a shared prefix counted), else 0..T-1."""
+        if cache is None:
+            return torch.arange(x.shape[1], device=x.device)[None, :]
+        positions = cache.write_positions
+        if positions is None:
+            raise RuntimeError("rotary attention over a cache needs KVCache.begin_step first")
+        return positions + cache.prefix.lengths[:, None] if cache.prefix is not None else positions

@@ -42,7 +42,7 @@ class CausalLM(nn.Module):
         """An empty cache for ``batch`` rows, preallocated for ``capacity`` positions."""
         p = self.embed.tokens.weight  # always float (lm_head may be int8)
         c = self.config
-        return KVCache.empty(c.n_layers, batch, c.n_heads, c.head_dim, capacity, p.device, p.dtype)
+        return KVCache.empty(c.n_layers, batch, c.kv_heads, c.head_dim, capacity, p.device, p.dtype)
 
     def prefill(self, ids: torch.Tensor, lengths: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Run right-padded prompts ``ids`` (B, T) into ``cache``; return the logits (B, V) after each prompt."""

@@ -13,7 +13,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-POSITIONS = ("sinusoidal", "learned")
+POSITIONS = ("sinusoidal", "learned", "rope")
+NORM_TYPES = ("layer", "rms")
+FFNS = ("mlp", "gated")
 NORMS = ("pre", "post")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
 
@@ -43,6 +45,14 @@ class TransformerConfig:
     final_norm: bool | None = None  # LayerNorm after the last layer; None = on for pre-LN, off for post-LN
     layer_norm_eps: float = 1e-5
     pad_id: int = 0  # padding token id (masked out of attention)
+    # Llama-style blocks (every default is the blocks above; :attr:`extended` says whether any is changed)
+    norm_type: str = "layer"  # "layer" (LayerNorm) or "rms" (RMSNorm, no bias; eps = layer_norm_eps)
+    rope_theta: float = 10000.0  # base of the rotary frequencies (positions="rope")
+    rope_scale: float = 1.0  # linear rope scaling: rotary frequencies divided by this factor
+    n_kv_heads: int | None = None  # grouped-query attention: heads of K/V (None = n_heads)
+    head_size: int | None = None  # width of one head (None = d_model / n_heads)
+    ffn: str = "mlp"  # "mlp": fc2(act(fc1 x)); "gated": fc2(act(fc1 x) * up(x)) (SwiGLU with silu)
+    ffn_bias: bool | None = None  # biases in the feed-forward projections (None = ``bias``)
 
     family: ClassVar[str] = ""
 
@@ -51,7 +61,16 @@ class TransformerConfig:
             self.final_norm = self.norm == "pre"
         _check(self.vocab_size >= 8, "vocab_size", "must be at least 8")
         _check(self.d_model > 0 and self.n_heads > 0, "d_model/n_heads", "must be positive")
-        _check(self.d_model % self.n_heads == 0, "d_model", f"must be divisible by n_heads={self.n_heads}")
+        if self.head_size is None:
+            _check(self.d_model % self.n_heads == 0, "d_model", f"must be divisible by n_heads={self.n_heads}")
+        else:
+            _check(self.head_size > 0, "head_size", "must be positive")
+        _check(self.positions != "rope" or self.head_dim % 2 == 0, "head_size", "must be even for rotary positions")
+        kv = self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+        _check(kv > 0 and self.n_heads % kv == 0, "n_kv_heads", f"must divide n_heads={self.n_heads}")
+        _check(self.norm_type in NORM_TYPES, "norm_type", f"must be one of {NORM_TYPES}")
+        _check(self.ffn in FFNS, "ffn", f"must be one of {FFNS}")
+        _check(self.rope_theta > 0 and self.rope_scale > 0, "rope_theta/rope_scale", "must be positive")
         _check(self.d_ff > 0, "d_ff", "must be positive")
         _check(0.0 <= self.dropout < 1.0, "dropout", "must be in [0, 1)")
         _check(self.max_len > 0, "max_len", "must be positive")
@@ -62,7 +81,18 @@ class TransformerConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.head_size if self.head_size is not None else self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    @property
+    def extended(self) -> bool:
+        """Whether any Llama-style field differs from the original blocks: the C++ and int8 paths decline then."""
+        return (self.positions == "rope" or self.norm_type != "layer" or self.kv_heads != self.n_heads
+                or self.head_dim * self.n_heads != self.d_model or self.ffn != "mlp"
+                or self.ffn_bias not in (None, self.bias))
 
     def to_dict(self) -> dict[str, Any]:
         return {"family": self.family, **dataclasses.asdict(self)}
@@ -102,6 +132,8 @@ class Seq2SeqConfig(TransformerConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         _check(self.n_encoder_layers > 0 and self.n_decoder_layers > 0, "n_*_layers", "must be positive")
+        _check(not self.extended, "norm_type/positions/n_kv_heads/head_size/ffn/ffn_bias",
+               "must keep their defaults: the Llama-style blocks are for causal_lm only")
         _check(self.max_src_len <= self.max_len, "max_src_len", f"must be <= max_len={self.max_len}")
         if self.src_vocab_size is not None:
             _check(self.src_vocab_size >= 8, "src_vocab_size", "must be at least 8")
@@ -122,6 +154,8 @@ class ClassifierConfig(TransformerConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         _check(self.n_layers > 0, "n_layers", "must be positive")
+        _check(not self.extended, "norm_type/positions/n_kv_heads/head_size/ffn/ffn_bias",
+               "must keep their defaults: the Llama-style blocks are for causal_lm only")
         _check(self.num_labels >= 0, "num_labels", "must be >= 0 (0 = no classification head)")
         _check(self.type_vocab_size >= 0, "type_vocab_size", "must be >= 0")
 

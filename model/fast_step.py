@@ -368,7 +368,7 @@ def run_decoder(
     stack: LayerStack, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache, memory_mask: torch.Tensor | None
 ) -> torch.Tensor:
     """``stack(x, mask, memory_mask=..., cache=...)[0]``, through the stack's :class:`DecodePlan` in eval mode."""
-    if stack.training:
+    if stack.training or not stack.native:  # blocks the plan does not implement (Llama's): PyTorch
         return stack(x, mask, memory_mask=memory_mask, cache=cache)[0]
     return plan_for(stack)(x, mask, cache, memory_mask)
 
@@ -409,7 +409,8 @@ def _encode(
     active adapters take the C++ stack (``DecoderStack.encode``), which saves the interpreter's time per layer
     (about 0.1 ms, a tenth of BERT-base's forward over 16 tokens); ``keep_last`` may then be None or the first
     position alone."""
-    plan = None if stack.training or attention_weights or x.dtype != torch.float32 else plan_for(stack)
+    plan = (None if stack.training or attention_weights or x.dtype != torch.float32 or not stack.native
+            else plan_for(stack))
     native_step = plan.native if plan is not None else None
     if (
         native_step is None

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from model.attention import MultiHeadAttention
+from model.attention import MultiHeadAttention, Rotary
 from model.config import TransformerConfig
 from model.kernel_layers import LayerNorm, Linear, activate, kernels_for
 from model.kv_cache import KVCache
@@ -38,8 +38,11 @@ class Embeddings(nn.Module):
         super().__init__()
         self.tokens = nn.Embedding(vocab_size, config.d_model, padding_idx=config.pad_id)
         self.scale = math.sqrt(config.d_model) if config.scale_embeddings else 1.0
+        self.rotary = config.positions == "rope"  # positions enter in attention, not here
         if config.positions == "learned":
             self.positions = nn.Embedding(config.max_len, config.d_model)
+        elif self.rotary:
+            self.positions = None
         else:
             self.positions = None
             self.register_buffer("sinusoids", sinusoidal_table(config.max_len, config.d_model), persistent=False)
@@ -59,7 +62,7 @@ class Embeddings(nn.Module):
             x = x * self.scale
         if self.positions is not None:
             x = x + self.positions(positions)
-        else:
+        elif not self.rotary:
             x = x + self.sinusoids[positions].to(x.dtype)
         if self.segments is not None:
             x = x + self.segments(torch.zeros_like(ids) if segments is None else segments)
@@ -68,13 +71,36 @@ class Embeddings(nn.Module):
         return self.dropout(x) if self.training else x
 
 
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight over the last dimension (Llama), in float32 at least."""
+
+    def __init__(self, d: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def make_norm(config: TransformerConfig, d: int) -> nn.Module:
+    """The configured normalization of width ``d``: LayerNorm or RMSNorm (``norm_type``)."""
+    if config.norm_type == "rms":
+        return RMSNorm(d, config.layer_norm_eps)
+    return LayerNorm(d, eps=config.layer_norm_eps)
+
+
 class FeedForward(nn.Module):
-    """Position-wise FFN(x) = fc2(act(fc1(x)))."""
+    """Position-wise FFN(x) = fc2(act(fc1(x))); gated (SwiGLU): fc2(act(fc1(x)) * up(x))."""
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
-        self.fc1 = Linear(config.d_model, config.d_ff, bias=config.bias)
-        self.fc2 = Linear(config.d_ff, config.d_model, bias=config.bias)
+        bias = config.bias if config.ffn_bias is None else config.ffn_bias
+        self.fc1 = Linear(config.d_model, config.d_ff, bias=bias)  # the gate when gated
+        self.up = Linear(config.d_model, config.d_ff, bias=bias) if config.ffn == "gated" else None
+        self.fc2 = Linear(config.d_ff, config.d_model, bias=bias)
         self.activation = config.activation
         self.dropout = nn.Dropout(config.dropout)
 
@@ -85,6 +111,8 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.activate(self.fc1(x))
+        if self.up is not None:
+            h = h * self.up(x)
         return self.fc2(self.dropout(h) if self.training else h)
 
 
@@ -96,15 +124,17 @@ class TransformerLayer(nn.Module):
 
     def __init__(self, config: TransformerConfig, cross_attention: bool = False) -> None:
         super().__init__()
-        d, eps = config.d_model, config.layer_norm_eps
-        self.self_attn = MultiHeadAttention(d, config.n_heads, config.dropout, config.bias)
-        self.self_attn_norm = LayerNorm(d, eps=eps)
+        d = config.d_model
+        rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scale) if config.positions == "rope" else None
+        self.self_attn = MultiHeadAttention(d, config.n_heads, config.dropout, config.bias,
+                                            n_kv_heads=config.kv_heads, head_dim=config.head_dim, rotary=rotary)
+        self.self_attn_norm = make_norm(config, d)
         self.cross_attn = (
             MultiHeadAttention(d, config.n_heads, config.dropout, config.bias) if cross_attention else None
         )
-        self.cross_attn_norm = LayerNorm(d, eps=eps) if cross_attention else None
+        self.cross_attn_norm = make_norm(config, d) if cross_attention else None
         self.ffn = FeedForward(config)
-        self.ffn_norm = LayerNorm(d, eps=eps)
+        self.ffn_norm = make_norm(config, d)
         self.dropout = nn.Dropout(config.dropout)
         self.pre_norm = config.norm == "pre"
 
@@ -166,7 +196,8 @@ class LayerStack(nn.Module):
     def __init__(self, config: TransformerConfig, n_layers: int, cross_attention: bool = False) -> None:
         super().__init__()
         self.layers = nn.ModuleList(TransformerLayer(config, cross_attention) for _ in range(n_layers))
-        self.final_norm = LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.final_norm else None
+        self.final_norm = make_norm(config, config.d_model) if config.final_norm else None
+        self.native = not config.extended  # the C++ step and plan (model.fast_step) implement these blocks only
 
     def forward(
         self,
@@ -224,3 +255,5 @@ def init_weights(module: nn.Module, std: float = 0.02) -> None:
         elif isinstance(m, nn.LayerNorm):
             nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)
+        elif isinstance(m, RMSNorm):
+            nn.init.ones_(m.weight)

@@ -92,6 +92,10 @@ def quantize(model: nn.Module, mode: str | None) -> nn.Module:
         return model
     if mode != "int8":
         raise QuantizeError(f"unknown quantisation {mode!r}; expected one of {list(QUANTIZE_MODES)}")
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "extended", False):  # Llama-style blocks: no int8 path for them
+        logger.warning("int8 quantisation declined: its path does not implement this model's blocks; kept in float")
+        return model
     quantize_int8(model)
     return model
 

@@ -50,6 +50,29 @@ def strings(count: int = 300) -> list[str]:
 
 def gpt2_directory(directory: Path) -> Path:
     """A random GPT-2 and its tokenizer, as transformers saves them."""
+    tokenizer = byte_level_bpe(directory)
+    eot = tokenizer.convert_tokens_to_ids(EOT)
+    config = transformers.GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=2, n_head=4,
+                                     bos_token_id=eot, eos_token_id=eot)
+    randomize(transformers.GPT2LMHeadModel(config), seed=5, eos_id=eot, eos_boost=2.5).save_pretrained(directory)
+    return directory
+
+
+def llama_directory(directory: Path) -> Path:
+    """A random LlamaForCausalLM (grouped-query attention, untied head) and a byte-level BPE tokenizer (as SmolLM2's
+    and Qwen's are), as transformers saves them."""
+    tokenizer = byte_level_bpe(directory)
+    eot = tokenizer.convert_tokens_to_ids(EOT)
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=64, bos_token_id=eot, eos_token_id=eot,
+                                      tie_word_embeddings=False)
+    randomize(transformers.LlamaForCausalLM(config), seed=5, eos_id=eot, eos_boost=2.5).save_pretrained(directory)
+    return directory
+
+
+def byte_level_bpe(directory: Path) -> transformers.PreTrainedTokenizerFast:
+    """A byte-level BPE trained on CORPUS with <|endoftext|> last, saved into ``directory``."""
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
@@ -61,11 +84,7 @@ def gpt2_directory(directory: Path) -> Path:
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=EOT, eos_token=EOT,
                                                      unk_token=EOT)
     tokenizer.save_pretrained(directory)
-    eot = tokenizer.convert_tokens_to_ids(EOT)
-    config = transformers.GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=2, n_head=4,
-                                     bos_token_id=eot, eos_token_id=eot)
-    randomize(transformers.GPT2LMHeadModel(config), seed=5, eos_id=eot, eos_boost=2.5).save_pretrained(directory)
-    return directory
+    return tokenizer
 
 
 def bert_directory(directory: Path, head: bool) -> Path:

@@ -4,7 +4,8 @@
 the weights (safetensors only) and maps them onto our module names. One module per architecture, each with
 ``ARCHITECTURES`` (the ``architectures`` names it takes), ``to_config`` (HF config -> ours) and ``state_dict``
 (HF tensors -> ours), and ``ADAPTER_LAYOUT`` (PEFT adapters in its names <-> ours): gpt2.py (GPT2LMHeadModel,
-GPT2Model), bert.py (BertForSequenceClassification, BertModel), marian.py (MarianMTModel).
+GPT2Model), bert.py (BertForSequenceClassification, BertModel), marian.py (MarianMTModel), llama.py
+(LlamaForCausalLM).
 :func:`hf_companions` reads what else the directory brings (model.checkpoint.load_hf_checkpoint adds it to the
 model): tokenizer.json (tokenizer.py) or OPUS-MT's SentencePiece files (marian_tokenizer.py), generation_config.json's
 rules (generation.py) and sentence-transformers' pooling (sentence.py).
@@ -31,7 +32,8 @@ from model.hf.tokenizer import TOKENIZER_FILES, load_tokenizer
 from model.tokenizer import MAX_TOKENIZER_BYTES  # the largest file a companion may be
 
 # config.json's model_type -> the module of its importer (imported when a directory of that type loads)
-IMPORTERS = {"gpt2": "model.hf.gpt2", "bert": "model.hf.bert", "marian": "model.hf.marian"}
+IMPORTERS = {"gpt2": "model.hf.gpt2", "bert": "model.hf.bert", "marian": "model.hf.marian",
+             "llama": "model.hf.llama"}
 
 
 def is_hf_directory(directory: str | Path) -> bool:

@@ -73,7 +73,9 @@ class ModelWorker:
                                         checkpoint.adapter_layout)
         self.runner = None  # generative families only
         if self.family in RUNNERS:
-            prefix_cache = PrefixCache(settings.prefix_cache_bytes) if settings.prefix_cache_bytes > 0 else None
+            # the prefix cache's blocks and kernel hold n_heads K/V at learned positions: Llama-style blocks decline it
+            prefix_cache = (PrefixCache(settings.prefix_cache_bytes)
+                            if settings.prefix_cache_bytes > 0 and not self.config.extended else None)
             self.runner = RUNNERS[self.family](self.model, prefix_cache, draft.model if draft is not None else None,
                                                checkpoint_vocabulary_map(checkpoint))
         draft_name = draft.path.name if draft is not None and draft.path is not None else None

@@ -11,6 +11,7 @@ from training.export.common import HF_ACTIVATIONS, Need, Tensors, linear, norm
 
 ARCHITECTURE = "BertForSequenceClassification"
 NEEDS = (
+    Need("extended", False, "the original blocks (LayerNorm, no rope, no GQA or head_size, no gated FFN)"),
     Need("positions", "learned", "learned positions"),
     Need("norm", "post", "post-LN"),
     Need("final_norm", False, "no final LayerNorm"),

@@ -11,6 +11,7 @@ from training.export.common import HF_ACTIVATIONS, Need, Tensors, bias, norm
 
 ARCHITECTURE = "GPT2LMHeadModel"
 NEEDS = (
+    Need("extended", False, "the original blocks (LayerNorm, no rope, no GQA or head_size, no gated FFN)"),
     Need("positions", "learned", "learned positions"),
     Need("norm", "pre", "pre-LN"),
     Need("final_norm", True, "a final LayerNorm"),

@@ -34,6 +34,7 @@ from training.export.common import HF_ACTIVATIONS, Need, Tensors, bias, linear, 
 
 ARCHITECTURE = "MarianMTModel"
 NEEDS = (
+    Need("extended", False, "the original blocks (LayerNorm, no rope, no GQA or head_size, no gated FFN)"),
     Need("positions", "sinusoidal", "sinusoidal positions"),
     Need("norm", "post", "post-LN"),
     Need("embedding_norm", False, "no embedding LayerNorm"),
