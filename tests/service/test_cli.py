@@ -51,9 +51,11 @@ def test_pip_install_gives_a_working_tserve_serve(models_dir, tmp_path):
     where = run(venv / "bin" / "python", "-c", "import service; print(service.__file__)", cwd=tmp_path).stdout
     assert Path(where.strip()).is_relative_to(site)
     port = free_port()
-    process = subprocess.Popen([venv / "bin" / "tserve", "serve", "--models", models_dir, "--port", str(port),
-                                "--threads", "1", "--warmup", "false"], cwd=tmp_path, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / "server.log"  # a file, not a pipe: a server that logs much never blocks on it
+    with log.open("w") as out:
+        process = subprocess.Popen([venv / "bin" / "tserve", "serve", "--models", models_dir, "--port", str(port),
+                                    "--threads", "1", "--warmup", "false"], cwd=tmp_path, stdout=out,
+                                   stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, process, 120)
@@ -61,4 +63,4 @@ def test_pip_install_gives_a_working_tserve_serve(models_dir, tmp_path):
         page = httpx.get(url + "/")
         assert page.status_code == 200 and "<html" in page.text.lower()  # the static files were installed
     finally:
-        assert stop(process) == 0, process.stdout.read()[-3000:] if process.stdout else ""
+        assert stop(process) == 0, log.read_text()[-3000:]
