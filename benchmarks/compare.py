@@ -1,8 +1,10 @@
 """Ours vs Hugging Face ``generate()`` vs CTranslate2 on identical weights: `python -m benchmarks.compare`.
 
 ``--shape toy`` (the default) is described here; ``--shape opus-mt``, ``bert-base`` and ``gpt2-small`` (the
-shapes people serve, with ONNX Runtime for the classifier) in benchmarks/shape_compare.py; ``--device cuda``
-(ours vs HF on a GPU, on those shapes: every one, or the one ``--shape`` names) in benchmarks/gpu_compare.py.
+shapes people serve, with ONNX Runtime for the classifier) in benchmarks/shape_compare.py; ``smollm2-135m`` and
+``qwen2.5-0.5b`` (Llama-style decoders, with llama.cpp and CTranslate2) in benchmarks/decoder_compare.py;
+``--device cuda`` (ours vs HF on a GPU, on the first three of those shapes: every one, or the one ``--shape`` names)
+in benchmarks/gpu_compare.py.
 
 The toy models are random, of one shape (benchmarks/peers.py builds, exports and converts them);
 min_new_tokens = max_new_tokens fixes every length. Cells:
@@ -31,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import floor, gpu_compare, peers, shape_compare, shapes
+from benchmarks import decoder_compare, floor, gpu_compare, peers, shape_compare, shapes
 from benchmarks.cells import Cell, alternate, kernels, load, rate, ratio_text, versions
 from benchmarks.common import machine_line, markdown_table
 from model.checkpoint import save_checkpoint
@@ -151,6 +153,8 @@ def floor_table(cells: list[Cell], peak: floor.Rates, args: argparse.Namespace) 
 def run(args: argparse.Namespace) -> str:
     if args.device != "cpu":
         return gpu_compare.run(args)
+    if args.shape in shapes.DECODERS:
+        return decoder_compare.run(args)
     if args.shape != "toy":
         return shape_compare.run(args)
     out = [f"Machine: {machine_line()}", f"Peers: {versions()}", f"Ours: {kernels()}",
@@ -224,6 +228,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--skip-classifier", action="store_true")
     parser.add_argument("--skip-service", action="store_true")
+    parser.add_argument("--skip-rss", dest="rss", action="store_false",
+                        help="Llama-style decoders: leave out the peak RSS of each engine (a fresh process each)")
     parser.add_argument("--out", type=Path, help="also write the report to this file")
     parser.add_argument("--cache", type=Path, default=shapes.DEFAULT_CACHE,
                         help="where the shapes' model files are kept between runs (default %(default)s)")

@@ -15,7 +15,8 @@ report beside it.
 The cross-attention K/V of beams of one source count once. The classifier's floor counts every
 layer in full (ours computes only [CLS] in its last layer, so it can beat it by up to 1/L).
 Sizes come from a :class:`Dims` (default: the toy shape of benchmarks/peers.py; benchmarks/shapes.py
-has the OPUS-MT, BERT-base and GPT-2 small ones).
+has the OPUS-MT, BERT-base, GPT-2 small, SmolLM2 and Qwen2.5 ones: the last two with grouped-query K/V and a
+gated feed-forward).
 """
 
 from __future__ import annotations
@@ -41,14 +42,20 @@ class Dims:
     d_ff: int = 2048
     vocab: int = 8000
     layers: int = 6
+    kv_width: int = 0  # K (and V) width per layer: n_kv_heads x head_dim under grouped-query attention; 0: d_model
+    ffn_matrices: int = 2  # 3 for a gated feed-forward (gate, up, down)
 
     @property
-    def self_attn(self) -> int:  # q, k, v, out projections
-        return 4 * self.d_model**2
+    def kv(self) -> int:
+        return self.kv_width or self.d_model
+
+    @property
+    def self_attn(self) -> int:  # q and out projections, k and v at the K/V width
+        return 2 * self.d_model**2 + 2 * self.d_model * self.kv
 
     @property
     def ffn(self) -> int:
-        return 2 * self.d_model * self.d_ff
+        return self.ffn_matrices * self.d_model * self.d_ff
 
     @property
     def cross_decode(self) -> int:  # cross-attention q and out (its K/V are computed once per source)
@@ -192,7 +199,7 @@ def decode_floor(family: str, batch: int, beams: int, input_len: int, new_tokens
     seconds = max(first / flop_rate, (layers * per_layer * weight_bytes) / bandwidth)
     for t, (self_len, cross_len) in enumerate(steps):
         live = batch if t == 0 and family == "seq2seq" else rows  # beams expand after the first step
-        kv_bytes = layers * 2 * d * FP32 * (live * self_len + batch * cross_len)
+        kv_bytes = layers * 2 * FP32 * (dims.kv * live * self_len + d * batch * cross_len)
         flops = 2 * live * weights + layers * 4 * d * live * (self_len + cross_len)
         seconds += max((step_bytes + kv_bytes) / bandwidth, flops / flop_rate)
     return seconds

@@ -211,7 +211,8 @@ def hf_classify(model: nn.Module, ids: torch.Tensor) -> Runner:
 
 
 class CT2Process:
-    """A CTranslate2 ``Translator`` in a process of its own, driven over a pipe.
+    """A CTranslate2 ``Translator`` (or, ``generator``, a decoder-only ``Generator``: the prompt forwarded at once,
+    only new tokens returned) in a process of its own, driven over a pipe.
 
     In the benchmark's process, one ``translate_batch`` of a translator with ``intra_threads=2`` halved
     every PyTorch engine's 2-thread speed for as long as the translator lived (measured: our seq2seq
@@ -219,11 +220,11 @@ class CT2Process:
     contend). In its own process it disturbs no one. The pipe costs well under 1 ms per call.
     """
 
-    def __init__(self, ct2_dir: Path, compute_type: str, threads: int) -> None:
+    def __init__(self, ct2_dir: Path, compute_type: str, threads: int, generator: bool = False) -> None:
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
         self._process = context.Process(
-            target=_serve_translator, args=(child, str(ct2_dir), compute_type, threads), daemon=True
+            target=_serve_translator, args=(child, str(ct2_dir), compute_type, threads, generator), daemon=True
         )
         self._process.start()
         child.close()
@@ -252,6 +253,10 @@ class CT2Process:
         self._conn.send((pieces, beams, new_tokens, True, use_vmap))
         return self._reply()
 
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
     def close(self) -> None:
         if self._process.is_alive():
             self._conn.send(None)
@@ -259,11 +264,11 @@ class CT2Process:
         self._conn.close()
 
 
-def _serve_translator(conn, ct2_dir: str, compute_type: str, threads: int) -> None:
+def _serve_translator(conn, ct2_dir: str, compute_type: str, threads: int, generator: bool) -> None:
     try:
         import ctranslate2
 
-        translator = ctranslate2.Translator(
+        translator = (ctranslate2.Generator if generator else ctranslate2.Translator)(
             ct2_dir, device="cpu", compute_type=compute_type, intra_threads=threads, inter_threads=1
         )
     except Exception as exc:  # reported to the parent, which raises it
@@ -273,10 +278,16 @@ def _serve_translator(conn, ct2_dir: str, compute_type: str, threads: int) -> No
     while (request := conn.recv()) is not None:
         pieces, beams, new_tokens, want_tokens, use_vmap = request
         try:
-            results = translator.translate_batch(
-                pieces, beam_size=max(beams, 1), max_decoding_length=new_tokens, min_decoding_length=new_tokens,
-                use_vmap=use_vmap,
-            )
-            conn.send([r.hypotheses[0] if want_tokens else len(r.hypotheses[0]) for r in results])
+            if generator:
+                results = translator.generate_batch(pieces, beam_size=max(beams, 1), max_length=new_tokens,
+                                                    min_length=new_tokens, include_prompt_in_result=False)
+                best = [r.sequences[0] for r in results]
+            else:
+                results = translator.translate_batch(
+                    pieces, beam_size=max(beams, 1), max_decoding_length=new_tokens, min_decoding_length=new_tokens,
+                    use_vmap=use_vmap,
+                )
+                best = [r.hypotheses[0] for r in results]
+            conn.send([b if want_tokens else len(b) for b in best])
         except Exception as exc:
             conn.send(f"{type(exc).__name__}: {exc}")

@@ -237,7 +237,7 @@ def check_decoding(engines: Engines, length: int, new_tokens: int) -> list[list[
             verdicts.append((i, *found))
             if "int8" in engine:
                 break  # int8 is expected to part somewhere: report the first input only
-        text, ok = _verdict(verdicts, len(reference), new_tokens, "int8" in engine)
+        text, ok = verdict(verdicts, len(reference), new_tokens, "int8" in engine)
         if not ok:
             engines.excluded[engine] = text
             logger.error("%s %s: %s", engines.files.shape.name, engine, text)
@@ -245,7 +245,7 @@ def check_decoding(engines: Engines, length: int, new_tokens: int) -> list[list[
     return rows
 
 
-def _verdict(verdicts: list[tuple[int, int, float, bool]], inputs: int, steps: int, int8: bool) -> tuple[str, bool]:
+def verdict(verdicts: list[tuple[int, int, float, bool]], inputs: int, steps: int, int8: bool) -> tuple[str, bool]:
     if not verdicts:
         return f"same ({inputs} inputs x {steps} tokens)", True
     i, t, gap, tie = verdicts[0]

@@ -3,14 +3,16 @@
 :func:`build` makes one shape's files once and keeps them in a cache folder (``~/.cache/tserve/bench-shapes``
 by default), reused by later runs: ``<shape>/hf`` (config.json, model.safetensors and a tokenizer, as
 ``save_pretrained`` writes them: ours loads it with ``model.checkpoint.load_checkpoint``, HF with
-``from_pretrained``), ``<shape>/ct2`` (CTranslate2's ``TransformersConverter`` of the seq2seq one) and
+``from_pretrained``), ``<shape>/ct2`` (CTranslate2's ``TransformersConverter`` of the seq2seq one and of the
+Llama-style decoders), ``<shape>/gguf`` (llama.cpp's converter of the Llama-style decoders: benchmarks/gguf.py) and
 ``<shape>/onnx`` (the classifier exported with ``torch.onnx.export``, fused by onnxruntime's transformer
 optimizer as Optimum does, and its ``quantize_dynamic`` int8 copy). A folder whose ``VERSION`` is not
 :data:`BUILD_VERSION` is rebuilt; every product is written beside its place and renamed into it.
 
 Weights are transformers' own initialisation (normal, std 0.02; a padding embedding row zero) from a fixed
 seed; OPUS-MT also gets a random ``final_logits_bias``. The tokenizers are tiny but their vocabularies have
-the model's size (filler tokens): load_checkpoint needs one, and CTranslate2 takes its vocabulary from it.
+the model's size (filler tokens): load_checkpoint needs one, and CTranslate2 takes its vocabulary from it. The
+Llama-style decoders' byte-level BPE is trained (it has merges: llama.cpp's GGUF needs them).
 The benchmark feeds token ids (random, no special ids) to every engine, so it measures model compute,
 not tokenization. ``tiny=True`` gives the same architecture at toy sizes, for the test.
 """
@@ -18,6 +20,7 @@ not tokenization. ``tiny=True`` gives the same architecture at toy sizes, for th
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import logging
 import os
@@ -52,6 +55,7 @@ class Shape:
     architecture: str  # the transformers class
     config: dict[str, Any]  # its config.json fields (everything else at transformers' defaults)
     dims: Dims
+    gguf_pre: str = ""  # a Llama-style decoder llama.cpp runs: the pre-tokenizer its real checkpoint's GGUF names
 
     @property
     def vocab(self) -> int:
@@ -80,19 +84,48 @@ def _gpt2(vocab: int, d: int, layers: int, heads: int) -> dict[str, Any]:
                 bos_token_id=vocab - 1, eos_token_id=vocab - 1, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 
 
+def _llama(vocab: int, d: int, layers: int, heads: int, kv_heads: int, ffn: int, theta: float, eps: float,
+           **extra: Any) -> dict[str, Any]:
+    """A Llama-style decoder's config (LlamaConfig / Qwen2Config fields): GQA, head_dim d / heads, SwiGLU, tied head,
+    <|endoftext|> (the last id) as BOS and EOS."""
+    return dict(vocab_size=vocab, hidden_size=d, intermediate_size=ffn, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=d // heads, rms_norm_eps=eps,
+                rope_theta=theta, max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=vocab - 1,
+                eos_token_id=vocab - 1, **extra)
+
+
+def _smollm2(vocab: int, d: int, layers: int, heads: int, kv_heads: int, ffn: int) -> dict[str, Any]:
+    """HuggingFaceTB/SmolLM2-135M's config (LlamaForCausalLM)."""
+    return _llama(vocab, d, layers, heads, kv_heads, ffn, theta=100000.0, eps=1e-5)
+
+
+def _qwen2(vocab: int, d: int, layers: int, heads: int, kv_heads: int, ffn: int) -> dict[str, Any]:
+    """Qwen/Qwen2.5-0.5B's config (Qwen2ForCausalLM: biases on q/k/v, no sliding window)."""
+    return _llama(vocab, d, layers, heads, kv_heads, ffn, theta=1000000.0, eps=1e-6, use_sliding_window=False)
+
+
 SHAPES = {
     "opus-mt": Shape("opus-mt", "seq2seq", "MarianMTModel", _marian(58101, 512, 6, 8, 2048), Dims(512, 2048, 58101, 6)),
     "bert-base": Shape("bert-base", "classifier", "BertForSequenceClassification", _bert(30522, 768, 12, 12, 3072),
                        Dims(768, 3072, 30522, 12)),
     "gpt2-small": Shape("gpt2-small", "causal_lm", "GPT2LMHeadModel", _gpt2(50257, 768, 12, 12),
                         Dims(768, 3072, 50257, 12)),
+    "smollm2-135m": Shape("smollm2-135m", "causal_lm", "LlamaForCausalLM", _smollm2(49152, 576, 30, 9, 3, 1536),
+                          Dims(576, 1536, 49152, 30, kv_width=3 * 64, ffn_matrices=3), gguf_pre="smollm"),
+    "qwen2.5-0.5b": Shape("qwen2.5-0.5b", "causal_lm", "Qwen2ForCausalLM", _qwen2(151936, 896, 24, 14, 2, 4864),
+                          Dims(896, 4864, 151936, 24, kv_width=2 * 64, ffn_matrices=3), gguf_pre="qwen2"),
 }
 TINY = {  # the same architectures at toy sizes: the test's
     "opus-mt": Shape("opus-mt", "seq2seq", "MarianMTModel", _marian(301, 32, 2, 4, 64), Dims(32, 64, 301, 2)),
     "bert-base": Shape("bert-base", "classifier", "BertForSequenceClassification", _bert(300, 32, 2, 4, 64),
                        Dims(32, 64, 300, 2)),
     "gpt2-small": Shape("gpt2-small", "causal_lm", "GPT2LMHeadModel", _gpt2(300, 32, 2, 4), Dims(32, 128, 300, 2)),
+    "smollm2-135m": Shape("smollm2-135m", "causal_lm", "LlamaForCausalLM", _smollm2(400, 64, 2, 4, 2, 96),
+                          Dims(64, 96, 400, 2, kv_width=32, ffn_matrices=3), gguf_pre="smollm"),
+    "qwen2.5-0.5b": Shape("qwen2.5-0.5b", "causal_lm", "Qwen2ForCausalLM", _qwen2(400, 64, 2, 4, 2, 96),
+                          Dims(64, 96, 400, 2, kv_width=32, ffn_matrices=3), gguf_pre="qwen2"),
 }
+DECODERS = [name for name, spec in SHAPES.items() if spec.gguf_pre]  # benchmarks/decoder_compare.py's shapes
 
 
 @dataclass(frozen=True)
@@ -109,6 +142,10 @@ class ShapeFiles:
     @property
     def ct2(self) -> Path:
         return self.root / "ct2"
+
+    @property
+    def gguf(self) -> Path:
+        return self.root / "gguf"
 
     @property
     def onnx(self) -> Path:
@@ -139,7 +176,8 @@ def build(name: str, cache: Path = DEFAULT_CACHE, tiny: bool = False) -> ShapeFi
 
 
 def ct2_directory(files: ShapeFiles) -> Path | None:
-    """CTranslate2's conversion of the seq2seq shape (None when ctranslate2 is not installed)."""
+    """CTranslate2's conversion of the seq2seq shape or a Llama-style decoder (None when ctranslate2 is not
+    installed)."""
     try:
         from ctranslate2.converters import TransformersConverter
     except ImportError:
@@ -190,7 +228,13 @@ def _hf_directory(spec: Shape, directory: Path) -> None:
     elif spec.family == "classifier":
         _wordpiece_tokenizer(spec.vocab).save_pretrained(directory)
     else:
-        _byte_bpe_tokenizer(spec.vocab).save_pretrained(directory)
+        _byte_bpe_tokenizer(spec.vocab, trained=bool(spec.gguf_pre)).save_pretrained(directory)
+    if spec.gguf_pre:  # biases (Qwen2's q/k/v) that count: transformers initialises them to zero
+        with torch.no_grad():
+            generator = torch.Generator().manual_seed(SEED)
+            for name, parameter in model.named_parameters():
+                if name.endswith(".bias"):
+                    parameter.normal_(0, 0.02, generator=generator)
     model.save_pretrained(directory)
     if spec.family == "seq2seq":  # OPUS-MT's rule (its pad id never generated), without its length defaults
         pad = spec.vocab - 1
@@ -239,18 +283,35 @@ def _wordpiece_tokenizer(vocab_size: int):
         tokenizer_object=backend, model_input_names=["input_ids", "token_type_ids", "attention_mask"], **names)
 
 
-def _byte_bpe_tokenizer(vocab_size: int):
-    """A GPT-2 byte-level BPE of ``vocab_size`` tokens (the 256 bytes, fillers, <|endoftext|> last); no merges."""
+def _byte_bpe_tokenizer(vocab_size: int, trained: bool = False):
+    """A GPT-2 byte-level BPE of ``vocab_size`` tokens (the 256 bytes, fillers, <|endoftext|> last); no merges, or
+    (``trained``) the bytes and merges of a BPE trained on a small corpus before the fillers."""
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
-    tokens = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tokens += [f"\u0120w{i}" for i in range(vocab_size - 1 - len(tokens))] + [EOT]
-    backend = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, []))
+    tokens, merges = _trained_bpe() if trained else (sorted(pre_tokenizers.ByteLevel.alphabet()), [])
+    taken = set(tokens)
+    fillers = (f for f in (f"\u0120w{i}" for i in range(vocab_size)) if f not in taken)
+    tokens += itertools.islice(fillers, vocab_size - 1 - len(tokens))
+    tokens.append(EOT)
+    backend = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     backend.post_processor = processors.ByteLevel(trim_offsets=False)
     return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=EOT, eos_token=EOT, unk_token=EOT)
+
+
+def _trained_bpe() -> tuple[list[str], list[tuple[str, str]]]:
+    """The tokens (by id: the 256 bytes first) and merges of a byte-level BPE trained on SPM_CORPUS."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train_from_iterator(SPM_CORPUS, trainers.BpeTrainer(
+        vocab_size=320, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    model = json.loads(bpe.to_str())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    return sorted(model["vocab"], key=model["vocab"].get), merges
 
 
 def _onnx_export(files: ShapeFiles, directory: Path) -> None:
@@ -298,5 +359,5 @@ def onnx_fusions(files: ShapeFiles) -> dict[str, int]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-__all__ = ["DEFAULT_CACHE", "SHAPES", "Shape", "ShapeFiles", "build", "ct2_directory", "onnx_fusions",
+__all__ = ["DECODERS", "DEFAULT_CACHE", "SHAPES", "Shape", "ShapeFiles", "build", "ct2_directory", "onnx_fusions",
            "onnx_models", "shape"]

@@ -18,11 +18,12 @@ from torch import nn
 
 from model import native
 from model.kernel_layers import Linear
-from model.kv_cache import KVCache
+from model.kv_cache import KVCache, within_window
+from model.rope import Rotary
 from model.shared_prefix import SharedPrefix
 
 KERNEL_MAX_QUERIES = 16  # longer query blocks (prefill) are SDPA's strength
-KERNEL_MAX_HEAD_DIM = 128
+KERNEL_MAX_HEAD_DIM = 256  # decode_attention.cpp kMaxChunks * 16 (Gemma 3: 256)
 
 
 def attention(
@@ -40,8 +41,10 @@ def decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
     prefix: SharedPrefix | None = None, layer: int = 0,
 ) -> torch.Tensor:
-    """``F.scaled_dot_product_attention(q, k, v, attn_mask=mask)`` for a decoding step, no dropout; with ``prefix``,
-    each row also attends to its prefix blocks of ``layer`` (ahead of ``k``/``v``, which hold its own positions).
+    """``F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)`` for a decoding step, no dropout;
+    with ``prefix``, each row also attends to its prefix blocks of ``layer`` (ahead of ``k``/``v``, which hold its own
+    positions). q (B, H, Tq, Dh); k, v (B, H_kv, T, Dh) with H_kv dividing H: query head h reads KV head
+    h // (H / H_kv) (grouped-query attention, nothing expanded).
 
     CPU float32 without autograd, up to 16 queries per head: our kernel, which reads each head's K/V once
     (2-3x faster than SDPA at one query; a query with nothing to attend to gets zeros, not NaN).
@@ -56,13 +59,14 @@ def decode_attention(
         or q.requires_grad
         or k.stride(3) != 1
         or v.stride(3) != 1
+        or k.stride(2) != v.stride(2)  # the kernel walks k and v alike (a partial rotary's k is a fresh tensor)
         or q.stride(3) != 1
         or (mask is not None and mask.dtype != torch.bool)
         or (prefix is not None and prefix.blocks[0].dtype != torch.float32)
     ):
         if prefix is not None:
             return prefix_attention(q, k, v, mask, prefix, layer)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
     if prefix is None:
         return kernel.decode_attention(q, k, v, mask)
     return kernel.decode_attention(q, k, v, mask, list(prefix.blocks), prefix.table, layer)
@@ -71,48 +75,32 @@ def decode_attention(
 def prefix_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, prefix: SharedPrefix, layer: int
 ) -> torch.Tensor:
-    """Attention of q (B, H, Tq, Dh) over each row's prefix blocks of ``layer`` and then its own k/v (B, H, T, Dh)
+    """Attention of q (B, H, Tq, Dh) over each row's prefix blocks of ``layer`` and then its own k/v (B, H_kv, T, Dh)
     (``mask`` covers the own keys), in PyTorch ops. The blocks are put side by side once for all rows (one
-    (H, P, Dh) tensor; a row's mask hides the blocks it does not read), so the prefix part is a GEMM over every
-    row's queries against one copy of the blocks rather than a copy per row."""
+    (H_kv, P, Dh) tensor; a row's mask hides the blocks it does not read), so the prefix part is a GEMM over every
+    row's queries against one copy of the blocks rather than a copy per row. The g = H / H_kv query heads of a KV
+    head are its GEMM's rows together (grouped-query attention without expanded K/V)."""
     b, heads, t, dh = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
     dtype = q.dtype
     if dtype in (torch.float16, torch.bfloat16):  # scores and softmax in float32, as SDPA's kernels accumulate
         q, k, v = q.float(), k.float(), v.float()
     prefix_keys, prefix_values = prefix.keys(layer).to(q.dtype), prefix.values(layer).to(q.dtype)
     shared = prefix_keys.shape[1]
     scale = dh**-0.5
-    by_head = q.transpose(0, 1).reshape(heads, b * t, dh)  # every row's queries of one head together
+    by_head = q.transpose(0, 1).reshape(kv_heads, group * b * t, dh)  # every row's queries of a KV head's group
     prefix_scores = (by_head @ prefix_keys.transpose(1, 2)).view(heads, b, t, shared).transpose(0, 1) * scale
     if prefix.visible is not None:
         prefix_scores = prefix_scores.masked_fill(~prefix.visible[:, None, None, :], float("-inf"))
-    own_scores = (q @ k.transpose(-2, -1)) * scale
+    grouped = q.unflatten(1, (kv_heads, group))  # (B, H_kv, g, Tq, Dh) against k, v (B, H_kv, 1, T, Dh)
+    own_scores = (grouped @ k[:, :, None].transpose(-2, -1)).flatten(1, 2) * scale
     if mask is not None:
         own_scores = own_scores.masked_fill(~mask, float("-inf"))
     weights = torch.cat((prefix_scores, own_scores), dim=-1).softmax(dim=-1)
-    from_prefix = weights[..., :shared].transpose(0, 1).reshape(heads, b * t, shared) @ prefix_values
-    return (from_prefix.view(heads, b, t, dh).transpose(0, 1) + weights[..., shared:] @ v).to(dtype)
-
-
-class Rotary(nn.Module):
-    """Rotary position embedding (RoPE, half-split layout as Llama's): q and k of each row rotated by its positions.
-
-    The angles are computed in float32 whatever the model's dtype (inverse frequencies too), as transformers does.
-    """
-
-    def __init__(self, head_dim: int, theta: float = 10000.0, scale: float = 1.0) -> None:
-        super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        self.register_buffer("inv_freq", inv_freq / scale, persistent=False)  # linear scaling: positions / scale
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x (B, H, T, Dh) rotated at ``positions`` (B|1, T)."""
-        freqs = positions[..., None].float() * self.inv_freq.float()  # (B, T, Dh/2)
-        angles = torch.cat((freqs, freqs), dim=-1)[:, None]  # (B, 1, T, Dh)
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+    from_prefix = weights[..., :shared].transpose(0, 1).reshape(kv_heads, group * b * t, shared) @ prefix_values
+    from_own = (weights[..., shared:].unflatten(1, (kv_heads, group)) @ v[:, :, None]).flatten(1, 2)
+    return (from_prefix.view(heads, b, t, dh).transpose(0, 1) + from_own).to(dtype)
 
 
 class MultiHeadAttention(nn.Module):
@@ -120,11 +108,16 @@ class MultiHeadAttention(nn.Module):
 
     Optional: ``n_kv_heads`` < ``n_heads`` (grouped-query attention: K/V, and the cache, hold n_kv_heads, each read
     by n_heads / n_kv_heads consecutive query heads), a ``head_dim`` other than d_model / n_heads, and ``rotary``
-    positions applied to q and k at each row's absolute position (before K is cached).
+    positions applied to q and k at each row's absolute position (before K is cached). Self-attention may also
+    take ``qk_norm`` (norms of each head of q and of k, before rope), a ``scale`` of q.k other than 1/sqrt(head_dim),
+    a ``window`` (a query sees the keys less than ``window`` positions back; the cache keeps them all), and
+    ``out_bias`` apart from the q/k/v projections' ``bias`` (None: the same).
     """
 
     def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, bias: bool = True, *,
-                 n_kv_heads: int | None = None, head_dim: int | None = None, rotary: Rotary | None = None) -> None:
+                 n_kv_heads: int | None = None, head_dim: int | None = None, rotary: Rotary | None = None,
+                 out_bias: bool | None = None, qk_norm: tuple[nn.Module, nn.Module] | None = None,
+                 scale: float | None = None, window: int | None = None) -> None:
         super().__init__()
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads or n_heads
@@ -134,8 +127,12 @@ class MultiHeadAttention(nn.Module):
         self.q_proj = Linear(d_model, inner, bias=bias)
         self.k_proj = Linear(d_model, kv_inner, bias=bias)
         self.v_proj = Linear(d_model, kv_inner, bias=bias)
-        self.out_proj = Linear(inner, d_model, bias=bias)
+        self.out_proj = Linear(inner, d_model, bias=bias if out_bias is None else out_bias)
         self.rotary = rotary
+        self.q_norm, self.k_norm = qk_norm if qk_norm is not None else (None, None)
+        # the kernels and SDPA scale by 1/sqrt(head_dim): another scale multiplies q by its ratio to that one
+        self.query_scale = 1.0 if scale is None else scale * math.sqrt(self.head_dim)
+        self.window = window
         # Optional (D -> 3D) projection computing q, k, v of self-attention in one GEMM (model.quantize
         # builds an int8 one); used only while q/k/v are still the modules it was built from, so a
         # LoRA wrapper around any of them switches back to the separate projections.
@@ -153,10 +150,10 @@ class MultiHeadAttention(nn.Module):
         return x.view(b, t, -1, self.head_dim).transpose(1, 2)
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The fused projection's output (B, T, 3D) -> q, k, v, each (B, H, T, Dh)."""
-        b, t, _ = qkv.shape
-        q, k, v = qkv.view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        return q, k, v
+        """The fused projection's output (B, T, (H + 2 H_kv) Dh) -> q (B, H, T, Dh), k and v (B, H_kv, T, Dh)."""
+        kv = self.n_kv_heads * self.head_dim
+        q, k, v = qkv.split((self.n_heads * self.head_dim, kv, kv), dim=-1)
+        return self.split_heads(q), self.split_heads(k), self.split_heads(v)
 
     @staticmethod
     def merge_heads(out: torch.Tensor) -> torch.Tensor:
@@ -189,14 +186,17 @@ class MultiHeadAttention(nn.Module):
         else:
             q = self.split_heads(self.q_proj(x))  # (B, H, T, Dh)
             k, v = kv if kv is not None else self.project_kv(x if source is None else source)
+        if self.q_norm is not None and kv is None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None and source is None and kv is None:
             positions = self._positions(x, cache)
             q, k = self.rotary(q, positions), self.rotary(k, positions)
+        if self.query_scale != 1.0:
+            q = q * self.query_scale
         if cache is not None and kv is None:
-            k, v = cache.write(layer, k, v)  # (B, H_kv, K, Dh)
-        if self.n_kv_heads != self.n_heads:  # each K/V head serves a group of consecutive query heads
-            groups = self.n_heads // self.n_kv_heads
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            k, v = cache.write(layer, k, v)  # (B, H_kv, K, Dh): each K/V head serves a group of consecutive query heads
+        if self.window is not None and source is None and kv is None:
+            mask = within_window(mask, self._own_positions(x, cache), k.shape[2], self.window)
         dropout = self.dropout if self.training else 0.0
         if k.dtype != q.dtype:  # a cache kept in another dtype
             k, v = k.to(q.dtype), v.to(q.dtype)
@@ -205,15 +205,27 @@ class MultiHeadAttention(nn.Module):
                 raise ValueError("a shared prefix is read for inference only: no attention weights, no dropout")
             out = decode_attention(q, k, v, mask, cache.prefix, layer)
             weights = None
-        elif attention_weights:
-            out, weights = attention(q, k, v, mask, dropout)
+        elif attention_weights:  # the explicit path reads expanded K/V
+            groups = self.n_heads // self.n_kv_heads
+            out, weights = attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), mask, dropout)
         elif dropout:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                                 enable_gqa=self.n_kv_heads != self.n_heads)
             weights = None
         else:  # a few queries (a short sentence, a decoding step, a [CLS]-only last layer): our kernel; else SDPA
             out = decode_attention(q, k, v, mask)
             weights = None
         return self.out_proj(self.merge_heads(out)), weights
+
+    @staticmethod
+    def _own_positions(x: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+        """Positions of ``x``'s tokens among the keys this step attends to (B|1, T): the cache's write positions in
+        its rows' own buffers, else 0..T-1."""
+        if cache is None:
+            return torch.arange(x.shape[1], device=x.device)[None, :]
+        if cache.prefix is not None:
+            raise ValueError("sliding-window attention does not read a shared prefix")
+        return cache.write_positions
 
     @staticmethod
     def _positions(x: torch.Tensor, cache: KVCache | None) -> torch.Tensor:

@@ -13,6 +13,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from model.rope import check_scaling
+
 POSITIONS = ("sinusoidal", "learned", "rope")
 NORM_TYPES = ("layer", "rms")
 FFNS = ("mlp", "gated")
@@ -48,11 +50,20 @@ class TransformerConfig:
     # Llama-style blocks (every default is the blocks above; :attr:`extended` says whether any is changed)
     norm_type: str = "layer"  # "layer" (LayerNorm) or "rms" (RMSNorm, no bias; eps = layer_norm_eps)
     rope_theta: float = 10000.0  # base of the rotary frequencies (positions="rope")
-    rope_scale: float = 1.0  # linear rope scaling: rotary frequencies divided by this factor
+    rope_scaling: dict[str, Any] | None = None  # HF rope_parameters we honour (model.rope.SCALING_KEYS); None = plain
+    rotary_dim: int | None = None  # rotated features of each head, the rest passed through (None = head_dim; Phi-3)
     n_kv_heads: int | None = None  # grouped-query attention: heads of K/V (None = n_heads)
     head_size: int | None = None  # width of one head (None = d_model / n_heads)
     ffn: str = "mlp"  # "mlp": fc2(act(fc1 x)); "gated": fc2(act(fc1 x) * up(x)) (SwiGLU with silu)
     ffn_bias: bool | None = None  # biases in the feed-forward projections (None = ``bias``)
+    out_bias: bool | None = None  # a bias on attention's output projection (None = ``bias``; Qwen2: q/k/v only)
+    qk_norm: bool = False  # a norm over each head of q and of k, before rope (Qwen3, Gemma 3)
+    sandwich_norm: bool = False  # pre-LN plus a norm of each sub-layer's output before the residual add (Gemma 3)
+    norm_offset: bool = False  # RMSNorm scales by (1 + weight), weights stored as offsets from 1 (Gemma)
+    attention_scale: float | None = None  # scale of q.k (None = 1 / sqrt(head_dim); Gemma: query_pre_attn_scalar)
+    sliding_window: int | None = None  # a query sees the keys less than this many positions back (None = all)
+    window_layers: list[bool] | None = None  # which layers attend within sliding_window (None = every layer)
+    rope_local_theta: float | None = None  # rotary base of the window layers, unscaled (Gemma 3; None = as all)
 
     family: ClassVar[str] = ""
 
@@ -65,12 +76,29 @@ class TransformerConfig:
             _check(self.d_model % self.n_heads == 0, "d_model", f"must be divisible by n_heads={self.n_heads}")
         else:
             _check(self.head_size > 0, "head_size", "must be positive")
-        _check(self.positions != "rope" or self.head_dim % 2 == 0, "head_size", "must be even for rotary positions")
+        _check(self.positions != "rope" or self.rotary_width % 2 == 0, "head_size/rotary_dim",
+               "must be even for rotary positions")
+        _check(self.rotary_dim is None or 0 < self.rotary_dim <= self.head_dim, "rotary_dim",
+               "must be in (0, head_dim]")
+        _check(self.positions == "rope" or self.rope_scaling is None and self.rotary_dim is None,
+               "rope_scaling/rotary_dim", 'need positions="rope"')
+        try:
+            check_scaling(self.rope_scaling, self.rotary_width)
+        except ValueError as exc:
+            raise ModelConfigError(f"rope_scaling {exc}") from exc
         kv = self.n_heads if self.n_kv_heads is None else self.n_kv_heads
         _check(kv > 0 and self.n_heads % kv == 0, "n_kv_heads", f"must divide n_heads={self.n_heads}")
         _check(self.norm_type in NORM_TYPES, "norm_type", f"must be one of {NORM_TYPES}")
         _check(self.ffn in FFNS, "ffn", f"must be one of {FFNS}")
-        _check(self.rope_theta > 0 and self.rope_scale > 0, "rope_theta/rope_scale", "must be positive")
+        _check(self.rope_theta > 0, "rope_theta", "must be positive")
+        _check(self.sliding_window is None or self.sliding_window > 0, "sliding_window", "must be positive")
+        _check(self.sliding_window is not None or self.window_layers is None and self.rope_local_theta is None,
+               "window_layers/rope_local_theta", "need a sliding_window")
+        _check(self.rope_local_theta is None or self.rope_local_theta > 0, "rope_local_theta", "must be positive")
+        _check(self.attention_scale is None or self.attention_scale > 0, "attention_scale", "must be positive")
+        _check(not (self.norm_offset or self.qk_norm) or self.norm_type == "rms", "norm_offset/qk_norm",
+               "need norm_type='rms'")
+        _check(not self.sandwich_norm or self.norm == "pre", "sandwich_norm", "needs norm='pre'")
         _check(self.d_ff > 0, "d_ff", "must be positive")
         _check(0.0 <= self.dropout < 1.0, "dropout", "must be in [0, 1)")
         _check(self.max_len > 0, "max_len", "must be positive")
@@ -84,15 +112,29 @@ class TransformerConfig:
         return self.head_size if self.head_size is not None else self.d_model // self.n_heads
 
     @property
+    def rotary_width(self) -> int:
+        """Features of each head that rotary positions rotate (the rest pass through)."""
+        return self.rotary_dim if self.rotary_dim is not None else self.head_dim
+
+    @property
     def kv_heads(self) -> int:
         return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
 
     @property
     def extended(self) -> bool:
-        """Whether any Llama-style field differs from the original blocks: the C++ and int8 paths decline then."""
+        """Whether any Llama-family field differs from the original blocks (seq2seq and classifier configs keep them
+        all; model.native_support.unsupported says which of them the C++ step implements)."""
         return (self.positions == "rope" or self.norm_type != "layer" or self.kv_heads != self.n_heads
                 or self.head_dim * self.n_heads != self.d_model or self.ffn != "mlp"
-                or self.ffn_bias not in (None, self.bias))
+                or self.ffn_bias not in (None, self.bias) or self.out_bias not in (None, self.bias) or self.qk_norm
+                or self.sandwich_norm or self.norm_offset or self.attention_scale is not None
+                or self.sliding_window is not None)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (None: it attends to every earlier position)."""
+        if self.window_layers is not None and not self.window_layers[layer]:
+            return None
+        return self.sliding_window
 
     def to_dict(self) -> dict[str, Any]:
         return {"family": self.family, **dataclasses.asdict(self)}
@@ -102,6 +144,9 @@ class TransformerConfig:
         """Build the config of the family named in ``data`` (unknown keys are an error)."""
         data = dict(data)
         family = data.pop("family", cls.family)
+        scale = data.pop("rope_scale", 1.0)  # the first Llama step's field: a linear factor
+        if scale != 1.0 and data.get("rope_scaling") is None:
+            data["rope_scaling"] = {"rope_type": "linear", "factor": scale}
         config_cls = CONFIGS.get(family)
         if config_cls is None:
             raise ModelConfigError(f"unknown model family {family!r}; expected one of {sorted(CONFIGS)}")
@@ -132,7 +177,7 @@ class Seq2SeqConfig(TransformerConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         _check(self.n_encoder_layers > 0 and self.n_decoder_layers > 0, "n_*_layers", "must be positive")
-        _check(not self.extended, "norm_type/positions/n_kv_heads/head_size/ffn/ffn_bias",
+        _check(not self.extended, "the Llama-style fields (extended)",
                "must keep their defaults: the Llama-style blocks are for causal_lm only")
         _check(self.max_src_len <= self.max_len, "max_src_len", f"must be <= max_len={self.max_len}")
         if self.src_vocab_size is not None:
@@ -154,7 +199,7 @@ class ClassifierConfig(TransformerConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         _check(self.n_layers > 0, "n_layers", "must be positive")
-        _check(not self.extended, "norm_type/positions/n_kv_heads/head_size/ffn/ffn_bias",
+        _check(not self.extended, "the Llama-style fields (extended)",
                "must keep their defaults: the Llama-style blocks are for causal_lm only")
         _check(self.num_labels >= 0, "num_labels", "must be >= 0 (0 = no classification head)")
         _check(self.type_vocab_size >= 0, "type_vocab_size", "must be >= 0")
@@ -173,6 +218,8 @@ class CausalLMConfig(TransformerConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         _check(self.n_layers > 0, "n_layers", "must be positive")
+        _check(self.window_layers is None or len(self.window_layers) == self.n_layers, "window_layers",
+               f"must have one entry per layer ({self.n_layers})")
 
 
 CONFIGS: dict[str, type[TransformerConfig]] = {c.family: c for c in (Seq2SeqConfig, ClassifierConfig, CausalLMConfig)}

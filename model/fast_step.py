@@ -11,6 +11,15 @@ training, attention weights and ``keep_last`` take the general path.
 The plan is rebuilt when a module or a bound Parameter object is swapped (LoRA wrapping, int8
 quantisation, a new Parameter assigned); in-place weight changes (``load_state_dict``, LoRA merge,
 ``model.layout``) reach it through the shared Parameters.
+
+Which blocks it implements is one predicate, :func:`unsupported` (of the config; ``LayerStack.native`` holds its
+verdict): GPT-2's, BERT's and Marian's blocks, and Llama's (RMSNorm, rotary positions at each row's position with
+every scaling of model/rope.py and partial rotary widths, grouped-query attention, a head width other than
+d_model / heads, the gated FFN, optional biases) with Mistral's, Qwen3's and Gemma 3's (q/k norms, sliding-window
+layers, (1 + weight) RMSNorms, sandwich norms, a scale of q.k, the window layers' own rotary base). Rotary cos/sin
+are computed once per step here (``Rotary.cos_sin``) for each distinct rotary of the layers, and the window layers'
+mask once per step (``within_window``, as MultiHeadAttention applies it). The stack as the C++ step binds it is
+model/native_step.py's.
 """
 
 from __future__ import annotations
@@ -18,23 +27,21 @@ from __future__ import annotations
 import operator
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from types import ModuleType
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from model import native, packed_weights
-from model.attention import KERNEL_MAX_HEAD_DIM, MultiHeadAttention, decode_attention
-from model.int8_linear import Int8Linear
+from model import native
+from model.attention import MultiHeadAttention, decode_attention
 from model.kernel_layers import is_layer_norm, is_plain, linear
-from model.kv_cache import KVCache
+from model.kv_cache import KVCache, within_window
 from model.layers import LayerStack, TransformerLayer
 from model.lora_layers import LoRALinear
+from model.native_step import Angles, Masks, NativeStep, is_rms_norm, rotary_kinds
+from model.rope import Rotary, apply_rotary
 
 Op = Callable[[torch.Tensor], torch.Tensor]
-
 
 def _op(module: nn.Module) -> Op:
     """A callable computing ``module(x)``: its parameters bound directly when it is a plain Linear/LayerNorm."""
@@ -56,12 +63,16 @@ class _Attention:
     qkv: Op | None  # the fused q/k/v projection, while it is in use
     heads: Callable[[torch.Tensor], torch.Tensor]  # the module's split_heads
     split_qkv: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    q_norm: Op | None = None  # norms of each head of q and k, before rotation
+    k_norm: Op | None = None
+    query_scale: float = 1.0  # q's factor after rotation (MultiHeadAttention.query_scale)
 
     @classmethod
     def of(cls, attn: MultiHeadAttention) -> _Attention:
         qkv = _op(attn.qkv_proj) if attn.fused else None
         projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj)
-        return cls(*(_op(p) for p in projections), qkv, attn.split_heads, attn.split_qkv)
+        norms = (_op(attn.q_norm), _op(attn.k_norm)) if attn.q_norm is not None else (None, None)
+        return cls(*(_op(p) for p in projections), qkv, attn.split_heads, attn.split_qkv, *norms, attn.query_scale)
 
     def merge(self, out: torch.Tensor) -> torch.Tensor:
         return self.out(MultiHeadAttention.merge_heads(out))
@@ -78,10 +89,14 @@ class _Layer:
     fc1: Op
     activation: Op
     fc2: Op
+    up: Op | None  # a gated FFN's
+    self_post_norm: Op | None  # sandwich norms: of each sub-layer's output, before the residual add
+    ffn_post_norm: Op | None
 
     @classmethod
     def of(cls, layer: TransformerLayer) -> _Layer:
         cross = layer.cross_attn is not None
+        sandwich = layer.self_attn_post_norm is not None
         return cls(
             pre_norm=layer.pre_norm,
             self_norm=_op(layer.self_attn_norm),
@@ -92,17 +107,24 @@ class _Layer:
             fc1=_op(layer.ffn.fc1),
             activation=layer.ffn.activate,
             fc2=_op(layer.ffn.fc2),
+            up=_op(layer.ffn.up) if layer.ffn.up is not None else None,
+            self_post_norm=_op(layer.self_attn_post_norm) if sandwich else None,
+            ffn_post_norm=_op(layer.ffn_post_norm) if sandwich else None,
         )
 
-    def sublayer(self, x: torch.Tensor, norm: Op, f: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """Pre-LN: x + f(LN(x)); post-LN: LN(x + f(x)) (eval: no dropout)."""
+    def sublayer(self, x: torch.Tensor, norm: Op, f: Callable[[torch.Tensor], torch.Tensor],
+                 post: Op | None = None) -> torch.Tensor:
+        """Pre-LN: x + f(LN(x)), with a ``post`` norm x + post(f(LN(x))); post-LN: LN(x + f(x)) (eval: no dropout)."""
         if self.pre_norm:
-            return x + f(norm(x))
+            out = f(norm(x))
+            return x + (out if post is None else post(out))
         return norm(x + f(x))
 
     def forward(
-        self, x: torch.Tensor, mask: torch.Tensor | None, memory_mask: torch.Tensor | None, cache: KVCache, i: int
+        self, x: torch.Tensor, mask: torch.Tensor | None, memory_mask: torch.Tensor | None, cache: KVCache, i: int,
+        angles: Angles | None = None,
     ) -> torch.Tensor:
+        """One layer's step; ``angles``: this step's rotary cos/sin (rotary stacks)."""
         attn = self.self_attn
 
         def self_attention(h: torch.Tensor) -> torch.Tensor:
@@ -110,12 +132,18 @@ class _Layer:
                 q, k, v = attn.split_qkv(attn.qkv(h))
             else:
                 q, k, v = attn.heads(attn.q(h)), attn.heads(attn.k(h)), attn.heads(attn.v(h))
+            if attn.q_norm is not None:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            if angles is not None:
+                q, k = apply_rotary(q, *angles), apply_rotary(k, *angles)
+            if attn.query_scale != 1.0:
+                q = q * attn.query_scale
             k, v = cache.write(i, k, v)
             if k.dtype != q.dtype:  # a cache kept in another dtype
                 k, v = k.to(q.dtype), v.to(q.dtype)
             return attn.merge(decode_attention(q, k, v, mask, cache.prefix, i))
 
-        x = self.sublayer(x, self.self_norm, self_attention)
+        x = self.sublayer(x, self.self_norm, self_attention, self.self_post_norm)
         if self.cross_attn is not None:
             cross, memory = self.cross_attn, cache.cross
 
@@ -125,7 +153,12 @@ class _Layer:
                 return cross.merge(out)
 
             x = self.sublayer(x, self.cross_norm, cross_attention)
-        return self.sublayer(x, self.ffn_norm, lambda h: self.fc2(self.activation(self.fc1(h))))
+        return self.sublayer(x, self.ffn_norm, self.ffn, self.ffn_post_norm)
+
+    def ffn(self, h: torch.Tensor) -> torch.Tensor:
+        """fc2(act(fc1 h)), gated: fc2(act(fc1 h) * up(h))."""
+        inner = self.activation(self.fc1(h))
+        return self.fc2(inner if self.up is None else inner * self.up(h))
 
 
 def _grouped_attention(
@@ -146,9 +179,10 @@ def _grouped_attention(
 
 
 _WATCHED = {
-    "layer": ("self_attn_norm", "self_attn", "cross_attn_norm", "cross_attn", "ffn_norm", "ffn"),
-    "attention": ("q_proj", "k_proj", "v_proj", "out_proj", "qkv_proj"),
-    "ffn": ("fc1", "fc2"),
+    "layer": ("self_attn_norm", "self_attn", "cross_attn_norm", "cross_attn", "ffn_norm", "ffn", "self_attn_post_norm",
+              "ffn_post_norm"),
+    "attention": ("q_proj", "k_proj", "v_proj", "out_proj", "qkv_proj", "q_norm", "k_norm"),
+    "ffn": ("fc1", "fc2", "up"),
 }
 
 
@@ -164,155 +198,9 @@ def _watched(stack: LayerStack) -> list[tuple[dict, str, object]]:
         for parent, kind in parents:
             watched += [(parent._modules, name, parent._modules.get(name)) for name in _WATCHED[kind]]
     for module in stack.modules():
-        if is_plain(module) or is_layer_norm(module):
+        if is_plain(module) or is_layer_norm(module) or is_rms_norm(module):
             watched += [(module._parameters, name, p) for name, p in module._parameters.items()]
     return watched
-
-
-_ABSENT = torch.empty(0)  # decode_step.cpp's "no tensor here" (a missing bias or panel)
-
-
-def _in_order(enum: Any) -> list[str]:
-    """The member names of one of the kernels' enums (``kernels.Slot``, ``kernels.Norm``), by value."""
-    members = enum.__members__
-    return sorted(members, key=lambda name: int(members[name]))
-
-
-def _slot_modules(layer: TransformerLayer) -> dict[str, nn.Module | None]:
-    """The layer's projections by their ``kernels.Slot`` names; None where absent (q/k/v while the fused
-    projection serves, the cross-attention's without one)."""
-    attn, cross, fused = layer.self_attn, layer.cross_attn, layer.self_attn.fused
-    return {
-        "q": None if fused else attn.q_proj,
-        "k": None if fused else attn.k_proj,
-        "v": None if fused else attn.v_proj,
-        "out": attn.out_proj,
-        "cross_q": cross.q_proj if cross is not None else None,
-        "cross_out": cross.out_proj if cross is not None else None,
-        "fc1": layer.ffn.fc1,
-        "fc2": layer.ffn.fc2,
-        "qkv": attn.qkv_proj if fused else None,
-    }
-
-
-def _projection(module: nn.Module | None) -> list[torch.Tensor] | None:
-    """A projection as decode_step.cpp takes it: float32 [weight, bias] or our int8 [packed, scales, sums, bias]
-    (an empty tensor for no bias); [] for an absent one; None when the native step cannot run it."""
-    if module is None:
-        return []
-    if type(module) is LoRALinear:  # its base; the adapters' deltas come per step (_NativeStep.deltas)
-        module = module.base
-    if is_plain(module) and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu":
-        return [module.weight, _ABSENT if module.bias is None else module.bias]
-    if type(module) is Int8Linear and module.backend == "vnni":
-        return [module._packed, module._scales, module._sums, _ABSENT if module._bias is None else module._bias]
-    return None
-
-
-def _norm(module: nn.Module | None) -> tuple[list[torch.Tensor], float] | None:
-    """([weight, bias], eps) of a LayerNorm as decode_step.cpp takes it; ([], 0.0) for an absent one; None if
-    it cannot."""
-    if module is None:
-        return [], 0.0
-    if not is_layer_norm(module) or module.weight is None or module.bias is None:
-        return None
-    return [module.weight, module.bias], module.eps
-
-
-@dataclass
-class _NativeStep:
-    """The decoder stack bound for the C++ step (``kernels.DecoderStack``: model/kernels/decode_step.cpp)."""
-
-    stack: Any  # kernels.DecoderStack
-    projections: list[list[torch.Tensor]]  # flat: each layer's, one per kernels.Slot (as the bound stack holds them)
-    adapted: list[tuple[int, LoRALinear]]  # (index in projections, module): LoRA-wrapped ones, bound by their bases
-    # The packed copies of the last step and the (version, data pointer) of each float32 weight they were made for:
-    # a step checks those in one pass instead of asking model/packed_weights.py per weight (0.15 ms a step).
-    _panels: list[torch.Tensor] = field(default_factory=list)
-    _panel_state: list[tuple[int, int]] = field(default_factory=list)
-
-    def deltas(self, rows: int, tokens: int = 1) -> list[list[torch.Tensor]] | None:
-        """This step's LoRA deltas per projection (model.lora_layers.RowDeltas as lists; [] where a projection adds
-        none, and [] for the whole step when none does), or None when one must come from the Python replay
-        (training mode, autograd, non-finite adapter weights). With several ``tokens`` per row, each row's
-        scales repeat for its tokens (the kernel adds deltas per token row)."""
-        deltas: list[list[torch.Tensor]] = []
-        for index, module in self.adapted:
-            stackable = module.stackable()
-            found = module.row_deltas(rows)
-            if found is None:
-                continue
-            if not stackable:
-                return None
-            if not deltas:
-                deltas = [[] for _ in self.projections]
-            a, b, scales = found
-            if tokens > 1 and scales.shape[0] == rows:
-                scales = scales.repeat_interleave(tokens, dim=0)
-            deltas[index] = [a, b, scales]
-        return deltas
-
-    @classmethod
-    def of(cls, stack: LayerStack, kernels: ModuleType) -> _NativeStep | None:
-        """None when a layer holds something the C++ step does not run (fbgemm int8, other dtypes)."""
-        first = stack.layers[0]
-        activation = kernels.Activation.__members__.get(first.ffn.activation)
-        if activation is None or any(
-            layer.pre_norm != first.pre_norm or layer.ffn.activation != first.ffn.activation
-            or layer.self_attn.n_heads != first.self_attn.n_heads for layer in stack.layers
-        ):
-            return None
-        slots, norm_names = _in_order(kernels.Slot), _in_order(kernels.Norm)
-        projections, norms, eps, adapted = [], [], [], []
-        for layer in stack.layers:
-            by_slot = _slot_modules(layer)
-            modules = [by_slot[name] for name in slots]
-            bound = [_projection(m) for m in modules]
-            layer_norms = [_norm(getattr(layer, name)) for name in norm_names]
-            if any(b is None for b in bound) or any(n is None for n in layer_norms):
-                return None
-            if layer.self_attn.head_dim > KERNEL_MAX_HEAD_DIM:
-                return None
-            adapted += [(len(projections) + i, m) for i, m in enumerate(modules) if type(m) is LoRALinear]
-            projections += bound
-            for weight_and_bias, e in layer_norms:
-                norms.append(weight_and_bias)
-                eps.append(e)
-        bound_stack = kernels.DecoderStack(projections=projections, norms=norms, eps=eps,
-                                           heads=first.self_attn.n_heads, pre_norm=first.pre_norm,
-                                           activation=activation)
-        return cls(bound_stack, projections, adapted)
-
-    def panels(self, kernels: ModuleType, rows: int) -> list[torch.Tensor]:
-        """Each float32 projection's packed copy (model/packed_weights.py; empty for the others) for a step of
-        ``rows`` rows, or [] where the few-rows GEMV (packing off, or rows up to ``MAX_GEMV_ROWS``) takes the step."""
-        if rows <= packed_weights.MAX_GEMV_ROWS or not packed_weights.enabled():
-            return []
-        try:
-            state = [(p[0]._version, p[0].data_ptr()) for p in self.projections if len(p) == 2]
-        except RuntimeError:  # an inference tensor keeps no version: packed() declines it, asked every step
-            state = []
-        if not state or state != self._panel_state:
-            found = [packed_weights.packed(kernels, p[0]) if len(p) == 2 else None for p in self.projections]
-            self._panels = [_ABSENT if panels is None else panels for panels in found]
-            self._panel_state = state
-        return self._panels
-
-    def __call__(
-        self, kernels: ModuleType, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache,
-        memory_mask: torch.Tensor | None, deltas: list[list[torch.Tensor]],
-    ) -> torch.Tensor:
-        cross = cache.cross
-        step_cache = kernels.StepCache(
-            keys=cache.keys, values=cache.values,
-            cross_keys=cross.keys if cross is not None else [], cross_values=cross.values if cross is not None else [],
-            start=cache.max_length, visible=cache.max_length + x.shape[1],
-            write_positions=None if cache.uniform else cache.write_positions,
-            self_mask=mask, memory_mask=memory_mask, group=cross.group_size if cross is not None else 1,
-            prefix_blocks=list(cache.prefix.blocks) if cache.prefix is not None else [],
-            prefix_table=cache.prefix.table if cache.prefix is not None else None,
-        )
-        return self.stack.step(x, step_cache, deltas, self.panels(kernels, x.shape[0]))
 
 
 class DecodePlan:
@@ -322,7 +210,10 @@ class DecodePlan:
         self.layers = [_Layer.of(layer) for layer in stack.layers]
         self.final_norm = _op(stack.final_norm) if stack.final_norm is not None else None
         self.kernels = native.kernels()  # the process's kernels when the plan was built (plan_for compares)
-        self.native = _NativeStep.of(stack, self.kernels) if self.kernels is not None else None
+        self.native = NativeStep.of(stack, self.kernels) if self.kernels is not None else None
+        self.rotaries, self.rotary_of = rotary_kinds(stack)  # the distinct rotaries, each layer's among them
+        self.windows = [layer.self_attn.window for layer in stack.layers]
+        self.window = next((w for w in self.windows if w is not None), None)  # NativeStep: one for all window layers
         self._parents, self._names, self._children = zip(*_watched(stack), strict=True)
 
     def current(self) -> bool:
@@ -343,12 +234,40 @@ class DecodePlan:
             and not torch.is_grad_enabled()
             else None
         )
+        angles = [_angles(rotary, cache) for rotary in self.rotaries]
         if deltas is not None:
-            x = self.native(kernels, x, mask, cache, memory_mask, deltas)
+            window = None if self.window is None else _window_mask(mask, cache, x.shape[1], self.window)
+            masks: Masks = (mask, window)
+            x = self.native(kernels, x, masks, cache, memory_mask, deltas, angles)
         else:
+            by_window = {w: _window_mask(mask, cache, x.shape[1], w) for w in set(self.windows) - {None}}
             for i, layer in enumerate(self.layers):
-                x = layer.forward(x, mask, memory_mask, cache, i)
+                window = self.windows[i]
+                x = layer.forward(x, mask if window is None else by_window[window], memory_mask, cache, i,
+                                  angles[self.rotary_of[i]] if angles else None)
         return self.final_norm(x) if self.final_norm is not None else x
+
+
+def _window_mask(mask: torch.Tensor | None, cache: KVCache, tokens: int, window: int) -> torch.Tensor | None:
+    """This step's self-attention mask of a layer attending within ``window`` (``within_window``, as
+    MultiHeadAttention narrows it); ``mask`` itself while every visible key is within the window of every query."""
+    positions = MultiHeadAttention._own_positions(None, cache)  # the rows' own positions; refuses a shared prefix
+    visible = cache.max_length + tokens
+    if visible <= window:
+        return mask
+    return within_window(mask, positions[:1] if cache.uniform else positions, visible, window)
+
+
+def _angles(rotary: Rotary, cache: KVCache) -> Angles:
+    """This step's rotary cos and sin at each row's positions (its write positions after its shared prefix, as
+    MultiHeadAttention rotates them), contiguous float32: (1, t, R) while every row is at the same position."""
+    positions = cache.write_positions
+    if cache.prefix is not None:
+        positions = positions + cache.prefix.lengths[:, None]
+    elif cache.uniform:
+        positions = positions[:1]
+    cos, sin = rotary.cos_sin(positions)
+    return cos.contiguous(), sin.contiguous()
 
 
 # LayerStack -> its plan. Kept outside the module so that copy.deepcopy(model) never copies a plan
@@ -368,7 +287,7 @@ def run_decoder(
     stack: LayerStack, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache, memory_mask: torch.Tensor | None
 ) -> torch.Tensor:
     """``stack(x, mask, memory_mask=..., cache=...)[0]``, through the stack's :class:`DecodePlan` in eval mode."""
-    if stack.training or not stack.native:  # blocks the plan does not implement (Llama's): PyTorch
+    if stack.training or not stack.native:  # blocks the plan does not implement (unsupported()): PyTorch
         return stack(x, mask, memory_mask=memory_mask, cache=cache)[0]
     return plan_for(stack)(x, mask, cache, memory_mask)
 
@@ -414,6 +333,8 @@ def _encode(
     native_step = plan.native if plan is not None else None
     if (
         native_step is None
+        or plan.rotaries
+        or plan.window is not None
         or x.device.type != "cpu"
         or torch.is_grad_enabled()
         or x.shape[1] > plan.kernels.MAX_STEP_TOKENS

@@ -10,6 +10,7 @@ seq2seq decoding) a step writes one slice for all rows and a single new token ne
 Cross-attention K/V (encoder-decoder) are computed once per source and only reordered.
 Rows may start from a shared prefix (model.shared_prefix: cached prompt blocks read in place): their buffers
 then hold their own positions only, and a row's token positions count from its prefix's length.
+Sliding-window layers keep every position too; :func:`within_window` narrows their mask to the window.
 """
 
 from __future__ import annotations
@@ -290,6 +291,14 @@ class KVCache:
         pad = new_capacity - self.capacity
         self.keys = [F.pad(k, (0, 0, 0, pad)) for k in self.keys]
         self.values = [F.pad(v, (0, 0, 0, pad)) for v in self.values]
+
+
+def within_window(mask: torch.Tensor | None, queries: torch.Tensor, keys: int, window: int) -> torch.Tensor:
+    """``mask`` (B|1, 1, t, K) (None: every key) narrowed to a sliding window: a query at position q (``queries``
+    (B|1, t), positions among the K = ``keys`` keys) sees the keys at positions k with q - k < ``window``."""
+    behind = queries[:, None, :, None] - torch.arange(keys, device=queries.device)  # (B|1, 1, t, K)
+    near = behind < window
+    return near if mask is None else mask & near
 
 
 def _cat_padded(tensors: list[torch.Tensor], dim: int, size: int) -> torch.Tensor:

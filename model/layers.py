@@ -7,10 +7,12 @@ import math
 import torch
 from torch import nn
 
-from model.attention import MultiHeadAttention, Rotary
+from model.attention import MultiHeadAttention
 from model.config import TransformerConfig
 from model.kernel_layers import LayerNorm, Linear, activate, kernels_for
 from model.kv_cache import KVCache
+from model.native_support import unsupported
+from model.rope import Rotary
 
 # The most positions a sinusoidal table covers: 16x OPUS-MT-big's 1,024 (the table is computed, not stored,
 # so nothing else bounds it; at d_model 1024 it is 64 MiB per embedding).
@@ -22,10 +24,11 @@ def sinusoidal_table(max_len: int, d_model: int) -> torch.Tensor:
     ValueError above MAX_POSITIONS positions."""
     if max_len > MAX_POSITIONS:
         raise ValueError(f"a sinusoidal table of {max_len} positions is over the limit of {MAX_POSITIONS}")
-    position = torch.arange(max_len, dtype=torch.float64)[:, None]
-    two_i = torch.arange(0, d_model, 2, dtype=torch.float64)
+    cpu = torch.device("cpu")  # computed even where a model is built on the meta device (model.build.build_empty)
+    position = torch.arange(max_len, dtype=torch.float64, device=cpu)[:, None]
+    two_i = torch.arange(0, d_model, 2, dtype=torch.float64, device=cpu)
     angle = position / torch.pow(10000.0, two_i / d_model)
-    table = torch.zeros(max_len, d_model, dtype=torch.float64)
+    table = torch.zeros(max_len, d_model, dtype=torch.float64, device=cpu)
     table[:, 0::2] = torch.sin(angle)
     table[:, 1::2] = torch.cos(angle[:, : d_model // 2])
     return table.float()
@@ -39,6 +42,8 @@ class Embeddings(nn.Module):
         self.tokens = nn.Embedding(vocab_size, config.d_model, padding_idx=config.pad_id)
         self.scale = math.sqrt(config.d_model) if config.scale_embeddings else 1.0
         self.rotary = config.positions == "rope"  # positions enter in attention, not here
+        # Gemma (rope) multiplies by sqrt(d) rounded to the model's dtype; the paper and Marian by the exact number
+        self.scale_in_dtype = self.rotary
         if config.positions == "learned":
             self.positions = nn.Embedding(config.max_len, config.d_model)
         elif self.rotary:
@@ -59,7 +64,7 @@ class Embeddings(nn.Module):
             positions = torch.arange(ids.shape[1], device=ids.device)[None, :]
         x = self.tokens(ids)
         if self.scale != 1.0:
-            x = x * self.scale
+            x = x * (torch.tensor(self.scale, dtype=x.dtype) if self.scale_in_dtype else self.scale)
         if self.positions is not None:
             x = x + self.positions(positions)
         elif not self.rotary:
@@ -72,23 +77,29 @@ class Embeddings(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * weight over the last dimension (Llama), in float32 at least."""
+    """x / sqrt(mean(x^2) + eps) * weight over the last dimension (Llama), in float32 at least.
 
-    def __init__(self, d: int, eps: float) -> None:
+    ``offset``: scaled by (1 + weight) instead, and in float32 before rounding to x's dtype (Gemma).
+    """
+
+    def __init__(self, d: int, eps: float, offset: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(d))
+        self.weight = nn.Parameter(torch.zeros(d) if offset else torch.ones(d))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (h * (1.0 + self.weight.to(h.dtype))).to(x.dtype)
         return self.weight * h.to(x.dtype)
 
 
 def make_norm(config: TransformerConfig, d: int) -> nn.Module:
-    """The configured normalization of width ``d``: LayerNorm or RMSNorm (``norm_type``)."""
+    """The configured normalization of width ``d``: LayerNorm or RMSNorm (``norm_type``, ``norm_offset``)."""
     if config.norm_type == "rms":
-        return RMSNorm(d, config.layer_norm_eps)
+        return RMSNorm(d, config.layer_norm_eps, config.norm_offset)
     return LayerNorm(d, eps=config.layer_norm_eps)
 
 
@@ -122,12 +133,15 @@ class TransformerLayer(nn.Module):
     Pre-LN: x + Dropout(f(LN(x))). Post-LN (the paper): LN(x + Dropout(f(x))).
     """
 
-    def __init__(self, config: TransformerConfig, cross_attention: bool = False) -> None:
+    def __init__(self, config: TransformerConfig, cross_attention: bool = False, index: int = 0) -> None:
         super().__init__()
         d = config.d_model
-        rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scale) if config.positions == "rope" else None
+        window = config.layer_window(index)
+        qk_norm = (make_norm(config, config.head_dim), make_norm(config, config.head_dim)) if config.qk_norm else None
         self.self_attn = MultiHeadAttention(d, config.n_heads, config.dropout, config.bias,
-                                            n_kv_heads=config.kv_heads, head_dim=config.head_dim, rotary=rotary)
+                                            n_kv_heads=config.kv_heads, head_dim=config.head_dim,
+                                            rotary=_rotary(config, window), out_bias=config.out_bias, qk_norm=qk_norm,
+                                            scale=config.attention_scale, window=window)
         self.self_attn_norm = make_norm(config, d)
         self.cross_attn = (
             MultiHeadAttention(d, config.n_heads, config.dropout, config.bias) if cross_attention else None
@@ -135,6 +149,9 @@ class TransformerLayer(nn.Module):
         self.cross_attn_norm = make_norm(config, d) if cross_attention else None
         self.ffn = FeedForward(config)
         self.ffn_norm = make_norm(config, d)
+        # sandwich norms: each sub-layer's output normalized before the residual add (Gemma 3)
+        self.self_attn_post_norm = make_norm(config, d) if config.sandwich_norm else None
+        self.ffn_post_norm = make_norm(config, d) if config.sandwich_norm else None
         self.dropout = nn.Dropout(config.dropout)
         self.pre_norm = config.norm == "pre"
 
@@ -174,6 +191,8 @@ class TransformerLayer(nn.Module):
             out, w = self.self_attn(h[:, keep], mask, source=h, attention_weights=attention_weights)
         else:
             out, w = self.self_attn(h, mask, cache=cache, layer=layer, attention_weights=attention_weights)
+        if self.self_attn_post_norm is not None:
+            out = self.self_attn_post_norm(out)
         x = self._residual(x, out, self.self_attn_norm)
         if w is not None:
             weights["self"] = w
@@ -186,7 +205,10 @@ class TransformerLayer(nn.Module):
             x = self._residual(x, out, self.cross_attn_norm)
             if w is not None:
                 weights["cross"] = w
-        x = self._residual(x, self.ffn(self._input(x, self.ffn_norm)), self.ffn_norm)
+        out = self.ffn(self._input(x, self.ffn_norm))
+        if self.ffn_post_norm is not None:
+            out = self.ffn_post_norm(out)
+        x = self._residual(x, out, self.ffn_norm)
         return x, weights
 
 
@@ -195,9 +217,10 @@ class LayerStack(nn.Module):
 
     def __init__(self, config: TransformerConfig, n_layers: int, cross_attention: bool = False) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(TransformerLayer(config, cross_attention) for _ in range(n_layers))
+        self.layers = nn.ModuleList(TransformerLayer(config, cross_attention, i) for i in range(n_layers))
         self.final_norm = make_norm(config, config.d_model) if config.final_norm else None
-        self.native = not config.extended  # the C++ step and plan (model.fast_step) implement these blocks only
+
+        self.native = not unsupported(config)  # the decode plan and C++ step (model.fast_step) implement these blocks
 
     def forward(
         self,
@@ -230,6 +253,15 @@ class LayerStack(nn.Module):
         return x, maps
 
 
+def _rotary(config: TransformerConfig, window: int | None) -> Rotary | None:
+    """The rotary positions of a layer: window layers take their own unscaled base where one is set (Gemma 3)."""
+    if config.positions != "rope":
+        return None
+    if window is not None and config.rope_local_theta is not None:
+        return Rotary(config.head_dim, config.rope_local_theta, rotary_dim=config.rotary_dim)
+    return Rotary.from_config(config)
+
+
 def causal_mask(length: int, device: torch.device) -> torch.Tensor:
     """(1, 1, T, T) boolean mask, True on and below the diagonal."""
     return torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]
@@ -256,4 +288,4 @@ def init_weights(module: nn.Module, std: float = 0.02) -> None:
             nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)
         elif isinstance(m, RMSNorm):
-            nn.init.ones_(m.weight)
+            (nn.init.zeros_ if m.offset else nn.init.ones_)(m.weight)

@@ -76,6 +76,14 @@ def find_targets(model: nn.Module, targets: Sequence[str]) -> dict[str, nn.Modul
     return found
 
 
+def _weight_holders(model: nn.Module) -> dict[int, list[str]]:
+    """id of each parameter -> every name it has in ``model`` (several where weights are tied)."""
+    holders: dict[int, list[str]] = {}
+    for path, p in model.named_parameters(remove_duplicate=False):
+        holders.setdefault(id(p), []).append(path)
+    return holders
+
+
 def _set_module(model: nn.Module, path: str, module: nn.Module) -> None:
     parent, _, leaf = path.rpartition(".")
     setattr(model.get_submodule(parent), leaf, module)
@@ -216,6 +224,12 @@ def merge_adapter(model: nn.Module, name: str, safe: bool = True) -> None:
         raise AdapterError(f"cannot merge {name!r}: adapter {merged.pop()!r} is merged; unmerge_adapter first")
     if any(not isinstance(layer.base, nn.Linear) for layer in layers.values()):
         raise AdapterError(f"cannot merge {name!r}: the model's weights are quantised (int8); adapters run unmerged")
+    holders = _weight_holders(model)
+    for path, layer in layers.items():
+        others = [p for p in holders[id(layer.base.weight)] if p != f"{path}.base.weight"]
+        if others:  # a head tied to the embeddings: merging would change the embeddings too
+            raise AdapterError(f"cannot merge {name!r}: {path}'s weight is also {others[0]} (tied); adapters on it "
+                               "run unmerged")
     if safe:  # check every layer before touching any, so a failure leaves the model unmerged
         for path, layer in layers.items():
             if not torch.isfinite(layer.base.weight + layer.delta_weight(name)).all():

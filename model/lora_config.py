@@ -18,8 +18,9 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 
 # PEFT options that change the math when set (truthy); rejected rather than silently ignored.
 _UNSUPPORTED = ("fan_in_fan_out", "use_dora", "lora_bias", "rank_pattern", "alpha_pattern", "layers_to_transform")
-# modules_to_save names we take: a classifier's head (PEFT's SEQ_CLS task type lists both; a model has one at most)
-HEADS = ("classifier", "score")
+# modules_to_save names we take: a classifier's head (PEFT's SEQ_CLS task type lists both; a model has one at most),
+# a language model's head and its token embeddings (our Embeddings' ``tokens``)
+HEADS = ("classifier", "score", "lm_head", "tokens")
 # Bounds on an adapter_config.json, checked before its contents are used. PEFT writes ~1 KB, nested 2 deep.
 MAX_CONFIG_BYTES = 64 * 1024
 MAX_CONFIG_DEPTH = 16  # objects/arrays within each other (a deeper file is refused before anything recurses on it)
@@ -75,7 +76,7 @@ class LoRAConfig:
     bias: str = "none"  # only "none": biases stay those of the base layers
     task_type: str | None = None  # PEFT's task_type, e.g. "SEQ_2_SEQ_LM"; informational
     base_model_name_or_path: str | None = None
-    modules_to_save: tuple[str, ...] | None = None  # heads the adapter carries its own copies of (HEADS only)
+    modules_to_save: tuple[str, ...] | None = None  # modules the adapter carries its own copies of (HEADS)
 
     def __post_init__(self) -> None:
         targets = self.target_modules
@@ -103,7 +104,8 @@ class LoRAConfig:
         others = [m for m in self.modules_to_save or () if m not in HEADS]
         if others:
             raise AdapterError(f"modules_to_save {quote(others)} is not supported: only a classifier's head "
-                               f"({', '.join(HEADS)})")
+                               f"({', '.join(HEADS[:2])}), a language model's {HEADS[2]} or its token embeddings "
+                               f"({HEADS[3]})")
         self.lora_alpha = float(self.lora_alpha)
         self.lora_dropout = float(self.lora_dropout)
 

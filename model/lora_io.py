@@ -45,6 +45,8 @@ PICKLE_FILE = "adapter_model.bin"
 KEY_PREFIX = "base_model.model."
 _KEY_RE = re.compile(r"base_model\.model\.(.+)\.lora_([AB])\.weight")
 _COPY_RE = re.compile(r"base_model\.model\.(.+)\.(weight|bias)")  # a head copy's (modules_to_save), when not _KEY_RE
+# a targeted lm_head's or embedding's own weight, which PEFT saves beside its LoRA (save_embedding_layers)
+_BASE_LAYER_RE = re.compile(r"base_model\.model\.(.+)\.base_layer\.weight")
 Copies = dict[str, tuple[torch.Tensor, torch.Tensor | None]]  # head path -> an adapter's copy: weight, bias
 # An adapter's update scaling * B @ A may reach at most this many times its layer's largest weight. Trained
 # adapters stay well under 10x (the test suite's deliberately overtrained ones: 2-3x); far beyond,
@@ -108,13 +110,14 @@ PeftFiles = tuple[dict[str, Any], dict[str, torch.Tensor]]  # adapter_config.jso
 @dataclass(frozen=True)
 class AdapterLayout:
     """How PEFT adapters of an imported Hugging Face model name its modules: maps their adapter_config.json
-    (``config``) and tensors (``tensors``, AdapterError for one it cannot map) onto our module names (model.hf's
-    importers provide one). A loaded adapter's targets are the modules its mapped tensors name, so ``config``
-    only has to make the file parseable: :func:`peft_targets`. ``to_peft`` goes the other way: our adapter's
-    config and tensors (on the model imported, whose config it is given) as PEFT's files for the HF model."""
+    (``config``) and tensors (``tensors``, given the model's config for the shapes of fused modules; AdapterError for
+    one it cannot map) onto our module names (model.hf's importers provide one). A loaded adapter's targets are the
+    modules its mapped tensors name, so ``config`` only has to make the file parseable: :func:`peft_targets`.
+    ``to_peft`` goes the other way: our adapter's config and tensors (on the model imported, whose config it is
+    given) as PEFT's files for the HF model."""
 
     config: Callable[[dict[str, Any]], dict[str, Any]]
-    tensors: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+    tensors: Callable[[dict[str, torch.Tensor], TransformerConfig], dict[str, torch.Tensor]]
     to_peft: Callable[[LoRAConfig, dict[str, torch.Tensor], TransformerConfig], PeftFiles]
 
 
@@ -222,7 +225,8 @@ def _validate_copies(where: str, config: LoRAConfig, model: nn.Module, tensors: 
         parent, _, leaf = path.rpartition(".")
         # not a wrapper's base, nor an adapter's copy or LoRA matrix (kept in ModuleDicts by adapter name)
         inner = isinstance(model.get_submodule(parent), HeadCopies | LoRALinear | nn.ModuleDict)
-        if leaf in (config.modules_to_save or ()) and isinstance(module, nn.Linear | HeadCopies) and not inner:
+        if leaf in (config.modules_to_save or ()) and isinstance(module, nn.Linear | nn.Embedding | HeadCopies) \
+                and not inner:
             heads[path] = module.base if isinstance(module, HeadCopies) else module
     for key in tensors:
         match = _COPY_RE.fullmatch(key)
@@ -231,7 +235,8 @@ def _validate_copies(where: str, config: LoRAConfig, model: nn.Module, tensors: 
                                f"weight or a head copy's weight/bias of modules_to_save {quote(list(heads))}")
     copies = {}
     for path, head in heads.items():
-        shapes = {"weight": tuple(head.weight.shape), "bias": None if head.bias is None else tuple(head.bias.shape)}
+        bias = getattr(head, "bias", None)  # an nn.Embedding has none
+        shapes = {"weight": tuple(head.weight.shape), "bias": None if bias is None else tuple(bias.shape)}
         pair = []
         for kind, shape in shapes.items():
             key = f"{KEY_PREFIX}{path}.{kind}"
@@ -259,6 +264,30 @@ def _check_update(where: str, path: str, config: LoRAConfig, base: nn.Module, a:
                            f"{peak:.3g}, over {MAX_UPDATE_RATIO:g} times the layer's largest weight ({base_peak:.3g})")
 
 
+def _without_base_layers(where: str, model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` less the base weights PEFT saves beside a LoRA on an lm_head or embedding layer: taken when they are
+    the model's own (a base with another vocabulary or other weights is refused by name)."""
+    kept = {}
+    for key, t in tensors.items():
+        match = _BASE_LAYER_RE.fullmatch(key)
+        if match is None:
+            kept[key] = t
+            continue
+        try:
+            module = model.get_submodule(match[1])
+        except AttributeError:
+            raise AdapterError(f"{where}: tensor {quote(key)} names module {quote(match[1])}, not one of this model") \
+                from None
+        base = module.base if isinstance(module, LoRALinear | HeadCopies) else module
+        weight = getattr(base, "weight", None)  # an int8 base's is dequantised: its shape is checked, not its values
+        same = weight is not None and tuple(t.shape) == tuple(weight.shape) and (
+            not isinstance(base, nn.Linear | nn.Embedding) or torch.equal(t.to(weight.device, weight.dtype), weight))
+        if not same:
+            raise AdapterError(f"{where}: tensor {quote(key)} holds weights of {quote(match[1])} other than the "
+                               "model's (an adapter saved on another base or a resized vocabulary): not supported")
+    return kept
+
+
 def _read(
     model: nn.Module, directory: Path, name: str, device: str | torch.device | None, layout: AdapterLayout | None
 ) -> tuple[LoRAConfig, dict[str, nn.Module], dict[str, tuple[torch.Tensor, torch.Tensor]], Copies]:
@@ -275,10 +304,11 @@ def _read(
     adapted: set[str] = set()  # with a layout: the module paths its mapped tensors name
     if layout is not None:
         try:
-            tensors = layout.tensors(tensors)
+            tensors = layout.tensors(tensors, model.config)
         except AdapterError as e:
             raise AdapterError(f"{where}: {e}") from None
         adapted = {match[1] for key in tensors if (match := _KEY_RE.fullmatch(key))}
+    tensors = _without_base_layers(where, model, tensors)
     if adapted:  # PEFT's target names and regexes may match some of our modules of a name only
         config = replace(config, target_modules=tuple(sorted({path.rpartition(".")[2] for path in adapted})))
     found = find_targets(model, config.target_modules)

@@ -3,8 +3,9 @@ selected per batch row (:class:`Routing`), and a head with adapters' own full co
 
 Each targeted ``nn.Linear`` is wrapped in a :class:`LoRALinear` computing
 ``y = W x + b + (alpha / r) * B(A(dropout(x)))`` for the adapter its batch row selects. An adapter may also carry
-its own full copy of a classifier's head (PEFT's ``modules_to_save``): the head is wrapped in a :class:`HeadCopies`,
-routed per row like the LoRALinears. model.lora attaches, selects and merges adapters across a whole model.
+its own full copy of a head (PEFT's ``modules_to_save``: a classifier's head, a language model's lm_head, or its
+token embeddings): the module is wrapped in a :class:`HeadCopies`, routed per row like the LoRALinears.
+model.lora attaches, selects and merges adapters across a whole model.
 
 Merging is an optimisation, never a change of meaning: with adapter ``m`` merged into W, rows that
 select ``m`` cost nothing extra, and every other row (base only, or another adapter) gets ``m``'s
@@ -273,21 +274,31 @@ class LoRALinear(nn.Module):
 
 
 class HeadCopies(nn.Module):
-    """A classifier's head plus adapters' own full copies of it (PEFT's ``modules_to_save``): each row gets its
-    adapter's copy, or the base where its adapter has none. Routed like :class:`LoRALinear`."""
+    """A head (an nn.Linear, or token embeddings: an nn.Embedding) plus adapters' own full copies of it (PEFT's
+    ``modules_to_save``): each row gets its adapter's copy, or the base where its adapter has none. Routed like
+    :class:`LoRALinear`."""
 
-    def __init__(self, base: nn.Module) -> None:
+    def __init__(self, base: nn.Linear | nn.Embedding) -> None:
         super().__init__()
         self.base = base
-        self.copies = _AdapterDict()  # name -> nn.Linear shaped like base
+        self.copies = _AdapterDict()  # name -> a module like base (nn.Linear or nn.Embedding)
         self.routing = Routing()
         self.train(base.training)
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The base's weight: what the model reads of the wrapped module (its dtype and device, a tied head)."""
+        return self.base.weight
+
     def add(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        """Attach adapter `name`'s copy (weight (out, in), bias (out,)) on the base's device and dtype."""
+        """Attach adapter `name`'s copy (weight shaped like the base's, bias (out,)) on the base's device and dtype."""
         w = self.base.weight
         with torch.inference_mode(False):
-            layer = _linear_from(weight.detach().to(w.device, w.dtype, copy=True))
+            weight = weight.detach().to(w.device, w.dtype, copy=True)
+            if isinstance(self.base, nn.Embedding):
+                layer = nn.Embedding.from_pretrained(weight, freeze=False, padding_idx=self.base.padding_idx)
+            else:
+                layer = _linear_from(weight)
             if bias is not None:
                 layer.bias = nn.Parameter(bias.detach().to(w.device, w.dtype, copy=True))
         self.copies[name] = layer

@@ -7,6 +7,9 @@ reuses the longest chain of blocks it finds from its first token on (vLLM's auto
 with exact keys instead of hashes). The namespace is the adapter a row runs with (None for the base
 model): K/V computed under one adapter are never reused under another.
 Seq2seq: an identical source (same namespace) reuses its cross-attention K/V, all layers in one entry.
+Rotary models cache their keys after rotation at their absolute positions: a block stands for its tokens at the
+positions of a prompt's start, the same for every prompt that reads it. Under grouped-query attention a block holds
+the KV heads only. Sliding-window layers are not served (:func:`prefix_cache_serves`).
 
 Entries live in one LRU under the budget. A chain is touched from its deepest block to its root, so a
 block is never older than any block below it, and eviction takes leaves first; a block evicted before
@@ -37,6 +40,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from model.config import TransformerConfig
+
 BLOCK_TOKENS = 16  # positions per cached block: the unit of reuse (a prompt's last partial block is not kept)
 # A BlockPool grows by slabs of up to this size (at least one block each): glibc's largest mmap threshold, so a full
 # slab is a mapping of its own, out of the heap's way, and pages of it no block was written to stay unresident.
@@ -53,6 +58,12 @@ def _held_by_one_attribute() -> int:
 
 
 _UNREFERENCED = _held_by_one_attribute()  # an entry's tensor that only the entry holds
+
+
+def prefix_cache_serves(config: TransformerConfig) -> bool:
+    """Whether a prefix cache may serve a model of ``config``: every block but sliding windows, whose masks count
+    positions in the rows' own buffers (model.attention refuses a shared prefix under a window)."""
+    return config.sliding_window is None
 
 
 @dataclass(eq=False, slots=True)

@@ -39,7 +39,8 @@ def quantize_int8(model: nn.Module) -> int:
     Returns the number of layers replaced. The model must be on the CPU in float32 and have no
     merged adapter; tied weights keep their float copy where something else uses them (embeddings).
     Self-attention also gets a fused int8 q/k/v projection (one GEMM instead of three; the same
-    per-row scales, so the same int8 weights) for as long as no LoRA adapter wraps q, k or v.
+    per-row scales, so the same int8 weights; (H + 2 H_kv) * head_dim outputs under grouped-query attention) for as
+    long as no LoRA adapter wraps q, k or v. Llama's gated FFN quantises its gate, up and down projections alike.
     """
     if any(p.device.type != "cpu" for p in model.parameters()):
         raise QuantizeError("int8 quantisation runs on the CPU only (CPU int8 kernels); load the model with device cpu")
@@ -75,7 +76,7 @@ def quantize_int8(model: nn.Module) -> int:
 
 
 def _fused_qkv(attn: MultiHeadAttention) -> tuple[MultiHeadAttention, Int8Linear | None]:
-    """An int8 (D, 3D) projection of ``attn``'s q, k, v, unless an adapter wraps one of them."""
+    """An int8 projection of ``attn``'s q, k, v side by side, unless an adapter wraps one of them."""
     parts = (attn.q_proj, attn.k_proj, attn.v_proj)
     if not all(is_plain(p) for p in parts):
         return attn, None
@@ -92,10 +93,6 @@ def quantize(model: nn.Module, mode: str | None) -> nn.Module:
         return model
     if mode != "int8":
         raise QuantizeError(f"unknown quantisation {mode!r}; expected one of {list(QUANTIZE_MODES)}")
-    config = getattr(model, "config", None)
-    if config is not None and getattr(config, "extended", False):  # Llama-style blocks: no int8 path for them
-        logger.warning("int8 quantisation declined: its path does not implement this model's blocks; kept in float")
-        return model
     quantize_int8(model)
     return model
 

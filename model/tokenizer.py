@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import tempfile
 import time
 from collections import Counter
@@ -51,6 +52,7 @@ MAX_WORD_CHARS = 200
 MAX_TOKENIZER_BYTES = 64 << 20
 TOKENIZER_BYTES_PER_ID = 256
 _BYTE_ALPHABET = 256  # ByteLevel initial alphabet: every byte is always a token
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a SentencePiece byte-fallback piece, as ByteFallback reads it
 
 
 class TokenizerError(ValueError):
@@ -214,6 +216,18 @@ class Tokenizer:
             count += 1
         return count
 
+    @functools.cached_property
+    def held_ids(self) -> frozenset[int]:
+        """Ids after which a stream of text waits for the next token (model.detokenize): with a ByteFallback decoder
+        (SentencePiece's), the <0xXX> byte pieces, since a run of them decodes as a whole, and the special tokens
+        decode skips, since a run joins across them; none for other decoders."""
+        decoder = self._backend.decoder
+        if decoder is None or b'"ByteFallback"' not in decoder.__getstate__():
+            return frozenset()
+        pieces = {i for piece, i in self._backend.get_vocab(with_added_tokens=False).items()
+                  if _BYTE_PIECE.fullmatch(piece)}
+        return frozenset(pieces | {i for i, t in self._backend.get_added_tokens_decoder().items() if t.special})
+
     @property
     def vocab_size(self) -> int:
         """Number of ids, special and added tokens included."""
@@ -262,12 +276,9 @@ class Tokenizer:
 
     @property
     def byte_level(self) -> bool:
-        """Whether this is lossless byte-level BPE (ours, GPT-2's): what grammar libraries can read."""
-        try:
-            _check_byte_level(self._backend)
-        except TokenizerError:
-            return False
-        return True
+        """Whether this is byte-level BPE, whose ByteLevel decoder maps every piece to its bytes whatever the
+        pre-tokenizer and normalizer (ours, GPT-2's, Qwen's, Llama 3's): what grammar libraries can read."""
+        return isinstance(self._backend.model, models.BPE) and isinstance(self._backend.decoder, decoders.ByteLevel)
 
     def backend_json(self) -> str:
         """The tokenizer.json text of the backend (what other libraries load)."""

@@ -84,7 +84,7 @@ def stop(process: subprocess.Popen, timeout_s: float = 15.0) -> int:
 
 @contextmanager
 def running_server(
-    models_dir: Path,
+    models_dir: Path | str,
     adapters_dir: Path | None = None,
     ready_timeout_s: float = 60.0,
     module_args: Sequence[str] = ("-m", "service"),

@@ -22,6 +22,7 @@ from model.speculative import draft_model_for, speculative_for
 from service.engine import tracing
 from service.engine.types import EngineSettings
 from service.engine.vllm_metrics import COMPAT_MODES
+from service.model_sources import ModelSourceError, model_sources
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 _ENGINE_DEFAULTS = {f.name: f.default for f in fields(EngineSettings)}
@@ -48,6 +49,10 @@ def _optional_int(value: str) -> int | None:
     return None if value.strip().lower() in ("", "none", "auto") else int(value)
 
 
+def _optional_str(value: str) -> str | None:
+    return value.strip() or None
+
+
 def _optional_path(value: str) -> Path | None:
     return Path(value) if value.strip() else None
 
@@ -68,8 +73,10 @@ def _setting(default: Any, env: str, help: str, parse: Callable[[str], Any], **k
 class Settings:
     """Everything the service can be told; see :func:`settings_table` for the env vars."""
 
-    models: Path | None = _setting(
-        None, "TSERVE_MODELS", "directory of model checkpoints, one subdirectory per model", _optional_path
+    models: str | Path | None = _setting(
+        None, "TSERVE_MODELS", "directory of model checkpoints, one subdirectory per model, and/or Hugging Face repo "
+        "ids in the local Hugging Face cache, comma-separated: [NAME=]ORG/REPO[@REVISION], served as REPO unless "
+        "NAME= is given (never downloaded; README: Serve a Hugging Face model)", _optional_str
     )
     adapters: Path | None = _setting(
         None,
@@ -251,6 +258,11 @@ class Settings:
             raise SettingsError(f"log_level ({_env('log_level')}) must be one of {LOG_LEVELS}, got {self.log_level!r}")
         if any(not k.isascii() or not k.isprintable() or " " in k for k in self.api_keys + self.admin_keys):
             raise SettingsError("API keys must be printable ASCII without spaces")
+        if self.models is not None:
+            try:
+                model_sources(self.models)
+            except ModelSourceError as exc:
+                raise SettingsError(f"models ({_env('models')}): {exc}") from None
         try:
             mode_for(self.quantize, "")
         except QuantizeError as exc:

@@ -174,7 +174,10 @@ def opus_mt_directory(directory: Path, **overrides) -> Path:
 
 
 def with_tokenizer(directory: Path, vocab_size: int) -> Path:
-    """A word-level tokenizer.json over the model's ids, which load_hf_checkpoint needs beside the weights."""
+    """A word-level tokenizer.json over the model's ids, which load_hf_checkpoint needs beside the weights, declared
+    as taken as written (transformers' GPT2Tokenizer / BertTokenizer, which a model_type picks otherwise, rebuild a
+    BPE / WordPiece pipeline and would not read a word-level file)."""
     Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w1")).save(
         str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
     return directory

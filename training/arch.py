@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from model.config import CONFIGS, ModelConfigError, TransformerConfig
+from model.config import CONFIGS, CausalLMConfig, ModelConfigError, TransformerConfig
 from training.errors import UserError
 
 # --arch: the config fields that make each published architecture ("default" = the config defaults).
@@ -21,7 +21,16 @@ ARCH_PRESETS: dict[str, dict[str, Any]] = {
         layer_norm_eps=1e-12,
         scale_embeddings=False,
     ),
+    # Llama / SmolLM2 / Qwen-style decoder (causal_lm only): RMSNorm, rotary positions, SwiGLU, no biases, tied
+    # embeddings as small Llama-style models (SmolLM2) tie them
+    "llama": dict(norm="pre", norm_type="rms", positions="rope", ffn="gated", activation="silu", bias=False,
+                  scale_embeddings=False, tie_embeddings=True, final_norm=True),
 }
+
+
+def causal_lm_only(arch: str) -> bool:
+    """Whether preset ``arch`` uses blocks only the causal LM has (model.config: the Llama-style fields)."""
+    return CausalLMConfig(**ARCH_PRESETS[arch]).extended
 
 
 @dataclass(frozen=True)
@@ -37,10 +46,15 @@ class ModelSizes:
     arch: str = "default"
     encoder_layers: int | None = None  # seq2seq only; default --layers
     decoder_layers: int | None = None
+    kv_heads: int | None = None  # causal_lm only: grouped-query attention's K/V heads; default --heads
 
 
 def build_config(family: str, sizes: ModelSizes, vocab_size: int, **family_fields: Any) -> TransformerConfig:
     """The ``family`` config for ``sizes`` with the preset applied; invalid combinations are UserErrors."""
+    if family != "causal_lm" and causal_lm_only(sizes.arch):
+        others = ", ".join(a for a in ARCH_PRESETS if not causal_lm_only(a))
+        raise UserError(f"--arch {sizes.arch} is for causal_lm only: {family} models use the original blocks "
+                        f"(--arch {others})")
     fields: dict[str, Any] = dict(
         vocab_size=vocab_size,
         d_model=sizes.d_model,
@@ -58,6 +72,8 @@ def build_config(family: str, sizes: ModelSizes, vocab_size: int, **family_field
         )
     else:
         fields["n_layers"] = sizes.layers
+    if sizes.kv_heads is not None:
+        fields["n_kv_heads"] = sizes.kv_heads
     try:
         return CONFIGS[family](**fields, **family_fields)
     except ModelConfigError as e:

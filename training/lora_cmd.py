@@ -31,9 +31,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="train a LoRA adapter on a frozen checkpoint",
         description="Train only a LoRA adapter on a frozen base checkpoint (its tokenizer is reused) and "
         "save it in the PEFT layout, with metrics.json comparing adapter and base on the valid split. On a "
-        "Hugging Face base (GPT-2, a BERT classifier, OPUS-MT) the adapter is written in that model's module "
-        "names: peft.PeftModel.from_pretrained loads it on the model (GPT-2's q/k/v adapters become one "
-        "rank-3r LoRA on c_attn).",
+        "Hugging Face base (GPT-2, a BERT classifier, OPUS-MT, Llama, Mistral, Qwen2/3, Gemma 3, Phi-3) the "
+        "adapter is written in that model's module names: peft.PeftModel.from_pretrained loads it on the model "
+        "(GPT-2's q/k/v adapters become one rank-3r LoRA on c_attn, Phi-3's one on qkv_proj; the gated "
+        "feed-forward's gate, up and down projections are fc1, up and fc2).",
     )
     p.add_argument("--base", required=True, metavar="DIR",
                    help="base checkpoint directory: ours, or a Hugging Face model directory")

@@ -4,9 +4,10 @@ The adapter directory ``--out`` holds the best adapter by validation metric (ada
 adapter_model.safetensors, base_model_name_or_path set to the base checkpoint) and a metrics.json
 comparing it with the base model on the valid split; ``<out>.state/`` holds the resume state.
 
-The base may be a Hugging Face directory (model.hf: GPT-2, BERT classifier, OPUS-MT): data is encoded with
-its tokenizer(s) and special ids as the service encodes inputs, and the adapter is written in the HF model's
-module names (its AdapterLayout), so ``peft.PeftModel.from_pretrained`` loads it on that model.
+The base may be a Hugging Face directory (model.hf: GPT-2, BERT classifier, OPUS-MT, the Llama family), or our
+checkpoint imported from one: data is encoded with its tokenizer(s) and special ids as the service encodes inputs,
+and the adapter is written in the HF model's module names (its AdapterLayout), so
+``peft.PeftModel.from_pretrained`` loads it on that model.
 """
 
 from __future__ import annotations

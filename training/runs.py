@@ -22,7 +22,7 @@ from training.corpora import DEFAULT_LOCALE_DIR, LANGID_CANDIDATES
 
 R = TypeVar("R")
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")  # the Linear names an adapter may wrap
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2", "up")  # Linear names an adapter may wrap
 DEVICE = "auto"  # the default --device: CUDA when there is one, else the CPU
 
 

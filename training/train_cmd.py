@@ -49,6 +49,7 @@ def _model_options(parser: argparse.ArgumentParser, family: str) -> None:
         default=SIZES.arch,
         help="paper: post-LN, sinusoidal, ReLU, scaled+tied embeddings; gpt2: learned positions, pre-LN, "
         "gelu_tanh; bert: learned positions, post-LN, GELU, embedding LayerNorm, eps 1e-12; "
+        "llama (causal_lm only): pre-RMSNorm, rotary positions, SwiGLU, no biases, tied embeddings; "
         "default (the default): pre-LN, sinusoidal, ReLU, scaled+tied embeddings",
     )
     g.add_argument(
@@ -71,6 +72,14 @@ def _model_options(parser: argparse.ArgumentParser, family: str) -> None:
     g.add_argument(
         "--heads", type=positive_int, metavar="N", default=SIZES.heads, help="attention heads (default %(default)s)"
     )
+    if family == "causal_lm":
+        g.add_argument(
+            "--kv-heads",
+            type=positive_int,
+            metavar="N",
+            default=None,
+            help="grouped-query attention: key/value heads, dividing --heads (default --heads)",
+        )
     g.add_argument(
         "--ffn", type=positive_int, metavar="N", default=SIZES.ffn, help="feed-forward width (default %(default)s)"
     )

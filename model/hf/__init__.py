@@ -5,7 +5,8 @@ the weights (safetensors only) and maps them onto our module names. One module p
 ``ARCHITECTURES`` (the ``architectures`` names it takes), ``to_config`` (HF config -> ours) and ``state_dict``
 (HF tensors -> ours), and ``ADAPTER_LAYOUT`` (PEFT adapters in its names <-> ours): gpt2.py (GPT2LMHeadModel,
 GPT2Model), bert.py (BertForSequenceClassification, BertModel), marian.py (MarianMTModel), llama.py
-(LlamaForCausalLM).
+(LlamaForCausalLM) and the Llama family's thin maps over it: mistral.py (MistralForCausalLM), qwen2.py
+(Qwen2ForCausalLM), qwen3.py (Qwen3ForCausalLM), phi3.py (Phi3ForCausalLM), gemma3.py (Gemma3ForCausalLM).
 :func:`hf_companions` reads what else the directory brings (model.checkpoint.load_hf_checkpoint adds it to the
 model): tokenizer.json (tokenizer.py) or OPUS-MT's SentencePiece files (marian_tokenizer.py), generation_config.json's
 rules (generation.py) and sentence-transformers' pooling (sentence.py).
@@ -33,7 +34,8 @@ from model.tokenizer import MAX_TOKENIZER_BYTES  # the largest file a companion 
 
 # config.json's model_type -> the module of its importer (imported when a directory of that type loads)
 IMPORTERS = {"gpt2": "model.hf.gpt2", "bert": "model.hf.bert", "marian": "model.hf.marian",
-             "llama": "model.hf.llama"}
+             "llama": "model.hf.llama", "mistral": "model.hf.mistral", "qwen2": "model.hf.qwen2",
+             "qwen3": "model.hf.qwen3", "phi3": "model.hf.phi3", "gemma3_text": "model.hf.gemma3"}
 
 
 def is_hf_directory(directory: str | Path) -> bool:

@@ -179,7 +179,7 @@ def _adapter_config(d: dict[str, Any]) -> dict[str, Any]:
     return peft_targets(d, _ADAPTER_TARGETS, "BERT")
 
 
-def _adapter_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _adapter_tensors(tensors: dict[str, torch.Tensor], model: TransformerConfig) -> dict[str, torch.Tensor]:
     ours = {}
     for key, t in tensors.items():
         if _HEAD_KEY.fullmatch(key):

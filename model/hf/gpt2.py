@@ -110,7 +110,7 @@ def _adapter_config(d: dict[str, Any]) -> dict[str, Any]:
     return {**peft_targets(d, _ADAPTER_TARGETS, "GPT-2"), "fan_in_fan_out": False}
 
 
-def _adapter_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _adapter_tensors(tensors: dict[str, torch.Tensor], model: TransformerConfig) -> dict[str, torch.Tensor]:
     ours = {}
     for key, t in tensors.items():
         match = _ADAPTER_KEY.fullmatch(key)

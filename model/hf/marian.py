@@ -195,7 +195,7 @@ def _adapter_config(d: dict[str, Any]) -> dict[str, Any]:
     return peft_targets(d, _ADAPTER_TARGETS, "Marian")
 
 
-def _adapter_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _adapter_tensors(tensors: dict[str, torch.Tensor], model: TransformerConfig) -> dict[str, torch.Tensor]:
     """Our names, and the model dim un-permuted as state_dict does: A's input columns where the Linear reads it,
     B's output rows where it writes it (B A's columns / rows are then those of the Linear's weight)."""
     ours = {}

@@ -1,26 +1,33 @@
 """A Hugging Face directory's ``tokenizer.json`` as our Tokenizer, with the model's own special tokens.
 
-Any `tokenizers` file (GPT-2's byte-level BPE, BERT's WordPiece with its normalizer): it encodes inputs by
-its own template, as ``tokenizer(text)`` does in `transformers`. Special tokens: the ids config.json names
-(pad, bos, eos) win; the others come from tokenizer_config.json / special_tokens_map.json by their text.
-Only JSON is read (no pickle, no sentencepiece model files yet).
+Any `tokenizers` file (GPT-2's and Qwen's byte-level BPE, Llama 2's / Mistral's / Gemma's SentencePiece-converted
+BPE with byte fallback, BERT's WordPiece, Unigram), with the pipeline of the class `transformers.AutoTokenizer`
+would pick for the directory (model.hf.tokenizer_classes: LlamaTokenizer, for one, replaces the file's normalizer
+and pre-tokenizer by its own). It encodes inputs by the file's own template (post-processor), as ``tokenizer(text)``
+does in `transformers` 5, which ignores tokenizer_config.json's add_bos_token / add_eos_token beside a
+tokenizer.json. Special tokens: the ids config.json names (pad, bos, eos) win; the others come from
+tokenizer_config.json / special_tokens_map.json by their text. Only JSON is read (no pickle, no sentencepiece
+model files).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import tokenizers
 
 from model.config import TransformerConfig
-from model.hf.common import HFImportError, read_bytes, read_json
+from model.hf.common import HFImportError, read_bytes, read_config, read_json
+from model.hf.tokenizer_classes import picked_class, pipeline
 from model.tokenizer import SpecialIds, Tokenizer, TokenizerError, file_limit
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKEN_FILES = ("tokenizer_config.json", "special_tokens_map.json")  # the first that names a token wins
 TOKENIZER_FILES = (TOKENIZER_FILE, *TOKEN_FILES)  # everything this module reads
 MAX_TOKEN_FILE_BYTES = 1 << 20
+MODELS = ("BPE", "Unigram", "WordPiece", "WordLevel")  # tokenizer.json's model types (the `tokenizers` library's)
 ROLES = ("pad", "bos", "eos", "unk", "cls", "sep", "mask")
 
 
@@ -30,7 +37,17 @@ def load_tokenizer(directory: Path, config: TransformerConfig) -> Tokenizer:
     raw = read_bytes(directory / TOKENIZER_FILE, file_limit(config.vocab_size), "a Hugging Face model directory "
                      "needs its tokenizer.json beside config.json")
     try:
-        backend = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
+        data = json.loads(raw)
+        kind = (data.get("model") or {}).get("type")
+    except (ValueError, RecursionError, AttributeError) as exc:
+        raise HFImportError(f"{TOKENIZER_FILE}: not a tokenizers file: {str(exc)[:200]}") from None
+    if kind is not None and kind not in MODELS:
+        raise HFImportError(f"{TOKENIZER_FILE}: model type {kind!r} is not one the tokenizers library reads "
+                            f"(supported: {', '.join(MODELS)})")
+    settings = _settings(directory)
+    rebuilt = pipeline(data, picked_class(read_config(directory), settings, data), settings)
+    try:  # the file's own text unless the class rebuilds its pipeline (no second serialization of a large file)
+        backend = tokenizers.Tokenizer.from_str(raw.decode("utf-8") if rebuilt is data else json.dumps(rebuilt))
     except Exception as exc:  # tokenizers raises a bare Exception for bad JSON or schema
         raise HFImportError(f"{TOKENIZER_FILE}: not a tokenizers file: {str(exc)[:200]}") from None
     try:
@@ -38,6 +55,12 @@ def load_tokenizer(directory: Path, config: TransformerConfig) -> Tokenizer:
     except TokenizerError as exc:
         raise HFImportError(f"{TOKENIZER_FILE}: {exc}") from None
     return tokenizer
+
+
+def _settings(directory: Path) -> dict[str, Any]:
+    """tokenizer_config.json (empty where the directory has none)."""
+    path = directory / TOKEN_FILES[0]
+    return read_json(path, MAX_TOKEN_FILE_BYTES) if path.is_file() else {}
 
 
 def _special_ids(directory: Path, backend: tokenizers.Tokenizer, config: TransformerConfig) -> SpecialIds:

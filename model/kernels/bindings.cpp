@@ -24,8 +24,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("panel_tuning", &panel_tuning, "packed_linear's blocking and prefetch rule in force");
   module.def("greedy_pick", &greedy_pick, "greedy choice per row: (first argmax outside banned, its log-prob)", release());
   module.def("rows_layer_norm", &rows_layer_norm, "LayerNorm over the last dim (the native step's)", release());
+  module.def("rows_rms_norm", &rows_rms_norm, "RMSNorm over the last dim (model.layers.RMSNorm; offset: by 1 + weight)",
+             pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("offset") = false, release());
+  module.def("rows_head_rms_norm_", &rows_head_rms_norm_,
+             "x (B, H, t, Dh) RMS-normalized in place over each head's Dh features (q/k norms; offset: by 1 + weight)",
+             release());
   module.def("rows_activate_", &rows_activate_, "an Activation in place", release());
   module.def("rows_add_", &rows_add_, "y += x in place", release());
+  module.def("rows_mul_", &rows_mul_, "y *= x in place", release());
+  module.def("rows_rotate_", &rows_rotate_,
+             "x (B, H, t, Dh) rotated in place by cos/sin (B|1, t, R) on its first R features (model.rope.apply_rotary), "
+             "then times scale", pybind11::arg("x"), pybind11::arg("cos"), pybind11::arg("sin"),
+             pybind11::arg("scale") = 1.0, release());
   module.def("rows_cache_write", &rows_cache_write, "cache[:, :, position:position + t] = src (B, H, t, Dh)", release());
   module.def("rows_copy_windows", &rows_copy_windows,
              "buffers[targets[j], :, start:end] = buffers[sources[j], :, start:end] in every (B, H, C, Dh) buffer; "
@@ -49,11 +59,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       .value("cross_out", kCrossOut)
       .value("fc1", kFc1)
       .value("fc2", kFc2)
-      .value("qkv", kQkv);
-  pybind11::enum_<Norm>(module, "Norm", "a decoder layer's LayerNorms (TransformerLayer's attribute names), in order")
+      .value("qkv", kQkv)
+      .value("up", kUp);
+  pybind11::enum_<Norm>(module, "Norm", "a decoder layer's norms (TransformerLayer's attribute names), in order")
       .value("self_attn_norm", kSelfAttnNorm)
       .value("cross_attn_norm", kCrossAttnNorm)
-      .value("ffn_norm", kFfnNorm);
+      .value("ffn_norm", kFfnNorm)
+      .value("self_attn_post_norm", kSelfAttnPostNorm)
+      .value("ffn_post_norm", kFfnPostNorm)
+      .value("q_norm", kQNorm)
+      .value("k_norm", kKNorm);
   pybind11::class_<PanelTuning>(module, "PanelTuning", "model.cpu.PanelTuning's fields, for the kernel")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, bool, int64_t>(), arg("row_block_bytes"),
            arg("prefetch_rows"), arg("streaming_tile_rows"), arg("streaming_prefetch_rows"), arg("streaming_into_l2"),
@@ -67,13 +82,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   pybind11::class_<StepCache>(module, "StepCache", "one step's KV cache and masks, as DecoderStack.step reads them")
       .def(pybind11::init<Tensors, Tensors, Tensors, Tensors, int64_t, int64_t, c10::optional<torch::Tensor>,
                           c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, int64_t, Tensors,
-                          c10::optional<torch::Tensor>>(),
+                          c10::optional<torch::Tensor>, Tensors, Tensors, c10::optional<torch::Tensor>>(),
            arg("keys"), arg("values"), arg("cross_keys"), arg("cross_values"), arg("start"), arg("visible"),
            arg("write_positions"), arg("self_mask"), arg("memory_mask"), arg("group"), arg("prefix_blocks") = Tensors{},
-           arg("prefix_table") = c10::nullopt);
+           arg("prefix_table") = c10::nullopt, arg("rotary_cos") = Tensors{}, arg("rotary_sin") = Tensors{},
+           arg("window_mask") = c10::nullopt);
   pybind11::class_<DecoderStack>(module, "DecoderStack", "a decoder stack's weights bound for the native step")
-      .def(pybind11::init<std::vector<Tensors>, std::vector<Tensors>, std::vector<double>, int64_t, bool, Activation>(),
-           arg("projections"), arg("norms"), arg("eps"), arg("heads"), arg("pre_norm"), arg("activation"))
+      .def(pybind11::init<std::vector<Tensors>, std::vector<Tensors>, std::vector<double>, int64_t, bool, Activation,
+                          int64_t, int64_t, std::vector<int64_t>, std::vector<bool>, bool, double>(),
+           arg("projections"), arg("norms"), arg("eps"), arg("heads"), arg("pre_norm"), arg("activation"),
+           arg("kv_heads") = 0, arg("head_dim") = 0, arg("rotary") = std::vector<int64_t>{},
+           arg("windowed") = std::vector<bool>{}, arg("norm_offset") = false, arg("query_scale") = 1.0)
       .def("step", &DecoderStack::step, "one decoding step through every decoder layer (model/fast_step.py)",
            arg("x"), arg("cache"), arg("deltas"), arg("panels"), release())
       .def("encode", &DecoderStack::encode, "an encoder's forward over short rows, no cache (model/fast_step.py)",

@@ -2,12 +2,13 @@
 //
 // out[b, h, i] = softmax(q[b, h, i] . k[b, h, :T] / sqrt(Dh), masked) @ v[b, h, :T] for every query i, with no
 // causal structure among the queries: one decoding step (one query per row), or the grouped beams of one
-// source in cross-attention. It reads K/V once per head at memory speed where SDPA's CPU kernel, built for
+// source in cross-attention. Grouped-query attention: k and v may hold fewer heads (H_kv dividing H); query head
+// h reads KV head h / (H / H_kv), in place (no expanded copy). It reads K/V once per head at memory speed where SDPA's CPU kernel, built for
 // long query blocks, spends 2-3x longer on one query. The mask is bool (True = attend), broadcast over heads
 // and queries where its dims are 1. A query that may attend to nothing gets zeros (SDPA gives NaN).
 //
 // A row may also read a shared prefix ahead of its own keys: blocks of a prefix cache (model/shared_prefix.py),
-// each (layers, 2, H, block, Dh) contiguous, listed per row by a block table (B, M) of indices into the blocks
+// each (layers, 2, H_kv, block, Dh) contiguous, listed per row by a block table (B, M) of indices into the blocks
 // (-1 after the row's last). Every query sees every key of its row's blocks, in table order, then its own keys:
 // the rows of one system prompt read one copy of it in place (paged attention for the prefix).
 #include <torch/extension.h>
@@ -25,7 +26,7 @@
 
 namespace {
 
-constexpr int64_t kMaxChunks = 8;  // head dims up to 128
+constexpr int64_t kMaxChunks = 16;  // head dims up to 256 (Gemma 3)
 constexpr int64_t kPrefetchKeys = 8;  // keys (each Dh floats) prefetched ahead: across 4 KB pages too
 
 struct Head {
@@ -126,7 +127,7 @@ struct PrefixBlocks {
   torch::Tensor table;             // (B, M) int64, contiguous
   int64_t layer = 0, heads = 0, block = 0, dh = 0;
 
-  // Row `b`, head `h`: its blocks' first keys and values, in table order.
+  // Row `b`, KV head `h`: its blocks' first keys and values, in table order.
   int64_t lookup(int64_t b, int64_t h, std::vector<const float*>& keys, std::vector<const float*>& values) const {
     keys.clear(), values.clear();
     if (data.empty()) return 0;
@@ -148,7 +149,7 @@ bool has_avx512() {
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
 }
 
-// q (B, H, Tq, Dh); k, v (B, H, T, Dh) with unit stride along Dh (cache slices are fine); mask bool,
+// q (B, H, Tq, Dh); k, v (B, H_kv, T, Dh), H_kv dividing H, with unit stride along Dh (cache slices are fine); mask bool,
 // broadcastable to (B, 1 or H, 1 or Tq, T), or None. prefix_blocks / prefix_table / layer: a shared prefix (the
 // header); no blocks: none.
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -159,10 +160,11 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
   for (const auto* t : {&q, &k, &v})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->stride(3) == 1,
                 "decode attention: float32 CPU tensors with unit stride along Dh");
-  const int64_t b = q.size(0), h = q.size(1), tq = q.size(2), dh = q.size(3), t = k.size(2);
+  const int64_t b = q.size(0), h = q.size(1), tq = q.size(2), dh = q.size(3), t = k.size(2), kv_heads = k.size(1);
   TORCH_CHECK(dh <= kMaxChunks * 16, "decode attention: head dim above ", kMaxChunks * 16);
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == b && k.size(1) == h && k.size(3) == dh && k.stride(2) == v.stride(2),
-              "decode attention: k and v must match q and each other");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == b && kv_heads > 0 && h % kv_heads == 0 && k.size(3) == dh &&
+              k.stride(2) == v.stride(2), "decode attention: k and v must match q (KV heads dividing its heads) and each other");
+  const int64_t group = h / kv_heads;  // query heads per KV head
   at::Tensor m;
   if (mask.has_value()) {
     TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 4 && mask->size(3) == t,
@@ -176,8 +178,8 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
                 prefix_table->scalar_type() == at::kLong && prefix_table->device().is_cpu(),
                 "decode attention: a prefix needs an int64 CPU block table (B, M)");
     const auto& first = prefix_blocks[0];
-    TORCH_CHECK(first.dim() == 5 && first.size(1) == 2 && first.size(2) == h && first.size(4) == dh &&
-                layer >= 0 && layer < first.size(0), "decode attention: prefix blocks must be (layers, 2, H, block, Dh)");
+    TORCH_CHECK(first.dim() == 5 && first.size(1) == 2 && first.size(2) == kv_heads && first.size(4) == dh &&
+                layer >= 0 && layer < first.size(0), "decode attention: prefix blocks must be (layers, 2, H_kv, block, Dh)");
     for (const auto& block : prefix_blocks) {
       TORCH_CHECK(block.sizes() == first.sizes() && block.is_contiguous() && block.device().is_cpu() &&
                   block.scalar_type() == at::kFloat, "decode attention: prefix blocks alike, float32, contiguous");
@@ -187,7 +189,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
     const int64_t n = static_cast<int64_t>(prefix.data.size());
     TORCH_CHECK(prefix.table.numel() == 0 || (prefix.table.max().item<int64_t>() < n && prefix.table.min().item<int64_t>() >= -1),
                 "decode attention: a block table entry names no block");
-    prefix.layer = layer, prefix.heads = h, prefix.block = first.size(3), prefix.dh = dh;
+    prefix.layer = layer, prefix.heads = kv_heads, prefix.block = first.size(3), prefix.dh = dh;
   }
   const int64_t most_shared = prefix.data.empty() ? 0 : prefix.table.size(1) * prefix.block;
   // (B, H, Tq, Dh) laid out (B, Tq, H, Dh): merging the heads for the out projection is then a view, not a copy
@@ -197,14 +199,14 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
     std::vector<float> scores(most_shared + t + 16);
     std::vector<const float*> prefix_k, prefix_v;
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t bi = i / h, hi = i % h;
+      const int64_t bi = i / h, hi = i % h, kv = hi / group;
       Head head{q.data_ptr<float>() + bi * q.stride(0) + hi * q.stride(1),
-                k.data_ptr<float>() + bi * k.stride(0) + hi * k.stride(1),
-                v.data_ptr<float>() + bi * v.stride(0) + hi * v.stride(1),
+                k.data_ptr<float>() + bi * k.stride(0) + kv * k.stride(1),
+                v.data_ptr<float>() + bi * v.stride(0) + kv * v.stride(1),
                 m.defined() ? m.data_ptr<bool>() + bi * m.stride(0) + hi * m.stride(1) : nullptr,
                 out.data_ptr<float>() + bi * out.stride(0) + hi * out.stride(1),
                 q.stride(2), k.stride(2), m.defined() ? m.stride(2) : 0, out.stride(2), tq, t, dh};
-      head.prefix_blocks = prefix.lookup(bi, hi, prefix_k, prefix_v);
+      head.prefix_blocks = prefix.lookup(bi, kv, prefix_k, prefix_v);
       head.prefix_k = prefix_k.data(), head.prefix_v = prefix_v.data(), head.block = prefix.block;
       attend(head, scale, scores.data());
     }

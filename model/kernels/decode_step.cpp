@@ -6,11 +6,19 @@
 // 0.5 ms per step at d_model 512 / 6 layers (a fifth of a batch-1 step). Projections are float32 (weight,
 // bias) pairs (few_rows_linear.cpp: the same sums as F.linear in another order) or our int8 layers
 // (packed, scales, sums, bias: int8_vnni.cpp), plus LoRA deltas (lora_delta.cpp); attention is
-// decode_attention.cpp; LayerNorm, activations, residual adds and uniform cache writes are elementwise.cpp's.
+// decode_attention.cpp; LayerNorm / RMSNorm, activations, gates, rotary positions, residual adds and uniform cache
+// writes are elementwise.cpp's. The Llama blocks: RMSNorm, q and k rotated at each row's positions (cos and sin
+// computed once per step by model/fast_step.py), grouped-query attention (the cache and k/v hold the KV heads),
+// a gated FFN (kUp), a head width other than d_model / heads; Qwen3's and Gemma 3's: RMSNorms of each head of q and
+// k before rotation, Gemma's (1 + weight) RMSNorms, norms of each sub-layer's output before the residual add, a
+// scale of q.k other than 1/sqrt(Dh) (q scaled after rotation, as MultiHeadAttention does), sliding-window layers
+// (their own mask, built per step by model/fast_step.py) with their own rotary cos/sin.
 // Beyond a few rows the float32 projections take the weights' packed copies when given (packed_linear.cpp).
 // One new token per row; the caller has begun the cache step.
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -39,29 +47,79 @@ torch::Tensor project(const torch::Tensor& x, const Tensors& p, const Tensors* d
 }
 
 struct Step {
-  int64_t rows, tokens, heads, d, dh;  // tokens per row: 1, or a speculative draft's verification (model/speculative.py)
+  int64_t rows, tokens, heads, kv_heads, dh;  // tokens per row: 1, or a speculative draft's verification
   bool pre_norm;
   Activation activation;
+  bool norm_offset;  // RMSNorms by 1 + weight
+  double query_scale;
 
-  torch::Tensor split(const torch::Tensor& t) const { return t.view({rows, tokens, heads, dh}).transpose(1, 2); }
-  torch::Tensor merge(const torch::Tensor& t) const { return t.transpose(1, 2).reshape({rows, tokens, d}); }
+  // A norm as the stack holds it: {weight, bias} a LayerNorm, {weight} an RMSNorm.
+  torch::Tensor norm_rows(const torch::Tensor& x, const Tensors& norm, double eps) const {
+    return norm.size() == 1 ? rows_rms_norm(x, norm[0], eps, norm_offset) : rows_layer_norm(x, norm[0], norm[1], eps);
+  }
 
-  // Pre-LN: x + f(LN(x)); post-LN: LN(x + f(x)). f's result is fresh: the residual is added into it.
+  // q (B, H, t, Dh) and k (B, H_kv, t, Dh), views of this step's fresh projections, in place as MultiHeadAttention
+  // takes them before the cache write: each head's norm (n: the layer's norms), rotation at the rows' positions
+  // (cos and sin; undefined: none), q times query_scale.
+  void prepare(const torch::Tensor& q, const torch::Tensor& k, const Tensors* n, const double* e,
+               const torch::Tensor& cos, const torch::Tensor& sin) const {
+    if (!n[kQNorm].empty()) {
+      rows_head_rms_norm_(q, n[kQNorm][0], e[kQNorm], norm_offset);
+      rows_head_rms_norm_(k, n[kKNorm][0], e[kKNorm], norm_offset);
+    }
+    if (cos.defined()) {
+      rows_rotate_(q, cos, sin, query_scale);
+      rows_rotate_(k, cos, sin);
+    } else if (query_scale != 1.0) {
+      q.mul_(query_scale);
+    }
+  }
+
+  // (B, t, n * Dh) -> (B, n, t, Dh) for n query or KV heads
+  torch::Tensor split(const torch::Tensor& t, int64_t n) const { return t.view({rows, tokens, n, dh}).transpose(1, 2); }
+  torch::Tensor split(const torch::Tensor& t) const { return split(t, heads); }
+  torch::Tensor merge(const torch::Tensor& t) const { return t.transpose(1, 2).reshape({rows, tokens, heads * dh}); }
+
+  // The fused projection's output (B, t, (H + 2 H_kv) Dh) -> q, k, v, each (B, heads, t, Dh).
+  std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> split_qkv(const torch::Tensor& qkv) const {
+    const int64_t q = heads * dh, kv = kv_heads * dh;
+    return {split(qkv.narrow(2, 0, q)), split(qkv.narrow(2, q, kv), kv_heads), split(qkv.narrow(2, q + kv, kv), kv_heads)};
+  }
+
+  // The FFN of h: fc2(act(fc1 h)), or fc2(act(fc1 h) * up(h)) when the layer has kUp.
+  template <class P>
+  torch::Tensor ffn(const torch::Tensor& h, const Tensors* p, P projection) const {
+    torch::Tensor inner = activate(projection(h, kFc1));
+    if (!p[kUp].empty()) inner = rows_mul_(inner, projection(h, kUp));
+    return projection(inner, kFc2);
+  }
+
+  // Pre-LN: x + f(LN(x)), with a post norm (sandwich: norms[post] not empty) x + LN'(f(LN(x))); post-LN:
+  // LN(x + f(x)). f's result is fresh: the residual is added into it. norms, eps: the layer's.
   template <class F>
-  torch::Tensor sublayer(const torch::Tensor& x, const Tensors& norm, double eps, F f) const {
-    return sublayer(x, x, norm, eps, f);
+  torch::Tensor sublayer(const torch::Tensor& x, const Tensors* norms, const double* eps, Norm norm, Norm post,
+                         F f) const {
+    return sublayer(x, x, norms, eps, norm, post, f);
   }
 
   // The same with another residual: the positions f computes (an encoder's kept first position) of x.
   template <class F>
-  torch::Tensor sublayer(const torch::Tensor& x, const torch::Tensor& residual, const Tensors& norm, double eps,
-                         F f) const {
-    if (pre_norm) return rows_add_(f(rows_layer_norm(x, norm[0], norm[1], eps)), residual);
-    return rows_layer_norm(rows_add_(f(x), residual), norm[0], norm[1], eps);
+  torch::Tensor sublayer(const torch::Tensor& x, const torch::Tensor& residual, const Tensors* norms, const double* eps,
+                         Norm norm, Norm post, F f) const {
+    if (!pre_norm) return norm_rows(rows_add_(f(x), residual), norms[norm], eps[norm]);
+    torch::Tensor out = f(norm_rows(x, norms[norm], eps[norm]));
+    if (post != kNorms && !norms[post].empty()) out = norm_rows(out, norms[post], eps[post]);
+    return rows_add_(out, residual);
   }
 
   torch::Tensor activate(const torch::Tensor& h) const { return rows_activate_(h, activation); }
 };
+
+// The step of x (B, t, D) through `stack`.
+Step step_shape(const DecoderStack& stack, const torch::Tensor& x) {
+  return Step{x.size(0), x.size(1), stack.heads, stack.kv_heads, stack.head_dim ? stack.head_dim : x.size(2) / stack.heads,
+              stack.pre_norm, stack.activation, stack.norm_offset, stack.query_scale};
+}
 
 // SDPA of q over per-row K/V whose rows repeat in runs of `group` (beams of one source): the g queries of
 // a run attend together to its first row (fast_step._grouped_attention).
@@ -79,19 +137,35 @@ torch::Tensor grouped_attention(const torch::Tensor& q, const torch::Tensor& key
 }  // namespace
 
 DecoderStack::DecoderStack(std::vector<Tensors> projections, std::vector<Tensors> norms, std::vector<double> eps,
-                           int64_t heads, bool pre_norm, Activation activation)
+                           int64_t heads, bool pre_norm, Activation activation, int64_t kv_heads, int64_t head_dim,
+                           std::vector<int64_t> rotary, std::vector<bool> windowed, bool norm_offset,
+                           double query_scale)
     : projections(std::move(projections)), norms(std::move(norms)), eps(std::move(eps)), heads(heads),
-      pre_norm(pre_norm), activation(activation) {
+      pre_norm(pre_norm), activation(activation), kv_heads(kv_heads ? kv_heads : heads), head_dim(head_dim),
+      rotary(std::move(rotary)), windowed(std::move(windowed)), norm_offset(norm_offset), query_scale(query_scale) {
   const int64_t count = layers();
   TORCH_CHECK(static_cast<int64_t>(this->eps.size()) == count * kNorms &&
               static_cast<int64_t>(this->norms.size()) == count * kNorms &&
               static_cast<int64_t>(this->projections.size()) == count * kSlots && heads > 0,
               "decode step: per-layer argument counts disagree");
+  TORCH_CHECK(this->kv_heads > 0 && heads % this->kv_heads == 0 && head_dim >= 0,
+              "decode step: the KV heads must divide the heads");
+  TORCH_CHECK((this->rotary.empty() || static_cast<int64_t>(this->rotary.size()) == count) &&
+              (this->windowed.empty() || static_cast<int64_t>(this->windowed.size()) == count) && query_scale > 0,
+              "decode step: one rotary kind and one window flag per layer (or none), a positive query scale");
+  for (int64_t kind : this->rotary) TORCH_CHECK(kind >= 0, "decode step: a rotary kind is an index");
+  auto is_norm = [](const Tensors& n) { return n.size() == 1 || n.size() == 2; };
   for (int64_t l = 0; l < count; ++l) {
     const Tensors* n = &this->norms[l * kNorms];
-    TORCH_CHECK(n[kSelfAttnNorm].size() == 2 && n[kFfnNorm].size() == 2 &&
-                n[kCrossAttnNorm].size() == (this->projections[l * kSlots + kCrossQ].empty() ? 0u : 2u),
-                "decode step: a LayerNorm is {weight, bias}");
+    const bool cross = !this->projections[l * kSlots + kCrossQ].empty();
+    TORCH_CHECK(is_norm(n[kSelfAttnNorm]) && is_norm(n[kFfnNorm]) && (cross ? is_norm(n[kCrossAttnNorm])
+                                                                             : n[kCrossAttnNorm].empty()),
+                "decode step: a norm is {weight, bias} (LayerNorm) or {weight} (RMSNorm)");
+    TORCH_CHECK(n[kSelfAttnPostNorm].empty() == n[kFfnPostNorm].empty() && n[kQNorm].empty() == n[kKNorm].empty() &&
+                (n[kSelfAttnPostNorm].empty() || (pre_norm && n[kSelfAttnPostNorm].size() <= 2 &&
+                                                  n[kFfnPostNorm].size() <= 2)) &&
+                (n[kQNorm].empty() || (n[kQNorm].size() == 1 && n[kKNorm].size() == 1)),
+                "decode step: post norms both or neither (pre-LN), q/k norms both or neither (RMSNorms)");
   }
   for (const Tensors& p : this->projections) {
     TORCH_CHECK(p.empty() || p.size() == 2 || p.size() == 4, "decode step: a projection is 2 (float32) or 4 (int8) tensors");
@@ -108,7 +182,10 @@ torch::Tensor DecoderStack::step(torch::Tensor x, const StepCache& cache, const 
               (panels.empty() || panels.size() == projections.size()) &&
               cache.cross_keys.size() == cache.cross_values.size() && cache.group >= 1,
               "decode step: per-layer argument counts disagree");
-  const Step s{x.size(0), x.size(1), heads, x.size(2), x.size(2) / heads, pre_norm, activation};
+  for (int64_t kind : rotary)
+    TORCH_CHECK(kind < static_cast<int64_t>(cache.rotary_cos.size()) && cache.rotary_cos.size() == cache.rotary_sin.size(),
+                "decode step: a rotary stack needs this step's cos and sin of each rotary kind");
+  const Step s = step_shape(*this, x);
   const Tensors &keys = cache.keys, &values = cache.values;
   const optional<torch::Tensor>& positions = cache.write_positions;
   torch::Tensor rows;
@@ -121,15 +198,18 @@ torch::Tensor DecoderStack::step(torch::Tensor x, const StepCache& cache, const 
     auto panel = [&](Slot slot) { return packed == nullptr ? nullptr : &packed[slot]; };
     const Tensors* n = &norms[l * kNorms];
     const double* e = &eps[l * kNorms];
-    x = s.sublayer(x, n[kSelfAttnNorm], e[kSelfAttnNorm], [&](const torch::Tensor& h) {
+    x = s.sublayer(x, n, e, kSelfAttnNorm, kSelfAttnPostNorm, [&](const torch::Tensor& h) {
       torch::Tensor q, k, v;
       if (!p[kQkv].empty()) {
-        auto qkv = project(h, p[kQkv], panel(kQkv)).view({s.rows, s.tokens, 3, heads, s.dh}).permute({2, 0, 3, 1, 4});
-        q = qkv[0], k = qkv[1], v = qkv[2];
+        std::tie(q, k, v) = s.split_qkv(project(h, p[kQkv], panel(kQkv)));
       } else {
-        q = s.split(project(h, p[kQ], delta(kQ), panel(kQ))), k = s.split(project(h, p[kK], delta(kK), panel(kK)));
-        v = s.split(project(h, p[kV], delta(kV), panel(kV)));
+        q = s.split(project(h, p[kQ], delta(kQ), panel(kQ)));
+        k = s.split(project(h, p[kK], delta(kK), panel(kK)), kv_heads);
+        v = s.split(project(h, p[kV], delta(kV), panel(kV)), kv_heads);
       }
+      const bool rotated = !rotary.empty();
+      s.prepare(q, k, n, e, rotated ? cache.rotary_cos[rotary[l]] : torch::Tensor(),
+                rotated ? cache.rotary_sin[rotary[l]] : torch::Tensor());
       if (rows.defined()) {  // advanced indices on dims 0 and 2: (B, t, H, Dh) values
         torch::Tensor layer_keys = keys[l], layer_values = values[l];  // handles to the cache buffers
         layer_keys.index_put_({rows, torch::indexing::Slice(), *positions}, k.transpose(1, 2));
@@ -138,20 +218,21 @@ torch::Tensor DecoderStack::step(torch::Tensor x, const StepCache& cache, const 
         rows_cache_write(keys[l], cache.start, k);
         rows_cache_write(values[l], cache.start, v);
       }
+      const bool window = !windowed.empty() && windowed[l];
       auto out = decode_attention(q, keys[l].narrow(2, 0, cache.visible), values[l].narrow(2, 0, cache.visible),
-                                  cache.self_mask, cache.prefix_blocks, cache.prefix_table, l);
+                                  window ? cache.window_mask : cache.self_mask, cache.prefix_blocks, cache.prefix_table, l);
       return project(s.merge(out), p[kOut], delta(kOut), panel(kOut));
     });
     if (!p[kCrossQ].empty()) {
       TORCH_CHECK(l < static_cast<int64_t>(cache.cross_keys.size()), "decode step: no cross-attention keys/values");
-      x = s.sublayer(x, n[kCrossAttnNorm], e[kCrossAttnNorm], [&](const torch::Tensor& h) {
+      x = s.sublayer(x, n, e, kCrossAttnNorm, kNorms, [&](const torch::Tensor& h) {
         auto q = s.split(project(h, p[kCrossQ], delta(kCrossQ), panel(kCrossQ)));
         auto out = grouped_attention(q, cache.cross_keys[l], cache.cross_values[l], cache.memory_mask, cache.group);
         return project(s.merge(out), p[kCrossOut], delta(kCrossOut), panel(kCrossOut));
       });
     }
-    x = s.sublayer(x, n[kFfnNorm], e[kFfnNorm], [&](const torch::Tensor& h) {
-      return project(s.activate(project(h, p[kFc1], delta(kFc1), panel(kFc1))), p[kFc2], delta(kFc2), panel(kFc2));
+    x = s.sublayer(x, n, e, kFfnNorm, kFfnPostNorm, [&](const torch::Tensor& h) {
+      return s.ffn(h, p, [&](const torch::Tensor& in, Slot slot) { return project(in, p[slot], delta(slot), panel(slot)); });
     });
   }
   return x;
@@ -165,7 +246,9 @@ torch::Tensor DecoderStack::encode(torch::Tensor x, const optional<torch::Tensor
   TORCH_CHECK(panels.empty() || panels.size() == projections.size(), "encode: one panel entry per projection");
   for (int64_t l = 0; l < count; ++l)
     TORCH_CHECK(projections[l * kSlots + kCrossQ].empty(), "encode: an encoder layer has no cross-attention");
-  Step s{x.size(0), x.size(1), heads, x.size(2), x.size(2) / heads, pre_norm, activation};
+  TORCH_CHECK(rotary.empty() && std::find(windowed.begin(), windowed.end(), true) == windowed.end(),
+              "encode: no rotary positions, no sliding windows");
+  Step s = step_shape(*this, x);
   for (int64_t l = 0; l < count; ++l) {
     const Tensors* p = &projections[l * kSlots];
     const torch::Tensor* packed = panels.empty() ? nullptr : &panels[l * kSlots];
@@ -176,25 +259,26 @@ torch::Tensor DecoderStack::encode(torch::Tensor x, const optional<torch::Tensor
     auto attend = [&](const torch::Tensor& h, const Step& out) {
       torch::Tensor q, k, v;
       if (!p[kQkv].empty()) {
-        auto qkv = project(h, p[kQkv], panel(kQkv)).view({s.rows, s.tokens, 3, heads, s.dh}).permute({2, 0, 3, 1, 4});
-        q = qkv[0].narrow(2, 0, out.tokens), k = qkv[1], v = qkv[2];
+        std::tie(q, k, v) = s.split_qkv(project(h, p[kQkv], panel(kQkv)));
+        q = q.narrow(2, 0, out.tokens);
       } else {
         q = out.split(project(h.narrow(1, 0, out.tokens), p[kQ], panel(kQ)));
-        k = s.split(project(h, p[kK], panel(kK))), v = s.split(project(h, p[kV], panel(kV)));
+        k = s.split(project(h, p[kK], panel(kK)), kv_heads), v = s.split(project(h, p[kV], panel(kV)), kv_heads);
       }
+      s.prepare(q, k, n, e, torch::Tensor(), torch::Tensor());
       return project(out.merge(decode_attention(q, k, v, mask, {}, c10::nullopt, 0)), p[kOut], panel(kOut));
     };
     if (keep_first && l == count - 1 && s.tokens > 1) {  // the kept position's sub-layer: its residual is x[:, :1]
       Step first = s;
       first.tokens = 1;
-      x = s.sublayer(x, x.narrow(1, 0, 1).contiguous(), n[kSelfAttnNorm], e[kSelfAttnNorm],
+      x = s.sublayer(x, x.narrow(1, 0, 1).contiguous(), n, e, kSelfAttnNorm, kSelfAttnPostNorm,
                      [&](const torch::Tensor& h) { return attend(h, first); });
       s = first;
     } else {
-      x = s.sublayer(x, n[kSelfAttnNorm], e[kSelfAttnNorm], [&](const torch::Tensor& h) { return attend(h, s); });
+      x = s.sublayer(x, n, e, kSelfAttnNorm, kSelfAttnPostNorm, [&](const torch::Tensor& h) { return attend(h, s); });
     }
-    x = s.sublayer(x, n[kFfnNorm], e[kFfnNorm], [&](const torch::Tensor& h) {
-      return project(s.activate(project(h, p[kFc1], panel(kFc1))), p[kFc2], panel(kFc2));
+    x = s.sublayer(x, n, e, kFfnNorm, kFfnPostNorm, [&](const torch::Tensor& h) {
+      return s.ffn(h, p, [&](const torch::Tensor& in, Slot slot) { return project(in, p[slot], panel(slot)); });
     });
   }
   return x;

@@ -1,5 +1,5 @@
-// The native step's LayerNorm, activations and residual adds on (rows, D) float32 activations (AVX-512), and
-// its uniform KV-cache writes.
+// The native step's LayerNorm and RMSNorm, activations, residual adds, gates and rotary positions on (rows, D)
+// float32 activations (AVX-512), and its uniform KV-cache writes.
 //
 // At a few rows ATen's versions of these cost 3-8 us a call in allocations and dispatch (LayerNorm also
 // makes its mean and rstd tensors), about as long as one of the step's smaller GEMVs reads its weights;
@@ -53,6 +53,53 @@ AVX512 void layer_norm_row(const float* x, const float* w, const float* b, float
     if (w != nullptr) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(k, w + c));
     if (b != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, b + c));
     _mm512_mask_storeu_ps(y + c, k, v);
+  }
+}
+
+// model.layers.RMSNorm: w * (x / sqrt(mean(x^2) + eps)), or (x / sqrt(mean(x^2) + eps)) * (1 + w) with `offset`
+AVX512 void rms_norm_row(const float* x, const float* w, float* y, int64_t d, float eps, bool offset) {
+  __m512 squares = _mm512_setzero_ps();
+  for (int64_t c = 0; c < d; c += 16) {
+    const __m512 v = _mm512_maskz_loadu_ps(tserve::first_lanes(d - c), x + c);
+    squares = _mm512_fmadd_ps(v, v, squares);
+  }
+  const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(d) + eps));
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int64_t c = 0; c < d; c += 16) {
+    const __mmask16 k = tserve::first_lanes(d - c);
+    const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + c), r);
+    const __m512 weight = _mm512_maskz_loadu_ps(k, w + c);
+    _mm512_mask_storeu_ps(y + c, k, _mm512_mul_ps(offset ? _mm512_add_ps(one, weight) : weight, v));
+  }
+}
+
+// One head's first 2 * half features rotated as half-split pairs (model.rope.apply_rotary's operations:
+// x1 c1 - x2 s1, x2 c2 + x1 s2), c and s its cos and sin (2 * half); then, with `scaled`, the whole head times
+// `scale` (MultiHeadAttention's query_scale, after rotation), dh features.
+AVX512 void rotate_row(float* x, const float* c, const float* s, int64_t half, int64_t dh, bool scaled, float scale) {
+  const __m512 by = _mm512_set1_ps(scale);
+  for (int64_t j = 0; j < half; j += 16) {
+    const __mmask16 k = tserve::first_lanes(half - j);
+    const __m512 x1 = _mm512_maskz_loadu_ps(k, x + j), x2 = _mm512_maskz_loadu_ps(k, x + half + j);
+    __m512 y1 = _mm512_sub_ps(_mm512_mul_ps(x1, _mm512_maskz_loadu_ps(k, c + j)),
+                              _mm512_mul_ps(x2, _mm512_maskz_loadu_ps(k, s + j)));
+    __m512 y2 = _mm512_add_ps(_mm512_mul_ps(x2, _mm512_maskz_loadu_ps(k, c + half + j)),
+                              _mm512_mul_ps(x1, _mm512_maskz_loadu_ps(k, s + half + j)));
+    if (scaled) y1 = _mm512_mul_ps(y1, by), y2 = _mm512_mul_ps(y2, by);
+    _mm512_mask_storeu_ps(x + j, k, y1);
+    _mm512_mask_storeu_ps(x + half + j, k, y2);
+  }
+  if (!scaled) return;
+  for (int64_t j = 2 * half; j < dh; j += 16) {  // the features a partial rotary passes through
+    const __mmask16 k = tserve::first_lanes(dh - j);
+    _mm512_mask_storeu_ps(x + j, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + j), by));
+  }
+}
+
+AVX512 void mul_row(float* y, const float* x, int64_t n) {
+  for (int64_t c = 0; c < n; c += 16) {
+    const __mmask16 k = tserve::first_lanes(n - c);
+    _mm512_mask_storeu_ps(y + c, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, y + c), _mm512_maskz_loadu_ps(k, x + c)));
   }
 }
 
@@ -129,6 +176,69 @@ torch::Tensor rows_layer_norm(const torch::Tensor& x, const torch::Tensor& weigh
   float* out = y.data_ptr<float>();
   over_rows(x.numel() / d, d, [&](int64_t r) { layer_norm_row(in + r * d, w, b, out + r * d, d, static_cast<float>(eps)); });
   return y;
+}
+
+// RMSNorm over the last dim of x with its weight (model.layers.RMSNorm; `offset`: scaled by 1 + weight, Gemma's).
+torch::Tensor rows_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, bool offset) {
+  const int64_t d = x.size(-1);
+  if (!fits(x) || !fits(weight) || weight.numel() != d || d == 0) {
+    auto h = x * at::rsqrt(x.pow(2).mean(-1, true) + eps);
+    return offset ? h * (1.0 + weight) : weight * h;
+  }
+  auto y = at::empty_like(x);
+  const float* w = weight.data_ptr<float>();
+  const float* in = x.data_ptr<float>();
+  float* out = y.data_ptr<float>();
+  over_rows(x.numel() / d, d,
+            [&](int64_t r) { rms_norm_row(in + r * d, w, out + r * d, d, static_cast<float>(eps), offset); });
+  return y;
+}
+
+// x (B, H, t, Dh) with unit stride along Dh (a view of a fresh projection) normalized in place over each head's Dh
+// features: the q/k norms of Qwen3 and Gemma 3 (model.layers.RMSNorm of width Dh; `offset`: by 1 + weight).
+void rows_head_rms_norm_(const torch::Tensor& x, const torch::Tensor& weight, double eps, bool offset) {
+  TORCH_CHECK(has_avx512() && x.dim() == 4 && x.scalar_type() == at::kFloat && x.device().is_cpu() && x.stride(3) == 1,
+              "head norm: x must be a float32 CPU (B, H, t, Dh) tensor with unit stride along Dh");
+  TORCH_CHECK(fits(weight) && weight.numel() == x.size(3), "head norm: the weight must be float32 (Dh,)");
+  const int64_t heads = x.size(1), t = x.size(2), dh = x.size(3);
+  float* data = x.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  over_rows(x.size(0) * heads * t, dh, [&](int64_t i) {
+    float* row = data + i / (heads * t) * x.stride(0) + i / t % heads * x.stride(1) + i % t * x.stride(2);
+    rms_norm_row(row, w, row, dh, static_cast<float>(eps), offset);  // in place: each lane read before written
+  });
+}
+
+// y *= x in place (y freshly computed by the caller, same shape as x: a gated FFN's act(fc1 x) * up(x)); returns y.
+torch::Tensor rows_mul_(torch::Tensor y, const torch::Tensor& x) {
+  if (!fits(y) || !fits(x) || y.sizes() != x.sizes()) return y * x;
+  const int64_t n = y.size(-1);
+  float* out = y.data_ptr<float>();
+  const float* in = x.data_ptr<float>();
+  over_rows(n ? y.numel() / n : 0, n, [&](int64_t r) { mul_row(out + r * n, in + r * n, n); });
+  return y;
+}
+
+// x (B, H, t, Dh) with unit stride along Dh (a view of a fresh projection), rotated in place at its rows'
+// positions: cos and sin (B or 1, t, R) contiguous float32, R even and at most Dh; the first R features of each
+// head rotate, the rest pass through; then every feature is multiplied by `scale` unless it is 1.
+void rows_rotate_(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, double scale) {
+  TORCH_CHECK(has_avx512() && x.dim() == 4 && x.scalar_type() == at::kFloat && x.device().is_cpu() && x.stride(3) == 1,
+              "rotate: x must be a float32 CPU (B, H, t, Dh) tensor with unit stride along Dh");
+  TORCH_CHECK(cos.dim() == 3 && cos.sizes() == sin.sizes() && (cos.size(0) == 1 || cos.size(0) == x.size(0)) &&
+              cos.size(1) == x.size(2) && cos.size(2) % 2 == 0 && cos.size(2) <= x.size(3) &&
+              cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+              sin.is_contiguous() && cos.device().is_cpu() && sin.device().is_cpu(),
+              "rotate: cos and sin must be contiguous float32 (B or 1, t, R), R even, R <= Dh");
+  const int64_t heads = x.size(1), t = x.size(2), r = cos.size(2), per_row = cos.size(0) == 1 ? 0 : t * r;
+  float* data = x.data_ptr<float>();
+  const float *c = cos.data_ptr<float>(), *s = sin.data_ptr<float>();
+  const bool scaled = scale != 1.0;
+  over_rows(x.size(0) * heads * t, r, [&](int64_t i) {
+    const int64_t b = i / (heads * t), h = i / t % heads, j = i % t, row = b * per_row + j * r;
+    rotate_row(data + b * x.stride(0) + h * x.stride(1) + j * x.stride(2), c + row, s + row, r / 2, x.size(3), scaled,
+               static_cast<float>(scale));
+  });
 }
 
 // h = activation(h) in place (h freshly computed by the caller); returns h.

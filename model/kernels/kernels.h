@@ -32,15 +32,21 @@ void set_panel_tuning(const PanelTuning& chosen);
 PanelTuning panel_tuning();
 std::tuple<torch::Tensor, torch::Tensor> greedy_pick(const torch::Tensor& logits, const std::vector<int64_t>& banned);
 torch::Tensor rows_layer_norm(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias, double eps);
+torch::Tensor rows_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, bool offset = false);
 
 // The native decoding step's contract with model/fast_step.py: bindings.cpp exports these enums by name
 // (kernels.Activation, kernels.Slot, kernels.Norm), so Python never restates their values.
 enum Activation : int64_t { kRelu, kGelu, kGeluTanh, kSilu };  // FeedForward's activations, by config name
-enum Slot : int64_t { kQ, kK, kV, kOut, kCrossQ, kCrossOut, kFc1, kFc2, kQkv, kSlots };  // a layer's projections
-enum Norm : int64_t { kSelfAttnNorm, kCrossAttnNorm, kFfnNorm, kNorms };  // a layer's LayerNorms
+// a layer's projections; kUp: a gated FFN's second input projection, fc2(act(fc1 x) * up(x))
+enum Slot : int64_t { kQ, kK, kV, kOut, kCrossQ, kCrossOut, kFc1, kFc2, kQkv, kUp, kSlots };
+// a layer's norms: before each sub-layer, after it (sandwich norms, Gemma 3), and of each head of q and k (Qwen3)
+enum Norm : int64_t { kSelfAttnNorm, kCrossAttnNorm, kFfnNorm, kSelfAttnPostNorm, kFfnPostNorm, kQNorm, kKNorm, kNorms };
 
 torch::Tensor rows_activate_(torch::Tensor h, Activation activation);
 torch::Tensor rows_add_(torch::Tensor y, const torch::Tensor& x);
+torch::Tensor rows_mul_(torch::Tensor y, const torch::Tensor& x);
+void rows_rotate_(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, double scale = 1.0);
+void rows_head_rms_norm_(const torch::Tensor& x, const torch::Tensor& weight, double eps, bool offset);
 void rows_cache_write(const torch::Tensor& cache, int64_t position, const torch::Tensor& src);
 bool rows_copy_windows(const std::vector<torch::Tensor>& buffers, const std::vector<int64_t>& targets,
                        const std::vector<int64_t>& sources, int64_t start, int64_t end);
@@ -55,7 +61,7 @@ using Tensors = std::vector<torch::Tensor>;
 constexpr int64_t kMaxStepTokens = 16;
 
 struct StepCache {
-  Tensors keys, values;              // per layer: the cache buffers (B, H, capacity, Dh)
+  Tensors keys, values;              // per layer: the cache buffers (B, H_kv, capacity, Dh)
   Tensors cross_keys, cross_values;  // per layer: cross-attention's (B, H, S, Dh); empty without it
   int64_t start;                     // the position every row writes at (uniform rows)
   int64_t visible;                   // keys visible after the write
@@ -64,12 +70,19 @@ struct StepCache {
   int64_t group;                     // rows repeat their source in runs of `group` (beams)
   Tensors prefix_blocks;             // a shared prefix's blocks and block table (decode_attention.cpp); empty: none
   c10::optional<torch::Tensor> prefix_table;
+  Tensors rotary_cos, rotary_sin;    // per rotary kind (DecoderStack::rotary): (B|1, t, R) at this step's positions
+  c10::optional<torch::Tensor> window_mask;  // the self-attention mask of sliding-window layers (None: every key)
 };
 
 // A decoder stack's weights as the native step reads them, bound once per decode plan. projections: per layer
 // kSlots lists, {weight, bias} float32 or {packed, scales, sums, bias} int8 (an empty bias when absent), {} for
-// a projection the layer has not (kQkv non-empty: the fused q/k/v projection is in use instead of kQ/kK/kV);
-// norms: per layer kNorms lists {weight, bias}, {} without cross-attention; eps: per layer kNorms.
+// a projection the layer has not (kQkv non-empty: the fused q/k/v projection, q then k then v, is in use instead
+// of kQ/kK/kV; kUp non-empty: a gated FFN); norms: per layer kNorms lists, {weight, bias} a LayerNorm, {weight} an
+// RMSNorm, {} where the layer has none (cross-attention, post norms, q/k norms); eps: per layer kNorms. kv_heads:
+// K/V heads (grouped-query attention, 0: as heads); head_dim: 0 for d_model / heads; rotary: per layer, which of
+// StepCache's cos/sin rotate its q and k at each row's positions (empty: no rotary positions); windowed: per layer,
+// whether it attends under StepCache's window_mask (empty: none does); norm_offset: the RMSNorms scale by
+// (1 + weight) (Gemma); query_scale: q multiplied by it after rotation (a scale of q.k other than 1/sqrt(Dh)).
 struct DecoderStack {
   std::vector<Tensors> projections;
   std::vector<Tensors> norms;
@@ -77,9 +90,16 @@ struct DecoderStack {
   int64_t heads;
   bool pre_norm;
   Activation activation;
+  int64_t kv_heads, head_dim;
+  std::vector<int64_t> rotary;
+  std::vector<bool> windowed;
+  bool norm_offset;
+  double query_scale;
 
   DecoderStack(std::vector<Tensors> projections, std::vector<Tensors> norms, std::vector<double> eps, int64_t heads,
-               bool pre_norm, Activation activation);
+               bool pre_norm, Activation activation, int64_t kv_heads = 0, int64_t head_dim = 0,
+               std::vector<int64_t> rotary = {}, std::vector<bool> windowed = {}, bool norm_offset = false,
+               double query_scale = 1.0);
   int64_t layers() const { return static_cast<int64_t>(eps.size()) / kNorms; }
   // x (B, 1, D) -> the stack's output before any final norm. deltas: none, or one list of LoRA deltas per
   // projection (empty where it adds none); panels: none, or one per projection (empty where it has none:

@@ -132,10 +132,17 @@ PanelTuning panel_tuning() { return tuning; }
 torch::Tensor pack_weight(const torch::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
               "pack_weight: weight must be a 2-D float32 CPU tensor");
-  const int64_t n = weight.size(0), k = weight.size(1), panels = panels_for(n);
-  torch::Tensor padded = at::zeros({panels * kPanel, k}, weight.options());
-  padded.narrow(0, 0, n).copy_(weight.detach());
-  return padded.view({panels, kPanel, k}).transpose(1, 2).contiguous();
+  const int64_t n = weight.size(0), k = weight.size(1), panels = panels_for(n), full = n / kPanel;
+  // Copied into place: the packed copy is the one allocation (a padded copy beside it doubled the peak).
+  const torch::Tensor w = weight.detach();
+  torch::Tensor packed = at::empty({panels, k, kPanel}, weight.options());
+  packed.narrow(0, 0, full).transpose(1, 2).copy_(w.narrow(0, 0, full * kPanel).reshape({full, kPanel, k}));
+  if (full < panels) {  // the last panel's columns past N are zero
+    torch::Tensor last = packed.select(0, full);
+    last.zero_();
+    last.transpose(0, 1).narrow(0, 0, n - full * kPanel).copy_(w.narrow(0, full * kPanel, n - full * kPanel));
+  }
+  return packed;
 }
 
 // x (..., K) float32; packed from pack_weight of an (N, K) weight; bias (N,) or None -> (..., N).

@@ -6,7 +6,6 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from pathlib import Path
 
 from fastapi import FastAPI
 from starlette.types import Scope
@@ -25,6 +24,7 @@ from service.api.routes.adapters import is_upload
 from service.engine import tracing
 from service.engine.engine import Engine
 from service.engine.vllm_metrics import VllmCompatCollector
+from service.model_sources import model_sources
 from service.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -54,7 +54,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     if engine is None:
         if settings.models is None:
             raise ValueError("settings.models (TSERVE_MODELS / --models) is required")
-        engine = Engine(settings.engine_settings(), Path(settings.models), settings.adapters)
+        sources = model_sources(settings.models)
+        engine = Engine(settings.engine_settings(), sources.directory, settings.adapters, sources.snapshots)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

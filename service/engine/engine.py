@@ -1,6 +1,6 @@
 """The serving engine: every model under the models directory loaded into a ``ModelWorker`` (service/engine/worker.py),
-served under its directory name; start-up, lookup, loading and unloading at run time, and draining. Torch only, no
-HTTP."""
+served under its directory name, and the named ones (Hugging Face cache snapshots, service/model_sources.py);
+start-up, lookup, loading and unloading at run time, and draining. Torch only, no HTTP."""
 
 from __future__ import annotations
 
@@ -43,11 +43,14 @@ class NoModelsLoaded(RuntimeError):
 
 
 class Engine:
-    """Every model under ``models_dir``, served under its directory name."""
+    """Every model under ``models_dir``, served under its directory name, and each of ``named`` (served name ->
+    model directory) under its name."""
 
-    def __init__(self, settings: EngineSettings, models_dir: Path, adapters_dir: Path | None) -> None:
+    def __init__(self, settings: EngineSettings, models_dir: Path | None, adapters_dir: Path | None,
+                 named: dict[str, Path] | None = None) -> None:
         self.settings = settings
-        self.models_dir = Path(models_dir)
+        self.models_dir = Path(models_dir) if models_dir is not None else None
+        self.named = dict(named or {})
         self.adapters_dir = Path(adapters_dir) if adapters_dir is not None else None
         self.metrics = Metrics()
         self.ready = False
@@ -62,13 +65,7 @@ class Engine:
         missing, holds no model directories, or every one failed): a server with nothing to serve never reports
         ready.
         """
-        if not self.models_dir.is_dir():
-            raise NoModelsLoaded(f"models directory {self.models_dir} not found")
-        dirs = sorted(p for p in self.models_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
-        # A checkpoint whose save was killed between its two renames is only at .<name>.old: load_checkpoint
-        # reads it from there, so list it under its name.
-        interrupted = [self.models_dir / p.name[1:-4] for p in self.models_dir.glob(".?*.old") if p.is_dir()]
-        dirs = sorted({*dirs, *(d for d in interrupted if not d.exists())})
+        dirs = {**self._listed(), **self.named}
         if not dirs:
             raise NoModelsLoaded(f"models directory {self.models_dir} holds no model directories")
         threads = worker_threads(self.settings.threads, len(dirs))
@@ -76,16 +73,34 @@ class Engine:
             logger.warning("%d model workers x %d intra-op threads exceed the %d CPU cores: every parallel region "
                            "will wait for a sleeping thread (engine/threads.py); leave TSERVE_THREADS unset to share "
                            "the cores", len(dirs), threads, available_cores())
-        for directory in dirs:
+        for name, directory in sorted(dirs.items()):
             try:
-                self._workers[directory.name] = await self._open(directory.name, directory, threads)
+                self._workers[name] = await self._open(name, directory, threads)
             except Exception as exc:
-                logger.exception("model %r (%s) failed to load; skipped", directory.name, directory)
-                self.load_errors[directory.name] = self._public(f"{type(exc).__name__}: {exc}")
+                logger.exception("model %r (%s) failed to load; skipped", name, directory)
+                self.load_errors[name] = self._public(f"{type(exc).__name__}: {exc}")
         if not self._workers:
             reasons = "".join(f"\n  {name}: {error}" for name, error in self.load_errors.items())
-            raise NoModelsLoaded(f"no model in {self.models_dir} loaded:{reasons}")
+            raise NoModelsLoaded(f"no model in {self.models_dir or 'the Hugging Face cache'} loaded:{reasons}")
         self.ready = True
+
+    def _listed(self) -> dict[str, Path]:
+        """The model directories under the models directory, by name (none without one); NoModelsLoaded when it
+        is missing or one of its names is also a named model's."""
+        if self.models_dir is None:
+            return {}
+        if not self.models_dir.is_dir():
+            raise NoModelsLoaded(f"models directory {self.models_dir} not found")
+        dirs = [p for p in self.models_dir.iterdir() if p.is_dir() and not p.name.startswith(".")]
+        # A checkpoint whose save was killed between its two renames is only at .<name>.old: load_checkpoint
+        # reads it from there, so list it under its name.
+        interrupted = [self.models_dir / p.name[1:-4] for p in self.models_dir.glob(".?*.old") if p.is_dir()]
+        listed = {d.name: d for d in (*dirs, *(d for d in interrupted if not d.exists()))}
+        twice = sorted(set(listed) & set(self.named))
+        if twice:
+            raise NoModelsLoaded(f"model {twice[0]!r} is both a directory of {self.models_dir} and "
+                                 f"{self.named[twice[0]]}: serve the repo under another name (--models NAME=ORG/REPO)")
+        return listed
 
     async def _open(self, name: str, directory: Path, threads: int) -> ModelWorker:
         """Model ``name`` loaded from ``directory`` (within model_load_timeout_s), its worker started (``threads``
@@ -122,19 +137,24 @@ class Engine:
         draft_name = draft_model_for(self.settings.draft_model, name, checkpoint.family)
         if draft_name is None:
             return None
-        if not (self.models_dir / draft_name).is_dir():
+        directory = self.named.get(draft_name) or (self.models_dir / draft_name if self.models_dir else None)
+        if directory is None or not directory.is_dir():
             raise ConfigError("draft_model", f"draft model {draft_name!r} for {name!r} is not a model directory")
-        draft = load_checkpoint(self.models_dir / draft_name, self.settings.device, self.settings.dtype)
+        draft = load_checkpoint(directory, self.settings.device, self.settings.dtype)
         prepare_for_inference(draft.model, mode_for(self.settings.quantize, draft_name))
         check_draft_model(checkpoint.model, checkpoint.tokenizer.backend.get_vocab(), draft.model,
                           draft.tokenizer.backend.get_vocab())
         return draft
 
     def _public(self, message: str) -> str:
-        """``message`` with the models directory's paths made relative to it (no server paths in answers)."""
-        roots = {str(self.models_dir), os.path.abspath(self.models_dir), os.path.realpath(self.models_dir)}
+        """``message`` with the models directory's paths made relative to it, and a named model's directory
+        replaced by its name (no server paths in answers)."""
+        roots = {os.path.join(d, ""): os.path.join(n, "") for n, d in self.named.items()}
+        if self.models_dir is not None:
+            roots.update({os.path.join(r, ""): "" for r in (self.models_dir, os.path.abspath(self.models_dir),
+                                                           os.path.realpath(self.models_dir))})
         for root in sorted(roots, key=len, reverse=True):
-            message = message.replace(f"{root}{os.sep}", "")
+            message = message.replace(root, roots[root])
         return message
 
     def get(self, model: str) -> ModelWorker:
@@ -156,6 +176,8 @@ class Engine:
         directory itself may be a link, as the start-up listing follows the models directory's entries)."""
         relative = PurePosixPath(path) if isinstance(path, str) and "\x00" not in path else PurePosixPath("/")
         parts = relative.parts
+        if self.models_dir is None:
+            raise InvalidRequest("path", "no models directory is configured (--models names only repo ids)")
         if not parts or relative.is_absolute() or any(part.startswith(".") for part in parts):
             raise InvalidRequest("path", f"{quote(path)} is not a directory name relative to the models directory "
                                          "(no absolute path, no hidden or '..' part)")

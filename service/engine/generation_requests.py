@@ -17,7 +17,7 @@ from model.placeholders import Protected, protect, sentinels_for
 from model.speculative import SpeculativeConfig
 from service.engine.errors import InvalidRequest
 from service.engine.inputs import InputChecks
-from service.engine.jobs import GenerationJob, StreamText, continuation
+from service.engine.jobs import GenerationJob, StreamText
 from service.engine.limits import check_cost
 from service.engine.requests import DECODING_FIELDS, DEFAULTS, GenerationRequest
 from service.engine.runners import GenerationRunner
@@ -133,8 +133,8 @@ class GenerationPlanner:
         stops = [s for s in req.stop if s]
         text_stream = None
         if stream:
-            text_stream = StreamText(continuation(self.checkpoint.tokenizer.decode, targets[0] if targets else []),
-                                     stops, protected[0] if protected else None)
+            text_stream = StreamText.of(self.checkpoint.tokenizer, stops, protected[0] if protected else None,
+                                        targets[0] if targets else [])
         return GenerationJob(request_id, self.settings.request_timeout_s, prompts, config, stops,
                              stream=text_stream, targets=targets,
                              speculative=speculative, constraint=constraint, protected=protected,

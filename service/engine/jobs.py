@@ -12,11 +12,12 @@ import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from model.constraints import CompiledConstraint, RowMatchers
 from model.decoding import GenerationConfig
+from model.detokenize import IncrementalDecoder
 from model.generation import trim_stop
 from model.placeholders import Protected
 from model.search import Hypothesis
@@ -196,34 +197,62 @@ class GenerationJob(Job):
 class StreamText:
     """Incremental text of one streamed sequence: never emits what a later token could still change.
 
-    Held back: a trailing partial UTF-8 character ("\\ufffd") and any suffix that could be the start
-    of a stop string; with protected placeholders, the last word and the space before it (a placeholder the
-    model invented there is dropped with its space). Everything emitted is a prefix of the final, stop-trimmed
-    (and placeholder-restored) text.
+    Its tokens' text comes from model.detokenize: each token decodes a short window of recent tokens, never the
+    whole sequence, and incomplete characters and byte-fallback runs wait. Held back besides: any suffix that
+    could be the start of a stop string; with protected placeholders, the last word and the space before it (a
+    placeholder the model invented there is dropped with its space). Everything emitted is a prefix of the final,
+    stop-trimmed (and placeholder-restored) text. Cost per token: the window's decode plus the longest stop
+    string; with protected placeholders (seq2seq outputs, a sentence long) the text so far, which restore reads
+    whole. ``prefix``: the tokens the sequence continues (a target prefix), whose text is not the stream's.
     """
 
-    def __init__(self, decode: Callable[[Sequence[int]], str], stops: list[str],
-                 protected: Protected | None = None) -> None:
-        self.decode = decode
+    def __init__(self, decode: Callable[[Sequence[int]], str], stops: list[str], protected: Protected | None = None,
+                 prefix: Sequence[int] = (), held: Collection[int] = ()) -> None:
+        self.decode = continuation(decode, prefix)  # a finished sequence's text (and its tokens', for logprobs)
         self.stops = [s for s in stops if s]
         self.protected = protected  # the input's placeholders: restored as they come, repaired at the end
         self.tokens: list[int] = []
-        self.emitted = ""
+        self._pieces = IncrementalDecoder(decode, prefix, held)
+        self._keep = max(map(len, self.stops), default=1) - 1  # emitted characters a stop string may start in
+        self._text: list[str] = []  # the whole text, for placeholders only
+        self._tail = ""  # the last ``_keep`` characters emitted
+        self._pending = ""  # the text after them, not emitted yet
+        self._emitted: list[str] = []
+
+    @classmethod
+    def of(cls, tokenizer: Any, stops: list[str], protected: Protected | None = None,
+           prefix: Sequence[int] = ()) -> StreamText:
+        """The stream of ``tokenizer``'s text (a Tokenizer says which tokens wait: OPUS-MT's target side has none)."""
+        return cls(tokenizer.decode, stops, protected, prefix, getattr(tokenizer, "held_ids", ()))
 
     def feed(self, token: int, logprobs: list[TokenLogprob] | None = None) -> StreamEvent:
         self.tokens.append(token)
-        text = trim_stop(self.decode(self.tokens), self.stops)
-        safe = text[: _safe_length(text, self.stops)]
+        piece = self._pieces.push(token)
+        return StreamEvent(text=self._advance(piece) if piece else "", token=token, logprobs=logprobs)
+
+    def _advance(self, piece: str) -> str:
+        """What can be emitted once ``piece`` joins the text."""
         if self.protected is not None:  # restored up to its last space (a placeholder ends there), which waits too
+            self._text.append(piece)
+            text = trim_stop("".join(self._text), self.stops)
+            safe = text[: _safe_length(text, self.stops)]
             safe = self.protected.restore(safe[: safe.rfind(" ") + 1], repair=False).text.rstrip(" ")
-        delta = safe[len(self.emitted):] if safe.startswith(self.emitted) else ""
-        self.emitted += delta
-        return StreamEvent(text=delta, token=token, logprobs=logprobs)
+            emitted = "".join(self._emitted)
+            delta = safe[len(emitted):] if safe.startswith(emitted) else ""
+        else:  # a stop string starts after what was emitted, or in its last _keep characters
+            self._pending += piece
+            visible = trim_stop(self._tail + self._pending, self.stops)
+            delta = visible[len(self._tail): _safe_length(visible, self.stops)]
+            self._pending = self._pending[len(delta):]
+            self._tail = (self._tail + delta)[-self._keep:] if self._keep else ""
+        self._emitted.append(delta)
+        return delta
 
     def finish(self, hyp: Hypothesis) -> StreamEvent:
         text, placeholders_ok = self.final_text(hyp.tokens)
-        delta = text[len(self.emitted):] if text.startswith(self.emitted) else ""
-        self.emitted += delta
+        emitted = "".join(self._emitted)
+        delta = text[len(emitted):] if text.startswith(emitted) else ""
+        self._emitted.append(delta)
         # A sequence ended by length or stop_fn keeps its last token, which no event carried yet.
         token = hyp.tokens[-1] if len(hyp.tokens) > len(self.tokens) else None
         logprobs = token_logprobs(hyp, self.decode)

@@ -25,7 +25,7 @@ from model.decoding import GenerationConfig
 from model.generation import prompt_logprobs
 from model.hf.sentence import EmbeddingDefaults
 from model.lora import adapter_parameter_count, use_adapters
-from model.prefix_cache import PrefixCache
+from model.prefix_cache import PrefixCache, prefix_cache_serves
 from model.speculative import speculative_for
 from service.engine import adapter_store, tracing
 from service.engine.adapters import AdapterRegistry, check_name
@@ -73,9 +73,8 @@ class ModelWorker:
                                         checkpoint.adapter_layout)
         self.runner = None  # generative families only
         if self.family in RUNNERS:
-            # the prefix cache's blocks and kernel hold n_heads K/V at learned positions: Llama-style blocks decline it
             prefix_cache = (PrefixCache(settings.prefix_cache_bytes)
-                            if settings.prefix_cache_bytes > 0 and not self.config.extended else None)
+                            if settings.prefix_cache_bytes > 0 and prefix_cache_serves(self.config) else None)
             self.runner = RUNNERS[self.family](self.model, prefix_cache, draft.model if draft is not None else None,
                                                checkpoint_vocabulary_map(checkpoint))
         draft_name = draft.path.name if draft is not None and draft.path is not None else None

@@ -9,7 +9,9 @@ Tolerances are relative to the largest magnitude of the reference (logits, embed
 ``dtype`` may differ from a float64 CPU reference, or from the same value computed another way in the same
 dtype (cached vs uncached, batched vs alone, merged vs unmerged), by ``TOLERANCE[dtype]`` times that magnitude.
 Greedy/beam tokens are identical in float32; in bfloat16/float16 two searches may part only where the
-two tokens' logits are within that tolerance of each other (a tie at the dtype's precision).
+two tokens' logits are within that tolerance of each other (a tie at the dtype's precision). The random Hugging Face
+models of the Llama family round more than these tiny models do: their checks measure their tolerance in the test
+(:func:`measured_tolerance`) and hold both rules to it.
 """
 
 from __future__ import annotations
@@ -79,6 +81,12 @@ def targets(*dtypes: torch.dtype) -> list:
                                                          for t in cuda]
 
 
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want|, in float64 on the CPU."""
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
 def assert_close(got: torch.Tensor, want: torch.Tensor, tol: float, what: str = "values") -> None:
     """|got - want| <= tol * max |want|, compared in float64 on the CPU."""
     got, want = got.detach().double().cpu(), want.detach().double().cpu()
@@ -86,6 +94,15 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, tol: float, what: str = 
     scale = want.abs().max().item()
     error = (got - want).abs().max().item()
     assert error <= tol * scale, f"{what}: max error {error:.3g} over {tol:g} x max |reference| {scale:.3g}"
+
+
+def measured_tolerance(target: Target, reference: torch.Tensor, exact: torch.Tensor) -> float:
+    """The tolerance of a model whose rounding grows more than the tiny ones' (a random Hugging Face model: weights
+    of std 0.3, more norms; Gemma 3's bfloat16 logits 15% of the largest one off on the CPU): twice the relative
+    error of a reference computation on the target (``reference``: transformers', or our offline model's) against
+    the same computation in float32 on the CPU (``exact``), measured in the same test; at least the dtype's
+    TOLERANCE."""
+    return max(target.tol, 2 * relative_error(reference, exact))
 
 
 def first_difference(a: Sequence[int], b: Sequence[int], eos: int) -> tuple[int, int, int] | None:
@@ -101,11 +118,12 @@ def first_difference(a: Sequence[int], b: Sequence[int], eos: int) -> tuple[int,
 LogitsAt = Callable[[list[int]], torch.Tensor]  # generated prefix -> the next token's logits (V,)
 
 
-def assert_same_tokens(target: Target, got: Sequence[int], want: Sequence[int], eos: int, logits_at: LogitsAt) -> None:
+def assert_same_tokens(target: Target, got: Sequence[int], want: Sequence[int], eos: int, logits_at: LogitsAt,
+                       tol: float | None = None) -> None:
     """Identical tokens in float32; in lower precision, identical up to a step where the two choices tie.
 
     ``logits_at(prefix)`` recomputes that step's logits (the tie is judged on them): the sequences may part
-    only where the two tokens' logits are within the dtype's tolerance of each other.
+    only where the two tokens' logits are within the dtype's tolerance (or ``tol``) of each other.
     """
     if target.exact:
         assert list(got) == list(want)
@@ -116,9 +134,10 @@ def assert_same_tokens(target: Target, got: Sequence[int], want: Sequence[int], 
     step, x, y = diff
     logits = logits_at(list(want[:step])).double().cpu()
     gap, scale = abs(logits[x] - logits[y]).item(), logits.abs().max().item()
-    assert gap <= target.tol * scale, (
+    tol = target.tol if tol is None else tol
+    assert gap <= tol * scale, (
         f"tokens part at step {step} ({x} vs {y}) though their logits differ by {gap:.3g}, "
-        f"over {target.tol:g} x {scale:.3g}: {list(got)} vs {list(want)}"
+        f"over {tol:g} x {scale:.3g}: {list(got)} vs {list(want)}"
     )
 
 

@@ -1,9 +1,11 @@
 """The service end to end on each target: a real ``python -m service`` (uvicorn on 127.0.0.1) told TSERVE_DEVICE and
-TSERVE_DTYPE: generate, beam, stream, classify, embed, and an adapter uploaded while it runs.
+TSERVE_DTYPE: generate, beam, stream, classify, embed, and an adapter uploaded while it runs; beside our checkpoints,
+a Hugging Face Llama directory (tests/hf_directories.llama_directory) and a PEFT adapter uploaded to it.
 
 In float32 its greedy and beam outputs are the CPU's own (``offline``, float32 on the CPU); in lower precision
 the outputs are checked for form and for agreeing with themselves (streamed and not, uploaded adapter and the
-same files loaded from the adapter directory).
+same files loaded from the adapter directory). The Llama's greedy tokens are those of our offline decoding on the
+target, with and without the adapter (lower precision: parting only at a tie).
 """
 
 from __future__ import annotations
@@ -14,12 +16,24 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.cuda.conftest import Target, targets
+from model.checkpoint import load_checkpoint
+from model.generation import GenerationConfig, generate_causal
+from model.lora import use_adapters
+from model.lora_io import load_adapter
+from service.local_server import adapter_archive
+from tests.cuda.conftest import Target, assert_same_tokens, causal_logits_at, measured_tolerance, targets
 from tests.helpers import archive, assert_same_outputs, generate
+from tests.hf_compare import peft_adapter
+from tests.hf_directories import llama_directory
 from tests.service.conftest import ADAPTERS, CLS, LABELS, LM, MT, TEXTS, offline
 from tests.service.fixtures import PROMPTS
 from tests.service.server import running_server, sse_data
+
+transformers = pytest.importorskip("transformers")
+
+LLAMA, LLAMA_ADAPTER = "llama-hf", "peft-a"  # a Hugging Face directory served beside ours, a PEFT adapter on it
 
 
 @pytest.fixture(scope="module", params=targets())
@@ -28,10 +42,19 @@ def target(request) -> Target:
 
 
 @pytest.fixture(scope="module")
-def server(target: Target, models_dir: Path, adapters_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+def served_models(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Our checkpoints and the Llama directory, the models of the servers of every target."""
+    models = tmp_path_factory.mktemp("served") / "models"
+    shutil.copytree(models_dir, models)
+    llama_directory(models / LLAMA)
+    return models
+
+
+@pytest.fixture(scope="module")
+def server(target: Target, served_models: Path, adapters_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     adapters = tmp_path_factory.mktemp(f"service-{target}") / "adapters"
     shutil.copytree(adapters_dir, adapters)  # uploads land here, not in the shared fixture
-    with running_server(models_dir, adapters, TSERVE_DEVICE=target.device, TSERVE_DTYPE=target.dtype_name) as s:
+    with running_server(served_models, adapters, TSERVE_DEVICE=target.device, TSERVE_DTYPE=target.dtype_name) as s:
         yield s
 
 
@@ -75,7 +98,7 @@ def test_generate_greedy_and_beam(client, target, models_dir, model):
                                                         num_beams=3, num_return_sequences=2))
 
 
-@pytest.mark.parametrize("model", [LM, MT])
+@pytest.mark.parametrize("model", [LM, MT, LLAMA])
 def test_stream_equals_non_stream(client, model):
     body = dict(inputs=[PROMPTS[1]], max_new_tokens=10)
     whole = generate(client, model, **body)["outputs"][0]
@@ -85,6 +108,44 @@ def test_stream_equals_non_stream(client, model):
     assert events[-1] == "[DONE]"
     assert "".join(e["text"] for e in events[:-1]) == whole["text"]
     assert [e["token"] for e in events[:-1] if e["token"] is not None] == whole["tokens"]
+
+
+def test_a_hugging_face_llama_is_served_with_offline_greedy_tokens(client, target, served_models, tmp_path):
+    """Each prompt's greedy tokens (and text) with and without a PEFT adapter uploaded while the server runs: those
+    of our offline decoding of it alone on the target, the adapter loaded into the model there."""
+    pytest.importorskip("peft")
+    directory = served_models / LLAMA
+    # seed 2: at every greedy step here the two best logits are at least 0.9% of the largest apart (float32, CPU),
+    # far beyond float32's differences between devices and batch shapes: a float32 parting is a fault, not a tie
+    files = peft_adapter(transformers.AutoModelForCausalLM.from_pretrained(directory), tmp_path / "adapter", seed=2,
+                         r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                            "up_proj", "down_proj"])
+    r = client.put(f"/v1/models/{LLAMA}/adapters/{LLAMA_ADAPTER}", content=adapter_archive(files),
+                   headers={"Content-Type": "application/gzip"})
+    assert r.status_code == 200, r.text
+    ckpt = load_checkpoint(directory, device=target.device, dtype=target.dtype)
+    load_adapter(ckpt.model, files, LLAMA_ADAPTER, layout=ckpt.adapter_layout)
+    exact = load_checkpoint(directory, device="cpu", dtype=torch.float32).model
+    load_adapter(exact, files, LLAMA_ADAPTER, layout=ckpt.adapter_layout)
+    texts = PROMPTS[:4]
+    prompts = ckpt.encode_prompts(texts)
+    row = target.tensor([sum(prompts, [])])
+    config = GenerationConfig(max_new_tokens=8, eos_token_id=ckpt.config.eos_id)
+    served_tokens = {}
+    for adapter in (None, LLAMA_ADAPTER):
+        with torch.inference_mode(), use_adapters(ckpt.model, adapter), use_adapters(exact, adapter):
+            tol = measured_tolerance(target, ckpt.model(row), exact(row.cpu()))  # this model's own rounding
+        body = {"adapter": adapter} if adapter else {}
+        outputs = generate(client, LLAMA, inputs=texts, max_new_tokens=8, **body)["outputs"]
+        for prompt, out in zip(prompts, outputs, strict=True):
+            want = generate_causal(ckpt.model, [prompt], config, adapters=adapter)[0][0].tokens
+            with use_adapters(ckpt.model, adapter):
+                logits_at = causal_logits_at(ckpt.model, prompt)
+                assert_same_tokens(target, out["tokens"], want, ckpt.config.eos_id, logits_at, tol)
+            if target.exact:
+                assert out["text"] == ckpt.tokenizer.decode(want)
+        served_tokens[adapter] = [o["tokens"] for o in outputs]
+    assert any(served_tokens[None]) and served_tokens[None] != served_tokens[LLAMA_ADAPTER]  # real continuations
 
 
 def test_classify_and_embed(client, target):

@@ -107,7 +107,7 @@ def test_other_directories_are_refused_with_the_reason(tmp_path):
     directory = save_gpt2(tmp_path / "gpt2")
     config = json.loads((directory / "config.json").read_text())
     cases = {
-        "model_type='mistral' is not supported": {**config, "model_type": "mistral"},
+        "model_type='falcon' is not supported": {**config, "model_type": "falcon"},
         r"architectures=\['GPT2ForSequenceClassification'\] are not supported": {
             **config, "architectures": ["GPT2ForSequenceClassification"]},
     }

@@ -80,7 +80,7 @@ def served(models_dir, tmp_path_factory):
     opus_mt_directory(root / "models" / "opus-mt")
     broken = root / "models" / "broken-hf"
     broken.mkdir()
-    (broken / "config.json").write_text(json.dumps({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}))
+    (broken / "config.json").write_text(json.dumps({"model_type": "falcon", "architectures": ["FalconForCausalLM"]}))
     with running_server(root / "models", root / "adapters") as server, server.client() as client:
         yield client, gpt2, root / "adapters" / "gpt2-hf"
 
@@ -94,7 +94,7 @@ def test_an_hf_directory_is_listed_as_hf_beside_our_checkpoints(served):
                        "bert-cls": ("hf", "classifier"), "bert-embed": ("hf", "classifier"),
                        "opus-mt": ("hf", "seq2seq")}
     (failed,) = listing["failed"]
-    assert failed["name"] == "broken-hf" and "model_type='mistral' is not supported" in failed["error"]
+    assert failed["name"] == "broken-hf" and "model_type='falcon' is not supported" in failed["error"]
     # A sentence-transformers save says its own embed defaults (its Pooling and Normalize modules).
     embedding = {m["name"]: m["embedding_defaults"] for m in listing["data"]}
     assert embedding["bert-embed"] == {"pooling": "max", "normalize": True}

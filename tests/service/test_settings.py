@@ -48,7 +48,7 @@ ENV_VARS = [
 def test_precedence_default_env_flag():
     env = {"TSERVE_MODELS": "/m", "TSERVE_PORT": "9000", "TSERVE_MAX_BEAMS": "5", "TSERVE_API_KEYS": "a, b,,c"}
     s = parse_settings(["--port", "9001", "--max-wait-ms", "2.5"], env)
-    assert (s.port, s.max_beams, s.max_wait_ms, s.models) == (9001, 5, 2.5, Path("/m"))
+    assert (s.port, s.max_beams, s.max_wait_ms, s.models) == (9001, 5, 2.5, "/m")
     assert s.api_keys == ("a", "b", "c") and s.admin_keys == () and s.auth_enabled
     assert s.max_queue == Settings().max_queue and s.max_input_tokens is None and s.threads is None
     engine = s.engine_settings()

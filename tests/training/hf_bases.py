@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 from model.checkpoint import Checkpoint
 from model.tokenizer import pad_batch
+from tests.hf_compare import ATOL
 from tests.hf_directories import LABELS, bert_directory, gpt2_directory, opus_mt_directory
 
 transformers = pytest.importorskip("transformers")
@@ -92,3 +94,26 @@ CASES = {  # family -> (HF directory builder, HF model class, --targets)
     "classifier": (lambda d: bert_directory(d, head=True), "BertForSequenceClassification",
                    "q_proj,k_proj,v_proj,out_proj,fc1,fc2"),
 }
+
+
+def check_in_peft(hf: nn.Module, base: Path, adapter: Path, family: str, valid: Path,
+                  theirs: dict[str, torch.Tensor], expected: torch.Tensor) -> None:
+    """The adapter ``python -m training lora`` wrote in ``adapter`` loads on the HF model ``hf`` of ``base``:
+    PeftModel takes every tensor it holds (none missing, none left over: PEFT's own state dict is the file's) and
+    gives the logits of the model the command trained (``expected``), which differ from the base's; the base's
+    valid loss the command reported is transformers' (its data encoded as the HF tokenizer does)."""
+    peft = pytest.importorskip("peft")
+    base_loss = json.loads((adapter / "metrics.json").read_text())["base"]["valid_loss"]
+    assert base_loss == pytest.approx(hf_loss(family, base, hf, valid), abs=ATOL)
+    with torch.no_grad():
+        base_logits = hf(**theirs).logits
+    adapted = peft.PeftModel.from_pretrained(hf, adapter).eval()
+    saved = load_file(adapter / "adapter_model.safetensors")
+    loaded = peft.get_peft_model_state_dict(adapted)
+    assert sorted(loaded) == sorted(saved)
+    assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+    with torch.no_grad():
+        got = adapted(**theirs).logits
+    assert (got - expected).abs().max() < ATOL
+    assert (base_logits - expected).abs().max() > 1e-3  # the adapter changes them
+

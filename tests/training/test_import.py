@@ -78,8 +78,8 @@ def test_export_of_an_imported_checkpoint_gives_back_the_directory(imported, tmp
 
 def test_import_refuses_what_it_cannot_read_and_an_existing_output(tmp_path):
     (tmp_path / "broken").mkdir()
-    (tmp_path / "broken" / "config.json").write_text('{"model_type": "mistral"}')
-    with pytest.raises(UserError, match="model_type='mistral' is not supported"):
+    (tmp_path / "broken" / "config.json").write_text('{"model_type": "falcon"}')
+    with pytest.raises(UserError, match="model_type='falcon' is not supported"):
         run_training("import", "--from", "hf", str(tmp_path / "broken"), "--out", str(tmp_path / "out"))
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep").write_text("x")

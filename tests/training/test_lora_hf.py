@@ -25,7 +25,7 @@ from model.lora import use_adapters
 from model.lora_io import load_adapter
 from tests.hf_compare import ATOL
 from tests.training.conftest import parse_run
-from tests.training.hf_bases import CASES, LORA_LOOP, batch, hf_loss, write_data
+from tests.training.hf_bases import CASES, LORA_LOOP, batch, check_in_peft, write_data
 from training.lora_run import lora
 from training.runs import LoRARun
 
@@ -65,19 +65,7 @@ def test_a_lora_trained_on_an_hf_base_loads_in_peft_with_the_trained_logits(tmp_
         expected = trained(*ours)
 
     hf = getattr(transformers, model_class).from_pretrained(base)
-    base_loss = json.loads((out / "metrics.json").read_text())["base"]["valid_loss"]
-    assert base_loss == pytest.approx(hf_loss(family, base, hf, valid), abs=ATOL)  # data as HF encodes it
-    with torch.no_grad():
-        base_logits = hf(**theirs).logits
-    adapted = peft.PeftModel.from_pretrained(hf, out).eval()
-    saved = load_file(out / "adapter_model.safetensors")
-    loaded = peft.get_peft_model_state_dict(adapted)
-    assert sorted(loaded) == sorted(saved)  # every LoRA PEFT made has its tensors, and no tensor is left over
-    assert all(torch.equal(loaded[k], saved[k]) for k in saved)
-    with torch.no_grad():
-        got = adapted(**theirs).logits
-    assert (got - expected).abs().max() < ATOL
-    assert (base_logits - expected).abs().max() > 1e-3  # the adapter changes them
+    check_in_peft(hf, base, out, family, valid, theirs, expected)
 
     if family == "causal_lm":
         check_gpt2_config(out, base)
