@@ -32,13 +32,14 @@ class LoadConfig:
     output_tokens: tuple[int, int]  # inclusive range, uniform
     max_in_flight: int
     drain_s: float
+    system_words: int = 0  # every prompt opens with the same passage of this many words (a shared system prompt)
 
 
 @dataclass(frozen=True)
 class PlannedRequest:
     arrival_s: float  # after the start of the rate's run
     prompt: str
-    prompt_words: int
+    prompt_words: int  # drawn: the words after the system prompt, if any
     output_tokens: int
 
 
@@ -52,15 +53,21 @@ def arrival_times(rate: float, duration_s: float, rng: random.Random) -> list[fl
 
 
 def plan_requests(rate: float, config: LoadConfig, words: Sequence[str]) -> list[PlannedRequest]:
-    """The requests of one rate. Request i has the same prompt and output length at every rate (their own
-    seeded stream), and the arrivals are the same seeded unit-rate process scaled by 1 / rate."""
+    """The requests of one rate. Request i has the same prompt and output lengths at every rate (their own
+    seeded stream), and the arrivals are the same seeded unit-rate process scaled by 1 / rate. Its words are
+    drawn per rate (a stream seeded by the seed and the rate): a prompt an earlier rate sent would be found in
+    the server's prefix cache. With ``config.system_words``, every prompt is the first that many ``words`` (the
+    system prompt), a space, then its drawn words (the same draws as without it)."""
     arrivals = arrival_times(rate, config.duration_s, random.Random(f"arrivals-{config.seed}"))
     lengths = random.Random(f"lengths-{config.seed}")
+    places = random.Random(f"places-{config.seed}-{rate!r}")
+    system = " ".join(words[:config.system_words])
     planned = []
     for arrival in arrivals:
         count = lengths.randint(*config.prompt_words)
-        start = lengths.randrange(len(words) - count)
-        planned.append(PlannedRequest(arrival, " ".join(words[start:start + count]), count,
+        start = places.randrange(len(words) - count)
+        drawn = " ".join(words[start:start + count])
+        planned.append(PlannedRequest(arrival, f"{system} {drawn}" if system else drawn, count,
                                       lengths.randint(*config.output_tokens)))
     return planned
 
@@ -157,6 +164,7 @@ class RateResult:
     prompt_tokens: float | None = None  # the server's count over the rate (None: unknown)
     rows_per_call: float | None = None  # the server's mean tserve_batch_size (decode steps and prefills) over the rate
     server_cpu_s: float | None = None  # CPU time of the server process over the rate (None: unknown)
+    prefix_hit_rate: float | None = None  # prompt tokens found in the server's prefix cache / looked up (None: none)
 
     @property
     def first_error(self) -> str | None:
@@ -185,10 +193,14 @@ class RateResult:
         return not self.completed or self.shed > 0 or self.unfinished > 0 or self.ttft(99) > slo_s
 
 
-async def prompt_tokens_counted(client: httpx.AsyncClient, model: str) -> float:
-    """The server's tserve_prompt_tokens counter for ``model`` (all adapters)."""
-    samples = metric_samples((await client.get("/metrics")).text, "tserve_prompt_tokens_total")
-    return sum(value for labels, value in samples.items() if ("model", model) in labels)
+COUNTERS = ("tserve_prompt_tokens_total", "tserve_prefix_cache_hits_total", "tserve_prefix_cache_queries_total")
+
+
+async def model_counters(client: httpx.AsyncClient, model: str) -> tuple[float, ...]:
+    """The server's :data:`COUNTERS` for ``model`` (all adapters), in that order."""
+    text = (await client.get("/metrics")).text
+    return tuple(sum(value for labels, value in metric_samples(text, name).items() if ("model", model) in labels)
+                 for name in COUNTERS)
 
 
 @dataclass(frozen=True)
@@ -196,17 +208,21 @@ class ServerCounters:
     """The server's cumulative counters that a rate's result reports the increase of."""
 
     prompt_tokens: float
+    prefix: tuple[float, float]  # (hits, queries) of the prefix cache, in tokens
     batch_rows: tuple[float, float]  # (sum, count) of tserve_batch_size
     cpu_s: float | None
 
     @classmethod
     async def read(cls, client: httpx.AsyncClient, model: str, pid: int | None) -> ServerCounters:
-        return cls(await prompt_tokens_counted(client, model), await batch_sizes(client, model), process_cpu_s(pid))
+        prompt_tokens, hits, queries = await model_counters(client, model)
+        return cls(prompt_tokens, (hits, queries), await batch_sizes(client, model), process_cpu_s(pid))
 
     def since(self, before: ServerCounters) -> dict[str, float | None]:
         """RateResult's server fields over the time from ``before`` to this reading."""
         calls = self.batch_rows[1] - before.batch_rows[1]
+        queries = self.prefix[1] - before.prefix[1]
         return dict(prompt_tokens=self.prompt_tokens - before.prompt_tokens,
+                    prefix_hit_rate=(self.prefix[0] - before.prefix[0]) / queries if queries else None,
                     rows_per_call=(self.batch_rows[0] - before.batch_rows[0]) / calls if calls else None,
                     server_cpu_s=self.cpu_s - before.cpu_s if self.cpu_s is not None and before.cpu_s is not None
                     else None)

@@ -24,14 +24,15 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
-from model.build import build_model, resolve_device, resolve_dtype
+from model.build import build_empty, load_into, resolve_device, resolve_dtype
 from model.calibration import Calibration, CalibrationError
 from model.config import ModelConfigError, TransformerConfig
 from model.files import UnreadableFile, make_shareable, read_regular
 from model.hf import hf_companions, is_hf_directory, load_hf_model
+from model.hf.common import all_finite, read_safetensors
 from model.hf.generation import GENERATION_FILE, GenerationRules, generation_rules
 from model.hf.sentence import EmbeddingDefaults
 from model.lora_io import AdapterLayout
@@ -111,7 +112,9 @@ def tied_aliases(model: nn.Module) -> dict[str, str]:
     first: dict[tuple[int, int, tuple[int, ...]], str] = {}
     aliases = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
-        key = (tensor.data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        # on the meta device (model.build.build_empty) there is no storage: a tie is one Parameter there
+        where = (id(tensor), -1) if tensor.is_meta else (tensor.data_ptr(), tensor.storage_offset())
+        key = (*where, tuple(tensor.shape))
         if key in first:
             aliases[name] = first[key]
         else:
@@ -190,7 +193,7 @@ def load_checkpoint(
     if is_hf_directory(directory):
         return load_hf_checkpoint(directory, device, dtype)
     config = load_config(directory)
-    model = build_model(config)
+    model = build_empty(config)  # the tensors read become its parameters: the weights are held once
     load_weights(model, directory / WEIGHTS_FILE)
     _place(model, device, dtype)
     metrics = _read_json(directory / METRICS_FILE) if (directory / METRICS_FILE).exists() else {}
@@ -240,11 +243,12 @@ def _place(model: nn.Module, device: str | torch.device, dtype: str | torch.dtyp
 
 
 def load_weights(model: nn.Module, path: Path) -> None:
-    """Copy tensors from a safetensors file into ``model``, checking names, shapes, dtypes and values."""
+    """Make the tensors of a safetensors file the weights of ``model`` (built by model.build.build_empty), checking
+    names, shapes, dtypes and values."""
     if not path.is_file():
         raise CheckpointError(f"{path}: weights file not found")
     try:
-        tensors = load_file(str(path))
+        tensors = read_safetensors(path)
     except (SafetensorError, OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from exc
     aliases = tied_aliases(model)
@@ -263,9 +267,9 @@ def load_weights(model: nn.Module, path: Path) -> None:
             )
         if not tensor.is_floating_point():
             raise CheckpointError(f"{path}: tensor {name!r} has dtype {tensor.dtype}, expected a floating dtype")
-        if not torch.isfinite(tensor).all():
+        if not all_finite(tensor):
             raise CheckpointError(f"{path}: tensor {name!r} contains NaN or infinite values")
-    model.load_state_dict({**tensors, **{k: tensors[v] for k, v in aliases.items()}}, strict=True)
+    load_into(model, {**tensors, **{k: tensors[v] for k, v in aliases.items()}})
 
 
 def parameter_count(model: nn.Module) -> int:

@@ -35,11 +35,11 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.reduce_range = reduce_range
         w = weight.detach().float()
-        scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+        scales = (torch.maximum(w.amax(dim=1), -w.amin(dim=1)) / 127).clamp(min=1e-12)  # max |w|, no |w| copy
         bias = bias.detach().float().contiguous() if bias is not None else None
         kernel = int8_kernel.vnni_kernel()
         if kernel is not None:
-            q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+            q = (w / scales[:, None]).round_().clamp_(-127, 127).to(torch.int8)  # one float temporary, not three
             self.backend = "vnni"
             self._kernel_linear = kernel.int8_linear
             self._packed = int8_kernel.pack(q)

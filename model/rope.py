@@ -171,8 +171,9 @@ def _yarn(rotary_dim: int, theta: float, scaling: Mapping[str, Any], exponents: 
     low, high = max(low, 0), min(high, rotary_dim - 1)
     if low == high:
         high += 0.001  # transformers' guard against a zero-width ramp
-    ramp = torch.clamp((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    extrapolation = 1 - ramp.to(exponents.device)
+    ramp = torch.clamp((torch.arange(rotary_dim // 2, dtype=torch.float32, device=exponents.device) - low)
+                       / (high - low), 0, 1)
+    extrapolation = 1 - ramp
     pos_freqs = theta**exponents
     inv_freq = 1.0 / (factor * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
     return inv_freq, attention
@@ -203,7 +204,8 @@ class Rotary(nn.Module):
         check_scaling(scaling, self.rotary_dim)
         self.scaling = dict(scaling) if scaling is not None else None
         self.rope_type = "default" if scaling is None else scaling["rope_type"]
-        self.attention_factor = inverse_frequencies(self.rotary_dim, theta, scaling)[1]
+        # computed on the CPU even where a model is built on the meta device (model.build.build_empty)
+        self.attention_factor = inverse_frequencies(self.rotary_dim, theta, scaling, device=torch.device("cpu"))[1]
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     @classmethod

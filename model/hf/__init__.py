@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from model.build import build_model
+from model.build import build_empty, load_into
 from model.config import TransformerConfig
 from model.files import read_regular
 from model.hf.common import CONFIG_FILE, HFImportError, read_config, read_weights
@@ -67,8 +67,8 @@ def load_hf_model(directory: str | Path, dtype: torch.dtype = torch.float32) -> 
                             f"(supported: {list(importer.ARCHITECTURES)})")
     config = importer.to_config(hf)
     state = importer.state_dict(config, read_weights(directory))
-    model = build_model(config)
-    model.load_state_dict({k: v.float() for k, v in state.items()})
+    model = build_empty(config)  # the tensors read become its parameters: the weights are held once
+    load_into(model, {k: v.to(dtype) for k, v in state.items()})
     return model.to(dtype).eval(), config
 
 

@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors import SafetensorError, safe_open
 
 from model.files import UnreadableFile, read_regular
 
@@ -120,9 +119,45 @@ def read_weights(directory: Path) -> Tensors:
     return _read_safetensors(path)
 
 
+# safetensors' dtype names -> torch's (those a model's tensors come in)
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool}
+
+
+def read_safetensors(path: Path) -> Tensors:
+    """Every tensor of the safetensors file ``path``, each read into memory of its own (raises what safetensors
+    raises for a malformed file: SafetensorError, OSError, ValueError).
+
+    Not mapped, as safetensors' load_file maps the file: the file's pages touched stay in the resident set beside
+    the model as long as one tensor of the file lives (and it would keep the whole file's then, with 2x the weights
+    resident once a model re-lays or converts some), a file rewritten in place would change a served model's
+    weights or kill it (SIGBUS). Read with readinto, the peak is the tensors themselves, once.
+    """
+    with safe_open(str(path), framework="pt"):  # safetensors checks the header: offsets, shapes, dtypes
+        pass
+    tensors: Tensors = {}
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            if entry["dtype"] not in SAFETENSORS_DTYPES:
+                raise ValueError(f"{name!r} has dtype {entry['dtype']}, which is not read "
+                                 f"(read: {sorted(SAFETENSORS_DTYPES)})")
+            begin, end = entry["data_offsets"]
+            tensor = torch.empty(entry["shape"], dtype=SAFETENSORS_DTYPES[entry["dtype"]])
+            f.seek(8 + size + begin)
+            if f.readinto(tensor.reshape(-1).view(torch.uint8).numpy()) != end - begin:
+                raise ValueError(f"{name!r}: the file ends inside its data")
+            tensors[name] = tensor
+    return tensors
+
+
 def _read_safetensors(path: Path) -> Tensors:
     try:
-        return load_file(str(path))
+        return read_safetensors(path)
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise HFImportError(f"{path.name}: not a readable safetensors file: {str(exc)[:200]}") from None
 
@@ -157,9 +192,18 @@ def take(tensors: Tensors, name: str, shape: tuple[int, ...], minus_inf: bool = 
         raise HFImportError(f"{WEIGHTS_FILE}: {name!r} has shape {tuple(t.shape)}, expected {shape}")
     if not t.is_floating_point():
         raise HFImportError(f"{WEIGHTS_FILE}: {name!r} has dtype {t.dtype}, expected a floating dtype")
-    if not (torch.isfinite(t) | (minus_inf & torch.isneginf(t))).all():
+    if not all_finite(t, minus_inf):
         raise HFImportError(f"{WEIGHTS_FILE}: {name!r} has NaN or {'+' if minus_inf else ''}infinite values")
     return t
+
+
+def all_finite(t: torch.Tensor, minus_inf: bool = False) -> bool:
+    """Whether every value of the float tensor ``t`` is finite (``minus_inf``: or -inf), with no temporary of its
+    size (a model's largest tensor would need one): its min and max carry any NaN (both are NaN) or infinity."""
+    if t.numel() == 0:
+        return True
+    low, high = torch.aminmax(t)
+    return bool(torch.isfinite(high) and (torch.isfinite(low) or (minus_inf and torch.isneginf(low))))
 
 
 def strip_prefix(tensors: Tensors, prefix: str) -> Tensors:
