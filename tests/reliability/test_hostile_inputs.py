@@ -23,9 +23,13 @@ CLIENTS = 8
 REQUESTS_PER_CLIENT = 4
 
 
-def _p99(samples: list[float]) -> float:
+def _percentile(samples: list[float], q: float) -> float:
     ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _p99(samples: list[float]) -> float:
+    return _percentile(samples, 0.99)
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +64,10 @@ def test_health_stays_fast_while_one_user_sends_huge_single_token_prompts(models
 
     The bound is relative, not in seconds: the idle p99 plus a quarter of what encoding one such prompt
     takes on this machine (measured here). A server that encodes them on its event loop makes /health wait
-    for whole encodings (p99 >= one encoding); one that refuses them by size first answers in the time it
-    takes to read their bodies."""
+    for whole encodings, probe after probe (8 clients keep it encoding: most probes wait, the 90th percentile
+    >= half an encoding); one that refuses them by size first answers in the time it takes to read their bodies.
+    The 90th percentile of the ~50 probes is held to the bound, not their slowest (p99 of 50 is the maximum): one
+    probe meeting a pause that is not the server's (a busy CI machine, a collector) is no failure."""
     tokenizer = load_checkpoint(models_dir / LM, "cpu").tokenizer
     start = time.perf_counter()
     tokenizer.encode(HUGE_TOKEN)
@@ -87,10 +93,12 @@ def test_health_stays_fast_while_one_user_sends_huge_single_token_prompts(models
                 f.result()
     bound = _p99(idle) + one_encoding / 4
     print(f"FIGURE huge-token prompts: {len(statuses)} x 422; /health p99 idle {_p99(idle) * 1e3:.1f} ms, "
-          f"during {_p99(during) * 1e3:.1f} ms over {len(during)} probes; one encoding {one_encoding:.2f} s")
+          f"during p90 {_percentile(during, 0.9) * 1e3:.1f} ms, p99 {_p99(during) * 1e3:.1f} ms over "
+          f"{len(during)} probes; one encoding {one_encoding:.2f} s")
     assert statuses == [422] * CLIENTS * REQUESTS_PER_CLIENT
-    assert _p99(during) < bound, (f"/health p99 {_p99(during):.3f} s during the attack, bound {bound:.3f} s "
-                                  f"(idle p99 {_p99(idle):.3f} s, one encoding {one_encoding:.3f} s)")
+    p90 = _percentile(during, 0.9)
+    assert p90 < bound, (f"/health p90 {p90:.3f} s during the attack, bound {bound:.3f} s "
+                         f"(idle p99 {_p99(idle):.3f} s, one encoding {one_encoding:.3f} s)")
 
 
 def test_attention_maps_are_selected_by_layer_and_head_and_capped(big_body_client):
