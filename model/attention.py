@@ -19,7 +19,7 @@ from torch import nn
 from model import native
 from model.kernel_layers import Linear
 from model.kv_cache import KVCache, within_window
-from model.rope import Rotary
+from model.rope import Rotary, apply_rotary
 from model.shared_prefix import SharedPrefix
 
 KERNEL_MAX_QUERIES = 16  # longer query blocks (prefill) are SDPA's strength
@@ -189,8 +189,8 @@ class MultiHeadAttention(nn.Module):
         if self.q_norm is not None and kv is None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None and source is None and kv is None:
-            positions = self._positions(x, cache)
-            q, k = self.rotary(q, positions), self.rotary(k, positions)
+            cos, sin = self.rotary.cos_sin(self._positions(x, cache))  # once for q and k
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.query_scale != 1.0:
             q = q * self.query_scale
         if cache is not None and kv is None:
