@@ -21,6 +21,22 @@ from dataclasses import dataclass
 import torch
 
 
+@dataclass(frozen=True)
+class ChainGroup:
+    """Rows of a batch that read the same chain of blocks."""
+
+    chain: tuple[int, ...]  # indices into SharedPrefix.blocks, in order
+    rows: tuple[int, ...]  # ascending
+
+    @functools.cached_property
+    def index(self) -> slice | torch.Tensor:
+        """These rows as an index of dim 0 (``x[group.index]``): a slice (a view) when they are consecutive."""
+        first = self.rows[0]
+        if self.rows == tuple(range(first, first + len(self.rows))):
+            return slice(first, first + len(self.rows))
+        return torch.tensor(self.rows)
+
+
 @dataclass(frozen=True, eq=False)
 class SharedPrefix:
     """Distinct prefix blocks and, per row, the indices of the blocks it reads (in order)."""
@@ -66,24 +82,22 @@ class SharedPrefix:
         return table
 
     @functools.cached_property
-    def visible(self) -> torch.Tensor | None:
-        """(B, blocks * block) bool: which positions of :meth:`keys` each row reads; None when every row reads all."""
-        everything = tuple(range(len(self.blocks)))
-        if all(sorted(r) == list(everything) for r in self.rows):
-            return None
-        seen = torch.zeros(self.batch_size, len(self.blocks), dtype=torch.bool)
+    def groups(self) -> tuple[ChainGroup, ...]:
+        """The rows grouped by the chain they read (rows of one system prompt: one group; a row with no prefix is in
+        the group of ``()``), in order of each group's first row."""
+        groups: dict[tuple[int, ...], list[int]] = {}
         for row, chain in enumerate(self.rows):
-            seen[row, list(chain)] = True
-        return seen.repeat_interleave(self.block_tokens, dim=1).to(self.blocks[0].device)
+            groups.setdefault(chain, []).append(row)
+        return tuple(ChainGroup(chain, tuple(rows)) for chain, rows in groups.items())
 
-    def keys(self, layer: int) -> torch.Tensor:
-        """(H, blocks * block, Dh): every block's keys of ``layer`` side by side (a transient copy, for attention
-        paths that read one tensor)."""
-        return torch.cat([block[layer, 0] for block in self.blocks], dim=1)
+    def keys(self, layer: int, chain: Sequence[int]) -> torch.Tensor:
+        """(H, len(chain) * block, Dh): the keys of ``layer`` of the blocks ``chain`` (at least one) side by side, in
+        order (a transient copy, for attention paths that read one tensor)."""
+        return torch.cat([self.blocks[i][layer, 0] for i in chain], dim=1)
 
-    def values(self, layer: int) -> torch.Tensor:
-        """(H, blocks * block, Dh): as :meth:`keys`, for the values."""
-        return torch.cat([block[layer, 1] for block in self.blocks], dim=1)
+    def values(self, layer: int, chain: Sequence[int]) -> torch.Tensor:
+        """(H, len(chain) * block, Dh): as :meth:`keys`, for the values."""
+        return torch.cat([self.blocks[i][layer, 1] for i in chain], dim=1)
 
     @property
     def nbytes(self) -> int:

@@ -20,6 +20,7 @@ from model.native import KernelOptions
 from model.quantize import QuantizeError, mode_for
 from model.speculative import draft_model_for, speculative_for
 from service.engine import tracing
+from service.engine.chat import chat_template_for
 from service.engine.types import EngineSettings
 from service.engine.vllm_metrics import COMPAT_MODES
 from service.model_sources import ModelSourceError, model_sources
@@ -125,6 +126,14 @@ class Settings:
         "TSERVE_MAX_RESIDENT_ADAPTERS", "LoRA adapters kept in memory per model (least recently used evicted)", int
     )
     max_body_bytes: int = _setting(1 << 20, "TSERVE_MAX_BODY_BYTES", "largest request body (413 above)", int)
+    max_chat_messages: int = _setting(512, "TSERVE_MAX_CHAT_MESSAGES", "most messages in one chat completion "
+                                      "request (422 above)", int)
+    max_chat_bytes: int = _setting(1 << 20, "TSERVE_MAX_CHAT_BYTES", "most bytes of text (contents, tool calls, "
+                                   "tools) in one chat completion request (413 above)", int)
+    chat_template: str = _engine(
+        "TSERVE_CHAT_TEMPLATE", "chat template files that replace models' own (or give one to a model without "
+        "one): NAME=FILE entries, comma-separated (a jinja file, as transformers renders it)", str
+    )
     max_adapter_upload_bytes: int = _setting(
         64 << 20,
         "TSERVE_MAX_ADAPTER_UPLOAD_BYTES",
@@ -228,6 +237,8 @@ class Settings:
             "max_tokens_per_request",
             "max_resident_adapters",
             "max_body_bytes",
+            "max_chat_messages",
+            "max_chat_bytes",
             "max_adapter_upload_bytes",
             "max_connections",
         )
@@ -271,6 +282,10 @@ class Settings:
             speculative_for(self.speculative, "")
         except ConfigError as exc:
             raise SettingsError(f"speculative ({_env('speculative')}): {exc.message}") from None
+        try:
+            chat_template_for(self.chat_template, "")
+        except ValueError as exc:
+            raise SettingsError(f"chat_template ({_env('chat_template')}): {exc}") from None
         try:
             draft_model_for(self.draft_model, "")
         except ConfigError as exc:

@@ -19,6 +19,7 @@
 #include <cmath>
 
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+#define UNROLL _Pragma("GCC unroll 16")
 
 namespace {
 
@@ -54,32 +55,34 @@ struct Problem {
   int64_t m, n, k_padded, blocks;
 };
 
-// Rows [m0, m0 + MR) against output blocks [blk, blk + NB).
+// Rows [m0, m0 + MR) against output blocks [blk, blk + NB). Every loop over rows and blocks is unrolled by force:
+// GCC 12 -O3 leaves some of them rolled, so the MR x NB accumulators live on the stack and the tile runs at half
+// the vpdpbusd rate (512 rows: 500-700 GOP/s rolled, 930-1,000 unrolled on a 1,040 GOP/s Zen core).
 template <int MR, int NB>
 VNNI void tile(const Problem& p, int64_t blk, int64_t m0) {
   __m512i acc[MR][NB];
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < NB; ++c) acc[r][c] = _mm512_setzero_si512();
+  UNROLL for (int r = 0; r < MR; ++r)
+    UNROLL for (int c = 0; c < NB; ++c) acc[r][c] = _mm512_setzero_si512();
   const int64_t steps = p.k_padded / 4, stride = steps * 64;
   const int8_t* w = p.w + blk * stride;
   const int32_t* x[MR];
-  for (int r = 0; r < MR; ++r) x[r] = reinterpret_cast<const int32_t*>(p.xq + (m0 + r) * p.k_padded);
+  UNROLL for (int r = 0; r < MR; ++r) x[r] = reinterpret_cast<const int32_t*>(p.xq + (m0 + r) * p.k_padded);
   for (int64_t s = 0; s < steps; ++s) {
     __m512i wv[NB];
-    for (int c = 0; c < NB; ++c) wv[c] = _mm512_loadu_si512(w + c * stride + s * 64);
-    for (int r = 0; r < MR; ++r) {
+    UNROLL for (int c = 0; c < NB; ++c) wv[c] = _mm512_loadu_si512(w + c * stride + s * 64);
+    UNROLL for (int r = 0; r < MR; ++r) {
       const __m512i xb = _mm512_set1_epi32(x[r][s]);
-      for (int c = 0; c < NB; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], xb, wv[c]);
+      UNROLL for (int c = 0; c < NB; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], xb, wv[c]);
     }
   }
-  for (int c = 0; c < NB; ++c) {
+  UNROLL for (int c = 0; c < NB; ++c) {
     const int64_t n0 = (blk + c) * 16;
     if (n0 >= p.n) break;
     const __mmask16 mask = p.n - n0 >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (p.n - n0)) - 1);
     const __m512 sw = _mm512_maskz_loadu_ps(mask, p.sw + n0);
     const __m512i offset = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(mask, p.w_sum + n0), 7);  // 128 * sum(w)
     const __m512 bias = p.bias ? _mm512_maskz_loadu_ps(mask, p.bias + n0) : _mm512_setzero_ps();
-    for (int r = 0; r < MR; ++r) {
+    UNROLL for (int r = 0; r < MR; ++r) {
       const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][c], offset));
       const __m512 y = _mm512_fmadd_ps(dot, _mm512_mul_ps(sw, _mm512_set1_ps(p.sx[m0 + r])), bias);
       _mm512_mask_storeu_ps(p.out + (m0 + r) * p.n + n0, mask, y);

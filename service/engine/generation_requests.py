@@ -104,7 +104,8 @@ class GenerationPlanner:
             if name in given:
                 rules[name] = value
         try:
-            return GenerationConfig(**values, eos_token_id=self.config.eos_id, **rules)
+            stops = tuple(dict.fromkeys(t for t in req.stop_token_ids if t != self.config.eos_id))
+            return GenerationConfig(**values, eos_token_id=self.config.eos_id, stop_token_ids=stops, **rules)
         except ConfigError as exc:
             raise InvalidRequest(exc.field, exc.message) from None
 
@@ -119,7 +120,8 @@ class GenerationPlanner:
         if protected is not None:
             texts = [p.text for p in protected]
         prompts = []
-        for i, ids in enumerate(await self.inputs.run(lambda: self.checkpoint.encode_prompts(texts))):
+        encoded = await self.inputs.run(lambda: self.inputs.encode(texts, chat=req.chat))
+        for i, ids in enumerate(encoded):
             self.inputs.length(i, ids)
             if not ids:  # an imported tokenizer may add nothing to a text that encodes to nothing
                 raise InvalidRequest(f"inputs[{i}]", "the text encodes to no tokens; generation needs at least one")

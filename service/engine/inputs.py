@@ -6,7 +6,9 @@ then held to the token limit. How each family encodes its input (:func:`input_id
 
 - causal_lm prompt: ``<s>`` + text (so an empty prompt is valid); seq2seq source: text + ``</s>``
   (``Checkpoint.encode_prompts``, shared with the Hugging Face export);
-- classifier: ``[CLS] a [SEP] (b [SEP])`` with segment ids (``Tokenizer.encode_pair``).
+- classifier: ``[CLS] a [SEP] (b [SEP])`` with segment ids (``Tokenizer.encode_pair``);
+- a chat prompt, laid out by the model's chat template: by its PromptEncoder (model.hf.chat_prompt), the template's
+  control tokens as their ids, the same text written by a user as text, nothing added (:meth:`InputChecks.encode`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from model.checkpoint import Checkpoint
+from model.hf.chat_prompt import PromptEncoder
+from model.hf.chat_template import ChatTemplateError
 from model.tokenizer import Tokenizer
 from service.engine.errors import InvalidRequest, NotReady
 
@@ -35,11 +39,14 @@ def input_ids(checkpoint: Checkpoint, texts: Sequence[str], add_special_tokens: 
 
 
 class InputChecks:
-    """Checks and encodes one model's input texts (``max_input_tokens`` tokens at most), on its tokenizer pool."""
+    """Checks and encodes one model's input texts (``max_input_tokens`` tokens at most), on its tokenizer pool
+    (``chat``: the model's chat prompt encoder, where it has a chat template)."""
 
-    def __init__(self, name: str, checkpoint: Checkpoint, max_input_tokens: int, max_inputs: int) -> None:
+    def __init__(self, name: str, checkpoint: Checkpoint, max_input_tokens: int, max_inputs: int,
+                 chat: PromptEncoder | None = None) -> None:
         self.name = name
         self.checkpoint = checkpoint
+        self.chat = chat
         self.max_input_tokens = max_input_tokens
         self.max_inputs = max_inputs
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix=f"tokenize-{name}")
@@ -55,15 +62,29 @@ class InputChecks:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    async def input_ids(self, texts: Sequence[str], add_special_tokens: bool = True, field: str = "inputs"
-                        ) -> list[list[int]]:
-        """The ids of ``texts`` as the model reads them (:func:`input_ids`), each text held to the bytes its token
+    async def input_ids(self, texts: Sequence[str], add_special_tokens: bool = True, field: str = "inputs",
+                        chat: bool = False) -> list[list[int]]:
+        """The ids of ``texts`` as the model reads them (:meth:`encode`), each text held to the bytes its token
         limit allows before it is encoded and to max_input_tokens after."""
         tokenizer = self.checkpoint.prompt_tokenizer
         texts = [self.size(f"{field}[{i}]", self.text(i, text), tokenizer, self.max_input_tokens)
                  for i, text in enumerate(texts)]
-        ids = await self.run(lambda: input_ids(self.checkpoint, texts, add_special_tokens))
+        ids = await self.run(lambda: self.encode(texts, add_special_tokens, chat, field))
         return [self.length(i, one, field) for i, one in enumerate(ids)]
+
+    def encode(self, texts: Sequence[str], add_special_tokens: bool = True, chat: bool = False,
+               field: str = "inputs") -> list[list[int]]:
+        """The ids of ``texts`` (:func:`input_ids`), or (``chat``) of prompts this model's PromptEncoder rendered:
+        the control tokens its template wrote as their ids, those inside what a user wrote as text (blocking: run
+        it on the pool)."""
+        if not chat:
+            return input_ids(self.checkpoint, texts, add_special_tokens)
+        if self.chat is None:
+            raise InvalidRequest("model", f"model {self.name!r} has no chat template")
+        try:
+            return self.chat.encode_texts(texts)
+        except ChatTemplateError as exc:  # user text that cannot be kept apart from a control token
+            raise InvalidRequest(field, str(exc)) from None
 
     def count(self, inputs: Any) -> None:
         """``inputs`` is a non-empty list of at most max_inputs."""

@@ -96,6 +96,8 @@ class ModelInfo:
     draft_model: str | None = None  # the model that drafts for speculative method draft_model
     calibration: dict | None = None  # a classifier's temperature and min_confidence (model.calibration)
     embedding_defaults: dict | None = None  # a classifier's pooling and normalize where an embed request leaves them
+    chat_template: bool = False  # whether /v1/chat/completions can lay out its conversations (service.engine.chat)
+    tool_call_format: str | None = None  # how its chat template writes tool calls ("hermes"); None: another, or none
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,7 @@ class EngineSettings:
     prefix_cache_mb: float = 256.0  # per generative model (model.prefix_cache); 0 = off
     speculative: str = "none"  # model.speculative.speculative_for spec: the models' default drafting
     draft_model: str = ""  # model.speculative.draft_model_for spec: which model drafts for which
+    chat_template: str = ""  # service.engine.chat.chat_template_for spec: NAME=FILE template files, comma-separated
     threads: int | None = None  # intra-op threads per model worker (None: threads.worker_threads decides)
 
     @property

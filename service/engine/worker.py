@@ -30,6 +30,7 @@ from model.speculative import speculative_for
 from service.engine import adapter_store, tracing
 from service.engine.adapters import AdapterRegistry, check_name
 from service.engine.attention import ALL_MAPS, MapSelection, prepare_maps
+from service.engine.chat import chat_template_for, load_chat
 from service.engine.continuous_batching import GenerationScheduler
 from service.engine.errors import Conflict, InvalidRequest, NotFound, ServiceError
 from service.engine.generation_requests import GenerationPlanner
@@ -80,7 +81,8 @@ class ModelWorker:
         draft_name = draft.path.name if draft is not None and draft.path is not None else None
         model_limit = self.runner.max_input_tokens if self.runner is not None else self.config.max_len
         self.max_input_tokens = min(model_limit, settings.max_input_tokens or model_limit)
-        self.inputs = InputChecks(name, checkpoint, self.max_input_tokens, settings.max_inputs)
+        self.chat = load_chat(checkpoint, chat_template_for(settings.chat_template, name))
+        self.inputs = InputChecks(name, checkpoint, self.max_input_tokens, settings.max_inputs, self.chat.encoder)
         self.planner: GenerationPlanner | None = None
         if self.runner is not None:
             max_new_tokens = min(settings.max_new_tokens, self.runner.room(1))
@@ -127,6 +129,8 @@ class ModelWorker:
                           "min_confidence": self.checkpoint.calibration.min_confidence}
                          if self.checkpoint.calibration is not None else None),
             embedding_defaults=asdict(self.embedding_defaults()) if self.family == "classifier" else None,
+            chat_template=self.chat.encoder is not None,
+            tool_call_format=self.chat.tool_call_format,
         )
 
     def embedding_defaults(self) -> EmbeddingDefaults:

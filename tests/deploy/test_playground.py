@@ -1,7 +1,8 @@
 """The playground at `/`, end to end: headless Chromium (driven by selenium) against a real server, with no
 network but the server's (the page must work air-gapped).
 
-docs/playground.png is this test's screenshot of the page: TSERVE_UPDATE_SCREENSHOT=1 writes it.
+docs/playground.png is this test's screenshot of the page: TSERVE_UPDATE_SCREENSHOT=1 writes it. The chat view
+talks to a tiny random instruct model with a ChatML template (tests/deploy/chat_model.py) on a server of its own.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ import httpx
 import pytest
 
 from tests.deploy.browser import OFFLINE_FLAGS, By, Select, chromium_driver, severe_console_errors, wait
+from tests.deploy.chat_model import chat_model_directory
 from tests.service.conftest import LM, MT
 from tests.service.server import Server, running_server
 
 CLS = "tiny-cls"
+CHAT = "tiny-chat"
 SOURCE = "the cat sat on the mat"
 SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "playground.png"
 
@@ -26,7 +29,7 @@ SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "playground.png"
 @pytest.fixture(scope="module")
 def server(models_dir: Path, adapters_dir: Path) -> Iterator[Server]:
     with running_server(models_dir, adapters_dir) as s:
-        for name in ("playground.js", "playground.css"):  # the page's own files, beside index.html
+        for name in ("playground.js", "chat.js", "playground.css"):  # the page's own files, beside index.html
             r = httpx.get(f"{s.url}/static/{name}", timeout=10)
             assert r.status_code == 200, (f"GET /static/{name}: {r.status_code}: the service must serve "
                                      "service/api/static/")
@@ -229,3 +232,99 @@ def test_screenshot_of_the_page_as_it_opens(browser, server: Server, tmp_path: P
     if os.environ.get("TSERVE_UPDATE_SCREENSHOT") == "1":
         shutil.copyfile(shot, SCREENSHOT)
     assert not severe_console_errors(browser)
+
+
+@pytest.fixture(scope="module")
+def chat_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    models = tmp_path_factory.mktemp("chat") / "models"
+    chat_model_directory(models / CHAT)
+    with running_server(models, TSERVE_WARMUP="false") as s:
+        yield s
+
+
+# Record the body of every chat request the page sends, and every change of an assistant reply's text (per
+# mutation record: chunks that arrive in one network read are still drawn one by one).
+RECORD_CHAT = """
+    window.sent = [];
+    const pageFetch = window.fetch;
+    window.fetch = (url, init) => {
+        if (String(url).endsWith('chat/completions')) window.sent.push(JSON.parse(init.body));
+        return pageFetch(url, init);
+    };
+    window.pieces = [];
+    new MutationObserver((records) => {
+        for (const record of records) {
+            const content = record.target.closest && record.target.closest('li.assistant .content');
+            if (!content) continue;
+            const replies = [...document.querySelectorAll('#chat-log li.assistant')];
+            window.pieces.push([replies.indexOf(content.closest('li')), content.textContent]);
+        }
+    }).observe(document.getElementById('chat-log'), {childList: true, characterData: true, subtree: true});
+"""
+
+
+def chat_log(driver) -> list[tuple[str, str]]:
+    """(role, text) of every message drawn in the conversation."""
+    return [tuple(m) for m in driver.execute_script(
+        "return [...document.querySelectorAll('#chat-log li')].map((li) => "
+        "[li.dataset.role, li.querySelector('.content').textContent]);")]
+
+
+def say(driver, text: str) -> None:
+    """Send ``text`` and wait for its reply to finish (or the error line)."""
+    done = len(driver.find_elements(By.CSS_SELECTOR, "#chat-log li.assistant[data-done]"))
+    fill(driver, "chat-input", text)
+    driver.find_element(By.ID, "chat-send").click()
+    wait(driver, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#chat-log li.assistant[data-done]")) > done
+         or d.find_element(By.ID, "chat-error").text)
+
+
+def test_chat_two_turns_streamed_the_second_carrying_the_first(browser, chat_server: Server):
+    browser.get(f"{chat_server.url}/?tab=chat")
+    wait(browser, lambda d: d.find_element(By.ID, "chat-model").get_attribute("value") == CHAT)
+    wait(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "#chat-adapter option"))
+    assert browser.find_element(By.ID, "models-view").get_attribute("hidden") is not None
+    browser.execute_script(RECORD_CHAT)
+    fill(browser, "chat-system", "Answer briefly.")
+    fill(browser, "chat-max", "8")
+    say(browser, "the quick brown fox")
+    say(browser, "print('hello')")
+    assert not browser.find_element(By.ID, "chat-error").text, browser.find_element(By.ID, "chat-error").text
+
+    first, second = browser.execute_script("return window.sent;")
+    log = chat_log(browser)
+    assert [role for role, _ in log] == ["user", "assistant", "user", "assistant"]
+    reply = log[1][1]
+    system = {"role": "system", "content": "Answer briefly."}
+    assert first["messages"] == [system, {"role": "user", "content": "the quick brown fox"}]
+    assert second["messages"] == [*first["messages"], {"role": "assistant", "content": reply},
+                                  {"role": "user", "content": "print('hello')"}]
+    assert second["stream"] is True and second["model"] == CHAT
+    # Each streamed reply is what the server answers the same conversation unstreamed (greedy: temperature 0).
+    for body, (_, drawn) in zip((first, second), (log[1], log[3]), strict=True):
+        plain = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        answer = httpx.post(f"{chat_server.url}/v1/chat/completions", json=plain, timeout=30).json()
+        assert drawn == answer["choices"][0]["message"]["content"]
+        assert answer["usage"]["completion_tokens"] > 1  # more than one chunk to stream
+    # The second reply was drawn chunk by chunk, each piece extending the one before, up to the whole reply.
+    pieces = [text for turn, text in browser.execute_script("return window.pieces;") if turn == 1]
+    assert len(pieces) > 1 and all(b.startswith(a) for a, b in zip(pieces, pieces[1:], strict=False)), pieces
+    assert pieces[-1] == log[3][1]
+    assert "tokens" in browser.find_element(By.ID, "chat-meta").text
+
+    # A 4xx shows the server's error and leaves the conversation as it was; "new chat" starts from nothing.
+    fill(browser, "chat-max", "100000")
+    say(browser, "one more")
+    error = browser.find_element(By.ID, "chat-error").text
+    assert error.startswith("422 ") and "max_tokens" in error, error
+    assert chat_log(browser) == log
+    assert browser.find_element(By.ID, "chat-input").get_attribute("value") == "one more"
+    browser.find_element(By.ID, "chat-new").click()
+    assert chat_log(browser) == [] and not browser.find_element(By.ID, "chat-error").text
+    fill(browser, "chat-max", "4")
+    say(browser, "hello again")
+    assert browser.execute_script("return window.sent;")[-1]["messages"] == [
+        system, {"role": "user", "content": "hello again"}]
+    assert [role for role, _ in chat_log(browser)] == ["user", "assistant"]
+    refused = [e for e in severe_console_errors(browser) if not ("chat/completions" in e and " 422 " in e)]
+    assert not refused, refused

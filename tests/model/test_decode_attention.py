@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from model import native
-from model.attention import decode_attention
+from model.attention import QUERY_BLOCK, blocked_sdpa, decode_attention
 from model.decoding import GenerationConfig
 from model.fast_step import plan_for
 from model.generation import generate_causal, generate_seq2seq
@@ -83,6 +83,28 @@ def test_other_inputs_take_sdpa():
     assert qg.grad is not None
 
 
+@pytest.mark.parametrize("t", [QUERY_BLOCK + 1, 2 * QUERY_BLOCK, 3 * QUERY_BLOCK + 7])
+@pytest.mark.parametrize("window", [None, 20])
+def test_long_query_blocks_attend_in_blocks_as_sdpa_over_the_whole(t, window):
+    """A causal prefill of more than QUERY_BLOCK queries (left-padded rows, grouped K/V, a sliding window) run in
+    query blocks, each against the keys its mask shows, equals the float64 reference, and SDPA over the whole where
+    a query sees nothing (a padded row's)."""
+    g = torch.Generator().manual_seed(t)
+    q, k, v = (torch.randn(3, h, t, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    pos = torch.arange(t)
+    mask = pos[None, :] <= pos[:, None]
+    if window is not None:
+        mask &= pos[None, :] > pos[:, None] - window
+    pads = torch.tensor([0, 5, t - 3])
+    mask = mask[None, None] & (pos >= pads[:, None])[:, None, None, :]  # (B, 1, Tq, Tk): padded keys hidden
+    ours = blocked_sdpa(q, k, v, mask)
+    expected = _reference(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), mask)
+    seen = mask.any(-1, keepdim=True).expand_as(ours)
+    assert torch.allclose(ours[seen], expected[seen], atol=1e-12)
+    whole = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert torch.allclose(ours, whole, atol=1e-12, equal_nan=True)
+
+
 @needs_kernel
 def test_decoding_with_the_kernel_equals_decoding_with_sdpa(kernel_options):
     """Greedy and beam outputs (padded batches: masks in self- and cross-attention) do not change."""
@@ -124,25 +146,29 @@ def test_short_sentences_attend_with_the_kernel_and_match_the_float64_reference(
         torch.testing.assert_close(model(ids), got, rtol=0, atol=1e-5)
 
 
-def _prefixed_case(seed=0, layers=2, h=3, dh=24, block=4, t=5, tq=2):
-    """Four rows over three shared blocks: rows 0 and 2 read blocks (0, 1), row 1 reads (2,), row 3 none; the own
-    keys are ragged (a mask). Returns the inputs and, per layer, the float64 attention over each row's blocks
-    (in table order) followed by its own keys."""
+def _prefixed_case(seed=0, layers=2, h=3, dh=24, block=4, t=5, tq=2, chains=((0, 1), (2,), (0, 1), ()), ragged=True):
+    """Rows over shared blocks (by default: rows 0 and 2 read blocks (0, 1), row 1 reads (2,), row 3 none); the own
+    keys are ragged (a mask per row) or causal alike (one mask for all rows). Returns the inputs and, per layer, the
+    float64 attention over each row's blocks (in table order) followed by its own keys."""
     g = torch.Generator().manual_seed(seed)
-    blocks = [torch.randn(layers, 2, h, block, dh, generator=g) for _ in range(3)]
-    chains = [(0, 1), (2,), (0, 1), ()]
+    count = 1 + max(max(chain, default=0) for chain in chains)
+    blocks = [torch.randn(layers, 2, h, block, dh, generator=g) for _ in range(count)]
     b = len(chains)
     q = torch.randn(b, h, tq, dh, generator=g)
     k, v = _cache_slices(b, h, t, dh, seed=seed + 1)
-    mask = (torch.arange(t) < torch.tensor([5, 3, 4, 1])[:, None]).view(b, 1, 1, t)
+    if ragged:
+        mask = (torch.arange(t) < torch.randint(1, t + 1, (b,), generator=g)[:, None]).view(b, 1, 1, t)
+    else:
+        mask = (torch.arange(t) <= torch.arange(t - tq, t)[:, None]).view(1, 1, tq, t)
     references = []
     for layer in range(layers):
         rows = []
         for row, chain in enumerate(chains):
             keys = torch.cat([*(blocks[i][layer, 0] for i in chain), k[row]], dim=1)[None]
             values = torch.cat([*(blocks[i][layer, 1] for i in chain), v[row]], dim=1)[None]
-            seen = torch.cat([torch.ones(len(chain) * block, dtype=torch.bool), mask[row, 0, 0]]).view(1, 1, 1, -1)
-            rows.append(_reference(q[row: row + 1], keys, values, seen))
+            own = mask[row if ragged else 0, 0]
+            seen = torch.cat([torch.ones(tq, len(chain) * block, dtype=torch.bool), own.expand(tq, t)], dim=1)
+            rows.append(_reference(q[row: row + 1], keys, values, seen[None, None]))
         references.append(torch.cat(rows))
     return blocks, chains, q, k, v, mask, references
 
@@ -160,12 +186,21 @@ def test_the_kernel_reads_each_rows_prefix_blocks_ahead_of_its_own_keys():
         kernel.decode_attention(q, k, v, mask, blocks, table, 2)
 
 
-def test_the_pytorch_prefix_path_equals_the_float64_reference(kernel_options):
-    """The path without our kernel (other devices and dtypes) computes the same attention; on a float64 input it
-    is the reference to the last bits."""
+@pytest.mark.parametrize(("chains", "ragged"), [
+    (((0, 1), (2,), (0, 1), ()), True),  # one chain shared by rows 0 and 2, another, none
+    # multi-turn chat: each row its own history (chains of different lengths, some sharing a system prompt's
+    # block 0), two rows of one chain apart, rows with none; each row reads only its own chain
+    (((0, 1, 2), (3,), (), (0, 4), (0, 1, 2), (5, 6, 7, 8), ()), True),
+    (((0, 1, 2), (0, 3), (0, 3), ()), False),  # a prefill of equal lengths: one causal mask for all rows
+    (((1, 0),) * 3, False),  # one shared prefix
+])
+@pytest.mark.parametrize("tq", [2, 18])  # a decoding step's few queries (one GEMM per chain), a prefill's (SDPA)
+def test_the_pytorch_prefix_path_equals_the_float64_reference(kernel_options, chains, ragged, tq):
+    """The path without our kernel (other devices and dtypes, prefills) computes the same attention; on a float64
+    input it is the reference to the last bits."""
     from model.shared_prefix import SharedPrefix
 
-    blocks, chains, q, k, v, mask, references = _prefixed_case(seed=3)
+    blocks, chains, q, k, v, mask, references = _prefixed_case(seed=3, tq=tq, t=20, chains=chains, ragged=ragged)
     prefix = SharedPrefix.of_chains([[blocks[i] for i in chain] for chain in chains])
     kernel_options(decode_kernels=False)
     for layer, want in enumerate(references):

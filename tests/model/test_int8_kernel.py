@@ -36,7 +36,8 @@ def _reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: tor
 
 @needs_kernel
 @pytest.mark.parametrize("rows", [0, 1, 3, 4, 5, 70, 133])
-@pytest.mark.parametrize(("out", "inp"), [(1, 13), (37, 70), (64, 64), (80, 130), (16, 2048)])
+# outputs: 1, 3, 4, 4 + 1 and 4 + 2 blocks of 16 (the tile takes 4 at a time); inputs: remainders of 4 and of 16
+@pytest.mark.parametrize(("out", "inp"), [(1, 13), (37, 70), (64, 64), (80, 130), (96, 33), (16, 2048)])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_kernel_equals_the_integer_reference(rows, out, inp, with_bias):
     q, scales = _quantized_weights(out, inp)

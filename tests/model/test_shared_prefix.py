@@ -88,9 +88,11 @@ def test_a_prefix_lists_shared_blocks_once_and_lets_go_of_unread_ones():
     assert prefix.rows == ((0, 1), (), (0,), (2,)) and len(prefix.blocks) == 3
     assert prefix.lengths.tolist() == [2 * BLOCK_TOKENS, 0, BLOCK_TOKENS, BLOCK_TOKENS]
     assert prefix.table.tolist() == [[0, 1], [-1, -1], [0, -1], [2, -1]]
-    assert prefix.visible[2].tolist() == [True] * BLOCK_TOKENS + [False] * 2 * BLOCK_TOKENS
+    assert [(g.chain, g.rows) for g in prefix.groups] == [((0, 1), (0,)), ((), (1,)), ((0,), (2,)), ((2,), (3,))]
+    assert torch.equal(prefix.values(0, (0, 1)), torch.cat([a[0, 1], b[0, 1]], dim=1))  # a chain's blocks in order
     kept = prefix.select(torch.tensor([2, 2]))
-    assert kept.blocks == (a,) and kept.visible is None  # c and b are no longer referenced
+    assert kept.blocks == (a,) and len(kept.groups) == 1  # c and b are no longer referenced
+    assert kept.groups[0].index == slice(0, 2)
     assert prefix.select(torch.tensor([1])) is None
     joined = SharedPrefix.concat([None, kept], [2, 2])
     assert joined.rows == ((), (), (0,), (0,)) and joined.blocks[0] is a

@@ -19,6 +19,7 @@ from service.api import auth
 from service.settings import Settings
 from tests.helpers import error_of
 from tests.service.conftest import ADAPTERS, LM
+from tests.service.fixtures import lm_chat_template
 from tests.service.server import running_server
 
 USER, USER2, ADMIN = "rel-user-key-0123456789", "rel-user-key-second", "rel-admin-key-abcdef"
@@ -32,6 +33,7 @@ BODIES = {  # a valid body per operation that has one
     "/v1/models/{model}/embed": {"inputs": ["hello"]},
     "/v1/models/{model}/attention": {"input": "hello"},
     "/v1/completions": {"model": LM, "prompt": "hello", "max_tokens": 2},
+    "/v1/chat/completions": {"model": LM, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2},
     "/v1/embeddings": {"model": "tiny-cls", "input": "hello"},
     "/v1/tokenize": {"model": LM, "prompt": "hello"},
     "/v1/detokenize": {"model": LM, "tokens": [1]},
@@ -44,7 +46,7 @@ def server(models_dir: Path, adapters_dir: Path, tmp_path_factory: pytest.TempPa
     adapters = tmp_path_factory.mktemp("auth") / "adapters"
     shutil.copytree(adapters_dir, adapters)
     env = dict(TSERVE_API_KEYS=f"{USER},{USER2}", TSERVE_ADMIN_KEYS=ADMIN, TSERVE_LOG_LEVEL="debug",
-               TSERVE_WARMUP="false")  # fmt: skip
+               TSERVE_WARMUP="false", TSERVE_CHAT_TEMPLATE=lm_chat_template(adapters.parent))  # fmt: skip
     with running_server(models_dir, adapters, **env) as s:
         yield s
 

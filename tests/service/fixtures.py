@@ -76,6 +76,18 @@ TEXTS = ["the quick brown fox jumps over the lazy dog", "i love this", "the box 
 # Prompts the HTTP tests generate from.
 PROMPTS = ["the quick brown", "hello world", "to be or", "all that", "le chat", "numbers 0 1", "def main", "a journey"]
 
+# A chat template for our own LM, which has none (the setting chat_template gives it one): "</s>" is its EOS, a
+# control token the template writes.
+LM_CHAT_TEMPLATE = ("<s>{% for m in messages %}{{ m.role }}: {{ m.content }}</s>\n{% endfor %}"
+                    "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+def lm_chat_template(directory: Path) -> str:
+    """The setting chat_template that gives LM the template LM_CHAT_TEMPLATE (written into ``directory``)."""
+    path = directory / "lm_chat.jinja"
+    path.write_text(LM_CHAT_TEMPLATE)
+    return f"{LM}={path}"
+
 
 def write_translation(path: Path, n: int, seed: int, variant: int | None = None) -> Path:
     """``n`` commands like "delete file 7" -> "borrar archivo 7".

@@ -1,6 +1,8 @@
 """Every example of the README's "Using the API" section runs against a real server (``python -m service`` on
 127.0.0.1, the tests' tiny models under the default models' names) and answers as the README says: each curl
 command a 2xx, the structured-output examples complete outputs that parse, the OpenAI client example its choices.
+The "Chat" section's examples run against a tiny random instruct model with a ChatML template
+(tests/deploy/chat_model.py) served under the README's name for one.
 """
 
 from __future__ import annotations
@@ -16,17 +18,21 @@ import jsonschema
 import pytest
 
 from service.local_server import ROOT, running_server
+from tests.deploy.chat_model import chat_model_directory
 from tests.service.conftest import ADAPTERS, CLS, LM, MT
+from tests.service.server import sse_data
 
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 SECTION = README[README.index("## Using the API"):README.index("### Serve a Hugging Face model")]
 NAMES = {"translation": MT, "langid": CLS, "code": LM}  # the README's model names -> the tests' models
+CHAT_SECTION = README[README.index("### Chat"):README.index("## Training on your own data")]
+CHAT_MODEL = "SmolLM2-135M-Instruct"  # the README's instruct model
 
 
-def commands() -> list[str]:
-    """The shell commands of the section's bash blocks (continued lines joined, comments dropped)."""
+def commands(section: str = SECTION) -> list[str]:
+    """The shell commands of a section's bash blocks (continued lines joined, comments dropped)."""
     found = []
-    for block in re.findall(r"```bash\n(.*?)```", SECTION, re.S):
+    for block in re.findall(r"```bash\n(.*?)```", section, re.S):
         pending = ""
         for line in re.sub(r"\\\n\s*", "", block).splitlines():
             pending = f"{pending} {line.strip()}" if pending else line.split("   #")[0].strip()
@@ -90,3 +96,38 @@ def test_the_openai_client_example_runs(readme_server):
     assert done.returncode == 0, done.stderr[-2000:]
     choices, sizes = done.stdout.strip().splitlines()
     assert len(ast.literal_eval(choices)) == 2 and sizes.split()[0] == "2"
+
+
+@pytest.fixture(scope="module")
+def chat_server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("readme-chat")
+    chat_model_directory(root / "models" / CHAT_MODEL)
+    with running_server(root / "models", TSERVE_WARMUP="false") as server:
+        yield server, root
+
+
+def test_every_chat_curl_example_answers_as_the_readme_says(chat_server):
+    server, root = chat_server
+    found = commands(CHAT_SECTION)
+    assert len(found) == 2, found  # plain and streamed
+    for command in found:
+        done = run(command.replace("curl", "curl -sS -w '\\n%{http_code}'", 1), server.url, root)
+        body, _, status = done.stdout.rpartition("\n")
+        assert done.returncode == 0 and status == "200", (command, done.stdout[-800:], done.stderr)
+        if '"stream": true' in command:  # OpenAI's chunks, the usage last, then [DONE]
+            events = sse_data(body.splitlines())
+            assert events[-1] == "[DONE]" and events[0]["choices"][0]["delta"]["role"] == "assistant", events[:2]
+            assert {e["object"] for e in events[:-1]} == {"chat.completion.chunk"}
+            assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] > 0
+        else:
+            answer = json.loads(body)
+            assert answer["object"] == "chat.completion" and answer["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_the_openai_chat_example_runs(chat_server):
+    server, root = chat_server
+    snippet = next(b for b in re.findall(r"```python\n(.*?)```", CHAT_SECTION, re.S) if "chat.completions" in b)
+    snippet = snippet.replace("http://127.0.0.1:8000", server.url) + "\nprint()\nprint(len(messages))\n"
+    done = subprocess.run([sys.executable, "-c", snippet], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-1] == "4"  # system, user, the reply, the next user message

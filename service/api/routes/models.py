@@ -42,6 +42,7 @@ _COMMON = (400, 401, 404, 413, 422, 429, 500, 503, 504)
 
 
 def model_schema(info: ModelInfo, created: int) -> ModelInfoSchema:
+    """A model's entry, as GET /v1/models lists it and PUT /v1/models/NAME answers it."""
     return ModelInfoSchema.model_validate({**dataclasses.asdict(info), "id": info.name, "created": created})
 
 

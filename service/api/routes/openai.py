@@ -32,6 +32,7 @@ from service.api.schemas import (
     DEFAULT_MAX_TOKENS,
     MIN_TEMPERATURE,
     MIN_TOP_P,
+    ChatCompletionRequest,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
@@ -136,7 +137,7 @@ def echo_logprobs(decode: Callable[[list[int]], str], prompt: list[int], prompt_
                               top_logprobs=tops, text_offset=offsets)
 
 
-def completion_constraint(req: CompletionRequest) -> ConstraintRequest | None:
+def completion_constraint(req: CompletionRequest | ChatCompletionRequest) -> ConstraintRequest | None:
     """The constraint of vLLM's guided_* fields or OpenAI's response_format (at most one of them)."""
     given = {name: value for name, value in (("guided_json", req.guided_json), ("guided_regex", req.guided_regex),
                                              ("guided_choice", req.guided_choice))
@@ -169,14 +170,19 @@ def completion_request(req: CompletionRequest, prompts: list[str], adapter: str 
     """The engine's request for an OpenAI completion: top-p sampling, or greedy as temperature / top_p -> 0."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     max_tokens = req.max_tokens if req.max_tokens is not None else worker.capped_new_tokens(DEFAULT_MAX_TOKENS)
-    common = dict(max_new_tokens=max_tokens, seed=req.seed, logprobs=req.logprobs)
-    if req.temperature < MIN_TEMPERATURE or req.top_p < MIN_TOP_P:  # both tend to greedy in the limit
-        decoding = DecodingOptions(strategy=Strategy.GREEDY, **common)
-    else:
-        decoding = DecodingOptions(strategy=Strategy.SAMPLE, temperature=req.temperature, top_p=req.top_p,
-                                   num_return_sequences=1 if req.stream else req.n, **common)
+    decoding = decoding_options(req.temperature, req.top_p, 1 if req.stream else req.n, max_new_tokens=max_tokens,
+                                seed=req.seed, logprobs=req.logprobs)
     return GenerationRequest(inputs=prompts, decoding=decoding, stop=stop, adapter=adapter,
                              constraint=convert.constraint(completion_constraint(req)))
+
+
+def decoding_options(temperature: float, top_p: float, samples: int, **given: Any) -> DecodingOptions:
+    """OpenAI's sampling: top-p sampling of ``samples`` sequences, or greedy as temperature / top_p -> 0 (both tend
+    to greedy in the limit); ``given``: more DecodingOptions fields."""
+    if temperature < MIN_TEMPERATURE or top_p < MIN_TOP_P:
+        return DecodingOptions(strategy=Strategy.GREEDY, **given)
+    return DecodingOptions(strategy=Strategy.SAMPLE, temperature=temperature, top_p=top_p,
+                           num_return_sequences=samples, **given)
 
 
 @router.post(
@@ -258,14 +264,8 @@ async def _stream(
     with n > 1 the samples differ from the unstreamed ones (equally valid draws).
     """
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    streams: list[AsyncIterator[StreamEvent]] = []
+    streams = await seeded_streams(worker, generate, prompts, req.n, rid, queue)
     try:
-        for k, prompt in enumerate(p for p in prompts for _ in range(req.n)):
-            seed = None if generate.decoding.seed is None else generate.decoding.seed + k
-            one = dataclasses.replace(generate, inputs=[prompt], decoding=dataclasses.replace(generate.decoding,
-                                                                                            seed=seed))
-            streams.append(await worker.stream(one, rid,
-                                               queue))
         prompt_count = await worker.prompt_tokens(prompts) if include_usage else 0  # once each, as unstreamed
     except BaseException:
         _discard(streams)
@@ -292,6 +292,23 @@ async def _stream(
         return [{**head, "choices": [], "usage": usage}]
 
     return await sse_response(merge(streams), chunk, rid, after=usage_chunk)
+
+
+async def seeded_streams(worker: ModelWorker, generate: GenerationRequest, prompts: list[str], n: int, rid: str,
+                         queue: QueueTag) -> list[AsyncIterator[StreamEvent]]:
+    """One engine stream per (prompt, choice), in that order: stream k samples with seed + k. A refusal of any
+    discards those opened before it."""
+    streams: list[AsyncIterator[StreamEvent]] = []
+    try:
+        for k, prompt in enumerate(p for p in prompts for _ in range(n)):
+            seed = None if generate.decoding.seed is None else generate.decoding.seed + k
+            one = dataclasses.replace(generate, inputs=[prompt], decoding=dataclasses.replace(generate.decoding,
+                                                                                            seed=seed))
+            streams.append(await worker.stream(one, rid, queue))
+    except BaseException:
+        _discard(streams)
+        raise
+    return streams
 
 
 _discarding: set[asyncio.Task] = set()

@@ -2,6 +2,19 @@
 
 from __future__ import annotations
 
+from service.api.schemas.chat import (  # noqa: F401
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    ChoiceLogprobs,
+    FunctionDefinition,
+    NamedToolChoice,
+    TextPart,
+    Tool,
+    ToolCall,
+)
 from service.api.schemas.common import (  # noqa: F401
     DEFAULT_MAX_TOKENS,
     DEFAULT_NEW_TOKENS,

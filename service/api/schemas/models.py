@@ -66,6 +66,12 @@ class ModelInfoSchema(BaseModel):
         None, description="A classifier's calibration (calibration.json): the temperature its probabilities are "
         "scaled by and min_confidence, below which it answers \"unknown\" unless a request sets its own."
     )
+    chat_template: bool = Field(False, description="Whether /v1/chat/completions can lay out its conversations "
+                                "(a causal LM with a chat template).")
+    tool_call_format: Literal["hermes"] | None = Field(
+        None, description="How its chat template writes tool calls, where /v1/chat/completions reads them into "
+        "tool_calls (hermes: <tool_call> JSON </tool_call>); null: calls, if any, come back as content."
+    )
     embedding_defaults: dict[str, str | bool] | None = Field(
         None, description="A classifier's embed defaults, for requests that leave them unset: pooling and "
         "normalize (unit-length vectors). A sentence-transformers model's come from its modules (often normalized); "

@@ -1,4 +1,5 @@
-// tserve playground: pick a model and adapter, run it, look at its attention. No build step, no deps.
+// tserve playground: pick a model and adapter, run it, look at its attention; the chat view is chat.js.
+// No build step, no deps.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -44,7 +45,8 @@ function headers() {
 async function errorText(response) {
   try {
     const body = await response.json();
-    if (body.error) return `${response.status} ${body.error.code}: ${body.error.message}`;
+    const field = body.error && body.error.field ? ` (field: ${body.error.field})` : "";
+    if (body.error) return `${response.status} ${body.error.code}: ${body.error.message}${field}`;
   } catch (_) { /* not JSON */ }
   return `${response.status} ${response.statusText}`;
 }
@@ -81,6 +83,7 @@ async function guarded(button, work) {
 async function loadModels() {
   const list = await api("GET", "v1/models");
   state.models = list.data;
+  document.dispatchEvent(new CustomEvent("tserve:models", { detail: state.models }));  // chat.js lists its own
   const select = $("model");
   select.replaceChildren(...state.models.map((m) => new Option(`${m.name} (${m.family})`, m.name)));
   if (!state.models.length) {
@@ -122,15 +125,15 @@ async function selectModel(name) {
   $("attn-input").value = example;
   $("attn-target").value = "";
   clearHeatmap();
-  await loadAdapters();
+  await fillAdapters($("adapter"), state.model);
 }
 
-async function loadAdapters() {
-  const select = $("adapter");
+// The adapters of model m into a <select>, "(base model)" first: the server's list, else the model list's.
+async function fillAdapters(select, m) {
   const keep = select.value;
-  let names = state.model.adapters.map((a) => (typeof a === "string" ? a : a.name));
+  let names = m.adapters.map((a) => (typeof a === "string" ? a : a.name));
   try {
-    names = (await api("GET", modelPath("adapters"))).adapters.map((a) => a.name);
+    names = (await api("GET", `v1/models/${encodeURIComponent(m.name)}/adapters`)).adapters.map((a) => a.name);
   } catch (_) { /* the model list's resident adapters will do */ }
   select.replaceChildren(new Option("(base model)", ""), ...[...new Set(names)].sort().map((n) => new Option(n, n)));
   select.value = names.includes(keep) ? keep : "";
@@ -192,13 +195,26 @@ async function runGenerate() {
 async function streamGenerate(body, onText) {
   const response = await fetch(modelPath("generate"), { method: "POST", headers: headers(), body: JSON.stringify(body) });
   if (!response.ok) throw new Error(await errorText(response));
+  const result = { text: "", tokens: [], finish_reason: null, events: 0 };
+  await readEvents(response, (event) => {
+    result.events += 1;
+    result.text += event.text;
+    if (event.token !== null && event.token !== undefined) result.tokens.push(event.token);
+    if (event.finish_reason) result.finish_reason = event.finish_reason;
+    onText(event.text);
+  });
+  return result;
+}
+
+// Each `data:` event of a server-sent event stream, JSON-decoded, to onEvent as it arrives, up to `data: [DONE]`;
+// an error event (the server's, once the stream has started) is thrown.
+async function readEvents(response, onEvent) {
   const reader = response.body.getReader();
   const decoder = new TextDecoder();
-  const result = { text: "", tokens: [], finish_reason: null, events: 0 };
   let buffer = "";
   for (;;) {
     const { value, done } = await reader.read();
-    if (done) break;
+    if (done) return;
     buffer += decoder.decode(value, { stream: true });
     let end;
     while ((end = buffer.indexOf("\n\n")) >= 0) {
@@ -207,18 +223,13 @@ async function streamGenerate(body, onText) {
       for (const line of block.split("\n")) {
         if (!line.startsWith("data:")) continue;
         const data = line.slice(5).trim();
-        if (data === "[DONE]") return result;
+        if (data === "[DONE]") return;
         const event = JSON.parse(data);
         if (event.error) throw new Error(`${event.error.code}: ${event.error.message}`);
-        result.events += 1;
-        result.text += event.text;
-        if (event.token !== null && event.token !== undefined) result.tokens.push(event.token);
-        if (event.finish_reason) result.finish_reason = event.finish_reason;
-        onText(event.text);
+        onEvent(event);
       }
     }
   }
-  return result;
 }
 
 // ---- classify ---------------------------------------------------------------------------------
@@ -351,7 +362,20 @@ function clearHeatmap() {
 
 // ---- wiring -----------------------------------------------------------------------------------
 
+// The models view (task and attention cards) or the chat view; ?tab=chat opens on the chat.
+function showView(name) {
+  const chat = name === "chat";
+  $("models-view").hidden = chat;
+  $("model-pickers").hidden = chat;
+  $("chat-view").hidden = !chat;
+  $("tab-models").setAttribute("aria-selected", String(!chat));
+  $("tab-chat").setAttribute("aria-selected", String(chat));
+}
+
 function init() {
+  showView(new URLSearchParams(location.search).get("tab") === "chat" ? "chat" : "models");
+  $("tab-models").addEventListener("click", () => showView("models"));
+  $("tab-chat").addEventListener("click", () => showView("chat"));
   $("api-key").value = localStorage.getItem("tserve-api-key") || "";
   $("api-key").addEventListener("change", () => {
     localStorage.setItem("tserve-api-key", $("api-key").value.trim());
