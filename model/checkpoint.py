@@ -79,6 +79,7 @@ class Checkpoint:
     embedding: EmbeddingDefaults | None = None  # a sentence-transformers save's pooling and normalization
     generation: GenerationRules | None = None  # a generation_config.json's rules and defaults (model.hf.generation)
     calibration: Calibration | None = None  # a classifier's calibration.json (model.calibration)
+    score_activation: str | None = None  # a CrossEncoder's (model.hf.sentence.score_activation)
 
     @property
     def family(self) -> str:

@@ -14,6 +14,16 @@ from model.layers import Embeddings, LayerStack, init_weights, padding_mask
 POOLINGS = ("cls", "mean", "max")
 
 
+def label_scores(logits: torch.Tensor, activation: str, temperature: float = 1.0) -> torch.Tensor:
+    """What a classifier serves for its logits (B, num_labels) (ClassifierConfig.output_activation): softmax or
+    sigmoid of logits / ``temperature`` (the calibration), or the raw values ("none": regression)."""
+    if activation == "none":
+        return logits
+    if activation == "sigmoid":
+        return torch.sigmoid(logits / temperature)
+    return torch.softmax(logits / temperature, dim=-1)
+
+
 class MaskedLMHead(nn.Module):
     """BERT's MLM head: dense + GELU + LayerNorm, then a projection tied to the token embedding."""
 
@@ -35,7 +45,7 @@ class TransformerClassifier(nn.Module):
     def __init__(self, config: ClassifierConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed = Embeddings(config, config.vocab_size, config.type_vocab_size)
+        self.embed = Embeddings(config, config.vocab_size, config.type_vocab_size, config.position_offset)
         self.encoder = LayerStack(config, config.n_layers)
         self.pooler = Linear(config.d_model, config.d_model) if config.pooler else None
         self.dropout = nn.Dropout(config.dropout)
@@ -63,9 +73,13 @@ class TransformerClassifier(nn.Module):
         return run_encoder(self.encoder, self.embed(ids, segments=segments), mask, attention_weights, keep)
 
     def pool(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The pooled [CLS] representation (B, D) the heads read."""
+        """The pooled [CLS] representation (B, D) the heads read: act(dense([CLS])) with the pooler (BERT's pooler,
+        RoBERTa's head dense, DistilBERT's pre_classifier), else [CLS] itself."""
         cls = hidden[:, 0]
-        return torch.tanh(self.pooler(cls)) if self.pooler is not None else cls
+        if self.pooler is None:
+            return cls
+        pooled = self.pooler(cls)
+        return torch.tanh(pooled) if self.config.pooler_activation == "tanh" else F.relu(pooled)
 
     def forward(self, ids: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
         """Class logits (B, num_labels); ValueError for a model without a classification head."""

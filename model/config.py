@@ -4,7 +4,8 @@ The shared fields can express the paper's base model, GPT-2 and BERT exactly:
 
 - paper / Marian: sinusoidal positions, post-LN, ReLU, scaled and tied embeddings;
 - GPT-2: learned positions, pre-LN with a final LayerNorm, tanh-approximated GELU, no scaling;
-- BERT: learned positions, segment embeddings, embedding LayerNorm, post-LN, exact GELU.
+- BERT: learned positions, segment embeddings, embedding LayerNorm, post-LN, exact GELU; RoBERTa and DistilBERT
+  add a position offset and a ReLU pooler (ClassifierConfig).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ NORM_TYPES = ("layer", "rms")
 FFNS = ("mlp", "gated")
 NORMS = ("pre", "post")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
+POOLER_ACTIVATIONS = ("tanh", "relu")
+OUTPUT_ACTIVATIONS = ("softmax", "sigmoid", "none")  # a classifier's served outputs
 
 
 class ModelConfigError(ValueError):
@@ -191,8 +194,15 @@ class ClassifierConfig(TransformerConfig):
     n_layers: int = 4
     num_labels: int = 2  # 0: no classification head (an embedding model)
     type_vocab_size: int = 2  # segment embeddings for sentence pairs (0 = off)
-    pooler: bool = True  # BERT's dense + tanh on the [CLS] state before the classification head
+    pooler: bool = True  # a dense layer + pooler_activation on the [CLS] state before the classification head
     cls_id: int = 4
+    pooler_activation: str = "tanh"  # "tanh" (BERT's pooler, RoBERTa's head dense) or "relu" (DistilBERT's)
+    # > 0: positions count non-pad tokens from here, pads at position_offset - 1 (RoBERTa / fairseq: pad_id + 1);
+    # the position table then has max_len + position_offset rows. 0: position t is t (BERT).
+    position_offset: int = 0
+    # what classify serves from the logits: "softmax" (single-label), "sigmoid" (multi-label: each label's
+    # probability; a one-label relevance score), "none" (regression: the raw values)
+    output_activation: str = "softmax"
 
     family: ClassVar[str] = "classifier"
 
@@ -203,6 +213,11 @@ class ClassifierConfig(TransformerConfig):
                "must keep their defaults: the Llama-style blocks are for causal_lm only")
         _check(self.num_labels >= 0, "num_labels", "must be >= 0 (0 = no classification head)")
         _check(self.type_vocab_size >= 0, "type_vocab_size", "must be >= 0")
+        _check(self.pooler_activation in POOLER_ACTIVATIONS, "pooler_activation",
+               f"must be one of {POOLER_ACTIVATIONS}")
+        _check(self.position_offset >= 0, "position_offset", "must be >= 0")
+        _check(self.output_activation in OUTPUT_ACTIVATIONS, "output_activation",
+               f"must be one of {OUTPUT_ACTIVATIONS}")
 
 
 @dataclass

@@ -37,7 +37,9 @@ def sinusoidal_table(max_len: int, d_model: int) -> torch.Tensor:
 class Embeddings(nn.Module):
     """Token embedding (optionally * sqrt(d_model)) + positions (+ segments), then optional LayerNorm, dropout."""
 
-    def __init__(self, config: TransformerConfig, vocab_size: int, type_vocab_size: int = 0) -> None:
+    def __init__(self, config: TransformerConfig, vocab_size: int, type_vocab_size: int = 0,
+                 position_offset: int = 0) -> None:
+        """``position_offset`` > 0: positions count the non-pad tokens from it (:func:`counted_positions`)."""
         super().__init__()
         self.tokens = nn.Embedding(vocab_size, config.d_model, padding_idx=config.pad_id)
         self.scale = math.sqrt(config.d_model) if config.scale_embeddings else 1.0
@@ -45,7 +47,7 @@ class Embeddings(nn.Module):
         # Gemma (rope) multiplies by sqrt(d) rounded to the model's dtype; the paper and Marian by the exact number
         self.scale_in_dtype = self.rotary
         if config.positions == "learned":
-            self.positions = nn.Embedding(config.max_len, config.d_model)
+            self.positions = nn.Embedding(config.max_len + position_offset, config.d_model)
         elif self.rotary:
             self.positions = None
         else:
@@ -55,12 +57,16 @@ class Embeddings(nn.Module):
         self.norm = LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.embedding_norm else None
         self.dropout = nn.Dropout(config.dropout)
         self.max_len = config.max_len
+        self.position_offset = position_offset
+        self.pad_id = config.pad_id
 
     def forward(
         self, ids: torch.Tensor, positions: torch.Tensor | None = None, segments: torch.Tensor | None = None
     ) -> torch.Tensor:
         """ids (B, T) and optional positions (B, T) -> (B, T, D)."""
-        if positions is None:
+        if positions is None and self.position_offset:
+            positions = counted_positions(ids, self.pad_id, self.position_offset)
+        elif positions is None:
             positions = torch.arange(ids.shape[1], device=ids.device)[None, :]
         x = self.tokens(ids)
         if self.scale != 1.0:
@@ -74,6 +80,13 @@ class Embeddings(nn.Module):
         if self.norm is not None:
             x = self.norm(x)
         return self.dropout(x) if self.training else x
+
+
+def counted_positions(ids: torch.Tensor, pad_id: int, offset: int) -> torch.Tensor:
+    """RoBERTa's (fairseq's) positions (B, T): the n-th non-pad token of a row (n from 0) at ``offset + n``, pads at
+    ``offset - 1``, so a left-padded row starts where a right-padded one does."""
+    real = (ids != pad_id).long()
+    return real.cumsum(1) * real + (offset - 1)
 
 
 class RMSNorm(nn.Module):

@@ -72,6 +72,22 @@ class SpecialIds:
     mask: int | None = None
 
 
+@dataclass(frozen=True)
+class TokenSpans:
+    """One encoded text (or window of it): per token its id, piece (the vocabulary's string), character offsets
+    into the text ((0, 0) for a template token) and whether it is special (added by the template)."""
+
+    ids: list[int]
+    pieces: list[str]
+    offsets: list[tuple[int, int]]
+    special: list[bool]
+
+    def take(self, positions: Sequence[int]) -> TokenSpans:
+        """The tokens at ``positions``."""
+        return TokenSpans(*([column[i] for i in positions] for column in (self.ids, self.pieces, self.offsets,
+                                                                          self.special)))
+
+
 class Tokenizer:
     """Ours: byte-level BPE with the project's special tokens at ids 0..6. Or an imported Hugging Face
     tokenizer.json (GPT-2's byte-level BPE, BERT's WordPiece, ...) with its special ids given: it encodes
@@ -263,6 +279,31 @@ class Tokenizer:
             ids += b
             segments += [1] * len(b)
         return ids, segments
+
+    def encode_windows(self, text: str, max_length: int | None = None, stride: int = 0) -> list[TokenSpans]:
+        """``text`` by the tokenizer's own template, with each token's piece, character offsets into ``text`` and
+        special-token flag, as ``tokenizer(text, return_offsets_mapping=True, return_special_tokens_mask=True)``
+        gives them. With ``max_length``: windows of at most that many tokens, the template's tokens included, each
+        repeating the last ``stride`` text tokens of the one before (``truncation=True,
+        return_overflowing_tokens=True, stride=stride``); ValueError where ``stride`` leaves no room."""
+        encoding = self._backend.encode(text, add_special_tokens=True)  # offsets trimmed once, on the whole text
+        spans = TokenSpans(encoding.ids, encoding.tokens, encoding.offsets,
+                           [bool(s) for s in encoding.special_tokens_mask])
+        inside = [i for i, s in enumerate(encoding.sequence_ids) if s is not None]  # the text's tokens
+        if max_length is None or not inside:
+            return [spans]
+        first, last = inside[0], inside[-1] + 1
+        room = max_length - (len(spans.ids) - (last - first))  # text tokens per window
+        if not 0 <= stride < room:
+            raise ValueError(f"stride must be >= 0 and below max_length minus the template's tokens ({room}), "
+                             f"got {stride}")
+        windows, start = [], first
+        while True:  # Encoding.truncate's windows, each wrapped in the template's tokens
+            end = min(start + room, last)
+            windows.append(spans.take([*range(first), *range(start, end), *range(last, len(spans.ids))]))
+            if end == last:
+                return windows
+            start = end - stride
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; ids outside the vocabulary (e.g. padded embedding rows) are dropped."""

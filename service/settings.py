@@ -108,6 +108,10 @@ class Settings:
     max_beams: int = _engine("TSERVE_MAX_BEAMS", "cap on num_beams", int)
     max_return_sequences: int = _engine("TSERVE_MAX_RETURN_SEQUENCES", "cap on num_return_sequences / n", int)
     max_inputs: int = _engine("TSERVE_MAX_INPUTS", "most inputs (prompts) in one request", int)
+    max_rerank_documents: int = _engine(
+        "TSERVE_MAX_RERANK_DOCUMENTS", "most documents in one rerank request (texts in one score request's text_2; "
+        "422 above)", int
+    )
     max_tokens_per_request: int = _engine(
         "TSERVE_MAX_TOKENS_PER_REQUEST",
         "most token entries one generate / completions request may produce, checked before it runs: rows (inputs x "
@@ -234,6 +238,7 @@ class Settings:
             "max_beams",
             "max_return_sequences",
             "max_inputs",
+            "max_rerank_documents",
             "max_tokens_per_request",
             "max_resident_adapters",
             "max_body_bytes",

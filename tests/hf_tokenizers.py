@@ -1,13 +1,16 @@
 """Tokenizer files as the Llama family ships them, trained here with `tokenizers` (nothing downloaded): byte-level
 BPE (GPT-2's pre-tokenizer, SmolLM2's single digits, Qwen2's regex split and NFC), SentencePiece-converted BPE with
 byte fallback as transformers' LlamaConverter writes it (Llama 2's legacy normalizer or a Metaspace pre-tokenizer),
-and a Unigram; ``write_directory`` lays one out with tokenizer_config.json and config.json."""
+a Unigram (and XLM-R's, with sentencepiece's Precompiled normalizer), and the encoders' BERT WordPiece and RoBERTa
+byte-level BPE; ``write_directory`` lays one out with tokenizer_config.json and config.json."""
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
+import pytest
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from model.config import CausalLMConfig
@@ -74,6 +77,63 @@ def unigram() -> Tokenizer:
     backend.decoder = decoders.Metaspace()
     backend.train_from_iterator(CORPUS + SPM_CORPUS, trainers.UnigramTrainer(
         vocab_size=150, special_tokens=["<unk>", "<s>", "</s>"], unk_token="<unk>", show_progress=False))
+    return backend
+
+
+def wordpiece(lowercase: bool, strip_accents: bool | None) -> Tokenizer:
+    """BERT's WordPiece (BertNormalizer with ``lowercase`` / ``strip_accents``, "##" pieces, [CLS] a [SEP] (b [SEP]));
+    characters outside the training texts are [UNK]."""
+    backend = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    backend.normalizer = normalizers.BertNormalizer(lowercase=lowercase, strip_accents=strip_accents)
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece()
+    backend.train_from_iterator(CORPUS + SPM_CORPUS, trainers.WordPieceTrainer(
+        vocab_size=300, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"], show_progress=False))
+    cls, sep = backend.token_to_id("[CLS]"), backend.token_to_id("[SEP]")
+    backend.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+    return backend
+
+
+def roberta_bpe() -> Tokenizer:
+    """RoBERTa's byte-level BPE: <s> <pad> </s> <unk> first, <mask> last, <s> a </s> (</s> b </s>) with offsets
+    trimmed of the leading space."""
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator(CORPUS + SPM_CORPUS, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<s>", "<pad>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    backend.add_special_tokens(["<mask>"])
+    backend.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0), trim_offsets=True,
+                                                          add_prefix_space=False)
+    return backend
+
+
+def sentencepiece_unigram() -> Tokenizer:
+    """A Unigram as XLM-R's tokenizer.json has it (transformers' XLMRobertaConverter): trained by sentencepiece with
+    its nmt_nfkc rules (a Precompiled normalizer, then runs of spaces made one), <s> <pad> </s> <unk> first and
+    <mask> last, a Metaspace pre-tokenizer and decoder, <s> a </s> (</s> b </s>)."""
+    spm = pytest.importorskip("sentencepiece")
+    from sentencepiece import sentencepiece_model_pb2
+
+    written = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(CORPUS + SPM_CORPUS), model_writer=written,
+                                   vocab_size=200, hard_vocab_limit=False, model_type="unigram",
+                                   normalization_rule_name="nmt_nfkc", num_threads=1, minloglevel=2)
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(written.getvalue())
+    vocab = [("<s>", 0.0), ("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0),
+             *((p.piece, p.score) for p in proto.pieces[3:]), ("<mask>", 0.0)]  # sentencepiece's <unk> <s> </s> out
+    backend = Tokenizer(models.Unigram(vocab, unk_id=3, byte_fallback=False))
+    backend.normalizer = normalizers.Sequence([normalizers.Precompiled(proto.normalizer_spec.precompiled_charsmap),
+                                               normalizers.Replace(Regex(" {2,}"), " ")])
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 2)])
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t in ("<s>", "<pad>", "</s>", "<unk>", "<mask>")])
     return backend
 
 

@@ -100,12 +100,18 @@ def calibrate(logits: torch.Tensor, labels: torch.Tensor, max_rejected: float) -
 
 
 def load_classifier(model_dir: Path) -> Checkpoint:
-    """A classifier checkpoint with labels, on the CPU in float32 (ValueError for another model)."""
+    """A single-label (softmax) classifier checkpoint with labels, on the CPU in float32 (ValueError for another
+    model)."""
     from model.checkpoint import load_checkpoint
 
     checkpoint = load_checkpoint(model_dir, device="cpu", dtype=torch.float32)
     if checkpoint.family != "classifier" or not checkpoint.labels:
         raise ValueError(f"{model_dir}: calibrates a classifier with labels, got a {checkpoint.family} model")
+    activation = checkpoint.config.output_activation
+    if activation != "softmax":
+        raise ValueError(f"{model_dir}: output_activation={activation!r}, but calibration fits the temperature of a "
+                         "single-label classifier's softmax (output_activation='softmax'); a multi-label (sigmoid) "
+                         "or regression (none) model is not calibrated")
     return checkpoint
 
 

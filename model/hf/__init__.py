@@ -4,7 +4,8 @@
 the weights (safetensors only) and maps them onto our module names. One module per architecture, each with
 ``ARCHITECTURES`` (the ``architectures`` names it takes), ``to_config`` (HF config -> ours) and ``state_dict``
 (HF tensors -> ours), and ``ADAPTER_LAYOUT`` (PEFT adapters in its names <-> ours): gpt2.py (GPT2LMHeadModel,
-GPT2Model), bert.py (BertForSequenceClassification, BertModel), marian.py (MarianMTModel), llama.py
+GPT2Model), bert.py (BertForSequenceClassification, BertModel) and its thin maps roberta.py (RoBERTa's and
+XLM-RoBERTa's) and distilbert.py, marian.py (MarianMTModel), llama.py
 (LlamaForCausalLM) and the Llama family's thin maps over it: mistral.py (MistralForCausalLM), qwen2.py
 (Qwen2ForCausalLM), qwen3.py (Qwen3ForCausalLM), phi3.py (Phi3ForCausalLM), gemma3.py (Gemma3ForCausalLM).
 :func:`hf_companions` reads what else the directory brings (model.checkpoint.load_hf_checkpoint adds it to the
@@ -28,14 +29,15 @@ from model.files import read_regular
 from model.hf.common import CONFIG_FILE, HFImportError, read_config, read_weights
 from model.hf.generation import GENERATION_FILE, generation_rules
 from model.hf.marian_tokenizer import MARIAN_FILES, is_marian_tokenizer, load_marian_tokenizers
-from model.hf.sentence import embedding_defaults, sentence_files
+from model.hf.sentence import embedding_defaults, score_activation, sentence_files
 from model.hf.tokenizer import TOKENIZER_FILES, load_tokenizer
 from model.tokenizer import MAX_TOKENIZER_BYTES  # the largest file a companion may be
 
 # config.json's model_type -> the module of its importer (imported when a directory of that type loads)
 IMPORTERS = {"gpt2": "model.hf.gpt2", "bert": "model.hf.bert", "marian": "model.hf.marian",
              "llama": "model.hf.llama", "mistral": "model.hf.mistral", "qwen2": "model.hf.qwen2",
-             "qwen3": "model.hf.qwen3", "phi3": "model.hf.phi3", "gemma3_text": "model.hf.gemma3"}
+             "qwen3": "model.hf.qwen3", "phi3": "model.hf.phi3", "gemma3_text": "model.hf.gemma3",
+             "roberta": "model.hf.roberta", "xlm-roberta": "model.hf.roberta", "distilbert": "model.hf.distilbert"}
 
 
 def is_hf_directory(directory: str | Path) -> bool:
@@ -89,6 +91,7 @@ def hf_companions(directory: Path, config: TransformerConfig) -> dict[str, Any]:
         "labels": importer.labels(hf) if hasattr(importer, "labels") else None,
         "adapter_layout": getattr(importer, "ADAPTER_LAYOUT", None),  # PEFT adapters' module names
         "embedding": embedding_defaults(directory),
+        "score_activation": score_activation(hf),
         "generation": generation_rules(directory, config) if config.family != "classifier" else None,
     }
 

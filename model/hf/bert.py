@@ -4,11 +4,14 @@ BERT is post-LN with learned positions, token-type (segment) embeddings and an e
 GELU, no final LayerNorm and unscaled embeddings; its pooler (dense + tanh on [CLS]) feeds the classification
 head. A BertModel saved with ``add_pooling_layer=False`` has no pooler weights, which config.json does not
 say: :func:`state_dict` sets ``pooler`` from the tensors. BERT's [CLS] id lives in the tokenizer, not in
-config.json, so ``cls_id`` keeps our default here.
+config.json, so ``cls_id`` keeps our default here. ``problem_type`` says what classify serves (PROBLEM_TYPES:
+softmax, each label's sigmoid, or a regression's raw values); one label without it is a sigmoid relevance score
+(a cross-encoder). :func:`encoder_config` and :func:`state_dict` also serve the BERT-shaped importers (roberta.py,
+distilbert.py).
 
 A PEFT LoRA adapter (on query, key, value, the dense Linears of a layer, pooler.dense) maps onto the same
-modules (ADAPTER_LAYOUT), and its own copy of the classification head (modules_to_save: ``classifier``) onto our
-``classifier``. Ours go back onto the same modules (``_to_peft``).
+modules (ADAPTER_LAYOUT, model.hf.encoder_adapters), and its own copy of the classification head (modules_to_save:
+``classifier``) onto our ``classifier``; ours go back onto the same modules.
 
 Neither architecture saves pre-training heads; ours (``mlm_head``, ``order_head``) load as zeros (uniform
 predictions; the MLM decoder stays tied to the token embedding).
@@ -16,13 +19,12 @@ predictions; the MLM decoder stays tied to the token embedding).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from model.config import ClassifierConfig, TransformerConfig
+from model.config import ClassifierConfig
 from model.hf.common import (
     CONFIG_FILE,
     HFImportError,
@@ -34,8 +36,7 @@ from model.hf.common import (
     strip_prefix,
     take,
 )
-from model.lora_config import LoRAConfig
-from model.lora_io import KEY_PREFIX, AdapterLayout, PeftFiles, peft_files, peft_targets, unmapped_tensor
+from model.hf.encoder_adapters import EncoderNames, adapter_layout
 
 HEAD = "BertForSequenceClassification"
 ARCHITECTURES = (HEAD, "BertModel")
@@ -44,9 +45,10 @@ RULES = (
     Unsupported("is_decoder", (False,), "a causal decoder"),
     Unsupported("add_cross_attention", (False,), "cross-attention layers"),
 )
-HEAD_RULES = (
-    Unsupported("problem_type", (None, "single_label_classification"), "sigmoid (multi-label) or regression outputs"),
-)
+# problem_type -> what classify serves (transformers' text-classification pipeline: sigmoid for multi-label and for
+# one label without a problem_type, softmax otherwise, regression raw)
+PROBLEM_TYPES = {"single_label_classification": "softmax", "multi_label_classification": "sigmoid",
+                 "regression": "none"}
 # A layer's Linears: ours -> BERT's (under encoder.layers.N. / encoder.layer.N.)
 LINEARS = {"self_attn.q_proj": "attention.self.query", "self_attn.k_proj": "attention.self.key",
            "self_attn.v_proj": "attention.self.value", "self_attn.out_proj": "attention.output.dense",
@@ -56,11 +58,15 @@ LEGACY_NORM_NAMES = {"LayerNorm.gamma": "LayerNorm.weight", "LayerNorm.beta": "L
 
 
 def labels(hf: Mapping[str, Any]) -> list[str] | None:
-    """The class names of a BertForSequenceClassification in id order (id2label; transformers' LABEL_i names
-    when it has none); None for a BertModel, which has no classification head."""
-    if HEAD not in (hf.get("architectures") or ARCHITECTURES[:1]):
+    """The class names of a BertForSequenceClassification in id order; None for a BertModel."""
+    return head_labels(hf, ARCHITECTURES, (HEAD,))
+
+
+def head_labels(hf: Mapping[str, Any], architectures: tuple[str, ...], heads: tuple[str, ...]) -> list[str] | None:
+    """The class names in id order (id2label; transformers' LABEL_i names when it has none) when config.json names
+    one of ``heads`` (a missing ``architectures`` counts as ``architectures[0]``); None for a headless model."""
+    if not set(heads) & set(hf.get("architectures") or architectures[:1]):
         return None
-    check_supported(hf, HEAD_RULES, HEAD)
     count = field(hf, "num_labels", default=None)
     id2label = field(hf, "id2label", dict, default=None)
     if id2label is None:
@@ -73,29 +79,54 @@ def labels(hf: Mapping[str, Any]) -> list[str] | None:
             raise HFImportError(f"{CONFIG_FILE}: id2label must map each id to a distinct non-empty name")
         if count is not None and count != len(names):
             raise HFImportError(f"{CONFIG_FILE}: num_labels={count} but id2label has {len(names)} labels")
-    if len(names) < 2:
-        raise HFImportError(f"{CONFIG_FILE}: num_labels={len(names)} is not supported for {HEAD} (one output is "
-                            "a regression or sigmoid score; supported: 2 or more)")
+    if not names:
+        raise HFImportError(f"{CONFIG_FILE}: num_labels=0 is not supported for {heads[0]} (supported: 1 or more)")
     return names
+
+
+def output_activation(hf: Mapping[str, Any], num_labels: int) -> str:
+    """What classify serves for config.json's problem_type (PROBLEM_TYPES; None: sigmoid for one label, as
+    transformers' pipeline and sentence-transformers' CrossEncoder apply, else softmax)."""
+    problem = field(hf, "problem_type", str, default=None)
+    if problem is None:
+        return "sigmoid" if num_labels == 1 else "softmax"
+    if problem not in PROBLEM_TYPES:
+        raise HFImportError(f"{CONFIG_FILE}: problem_type={problem!r} is not supported (supported: "
+                            f"{sorted(PROBLEM_TYPES)})")
+    return PROBLEM_TYPES[problem]
 
 
 def to_config(hf: Mapping[str, Any]) -> ClassifierConfig:
     """Our config for BERT's config.json (HFImportError naming a field we cannot express)."""
     check_supported(hf, RULES, "BERT")
-    vocab = field(hf, "vocab_size", default=30522)
-    pad = field(hf, "pad_token_id", default=0)
+    return encoder_config(hf, labels(hf), layer_norm_eps=field(hf, "layer_norm_eps", float, 1e-12))
+
+
+def encoder_config(hf: Mapping[str, Any], label_names: list[str] | None, *, layer_norm_eps: float,
+                   vocab: int = 30522, pad: int = 0, max_positions: int = 512, type_vocab: int = 2,
+                   offset_positions: bool = False) -> ClassifierConfig:
+    """Our config for a BERT-named config.json (hidden_size, num_attention_heads...; the defaults are the
+    architecture's); ``offset_positions``: RoBERTa's positions from pad_token_id + 1."""
+    vocab = field(hf, "vocab_size", default=vocab)
+    pad = field(hf, "pad_token_id", default=pad)
     if not 0 <= pad < vocab:
         raise HFImportError(f"{CONFIG_FILE}: pad_token_id={pad} is outside the vocabulary (vocab_size={vocab})")
-    type_vocab = field(hf, "type_vocab_size", default=2)
+    type_vocab = field(hf, "type_vocab_size", default=type_vocab)
     if type_vocab < 1:
         raise HFImportError(f"{CONFIG_FILE}: type_vocab_size={type_vocab} is not supported (supported: >= 1)")
+    offset = pad + 1 if offset_positions else 0
+    positions = field(hf, "max_position_embeddings", default=max_positions)
+    if positions <= offset:
+        raise HFImportError(f"{CONFIG_FILE}: max_position_embeddings={positions} leaves no position after the "
+                            f"offset pad_token_id + 1 = {offset}")
+    num_labels = len(label_names or ())
     return ClassifierConfig(
         vocab_size=vocab,
         d_model=field(hf, "hidden_size", default=768),
         n_heads=field(hf, "num_attention_heads", default=12),
         d_ff=field(hf, "intermediate_size", default=3072),
         dropout=0.0,
-        max_len=field(hf, "max_position_embeddings", default=512),
+        max_len=positions - offset,  # the longest input; the table has ``offset`` more rows
         positions="learned",
         norm="post",
         activation=activation(hf, "hidden_act", "gelu"),
@@ -104,41 +135,48 @@ def to_config(hf: Mapping[str, Any]) -> ClassifierConfig:
         tie_embeddings=True,  # the MLM decoder shares the word embedding, as BERT's does
         embedding_norm=True,
         final_norm=False,
-        layer_norm_eps=field(hf, "layer_norm_eps", float, 1e-12),
+        layer_norm_eps=layer_norm_eps,
         pad_id=pad,
         n_layers=field(hf, "num_hidden_layers", default=12),
-        num_labels=len(labels(hf) or ()),
+        num_labels=num_labels,
         type_vocab_size=type_vocab,
         pooler=True,
+        position_offset=offset,
+        output_activation=output_activation(hf, num_labels) if num_labels else "softmax",
     )
 
 
 def state_dict(c: ClassifierConfig, tensors: Tensors) -> Tensors:
     """Our classifier's state dict from BERT's tensors (shapes checked); a BertModel without pooler weights
     sets ``c.pooler`` False."""
-    t = {_modern_name(k): v for k, v in strip_prefix(tensors, "bert.").items()}
+    t = modern_names(strip_prefix(tensors, "bert."))
     d, ff = c.d_model, c.d_ff
     embed = take(t, "embeddings.word_embeddings.weight", (c.vocab_size, d))
     ours = {
         "embed.tokens.weight": embed,
-        "embed.positions.weight": take(t, "embeddings.position_embeddings.weight", (c.max_len, d)),
+        "embed.positions.weight": take(t, "embeddings.position_embeddings.weight", (c.max_len + c.position_offset, d)),
         "embed.segments.weight": take(t, "embeddings.token_type_embeddings.weight", (c.type_vocab_size, d)),
-        **_weight_bias(t, "embeddings.LayerNorm.", "embed.norm.", (d,)),
+        **weight_bias(t, "embeddings.LayerNorm.", "embed.norm.", (d,)),
     }
     for i in range(c.n_layers):
         p, q = f"encoder.layer.{i}.", f"encoder.layers.{i}."
         for name, theirs in LINEARS.items():
             shape = {"ffn.fc1": (ff, d), "ffn.fc2": (d, ff)}.get(name, (d, d))
-            ours |= _weight_bias(t, f"{p}{theirs}.", f"{q}{name}.", shape)
-        ours |= _weight_bias(t, f"{p}attention.output.LayerNorm.", f"{q}self_attn_norm.", (d,))
-        ours |= _weight_bias(t, f"{p}output.LayerNorm.", f"{q}ffn_norm.", (d,))
+            ours |= weight_bias(t, f"{p}{theirs}.", f"{q}{name}.", shape)
+        ours |= weight_bias(t, f"{p}attention.output.LayerNorm.", f"{q}self_attn_norm.", (d,))
+        ours |= weight_bias(t, f"{p}output.LayerNorm.", f"{q}ffn_norm.", (d,))
     if c.num_labels == 0:
         c.pooler = "pooler.dense.weight" in t  # BertModel(add_pooling_layer=False) saves none
     if c.pooler:
-        ours |= _weight_bias(t, "pooler.dense.", "pooler.", (d, d))
+        ours |= weight_bias(t, "pooler.dense.", "pooler.", (d, d))
     if c.num_labels:
-        ours |= _weight_bias(t, "classifier.", "classifier.", (c.num_labels, d))
-    return ours | _untrained_heads(c, embed)
+        ours |= weight_bias(t, "classifier.", "classifier.", (c.num_labels, d))
+    return ours | untrained_heads(c, embed)
+
+
+def modern_names(tensors: Tensors) -> Tensors:
+    """``tensors`` with TensorFlow-era LayerNorm names (LEGACY_NORM_NAMES) renamed."""
+    return {_modern_name(k): v for k, v in tensors.items()}
 
 
 def _modern_name(name: str) -> str:
@@ -148,12 +186,12 @@ def _modern_name(name: str) -> str:
     return name
 
 
-def _weight_bias(t: Tensors, theirs: str, ours: str, shape: tuple[int, ...]) -> Tensors:
+def weight_bias(t: Tensors, theirs: str, ours: str, shape: tuple[int, ...]) -> Tensors:
     """``theirs`` weight (``shape``) and bias (``shape[:1]``) of a Linear or LayerNorm, named ``ours``."""
     return {f"{ours}weight": take(t, f"{theirs}weight", shape), f"{ours}bias": take(t, f"{theirs}bias", shape[:1])}
 
 
-def _untrained_heads(c: ClassifierConfig, embed: torch.Tensor) -> Tensors:
+def untrained_heads(c: ClassifierConfig, embed: torch.Tensor) -> Tensors:
     """Our pre-training heads, which BERT's fine-tuned and base checkpoints do not carry: zero outputs."""
     d = c.d_model
     return {
@@ -165,55 +203,9 @@ def _untrained_heads(c: ClassifierConfig, embed: torch.Tensor) -> Tensors:
 
 
 # PEFT's target names (a module name, or a suffix of its path: "dense" is four Linears) -> our modules' last names
-_ADAPTER_TARGETS = {"query": ("q_proj",), "key": ("k_proj",), "value": ("v_proj",),
-                    "dense": ("out_proj", "fc1", "fc2", "pooler"), "attention.output.dense": ("out_proj",),
-                    "output.dense": ("out_proj", "fc2"), "intermediate.dense": ("fc1",), "pooler.dense": ("pooler",)}
-_ADAPTER_MODULES = {theirs: ours for ours, theirs in LINEARS.items()}
-_LAYER_LINEAR = "|".join(map(re.escape, _ADAPTER_MODULES))
-_ADAPTER_KEY = re.compile(rf"base_model\.model\.(?:bert\.)?(?:encoder\.layer\.(\d+)\.({_LAYER_LINEAR})|pooler\.dense)"
-                          r"\.lora_([AB])\.weight")
-_HEAD_KEY = re.compile(r"base_model\.model\.classifier\.(?:weight|bias)")  # the adapter's head copy: ours alike
-
-
-def _adapter_config(d: dict[str, Any]) -> dict[str, Any]:
-    return peft_targets(d, _ADAPTER_TARGETS, "BERT")
-
-
-def _adapter_tensors(tensors: dict[str, torch.Tensor], model: TransformerConfig) -> dict[str, torch.Tensor]:
-    ours = {}
-    for key, t in tensors.items():
-        if _HEAD_KEY.fullmatch(key):
-            ours[key] = t
-            continue
-        match = _ADAPTER_KEY.fullmatch(key)
-        if match is None:
-            raise unmapped_tensor(key, "BERT", _ADAPTER_TARGETS)
-        layer, module, kind = match.groups()
-        path = "pooler" if layer is None else f"encoder.layers.{layer}.{_ADAPTER_MODULES[module]}"
-        ours[f"base_model.model.{path}.lora_{kind}.weight"] = t
-    return ours
-
-
-_OUR_KEY = re.compile(rf"base_model\.model\.(?:encoder\.layers\.(\d+)\.({'|'.join(map(re.escape, LINEARS))})|pooler)"
-                      r"\.lora_([AB])\.weight")
-
-
-def _to_peft(config: LoRAConfig, tensors: dict[str, torch.Tensor], model: TransformerConfig) -> PeftFiles:
-    """Our adapter as PEFT's on BertForSequenceClassification (``bert.`` paths), or on a BertModel (no head).
-    task_type stays None: PEFT's SEQ_CLS would expect the adapter to carry its own classification head."""
-    prefix = "bert." if getattr(model, "num_labels", 0) else ""
-    theirs = {}
-    for key, t in tensors.items():
-        if _HEAD_KEY.fullmatch(key):  # BertForSequenceClassification's classifier: the same path
-            theirs[key] = t
-            continue
-        match = _OUR_KEY.fullmatch(key)
-        if match is None:
-            raise unmapped_tensor(key, "BERT", [*LINEARS, "pooler"])
-        layer, module, kind = match.groups()
-        path = "pooler.dense" if layer is None else f"encoder.layer.{layer}.{LINEARS[module]}"
-        theirs[f"{KEY_PREFIX}{prefix}{path}.lora_{kind}.weight"] = t
-    return peft_files(config, theirs, None)
-
-
-ADAPTER_LAYOUT = AdapterLayout(config=_adapter_config, tensors=_adapter_tensors, to_peft=_to_peft)
+ADAPTER_TARGETS = {"query": ("q_proj",), "key": ("k_proj",), "value": ("v_proj",),
+                   "dense": ("out_proj", "fc1", "fc2", "pooler"), "attention.output.dense": ("out_proj",),
+                   "output.dense": ("out_proj", "fc2"), "intermediate.dense": ("fc1",), "pooler.dense": ("pooler",)}
+ADAPTER_NAMES = EncoderNames("BERT", "bert.", "encoder.layer", LINEARS, ADAPTER_TARGETS,
+                             heads={"bert.pooler.dense": "pooler", "classifier": "classifier"})
+ADAPTER_LAYOUT = adapter_layout(ADAPTER_NAMES)

@@ -3,11 +3,13 @@
 A directory saved by sentence-transformers holds the Transformer at its root, ``modules.json`` listing the
 modules in order, and ``1_Pooling/config.json`` naming the pooling (cls, mean or max here), then optionally
 a Normalize module (unit-length vectors). Modules that change the vectors otherwise (Dense, weighted-mean or
-last-token pooling) are refused by name.
+last-token pooling) are refused by name. A CrossEncoder (one-label head) names the activation its scores go
+through in config.json (:func:`score_activation`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,10 @@ TRANSFORMER, POOLING, NORMALIZE = (f"sentence_transformers.models.{m}" for m in 
 POOLING_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean", "pooling_mode_max_tokens": "max"}
 UNSUPPORTED_MODES = ("pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens",
                      "pooling_mode_lasttoken")
+# A CrossEncoder's activation as config.json names it (a torch class path) -> ours (service.engine.rerank applies it)
+SCORE_ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid", "torch.nn.Sigmoid": "sigmoid",
+                     "torch.nn.modules.linear.Identity": "identity", "torch.nn.Identity": "identity",
+                     "torch.nn.modules.activation.Tanh": "tanh", "torch.nn.Tanh": "tanh"}
 
 
 @dataclass(frozen=True)
@@ -73,3 +79,19 @@ def _pooling(directory: Path, path: Any) -> str:
     if len(chosen) != 1:
         raise HFImportError(f"{path}/config.json: expected exactly one of {sorted(POOLING_MODES)}, got {chosen}")
     return chosen[0]
+
+
+def score_activation(hf: Mapping[str, Any]) -> str | None:
+    """The activation a CrossEncoder saved in config.json applies to its scores
+    (``sentence_transformers.activation_fn``; before sentence-transformers 4 ``sbert_ce_default_activation_function``):
+    "sigmoid", "identity" or "tanh"; None when it names none, or a class outside torch, which CrossEncoder too
+    ignores without trust_remote_code (its default then: sigmoid for one label). Another torch class is refused."""
+    saved = hf.get("sentence_transformers")
+    path = saved.get("activation_fn") if isinstance(saved, dict) else None
+    path = path if path is not None else hf.get("sbert_ce_default_activation_function")
+    if path is None or (isinstance(path, str) and not path.startswith("torch.")):
+        return None
+    if not isinstance(path, str) or path not in SCORE_ACTIVATIONS:
+        raise HFImportError(f"config.json: the CrossEncoder activation {str(path)[:80]!r} is not supported "
+                            f"(supported: torch.nn's Sigmoid, Identity, Tanh)")
+    return SCORE_ACTIVATIONS[path]

@@ -50,6 +50,8 @@ def load_tokenizer(directory: Path, config: TransformerConfig) -> Tokenizer:
         backend = tokenizers.Tokenizer.from_str(raw.decode("utf-8") if rebuilt is data else json.dumps(rebuilt))
     except Exception as exc:  # tokenizers raises a bare Exception for bad JSON or schema
         raise HFImportError(f"{TOKENIZER_FILE}: not a tokenizers file: {str(exc)[:200]}") from None
+    backend.no_truncation()  # the file's truncation / padding sections: transformers sets both per call instead
+    backend.no_padding()
     try:
         tokenizer = Tokenizer(backend, _special_ids(directory, backend, config))
     except TokenizerError as exc:

@@ -4,30 +4,37 @@ transformers loads tokenizer.json exactly as written only into ``TokenizersBacke
 The Llama-family classes keep the file's vocabulary, merges, post-processor and added tokens but build their own
 normalizer, pre-tokenizer, decoder and BPE options, so the ids depend on the class: Llama 2's legacy tokenizer.json
 (a "Prepend ▁" normalizer) encodes leading spaces differently under LlamaTokenizer's Metaspace pre-tokenizer.
-:func:`pipeline` returns tokenizer.json's text with the picked class's pipeline in place of the file's. What
-AutoTokenizer does with tokenizer_config.json's ``add_bos_token`` / ``add_eos_token`` beside a tokenizer.json:
-nothing (they are dropped; the file's post-processor is the template), so they are not read here either.
+The encoders' classes also replace the file's template (post-processor) by their own: BertTokenizer (and
+DistilBertTokenizer) ``[CLS] a [SEP] (b [SEP])``, RobertaTokenizer a RobertaProcessing, XLMRobertaTokenizer
+``<s> a </s> (</s> b </s>)``; XLMRobertaTokenizer keeps only the file's Precompiled normalizer and hard-codes
+unk_id 3. :func:`pipeline` returns tokenizer.json's text with the picked class's pipeline in place of the file's.
+What AutoTokenizer does with tokenizer_config.json's ``add_bos_token`` / ``add_eos_token`` beside a tokenizer.json:
+nothing (they are dropped; the file's post-processor, or the class's own, is the template), so they are not read
+here either.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from tokenizers import Regex, decoders, normalizers, pre_tokenizers
+from tokenizers import Regex, decoders, normalizers, pre_tokenizers, processors
 
 from model.hf.common import HFImportError
 
 BACKEND = "TokenizersBackend"  # the file as written (PreTrainedTokenizerFast is its alias)
 AS_WRITTEN = {BACKEND, "PreTrainedTokenizer", "PreTrainedTokenizerFast", "PythonBackend"}
-# config.json's model_type -> the class transformers registers for it (only where that class rebuilds the pipeline)
+# config.json's model_type -> the class transformers registers for it (where that class rebuilds the pipeline, or is
+# TokenizersBackend while the hub's files name a class that would)
 REGISTERED = {"gpt2": "GPT2Tokenizer", "bert": "BertTokenizer", "qwen2": "Qwen2Tokenizer",
-              "qwen3": "Qwen2Tokenizer",
+              "qwen3": "Qwen2Tokenizer", "distilbert": "BertTokenizer", "roberta": "RobertaTokenizer",
+              "roberta-prelayernorm": "RobertaTokenizer", "xlm-roberta": "XLMRobertaTokenizer",
+              "xlm-roberta-xl": BACKEND, "modernbert": BACKEND,
               **{t: "GemmaTokenizer" for t in ("gemma", "gemma2", "gemma3", "gemma3_text")}}
 # model types whose declared tokenizer_class transformers overrides by the registered one (or by TokenizersBackend)
-OVERRIDDEN = {"phi3", "qwen2"}
+OVERRIDDEN = {"phi3", "qwen2", "modernbert"}
 QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
                r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
 BPE = {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,  # a new BPE's options
@@ -52,23 +59,25 @@ def picked_class(hf: dict[str, Any], settings: dict[str, Any], data: dict[str, A
     if declared is None:
         return registered or BACKEND
     if registered is not None and registered != declared:
-        return registered if model_type in OVERRIDDEN else _known(declared)
+        return registered if model_type in OVERRIDDEN or registered == BACKEND else _known(declared)
     if model_type in {"mistral", "phi3"}:  # registered as TokenizersBackend (without mistral_common)
         return BACKEND
     return _known(declared)
 
 
 def pipeline(data: dict[str, Any], cls: str, settings: dict[str, Any]) -> dict[str, Any]:
-    """tokenizer.json ``data`` with class ``cls``'s normalizer, pre-tokenizer, decoder and model options
-    (``settings``: tokenizer_config.json, for add_prefix_space, legacy, unk_token, do_lower_case...)."""
+    """tokenizer.json ``data`` with class ``cls``'s normalizer, pre-tokenizer, decoder, model options and, for the
+    classes that build one, template (``settings``: tokenizer_config.json, for add_prefix_space, legacy, unk_token,
+    do_lower_case, the special tokens...)."""
     if cls in AS_WRITTEN:
         return data
-    built = BUILDERS[cls](settings)
+    built = BUILDERS[cls](settings, data)
     model = data.get("model") or {}
-    if model.get("type") != built.model["type"]:
+    if _model_type(model) != built.model["type"]:
         raise HFImportError(f"tokenizer.json: {cls} rebuilds a {built.model['type']} tokenizer, but this file's model "
-                            f"is {model.get('type')!r}; transformers would not load it as written")
-    parts = {"normalizer": built.normalizer, "pre_tokenizer": built.pre_tokenizer, "decoder": built.decoder}
+                            f"is {_model_type(model)!r}; transformers would not load it as written")
+    parts = {"normalizer": built.normalizer, "pre_tokenizer": built.pre_tokenizer, "decoder": built.decoder,
+             **({"post_processor": built.post_processor} if built.post_processor is not None else {})}
     return {**data, **{k: _json(v) for k, v in parts.items()}, "model": {**model, **built.model}}
 
 
@@ -80,9 +89,10 @@ class Built:
     pre_tokenizer: Any
     decoder: Any
     model: dict[str, Any]
+    post_processor: Any = None  # None: the file's template
 
 
-def _llama(settings: dict[str, Any]) -> Built:
+def _llama(settings: dict[str, Any], data: dict[str, Any]) -> Built:
     prefix = settings.get("add_prefix_space")
     prefix = True if prefix is None else bool(prefix)
     scheme = ("always" if settings.get("legacy", False) else "first") if prefix else "never"
@@ -91,36 +101,66 @@ def _llama(settings: dict[str, Any]) -> Built:
                  {**BPE, "fuse_unk": True, "byte_fallback": True})
 
 
-def _gemma(settings: dict[str, Any]) -> Built:
+def _gemma(settings: dict[str, Any], data: dict[str, Any]) -> Built:
     return Built(normalizers.Replace(" ", "▁"), pre_tokenizers.Split(" ", behavior="merged_with_previous"),
                  decoders.Sequence(SPM_DECODE),
                  {**BPE, "fuse_unk": True, "byte_fallback": True, "unk_token": _text(settings, "unk_token", "<unk>")})
 
 
-def _qwen2(settings: dict[str, Any]) -> Built:
+def _qwen2(settings: dict[str, Any], data: dict[str, Any]) -> Built:
     split = pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False)
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=bool(settings.get("add_prefix_space")), use_regex=False)
     return Built(normalizers.NFC(), pre_tokenizers.Sequence([split, byte_level]), decoders.ByteLevel(),
                  {**BPE, "continuing_subword_prefix": "", "end_of_word_suffix": ""})
 
 
-def _gpt2(settings: dict[str, Any]) -> Built:
+def _gpt2(settings: dict[str, Any], data: dict[str, Any]) -> Built:
     return Built(None, pre_tokenizers.ByteLevel(add_prefix_space=bool(settings.get("add_prefix_space"))),
                  decoders.ByteLevel(), {**BPE, "continuing_subword_prefix": "", "end_of_word_suffix": ""})
 
 
-def _bert(settings: dict[str, Any]) -> Built:
+def _bert(settings: dict[str, Any], data: dict[str, Any]) -> Built:
     normalizer = normalizers.BertNormalizer(
         clean_text=True, handle_chinese_chars=settings.get("tokenize_chinese_chars", True),
         strip_accents=settings.get("strip_accents"), lowercase=settings.get("do_lower_case", True))
+    cls, sep = _text(settings, "cls_token", "[CLS]"), _text(settings, "sep_token", "[SEP]")
+    template = processors.TemplateProcessing(
+        single=f"{cls}:0 $A:0 {sep}:0", pair=f"{cls}:0 $A:0 {sep}:0 $B:1 {sep}:1",
+        special_tokens=[(cls, _token_id(data, cls, "cls_token")), (sep, _token_id(data, sep, "sep_token"))])
     return Built(normalizer, pre_tokenizers.BertPreTokenizer(), decoders.WordPiece(prefix="##"),
                  {"type": "WordPiece", "unk_token": _text(settings, "unk_token", "[UNK]"),
-                  "continuing_subword_prefix": "##", "max_input_chars_per_word": 100})
+                  "continuing_subword_prefix": "##", "max_input_chars_per_word": 100}, template)
 
 
-BUILDERS: dict[str, Callable[[dict[str, Any]], Built]] = {
+def _roberta(settings: dict[str, Any], data: dict[str, Any]) -> Built:
+    """GPT2Tokenizer's byte-level BPE with a RobertaProcessing template (``<s> a </s> (</s> b </s>)``)."""
+    cls, sep = _text(settings, "cls_token", "<s>"), _text(settings, "sep_token", "</s>")
+    template = processors.RobertaProcessing(
+        (sep, _token_id(data, sep, "sep_token")), (cls, _token_id(data, cls, "cls_token")),
+        trim_offsets=bool(settings.get("trim_offsets", True)),
+        add_prefix_space=bool(settings.get("add_prefix_space", False)))
+    return replace(_gpt2(settings, data), post_processor=template)
+
+
+def _xlm_roberta(settings: dict[str, Any], data: dict[str, Any]) -> Built:
+    """A Unigram with unk_id 3 whatever the file says, the file's Precompiled normalizer alone (or none),
+    whitespace split then Metaspace, and ``<s> a </s> (</s> b </s>)`` with every token in segment 0."""
+    scheme = "always" if settings.get("add_prefix_space", True) else "never"
+    bos, eos = _text(settings, "bos_token", "<s>"), _text(settings, "eos_token", "</s>")
+    template = processors.TemplateProcessing(
+        single=[bos, "$A", eos], pair=[bos, "$A", eos, eos, "$B", eos],
+        special_tokens=[(bos, _token_id(data, bos, "bos_token")), (eos, _token_id(data, eos, "eos_token"))])
+    return Built(_precompiled(data.get("normalizer")),
+                 pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
+                                          pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme)]),
+                 decoders.Metaspace(replacement="▁", prepend_scheme=scheme),
+                 {"type": "Unigram", "unk_id": 3, "byte_fallback": False}, template)
+
+
+BUILDERS: dict[str, Callable[[dict[str, Any], dict[str, Any]], Built]] = {
     "LlamaTokenizer": _llama, "GemmaTokenizer": _gemma, "Qwen2Tokenizer": _qwen2, "GPT2Tokenizer": _gpt2,
-    "BertTokenizer": _bert}
+    "BertTokenizer": _bert, "DistilBertTokenizer": _bert, "RobertaTokenizer": _roberta,
+    "XLMRobertaTokenizer": _xlm_roberta}
 
 
 def _text(settings: dict[str, Any], key: str, default: str) -> str:
@@ -138,9 +178,48 @@ def _known(declared: str) -> str:
                         f"which takes tokenizer.json as written)")
 
 
+def _model_type(model: dict[str, Any]) -> str:
+    """tokenizer.json's model type; older files (distilbert-base-*'s) leave it out and `tokenizers` tells it by the
+    fields."""
+    if "type" in model:
+        return model["type"]
+    if "merges" in model:
+        return "BPE"
+    if isinstance(model.get("vocab"), list):
+        return "Unigram"
+    return "WordPiece" if "max_input_chars_per_word" in model else "WordLevel"
+
+
+def _token_id(data: dict[str, Any], text: str, role: str) -> int:
+    """The id of token ``text`` in tokenizer.json (its added tokens first, then the model's vocabulary)."""
+    for token in data.get("added_tokens") or []:
+        if isinstance(token, dict) and token.get("content") == text and isinstance(token.get("id"), int):
+            return token["id"]
+    vocab = (data.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict) and isinstance(vocab.get(text), int):
+        return vocab[text]
+    if isinstance(vocab, list):  # Unigram: [piece, score] pairs
+        for i, entry in enumerate(vocab):
+            if isinstance(entry, list) and entry and entry[0] == text:
+                return i
+    raise HFImportError(f"tokenizer_config.json: {role}={text!r} is not in tokenizer.json; transformers would add "
+                        f"it as a new token, which this model's embeddings do not have")
+
+
+def _precompiled(normalizer: Any) -> dict[str, Any] | None:
+    """The first Precompiled normalizer at the top of tokenizer.json's normalizer (what XLMRobertaTokenizer keeps)."""
+    parts = normalizer.get("normalizers") if isinstance(normalizer, dict) and normalizer.get("type") == "Sequence" \
+        else [normalizer]
+    return next((part for part in parts or [] if isinstance(part, dict) and part.get("type") == "Precompiled"
+                 and "precompiled_charsmap" in part), None)
+
+
 def _byte_level(data: dict[str, Any]) -> bool:
     return any('"ByteLevel"' in json.dumps(data.get(part)) for part in ("pre_tokenizer", "decoder"))
 
 
 def _json(component: Any) -> Any:
-    return None if component is None else json.loads(component.__getstate__())
+    """A tokenizers component as tokenizer.json writes it (a dict taken from the file stays as it is)."""
+    if component is None or isinstance(component, dict):
+        return component
+    return json.loads(component.__getstate__())

@@ -40,8 +40,9 @@ CODES = {
     504: "timeout",
 }
 HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH")  # RFC 9110, 5789
-# Union members are tagged "str"/"list" in schemas; the tags are not fields, so they leave the path.
-_UNION_TAGS = {"str", "list"}
+# Union members are tagged "str"/"list"/"object" in request schemas (no request has a field of those names); the
+# tags are not fields, so they leave the path.
+_UNION_TAGS = {"str", "list", "object"}
 
 
 def request_id(scope: Scope) -> str | None:

@@ -120,7 +120,10 @@ class GenerationPlanner:
         if protected is not None:
             texts = [p.text for p in protected]
         prompts = []
-        encoded = await self.inputs.run(lambda: self.inputs.encode(texts, chat=req.chat))
+        if req.prompt_ids is not None and len(req.prompt_ids) != len(texts):
+            raise InvalidRequest("inputs", f"{len(texts)} inputs but {len(req.prompt_ids)} encoded prompts")
+        encoded = req.prompt_ids if req.prompt_ids is not None else await self.inputs.run(
+            lambda: self.inputs.encode(texts))
         for i, ids in enumerate(encoded):
             self.inputs.length(i, ids)
             if not ids:  # an imported tokenizer may add nothing to a text that encodes to nothing

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.classifier import label_scores
 from model.tokenizer import pad_batch
 from service.engine.adapters import AdapterRegistry
 from service.engine.batch import internal_name
@@ -27,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 
 class PoolingScheduler(Scheduler):
-    """Dynamic batching of classify / embed jobs (and one-off calls) on a classifier."""
+    """Dynamic batching of classify / logits / embed jobs (and one-off calls) on a classifier."""
 
     def __init__(self, name: str, model: nn.Module, labels: list[str], settings: EngineSettings, metrics: Metrics,
                  registry: AdapterRegistry, temperature: float = 1.0) -> None:
@@ -46,9 +47,9 @@ class PoolingScheduler(Scheduler):
                     sum(len(ids) for ids, _ in job.inputs))
                 jobs.append(job)
         self.metrics.running.labels(self.name).set(len(jobs))
-        classify = [j for j in jobs if j.endpoint == "classify"]
-        if classify:
-            self._run_group(classify, self._classify, self._classify_output)
+        heads = [j for j in jobs if j.endpoint in ("classify", "logits")]  # one forward through the head
+        if heads:
+            self._run_group(heads, self._classify, self._head_output)
         for pooling in sorted({j.pooling for j in jobs if j.endpoint == "embed"}):
             group = [j for j in jobs if j.endpoint == "embed" and j.pooling == pooling]
             self._run_group(group, lambda ids, seg, p=pooling: self.model.embed_texts(ids, seg, p), _vectors)
@@ -92,13 +93,21 @@ class PoolingScheduler(Scheduler):
     def _classify(self, ids: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
         return self.model(ids, segments)
 
+    def _head_output(self, job: PoolingJob, logits: torch.Tensor) -> list[ClassifyOutput] | list[list[float]]:
+        """classify: each row's labels ranked (_classify_output); logits: each row's raw logits (rerank's pairs,
+        which the worker puts through the cross-encoder's activation)."""
+        return self._classify_output(job, logits) if job.endpoint == "classify" else logits.float().tolist()
+
     def _classify_output(self, job: PoolingJob, logits: torch.Tensor) -> list[ClassifyOutput]:
+        """Each row's labels ranked by score (model.classifier.label_scores: probabilities, or a regression's raw
+        values, which never abstain)."""
         outputs = []
-        for probs in torch.softmax(logits.float() / self.temperature, dim=-1).tolist():
+        activation = self.model.config.output_activation
+        for probs in label_scores(logits.float(), activation, self.temperature).tolist():
             ranked = sorted(zip(self.labels, probs, strict=True), key=lambda lp: -lp[1])
             top = ranked[: job.top_k] if job.top_k else ranked
             label, score = ranked[0]
-            abstained = score < job.min_confidence
+            abstained = activation != "none" and score < job.min_confidence
             outputs.append(ClassifyOutput(UNKNOWN_LABEL if abstained else label, score, dict(top), abstained))
         return outputs
 

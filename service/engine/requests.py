@@ -56,7 +56,7 @@ class GenerationRequest:
     target_prefix: list[str] | None = None  # seq2seq, one per input: the start of its translation to continue
     protect_placeholders: bool | None = None  # seq2seq default: on
     use_vmap: bool | None = None  # seq2seq: keep to the vocabulary map's candidates (default: when it has one)
-    # the inputs are chat prompts the model's PromptEncoder rendered: encoded by it (the template's control tokens
-    # as their ids, a user's as text, none added: service.engine.inputs.InputChecks.encode)
-    chat: bool = False
+    # the inputs' ids, where the caller encoded them already (chat prompts the model's PromptEncoder rendered and
+    # encoded: the template's control tokens as their ids, a user's as text, none added; InputChecks.input_ids)
+    prompt_ids: list[list[int]] | None = None
     stop_token_ids: tuple[int, ...] = ()  # more ids that end a sequence (finish "stop"), never in its text

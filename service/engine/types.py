@@ -50,12 +50,19 @@ class StreamEvent:
 @dataclass
 class ClassifyOutput:
     label: str  # UNKNOWN_LABEL when the classifier abstained
-    score: float  # the top probability
+    score: float  # the top label's score: its probability (softmax / sigmoid) or a regression's raw value
     probabilities: dict[str, float]  # sorted by probability, descending; top_k entries when given
     abstained: bool = False  # the top probability was below the request's (or the model's) min_confidence
 
 
 UNKNOWN_LABEL = "unknown"  # what an abstaining classifier answers
+
+
+@dataclass
+class RerankOutput:
+    scores: list[float]  # per document, in the request's order
+    tokens: int  # tokens the model read (every pair, or the query and every document)
+    scored_by: str  # "cross-encoder" (a one-label head) or "embedding-cosine" (service.engine.rerank)
 
 
 @dataclass
@@ -98,6 +105,7 @@ class ModelInfo:
     embedding_defaults: dict | None = None  # a classifier's pooling and normalize where an embed request leaves them
     chat_template: bool = False  # whether /v1/chat/completions can lay out its conversations (service.engine.chat)
     tool_call_format: str | None = None  # how its chat template writes tool calls ("hermes"); None: another, or none
+    tasks: list[str] = field(default_factory=list)  # what it serves: generate, classify, embed, rerank
 
 
 @dataclass(frozen=True)
@@ -129,6 +137,7 @@ class EngineSettings:
     max_beams: int = 8
     max_return_sequences: int = 8
     max_inputs: int = 64  # inputs (prompts) in one request
+    max_rerank_documents: int = 1000  # documents of one rerank / score request (more: 422)
     max_tokens_per_request: int = 65_536  # rows x new tokens x (1 + logprobs) of a request (limits.py)
     request_timeout_s: float = 60.0
     model_load_timeout_s: float = 600.0  # one model's load (files, draft model, int8): failed past it, the others go on

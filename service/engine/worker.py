@@ -40,6 +40,15 @@ from service.engine.limits import check_cost
 from service.engine.metrics import Metrics
 from service.engine.pooling import PoolingScheduler
 from service.engine.requests import DecodingOptions, GenerationRequest
+from service.engine.rerank import (
+    CROSS_ENCODER,
+    DEFAULT_ACTIVATION,
+    EMBEDDING_COSINE,
+    cosines,
+    cut_to_bytes,
+    encode_request,
+    pair_scores,
+)
 from service.engine.runners import RUNNERS
 from service.engine.scheduler import Scheduler
 from service.engine.types import (
@@ -51,6 +60,7 @@ from service.engine.types import (
     GenerationOutput,
     ModelInfo,
     QueueTag,
+    RerankOutput,
     StreamEvent,
 )
 
@@ -131,7 +141,15 @@ class ModelWorker:
             embedding_defaults=asdict(self.embedding_defaults()) if self.family == "classifier" else None,
             chat_template=self.chat.encoder is not None,
             tool_call_format=self.chat.tool_call_format,
+            tasks=self.tasks(),
         )
+
+    def tasks(self) -> list[str]:
+        """What this model serves: generate (causal_lm, seq2seq); classify (a classification head), embed and
+        rerank (every classifier: a one-label head scores pairs, the others by embeddings' cosine)."""
+        if self.family != "classifier":
+            return ["generate"]
+        return [*(["classify"] if self.config.num_labels else []), "embed", "rerank"]
 
     def embedding_defaults(self) -> EmbeddingDefaults:
         """What embed uses when a request leaves pooling or normalize unset."""
@@ -265,6 +283,42 @@ class ModelWorker:
                          normalize=normalize)
         self._submit(job, queue)
         return await self._result(job)
+
+    async def rerank(self, queries: list[str], documents: list[str], adapter: str | None, truncate: bool,
+                     request_id: str, queue: QueueTag = DEFAULT_QUEUE,
+                     fields: tuple[str, str] = ("query", "documents")) -> RerankOutput:
+        """Each document's relevance to its query (one query for all, or one per document) in one engine call: a
+        one-label head's score of the pair (a cross-encoder), else the cosine of their embeddings
+        (service.engine.rerank); ``truncate`` cuts a document over max_input_tokens to fit instead of refusing it.
+        Errors name ``fields`` (the queries' and the documents' request fields)."""
+        self._require("rerank", ("classifier",))
+        cap = self.settings.max_rerank_documents
+        if not documents:
+            raise InvalidRequest(fields[1], "expected a non-empty list")
+        if len(documents) > cap:
+            raise InvalidRequest(fields[1], f"{len(documents)} documents exceeds max_rerank_documents={cap}")
+        if len(queries) not in (1, len(documents)):
+            raise InvalidRequest(fields[1], f"{len(documents)} documents for {len(queries)} queries: send one query, "
+                                 "or one per document")
+        tok, limit = self.checkpoint.tokenizer, self.max_input_tokens
+        queries = [self.inputs.size(fields[0], q, tok, limit) for q in queries]
+        documents = [cut_to_bytes(d, limit * tok.max_token_bytes) if truncate
+                     else self.inputs.size(f"{fields[1]}[{i}]", d, tok, limit) for i, d in enumerate(documents)]
+        cross = self.config.num_labels == 1
+        encoded = await self.inputs.run(lambda: encode_request(tok, queries, documents, limit, truncate, cross, fields))
+        version = self._acquire(adapter)
+        if cross:  # the pairs' logits, batched with other requests' rows
+            job = PoolingJob(request_id, self.settings.request_timeout_s, "logits", encoded, adapter=version)
+        else:  # the queries' vectors first, then each document's
+            job = PoolingJob(request_id, self.settings.request_timeout_s, "embed", encoded, adapter=version,
+                             pooling=self.embedding_defaults().pooling)
+        self._submit(job, queue)
+        result = await self._result(job)
+        tokens = sum(len(ids) for ids, _ in encoded)
+        if cross:
+            activation = self.checkpoint.score_activation or DEFAULT_ACTIVATION
+            return RerankOutput(pair_scores(result, activation), tokens, CROSS_ENCODER)
+        return RerankOutput(cosines(result, len(queries)), tokens, EMBEDDING_COSINE)
 
     async def attention(self, text: str, target: str | None, request_id: str,
                         selection: MapSelection = ALL_MAPS) -> AttentionOutput:

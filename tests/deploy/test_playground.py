@@ -29,7 +29,7 @@ SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "playground.png"
 @pytest.fixture(scope="module")
 def server(models_dir: Path, adapters_dir: Path) -> Iterator[Server]:
     with running_server(models_dir, adapters_dir) as s:
-        for name in ("playground.js", "chat.js", "playground.css"):  # the page's own files, beside index.html
+        for name in ("playground.js", "chat.js", "rerank.js", "playground.css"):  # the page's files, beside index.html
             r = httpx.get(f"{s.url}/static/{name}", timeout=10)
             assert r.status_code == 200, (f"GET /static/{name}: {r.status_code}: the service must serve "
                                      "service/api/static/")
@@ -178,6 +178,68 @@ def test_classify_with_adapter(browser, server: Server):
     assert len(rows) == len(expected["probabilities"])
     assert browser.find_element(By.CSS_SELECTOR, "#cls-output .prob.best span").text == expected["label"]
     assert not severe_console_errors(browser)
+
+
+# Record the body of every rerank request the page sends.
+RECORD_RERANK = """
+    window.sent = [];
+    const pageFetch = window.fetch;
+    window.fetch = (url, init) => {
+        if (String(url).endsWith('v1/rerank')) window.sent.push(JSON.parse(init.body));
+        return pageFetch(url, init);
+    };
+"""
+
+
+def rank_rows(driver) -> list[tuple[int, float, str, str]]:
+    """(index, score, score as shown, document) of each bar of the rerank panel, top to bottom."""
+    return [tuple(row) for row in driver.execute_script(
+        "return [...document.querySelectorAll('#rerank-output li.rank')].map((li) => [+li.dataset.index, "
+        "+li.dataset.score, li.querySelector('.score').textContent, li.querySelector('.doc').textContent]);")]
+
+
+def test_rerank_bars_in_the_servers_order_with_adapter(browser, server: Server):
+    """The classifier's rerank panel (tiny-cls: embedding cosine) draws the server's ranking of the documents for
+    the model:adapter picked, and shows a 4xx as the page's error."""
+    query, adapter = "where did the cat sleep", "cls-a"
+    model = f"{CLS}:{adapter}"
+    ranked = httpx.post(f"{server.url}/v1/rerank", timeout=30, json={
+        "model": model, "query": query, "documents": ["a dog barked at the mailman", "the cat slept on the mat",
+                                                      "interest rates rose again"]}).json()["results"]
+    # Typed least relevant first: the page must reorder them (each document's score does not depend on the others).
+    documents = [r["document"]["text"] for r in reversed(ranked)]
+
+    open_model(browser, server, CLS)
+    browser.execute_script(RECORD_RERANK)
+    assert browser.find_element(By.ID, "rerank-form").get_attribute("hidden") is not None
+    browser.find_element(By.ID, "panel-rerank").click()
+    assert browser.find_element(By.ID, "task-title").text == "Rerank"
+    assert browser.find_element(By.ID, "classify-form").get_attribute("hidden") is not None
+    Select(browser.find_element(By.ID, "adapter")).select_by_value(adapter)
+    fill(browser, "rerank-query", query)
+    fill(browser, "rerank-docs", "\n".join(documents))
+    browser.find_element(By.ID, "rerank-run").click()
+    rows = wait(browser, lambda d: rank_rows(d) or status(d))
+    assert not status(browser), status(browser)
+
+    [sent] = browser.execute_script("return window.sent;")
+    assert sent["model"] == model and sent["query"] == query and sent["documents"] == documents
+    expected = httpx.post(f"{server.url}/v1/rerank", json=sent, timeout=30).json()
+    assert [r["index"] for r in expected["results"]] == [2, 1, 0]
+    assert [(i, text) for i, _, _, text in rows] == [(r["index"], documents[r["index"]]) for r in expected["results"]]
+    for (_, score, shown, _), r in zip(rows, expected["results"], strict=True):
+        assert abs(score - r["relevance_score"]) < 1e-6 and shown == f"{r['relevance_score']:.3f}", (rows, expected)
+    meta = browser.find_element(By.ID, "rerank-meta").text
+    assert f"scored by {expected['scored_by']}" in meta and model in meta, meta
+
+    # No documents: the server's 422, naming the field, in the page's status line; the bars are cleared.
+    fill(browser, "rerank-docs", " ")
+    browser.find_element(By.ID, "rerank-run").click()
+    wait(browser, lambda d: status(d))
+    assert status(browser).startswith("422 ") and "documents" in status(browser), status(browser)
+    assert not rank_rows(browser)
+    refused = [e for e in severe_console_errors(browser) if not ("v1/rerank" in e and " 422 " in e)]
+    assert not refused, refused
 
 
 def card_texts(driver) -> tuple[str, str]:

@@ -150,8 +150,9 @@ def test_a_gpt2_adapter_with_a_regex_target_gives_peft_logits(tmp_path):
 @pytest.mark.parametrize(
     ("family", "fields", "says"),
     [
-        ("bert", dict(target_modules=["query"], modules_to_save=["pooler"]),
-         r"modules_to_save \['pooler'\] is not supported: only a classifier's head \(classifier, score\)"),
+        ("bert", dict(target_modules=["query"], modules_to_save=["embeddings"]),
+         r"modules_to_save \['embeddings'\] is not supported: only a classifier's head \(classifier, score, "
+         r"pooler\)"),
         ("marian", dict(target_modules=["q_proj", "lm_head"]),
          r"target_modules \['lm_head'\] are not Marian projections we adapt \(fc1, fc2, k_proj"),
         ("marian", dict(target_modules=r".*\.fc1|lm_head"),

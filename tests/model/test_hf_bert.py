@@ -96,9 +96,7 @@ def test_tensorflow_era_layernorm_names_load(tmp_path):
         ({"position_embedding_type": "relative_key"}, "position_embedding_type='relative_key' is not supported"),
         ({"is_decoder": True}, "is_decoder=True is not supported"),
         ({"hidden_act": "quick_gelu"}, "hidden_act='quick_gelu' is not supported"),
-        ({"problem_type": "multi_label_classification"}, "problem_type='multi_label_classification' is not"),
-        ({"problem_type": "regression"}, "problem_type='regression' is not supported"),
-        ({"id2label": {"0": "score"}}, "num_labels=1 is not supported"),
+        ({"problem_type": "ranking"}, "problem_type='ranking' is not supported"),
         ({"type_vocab_size": 3}, "'embeddings.token_type_embeddings.weight' has shape (2, 32), expected (3, 32)"),
     ],
 )

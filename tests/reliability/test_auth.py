@@ -37,6 +37,8 @@ BODIES = {  # a valid body per operation that has one
     "/v1/embeddings": {"model": "tiny-cls", "input": "hello"},
     "/v1/tokenize": {"model": LM, "prompt": "hello"},
     "/v1/detokenize": {"model": LM, "tokens": [1]},
+    "/v1/rerank": {"model": "tiny-cls", "query": "hello", "documents": ["hello", {"text": "world"}]},
+    "/v1/score": {"model": "tiny-cls", "text_1": "hello", "text_2": ["hello", "world"]},
 }
 MODEL_FOR = {"classify": "tiny-cls", "embed": "tiny-cls"}
 
@@ -88,7 +90,9 @@ def test_every_v1_operation_needs_a_key(server):
         assert c.put(name, headers=admin).status_code == 200
         assert c.put(name, headers=admin).status_code == 200
         assert c.get("/v1/models", headers=admin).status_code == 200  # an admin key is also a user key
-        for path, body in (("/tokenize", BODIES["/v1/tokenize"]), ("/detokenize", BODIES["/v1/detokenize"])):
+        for path, body in (("/tokenize", BODIES["/v1/tokenize"]), ("/detokenize", BODIES["/v1/detokenize"]),
+                           ("/rerank", BODIES["/v1/rerank"]), ("/v2/rerank", BODIES["/v1/rerank"]),
+                           ("/score", BODIES["/v1/score"])):
             error_of(c.post(path, json=body), 401, "unauthorized")  # vLLM's root paths: the /v1 routes' key
             assert c.post(path, json=body, headers={"Authorization": f"Bearer {USER}"}).status_code == 200
 

@@ -69,11 +69,15 @@ OPERATIONS = {
     "POST /v1/embeddings": [CLS],
     "POST /v1/tokenize": [LM, MT, CLS],
     "POST /v1/detokenize": [LM, MT, CLS],
+    "POST /v1/rerank": [],
+    "POST /v1/score": [],
 }
 # The models a positive example's body "model" is pointed at (or it keeps the generated name).
 BODY_MODELS = {"POST /v1/completions": [LM, f"{LM}:{ADAPTERS[LM]}", MT],
                "POST /v1/chat/completions": [LM, f"{LM}:{ADAPTERS[LM]}", MT], "POST /v1/embeddings": [CLS, LM],
-               "POST /v1/tokenize": [LM, MT, CLS], "POST /v1/detokenize": [LM, MT, CLS]}
+               "POST /v1/tokenize": [LM, MT, CLS], "POST /v1/detokenize": [LM, MT, CLS],
+               "POST /v1/rerank": [CLS, f"{CLS}:{ADAPTERS[CLS]}", LM],
+               "POST /v1/score": [CLS, f"{CLS}:{ADAPTERS[CLS]}"]}
 NOTHING_TO_VIOLATE = {"GET /health", "GET /ready", "GET /metrics"}  # no parameter, body or key
 MODEL_CONTROL = {"PUT /v1/models/{name}", "DELETE /v1/models/{name}"}  # would unload the models the others need
 for _media_type in ARCHIVE_TYPES:  # the upload's binary body, whichever archive type the example picks

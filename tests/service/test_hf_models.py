@@ -9,7 +9,10 @@ give, token for token, also with the adapters mixed in one batch. The BERT direc
 whose probabilities must equal transformers', and a BertModel saved as sentence-transformers lays it out
 (max pooling, Normalize) whose /embed vectors must equal transformers' hidden states pooled that way.
 The OPUS-MT directory holds a random MarianMTModel, SentencePiece models and vocab.json, and a
-generation_config.json that bans the pad token and forces EOS at the limit, as OPUS-MT's do.
+generation_config.json that bans the pad token and forces EOS at the limit, as OPUS-MT's do. The other encoders
+(tests/model/hf_encoders.py): a multi-label RoBERTa, a DistilBERT and a one-label XLM-RoBERTa (a cross-encoder)
+classify as transformers' text-classification pipeline scores, and an XLM-RoBERTa in the sentence-transformers
+layout embeds through /v1/embeddings.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from tests.hf_directories import (
     opus_mt_directory,
     sentence_transformers_layout,
 )
+from tests.model.hf_encoders import encoder_directory
 from tests.service.fixtures import LM
 from tests.service.server import running_server
 
@@ -43,6 +47,9 @@ peft = pytest.importorskip("peft")
 
 PROMPTS = ["def add(", "the quick", "for i in"]
 NEW_TOKENS = 8
+ENCODERS = {"roberta-multi": ("roberta", "multi"), "distilbert-cls": ("distilbert", "single"),  # name -> kind, head
+            "xlmr-score": ("xlm-roberta", "one-label"), "distilbert-regression": ("distilbert", "regression")}
+ENCODER_ADAPTERS = {"roberta-multi": ["query", "value", "dense"], "distilbert-cls": ["q_lin", "v_lin", "lin1"]}
 ADAPTERS = {  # name -> PEFT LoraConfig fields
     "all-projections": dict(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj", "c_fc"]),
     "attention-rslora": dict(r=2, lora_alpha=4, target_modules=["c_attn"], use_rslora=True),
@@ -78,6 +85,12 @@ def served(models_dir, tmp_path_factory):
                  target_modules=["query", "value"])
     sentence_transformers_layout(bert_directory(root / "models" / "bert-embed", head=False))
     opus_mt_directory(root / "models" / "opus-mt")
+    for name, (architecture, head) in ENCODERS.items():
+        encoder_directory(root / "models" / name, architecture, head)
+    for name, targets in ENCODER_ADAPTERS.items():
+        peft_adapter(transformers.AutoModelForSequenceClassification.from_pretrained(root / "models" / name),
+                     root / "adapters" / name / "lora", 5, r=2, lora_alpha=4, target_modules=targets)
+    sentence_transformers_layout(encoder_directory(root / "models" / "xlmr-embed", "xlm-roberta", "model"))
     broken = root / "models" / "broken-hf"
     broken.mkdir()
     (broken / "config.json").write_text(json.dumps({"model_type": "falcon", "architectures": ["FalconForCausalLM"]}))
@@ -92,7 +105,8 @@ def test_an_hf_directory_is_listed_as_hf_beside_our_checkpoints(served):
     assert {m["name"]: m["vocab_size"] for m in listing["data"]}["opus-mt"] == MARIAN_PAD + 1
     assert formats == {"gpt2-hf": ("hf", "causal_lm"), LM: ("tserve", "causal_lm"),
                        "bert-cls": ("hf", "classifier"), "bert-embed": ("hf", "classifier"),
-                       "opus-mt": ("hf", "seq2seq")}
+                       "opus-mt": ("hf", "seq2seq"), "xlmr-embed": ("hf", "classifier"),
+                       **{name: ("hf", "classifier") for name in ENCODERS}}
     (failed,) = listing["failed"]
     assert failed["name"] == "broken-hf" and "model_type='falcon' is not supported" in failed["error"]
     # A sentence-transformers save says its own embed defaults (its Pooling and Normalize modules).
@@ -172,6 +186,42 @@ def test_an_hf_sentence_transformers_embedder_pools_and_normalizes_as_configured
     assert refused.status_code == 422 and "no classification head" in refused.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("name", ENCODERS)
+def test_hf_encoder_classifiers_score_as_the_transformers_pipeline(served, name):
+    """Softmax (single-label), each label's sigmoid (multi-label), the one label's sigmoid (a cross-encoder) or the
+    raw values (regression, which never abstains: its values are no probabilities), on texts and pairs: what
+    transformers' text-classification pipeline answers with top_k=None, ranked alike."""
+    client, gpt2, _ = served
+    directory = gpt2.parent / name
+    pipe = transformers.pipeline("text-classification", model=str(directory), tokenizer=str(directory), top_k=None)
+    response = client.post(f"/v1/models/{name}/classify", json={"inputs": [*TEXTS, *PAIRS], "min_confidence": 1.0})
+    assert response.status_code == 200, response.text
+    regression = ENCODERS[name][1] == "regression"
+    for item, output in zip([*TEXTS, *PAIRS], response.json()["outputs"], strict=True):
+        (want,) = pipe([item if isinstance(item, str) else {"text": item[0], "text_pair": item[1]}])
+        assert list(output["probabilities"]) == [w["label"] for w in want], item
+        wanted = (want[0]["label"], False) if regression else ("unknown", True)  # min_confidence 1: all abstain
+        assert (output["label"], output["abstained"]) == wanted, item
+        for w in want:
+            assert abs(output["probabilities"][w["label"]] - w["score"]) < 1e-5, (item, w)
+
+
+def test_an_hf_xlm_roberta_embedder_answers_openai_embeddings(served):
+    """/v1/embeddings of an XLM-R saved in the sentence-transformers layout: max pooling then Normalize over
+    transformers' hidden states (RoBERTa's offset positions, the Unigram tokenizer's ids)."""
+    client, gpt2, _ = served
+    directory = gpt2.parent / "xlmr-embed"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    model = transformers.XLMRobertaModel.from_pretrained(directory).eval()
+    response = client.post("/v1/embeddings", json={"model": "xlmr-embed", "input": TEXTS})
+    assert response.status_code == 200, response.text
+    for text, item in zip(TEXTS, response.json()["data"], strict=True):
+        with torch.no_grad():
+            hidden = model(**tokenizer(text, return_tensors="pt")).last_hidden_state[0].double()
+        want = torch.nn.functional.normalize(hidden.amax(0), dim=0)
+        assert (torch.tensor(item["embedding"], dtype=torch.float64) - want).abs().max() < 1e-5, text
+
+
 @pytest.mark.parametrize("defaults", [False, True])
 def test_an_hf_opus_mt_translates_as_transformers_does(served, defaults):
     """Sources get </s>, the decoder starts from the pad id, the pad token is never produced and EOS is forced
@@ -244,3 +294,34 @@ def test_a_peft_seq_cls_adapter_classifies_with_its_own_head(served):
                 assert all(abs(p - float(want[LABELS.index(label)])) < 1e-5 for label, p in probs.items()), name
     assert max(float((a - b).abs().max()) for a, b in zip(wanted[None], wanted["seq-cls"], strict=True)) > 1e-2
 
+
+
+@pytest.mark.parametrize("name", ENCODER_ADAPTERS)
+def test_peft_adapters_of_hf_encoders_classify_per_request(served, name):
+    """A LoRA adapter of a RoBERTa (multi-label: each label's sigmoid) and of a DistilBERT (softmax) classifier,
+    placed beside the model: requests naming it get PeftModel's scores, requests without it the base's, also sent
+    together."""
+    client, gpt2, adapters = served
+    directory, adapter = gpt2.parent / name, adapters.parent / name / "lora"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    labels = transformers.AutoConfig.from_pretrained(directory).id2label
+    wanted = {}
+    for chosen in (None, "lora"):
+        model = transformers.AutoModelForSequenceClassification.from_pretrained(directory)
+        model = (peft.PeftModel.from_pretrained(model, adapter) if chosen else model).eval()
+        with torch.no_grad():
+            logits = [model(**tokenizer(t, return_tensors="pt")).logits[0] for t in TEXTS]
+        scores = [torch.sigmoid(x) if ENCODERS[name][1] == "multi" else torch.softmax(x, -1) for x in logits]
+        wanted[chosen] = [{labels[i]: float(p) for i, p in enumerate(row)} for row in scores]
+
+    def classify(chosen: str | None) -> list[dict[str, float]]:
+        response = client.post(f"/v1/models/{name}/classify", json={"inputs": TEXTS, "adapter": chosen})
+        assert response.status_code == 200, response.text
+        return [o["probabilities"] for o in response.json()["outputs"]]
+
+    sent = [None, "lora", None, "lora"]
+    with ThreadPoolExecutor(len(sent)) as pool:
+        for chosen, got in zip(sent, pool.map(classify, sent), strict=True):
+            for probs, want in zip(got, wanted[chosen], strict=True):
+                assert probs.keys() == want.keys() and all(abs(probs[k] - want[k]) < 1e-5 for k in want), chosen
+    assert max(abs(a[k] - b[k]) for a, b in zip(wanted[None], wanted["lora"], strict=True) for k in a) > 1e-2

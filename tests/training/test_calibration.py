@@ -3,6 +3,7 @@ tests/service/test_calibration.py runs the command on the suite's trained classi
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -70,3 +71,18 @@ def test_a_calibration_file_round_trips_and_bad_values_are_named(tmp_path):
     with pytest.raises(CalibrationError, match="temperature"):
         Calibration.load(tmp_path)
 
+
+
+@pytest.mark.parametrize(("head", "activation"), [("multi", "sigmoid"), ("regression", "none")])
+def test_a_classifier_without_a_softmax_is_refused_by_name(head, activation, tmp_path):
+    """The temperature is a softmax's: a multi-label or regression model (problem_type) is not calibrated."""
+    pytest.importorskip("transformers")
+    from tests.model.hf_encoders import encoder_directory
+    from training.calibration import load_classifier
+
+    directory = encoder_directory(tmp_path, "distilbert", head)
+    with pytest.raises(ValueError, match=f"output_activation='{activation}', but calibration fits"):
+        load_classifier(directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "problem_type": "single_label_classification"}))
+    assert load_classifier(directory).config.output_activation == "softmax"

@@ -327,6 +327,38 @@ def test_mismatched_configs_are_refused(family, overrides, message, tokenizer, t
     assert not (tmp_path / "hf").exists()
 
 
+@pytest.mark.parametrize(("architecture", "message"), [
+    ("roberta", "position_offset=2 but BertForSequenceClassification needs positions counted from 0"),
+    ("distilbert", "pooler_activation='relu' but BertForSequenceClassification needs the dense \\+ tanh pooler"),
+], ids=["roberta", "distilbert"])
+def test_imported_bert_likes_are_refused_by_name(architecture, message, tmp_path):
+    """RoBERTa's offset positions and DistilBERT's ReLU pre_classifier are no BERT: refused, not exported wrong."""
+    from tests.model.hf_encoders import encoder_directory
+    from training.import_cmd import import_hf
+
+    ckpt = import_hf(encoder_directory(tmp_path / "source", architecture, "single"), tmp_path / "ckpt")
+    with pytest.raises(ExportError, match=message):
+        export_hf(ckpt, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize(("activation", "problem_type"), [("softmax", "single_label_classification"),
+                                                          ("sigmoid", "multi_label_classification"),
+                                                          ("none", "regression")], ids=["softmax", "sigmoid", "none"])
+def test_output_activation_exports_as_problem_type(activation, problem_type, tokenizer, tmp_path):
+    """Multi-label and regression classifiers say so in config.json, and import back as they were."""
+    config = ClassifierConfig(vocab_size=tokenizer.vocab_size, n_layers=1, num_labels=3, layer_norm_eps=1e-12,
+                              output_activation=activation, **SIZES, **BERT)
+    model = randomize(TransformerClassifier(config), seed=7)
+    out = export_hf(_save(tmp_path, "ckpt", model, tokenizer, labels=LABELS), tmp_path / "hf")
+    assert _hf("BertForSequenceClassification", out).config.problem_type == problem_type
+    back = load_checkpoint(out, device="cpu")
+    assert back.config.output_activation == activation
+    ids, _ = pad_batch([tokenizer.encode_pair(t)[0] for t in TEXTS], tokenizer.pad_id)
+    with torch.no_grad():
+        assert (back.model(ids) - model(ids)).abs().max() < ATOL
+
+
 def test_existing_output_is_not_overwritten_by_default(seq2seq, tmp_path):
     out = tmp_path / "hf"
     out.mkdir()

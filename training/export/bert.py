@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from model.checkpoint import Checkpoint
+from model.hf import bert as hf_bert
 from training.export.common import HF_ACTIVATIONS, Need, Tensors, linear, norm
 
 ARCHITECTURE = "BertForSequenceClassification"
@@ -18,7 +19,11 @@ NEEDS = (
     Need("scale_embeddings", False, "unscaled embeddings"),
     Need("embedding_norm", True, "an embedding LayerNorm"),
     Need("pooler", True, "the dense + tanh pooler"),
+    Need("pooler_activation", "tanh", "the dense + tanh pooler"),
+    Need("position_offset", 0, "positions counted from 0 (RoBERTa's start after the pad id)"),
 )
+# ClassifierConfig.output_activation -> config.json's problem_type: the importer's map (model.hf.bert) inverted
+PROBLEM_TYPES = {activation: problem for problem, activation in hf_bert.PROBLEM_TYPES.items()}
 
 
 def build(ckpt: Checkpoint) -> tuple[dict[str, Any], Tensors]:
@@ -58,6 +63,7 @@ def build(ckpt: Checkpoint) -> tuple[dict[str, Any], Tensors]:
         "layer_norm_eps": c.layer_norm_eps,
         "pad_token_id": c.pad_id,
         "position_embedding_type": "absolute",
+        "problem_type": PROBLEM_TYPES[c.output_activation],
         "id2label": {str(i): name for i, name in enumerate(ckpt.labels)},  # load_checkpoint checked the labels
         "label2id": {name: i for i, name in enumerate(ckpt.labels)},
     }

@@ -144,12 +144,12 @@ def constraint(req: ChatCompletionRequest, tools: list[dict] | None, hermes: boo
     return (tool_constraint(tools, choice), "tools") if forced else (given, "response_format")
 
 
-def generation_request(req: ChatCompletionRequest, worker: ModelWorker, prompt: str, prompt_tokens: int,
+def generation_request(req: ChatCompletionRequest, worker: ModelWorker, prompt: str, ids: list[int],
                        forced: Constraint | None, adapter: str | None) -> GenerationRequest:
     """The engine's request for a rendered conversation: sampled as /v1/completions samples, up to as many tokens
     as the model's cap and length leave by default, ending at the model's end-of-turn ids."""
     max_tokens = req.max_completion_tokens or req.max_tokens or max(1, min(worker.max_new_tokens,
-                                                                           worker.runner.room(prompt_tokens)))
+                                                                           worker.runner.room(len(ids))))
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     given = {"top_k": max(req.top_k, 0) if req.top_k is not None else None, "min_new_tokens": req.min_tokens,
              "repetition_penalty": req.repetition_penalty}
@@ -157,7 +157,7 @@ def generation_request(req: ChatCompletionRequest, worker: ModelWorker, prompt: 
                                 seed=req.seed, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                                 **{k: v for k, v in given.items() if v is not None})
     return GenerationRequest(inputs=[prompt], decoding=decoding, stop=stop, adapter=adapter, constraint=forced,
-                             chat=True, stop_token_ids=worker.chat.stop_ids)
+                             prompt_ids=[ids], stop_token_ids=worker.chat.stop_ids)
 
 
 @router.post(
@@ -200,7 +200,7 @@ async def chat_completions(
         ids = (await worker.inputs.input_ids([prompt], chat=True))[0]
     except InvalidRequest as exc:
         raise renamed(exc, fields) from None
-    generate = generation_request(req, worker, prompt, len(ids), forced, adapter or None)
+    generate = generation_request(req, worker, prompt, ids, forced, adapter or None)
     check_cost(settings.max_tokens_per_request, {"n": req.n, fields["max_new_tokens"]: min(
         generate.decoding.max_new_tokens, worker.max_new_tokens)}, generate.decoding.logprobs)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": req.model}

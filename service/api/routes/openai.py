@@ -300,10 +300,11 @@ async def seeded_streams(worker: ModelWorker, generate: GenerationRequest, promp
     discards those opened before it."""
     streams: list[AsyncIterator[StreamEvent]] = []
     try:
-        for k, prompt in enumerate(p for p in prompts for _ in range(n)):
+        for k, (i, prompt) in enumerate((i, p) for i, p in enumerate(prompts) for _ in range(n)):
             seed = None if generate.decoding.seed is None else generate.decoding.seed + k
-            one = dataclasses.replace(generate, inputs=[prompt], decoding=dataclasses.replace(generate.decoding,
-                                                                                            seed=seed))
+            ids = None if generate.prompt_ids is None else [generate.prompt_ids[i]]
+            one = dataclasses.replace(generate, inputs=[prompt], prompt_ids=ids,
+                                      decoding=dataclasses.replace(generate.decoding, seed=seed))
             streams.append(await worker.stream(one, rid, queue))
     except BaseException:
         _discard(streams)

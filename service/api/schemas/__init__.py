@@ -78,6 +78,16 @@ from service.api.schemas.openai import (  # noqa: F401
     StreamOptions,
     Usage,
 )
+from service.api.schemas.rerank import (  # noqa: F401
+    RerankDocument,
+    RerankRequest,
+    RerankResponse,
+    RerankResult,
+    RerankUsage,
+    ScoreData,
+    ScoreRequest,
+    ScoreResponse,
+)
 from service.api.schemas.tokenize import (  # noqa: F401
     DetokenizeRequest,
     DetokenizeResponse,

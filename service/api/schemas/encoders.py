@@ -17,19 +17,27 @@ TextOrPair = one_or_many(Text, Pair)
 class ClassifyRequest(RequestModel):
     inputs: list[TextOrPair] = Field(min_length=1, description="Texts or [text, text] pairs.")
     adapter: Name | None = None
-    top_k: int | None = Field(None, ge=1, description="Return only the k likeliest labels' probabilities.")
+    top_k: int | None = Field(None, ge=1, description="Return only the k highest-scoring labels' scores.")
     min_confidence: float | None = Field(
-        None, ge=0.0, le=1.0, description="Answer \"unknown\" (abstained) for a text whose top probability is "
-        "below this. Default: the model's calibrated threshold (calibration.json), else 0 (never)."
+        None, ge=0.0, le=1.0, description="Answer \"unknown\" (abstained) for a text whose top score (a "
+        "probability) is below this; a regression model never abstains. Default: the model's calibrated threshold "
+        "(calibration.json), else 0 (never)."
     )
     priority: Priority = 0
 
 
+# what a classifier's scores are, by its output (ClassifierConfig.output_activation: the model's problem_type)
+SCORES = ("single-label models (softmax): the label's probability, calibrated when the model has a calibration; "
+          "multi-label models and one-label relevance scores (sigmoid): the label's own probability, independent "
+          "of the others'; regression models: the raw predicted value")
+
+
 class Classification(BaseModel):
-    label: str = Field(description="The likeliest label, or \"unknown\" when the classifier abstained.")
-    score: float = Field(description="The top probability (calibrated when the model has a calibration).")
-    probabilities: dict[str, float]
-    abstained: bool = Field(False, description="The top probability was below min_confidence.")
+    label: str = Field(description="The highest-scoring label, or \"unknown\" when the classifier abstained.")
+    score: float = Field(description=f"The label's score: {SCORES}.")
+    probabilities: dict[str, float] = Field(description="Label -> score, highest first (top_k of them when asked): "
+                                            f"{SCORES}. Sums to 1 for single-label models only.")
+    abstained: bool = Field(False, description="The top score was below min_confidence (never for regression).")
 
 
 class ClassifyResponse(BaseModel):

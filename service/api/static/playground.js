@@ -1,15 +1,21 @@
-// tserve playground: pick a model and adapter, run it, look at its attention; the chat view is chat.js.
+// tserve playground: pick a model and adapter, run it, look at its attention; the chat view is chat.js, the rerank
+// panel rerank.js.
 // No build step, no deps.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 const SVG_NS = "http://www.w3.org/2000/svg";
 const KIND_NAMES = { encoder_self: "encoder self", decoder_self: "decoder self", cross: "cross", self: "self" };
+// The task card's panel of each family, and the task (GET /v1/models' tasks) it needs.
 const TASKS = {
-  seq2seq: { title: "Translate", form: "generate-form", input: "Source sentence", strategy: "beam" },
-  causal_lm: { title: "Generate", form: "generate-form", input: "Prompt", strategy: "greedy", stream: true },
-  classifier: { title: "Classify", form: "classify-form", input: "Text" },
+  seq2seq: { task: "generate", title: "Translate", form: "generate-form", input: "Source sentence", strategy: "beam" },
+  causal_lm: { task: "generate", title: "Generate", form: "generate-form", input: "Prompt", strategy: "greedy",
+    stream: true },
+  classifier: { task: "classify", title: "Classify", form: "classify-form", input: "Text" },
 };
+// The task card's other panels, after the family's own, for the models that serve their task.
+const OTHER_PANELS = [{ task: "rerank", title: "Rerank", form: "rerank-form" }];
+const PANEL_FORMS = [...new Set([...Object.values(TASKS), ...OTHER_PANELS].map((p) => p.form))];
 // A language-identification classifier's example: a message in one of its labels' languages.
 const LANGUAGE_EXAMPLES = {
   fr: "Impossible d'ouvrir le fichier.",
@@ -102,9 +108,7 @@ async function selectModel(name) {
   $("model-info").textContent = `${size} parameters · ${m.device} · ${m.dtype} · ≤ ${m.max_input_tokens} input tokens`;
   const task = TASKS[m.family];
   const example = exampleFor(m);
-  $("task-title").textContent = task.title;
-  $("generate-form").hidden = task.form !== "generate-form";
-  $("classify-form").hidden = task.form !== "classify-form";
+  showPanels(m);
   if (task.form === "generate-form") {
     $("gen-input-label").textContent = task.input;
     $("gen-input").value = example;
@@ -119,6 +123,7 @@ async function selectModel(name) {
     $("cls-input").value = example;
     $("cls-output").replaceChildren();
   }
+  document.dispatchEvent(new CustomEvent("tserve:model", { detail: m }));  // rerank.js clears its results
   const seq2seq = m.family === "seq2seq";
   $("attn-target-row").hidden = !seq2seq;
   $("attn-input-label").textContent = seq2seq ? "Source" : "Input";
@@ -126,6 +131,30 @@ async function selectModel(name) {
   $("attn-target").value = "";
   clearHeatmap();
   await fillAdapters($("adapter"), state.model);
+}
+
+// The task card's panels for model m (its family's own, then the others it serves), as tabs when there are several;
+// the first is shown.
+function showPanels(m) {
+  const panels = [TASKS[m.family], ...OTHER_PANELS].filter((p) => m.tasks.includes(p.task));
+  $("task-panels").replaceChildren(...panels.map((panel) => {
+    const tab = document.createElement("button");
+    Object.assign(tab, { type: "button", id: `panel-${panel.task}`, textContent: panel.title });
+    tab.setAttribute("role", "tab");
+    tab.dataset.form = panel.form;
+    tab.addEventListener("click", () => showPanel(panel));
+    return tab;
+  }));
+  $("task-panels").hidden = panels.length < 2;
+  showPanel(panels[0] || TASKS[m.family]);
+}
+
+function showPanel(panel) {
+  $("task-title").textContent = panel.title;
+  for (const form of PANEL_FORMS) $(form).hidden = form !== panel.form;
+  for (const tab of $("task-panels").children) {
+    tab.setAttribute("aria-selected", String(tab.dataset.form === panel.form));
+  }
 }
 
 // The adapters of model m into a <select>, "(base model)" first: the server's list, else the model list's.

@@ -1,0 +1,107 @@
+"""PEFT adapters of the BERT-shaped encoders (BERT, RoBERTa / XLM-R, DistilBERT) <-> our classifier's modules.
+
+Each architecture names the same modules its own way (:class:`EncoderNames`): a layer's Linears, the encoder's
+attribute under a head model (``bert.``, ``roberta.``, ``distilbert.``), and the head model's own Linears, which
+are our ``pooler`` and ``classifier`` (BERT's pooler.dense and classifier, RoBERTa's classifier.dense and
+classifier.out_proj, DistilBERT's pre_classifier and classifier). A LoRA on any of them maps onto ours, and so does
+an adapter's own copy of a head (PEFT's ``modules_to_save``: SEQ_CLS adapters copy ``classifier``, which is
+RoBERTa's whole head and, by PEFT's suffix match, DistilBERT's pre_classifier too). An adapter of the headless
+model (no prefix) loads on the head model's encoder as well. :func:`adapter_layout` gives the AdapterLayout.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+
+from model.config import TransformerConfig
+from model.lora_config import LoRAConfig
+from model.lora_io import KEY_PREFIX, AdapterLayout, PeftFiles, peft_files, peft_targets, unmapped_tensor
+
+_LORA_KEY = re.compile(r"base_model\.model\.(.+)\.(lora_[AB]\.weight)")
+_COPY_KEY = re.compile(r"base_model\.model\.(.+)\.(weight|bias)")  # a head copy (modules_to_save)
+
+
+@dataclass(frozen=True)
+class EncoderNames:
+    """How a BERT-shaped Hugging Face architecture names the modules our classifier's adapters touch."""
+
+    model: str  # the architecture, in errors
+    prefix: str  # the encoder's attribute under the head model, with its dot ("bert.")
+    layers: str  # the layer list under the encoder ("encoder.layer")
+    linears: Mapping[str, str]  # a layer's Linears: ours -> theirs
+    targets: Mapping[str, tuple[str, ...]]  # PEFT target names (a module name or a path suffix) -> our last names
+    heads: Mapping[str, str]  # the head model's Linears outside the layers (paths from its root) -> ours
+    # PEFT modules_to_save names -> the heads of ours they copy (a name not here: ours alike)
+    saves: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+def module_paths(names: EncoderNames, config: TransformerConfig) -> dict[str, str]:
+    """The HF model's module paths (as PEFT saves them) -> ours, for the model of ``config``: the head model's with
+    a classification head, else the headless model's (its pooler: pooler.dense)."""
+    layers = _layers(names, config.n_layers)
+    if getattr(config, "num_labels", 0):
+        return {names.prefix + path: ours for path, ours in layers.items()} | dict(names.heads)
+    return layers | {"pooler.dense": "pooler"}
+
+
+def _layers(names: EncoderNames, n_layers: int) -> dict[str, str]:
+    return {f"{names.layers}.{i}.{theirs}": f"encoder.layers.{i}.{ours}"
+            for i in range(n_layers) for ours, theirs in names.linears.items()}
+
+
+def _adapter_config(names: EncoderNames, d: dict[str, Any]) -> dict[str, Any]:
+    d = peft_targets(d, names.targets, names.model)
+    saves = d.get("modules_to_save")
+    if isinstance(saves, list) and all(isinstance(s, str) for s in saves):  # else LoRAConfig names what is wrong
+        d = {**d, "modules_to_save": list(dict.fromkeys(o for s in saves for o in names.saves.get(s, (s,))))}
+    return d
+
+
+def _adapter_tensors(names: EncoderNames, tensors: dict[str, torch.Tensor], model: TransformerConfig
+                     ) -> dict[str, torch.Tensor]:
+    paths = module_paths(names, model)
+    if getattr(model, "num_labels", 0):  # an adapter of the headless model: the same encoder layers
+        paths |= _layers(names, model.n_layers)
+    else:  # the encoder's names under a head model
+        paths |= {names.prefix + path: ours for path, ours in paths.items()}
+    adapted = {name for ours in names.targets.values() for name in ours}  # a LoRA's modules (not the classifier)
+    ours = {}
+    for key, t in tensors.items():
+        lora = _LORA_KEY.fullmatch(key)
+        match = lora or _COPY_KEY.fullmatch(key)
+        path = paths.get(match[1], "") if match else ""
+        # a copy is of a head (ours: pooler, classifier), never of a layer's Linear
+        if not path or (path.rpartition(".")[2] not in adapted if lora else "." in path):
+            raise unmapped_tensor(key, names.model, names.targets)
+        ours[f"{KEY_PREFIX}{path}.{match[2]}"] = t
+    return ours
+
+
+def _to_peft(names: EncoderNames, config: LoRAConfig, tensors: dict[str, torch.Tensor], model: TransformerConfig
+             ) -> PeftFiles:
+    """Our adapter as PEFT's on the model ours was imported from; modules_to_save: the PEFT names that copy our
+    copied heads. task_type stays None: PEFT's SEQ_CLS would add the head to modules_to_save."""
+    theirs_of = {ours: theirs for theirs, ours in module_paths(names, model).items()}
+    theirs, copied = {}, []
+    for key, t in tensors.items():
+        lora = _LORA_KEY.fullmatch(key)
+        match = lora or _COPY_KEY.fullmatch(key)
+        if match is None or match[1] not in theirs_of:
+            raise unmapped_tensor(key, names.model, [*names.linears, *names.heads.values()])
+        theirs[f"{KEY_PREFIX}{theirs_of[match[1]]}.{match[2]}"] = t
+        if lora is None:
+            copied.append(match[1])
+    saves = [next((s for s, ours in names.saves.items() if head in ours), head) for head in copied]
+    return peft_files(config, theirs, None, modules_to_save=sorted(set(saves)) or None)
+
+
+def adapter_layout(names: EncoderNames) -> AdapterLayout:
+    """The AdapterLayout of PEFT adapters on ``names``' architecture."""
+    return AdapterLayout(config=partial(_adapter_config, names), tensors=partial(_adapter_tensors, names),
+                         to_peft=partial(_to_peft, names))
