@@ -3,6 +3,8 @@
 ``--shape toy`` (the default) is described here; ``--shape opus-mt``, ``bert-base`` and ``gpt2-small`` (the
 shapes people serve, with ONNX Runtime for the classifier) in benchmarks/shape_compare.py; ``smollm2-135m`` and
 ``qwen2.5-0.5b`` (Llama-style decoders, with llama.cpp and CTranslate2) in benchmarks/decoder_compare.py;
+``xlm-roberta-base`` (a cross-encoder's rerank, with ONNX Runtime) and ``distilbert-base`` (NER: a later step) in
+benchmarks/encoder_compare.py;
 ``--device cuda`` (ours vs HF on a GPU, on the first three of those shapes: every one, or the one ``--shape`` names)
 in benchmarks/gpu_compare.py.
 
@@ -33,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import decoder_compare, floor, gpu_compare, peers, shape_compare, shapes
+from benchmarks import decoder_compare, encoder_compare, floor, gpu_compare, peers, shape_compare, shapes
 from benchmarks.cells import Cell, alternate, kernels, load, rate, ratio_text, versions
 from benchmarks.common import machine_line, markdown_table
 from model.checkpoint import save_checkpoint
@@ -155,6 +157,8 @@ def run(args: argparse.Namespace) -> str:
         return gpu_compare.run(args)
     if args.shape in shapes.DECODERS:
         return decoder_compare.run(args)
+    if args.shape in shapes.ENCODERS:
+        return encoder_compare.run(args)
     if args.shape != "toy":
         return shape_compare.run(args)
     out = [f"Machine: {machine_line()}", f"Peers: {versions()}", f"Ours: {kernels()}",
@@ -217,7 +221,8 @@ def measure(root: Path, args: argparse.Namespace) -> list[str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=["toy", *shapes.SHAPES], default="toy",
-                        help="toy: this module's d_model 512 models (default); the others: benchmarks/shape_compare.py")
+                        help="toy: this module's d_model 512 models (default); the others: benchmarks/shape_compare.py "
+                        "(decoder_compare.py, encoder_compare.py)")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run: 1 round and fewer cells (toy: also 16/8 new tokens, smaller batches)")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="thread counts tried per engine")

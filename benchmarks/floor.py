@@ -4,10 +4,10 @@ A decoding step must read every weight it multiplies by (and the KV cache it att
 2 FLOPs per weight per row, so no implementation on this machine beats, per step,
 ``max(bytes / bandwidth, flops / matmul rate)``. Bandwidth is measured by reading a buffer as large
 as the step's weights (so a working set that lives in the last-level cache gets that cache's rate);
-the matmul rate by fp32 GEMMs (1024^3, and 512 rows through a 512 x 2048 linear) and, for int8, by
-the faster of fbgemm's dynamic int8 linear and ours (model/kernels/int8_vnni.cpp); a served shape adds
-512 rows through its own FFN linear in both. Each is the fastest of 7 runs at the best of the thread
-counts tried.
+the matmul rate by fp32 GEMMs (1024^3, and 512 rows through a 512 x 2048 linear, torch's and ours: the
+panel GEMM of model/kernel_layers.py, which beats MKL's) and, for int8, by the faster of fbgemm's dynamic int8
+linear and ours (model/kernels/int8_vnni.cpp); a served shape adds 512 rows through its own FFN linear in both.
+Each is the fastest of 7 runs at the best of the thread counts tried.
 A machine shared with other work reads memory at different rates from minute to minute (33-58 GB/s here within
 an hour), so a cell's floor takes the bandwidth read *while the cell ran*: :class:`BandwidthProbe`, run before
 each of its timed runs (benchmarks/cells.py), the median of those; the best rate of the run stays in the
@@ -29,6 +29,7 @@ from functools import partial
 import torch
 
 from benchmarks.common import run_times
+from model import kernel_layers
 from model.int8_linear import Int8Linear
 
 FP32, INT8 = 4, 1
@@ -158,10 +159,13 @@ def measure_rates(working_sets: list[int], threads: list[int], linears: list[tup
                 for size, rate in probe.read().items():
                     keep(f"bw{size}", rate, n)
                 keep("fp32", 2 * 1024**3 / _best_seconds(lambda: a @ b), n)
-                keep("fp32", 2 * 512 * 512 * 2048 / _best_seconds(lambda: torch.nn.functional.linear(x32, w32)), n)
+                for fp32_linear in (torch.nn.functional.linear, kernel_layers.linear):  # MKL's, ours
+                    keep("fp32", 2 * 512 * 512 * 2048 / _best_seconds(partial(fp32_linear, x32, w32)), n)
+                    for xl, wl, _ in extra:
+                        flops = 2 * xl.shape[0] * wl.shape[0] * wl.shape[1]
+                        keep("fp32", flops / _best_seconds(partial(fp32_linear, xl, wl)), n)
                 for xl, wl, wl8 in extra:
                     flops = 2 * xl.shape[0] * wl.shape[0] * wl.shape[1]
-                    keep("fp32", flops / _best_seconds(partial(torch.nn.functional.linear, xl, wl)), n)
                     keep("int8", flops / _best_seconds(partial(wl8, xl)), n)
                 for int8_linear in (lambda: torch.ops.quantized.linear_dynamic(x, packed, True), lambda: ours(x)):
                     keep("int8", 2 * 256 * 2048 * 2048 / _best_seconds(int8_linear), n)
@@ -207,12 +211,18 @@ def decode_floor(family: str, batch: int, beams: int, input_len: int, new_tokens
 
 def classifier_floor(batch: int, length: int, rates: Rates, weight_bytes: int, dims: Dims = TOY) -> float:
     """Seconds for one forward of ``batch`` sequences of ``length`` tokens."""
+    return encoder_floor([length] * batch, rates, weight_bytes, dims)
+
+
+def encoder_floor(lengths: list[int], rates: Rates, weight_bytes: int, dims: Dims = TOY) -> float:
+    """Seconds for one encoder forward of sequences of ``lengths`` tokens (their own tokens: padding is work an
+    engine may skip), the weights read once."""
     weights = dims.layers * (dims.self_attn + dims.ffn)
     flop_rate = rates.fp32_flops if weight_bytes == FP32 else rates.int8_ops
-    flops = 2 * batch * length * weights + dims.layers * 4 * dims.d_model * batch * length * length
+    flops = 2 * sum(lengths) * weights + dims.layers * 4 * dims.d_model * sum(n * n for n in lengths)
     nbytes = weights * weight_bytes
     return max(flops / flop_rate, nbytes / rates.read_rate(nbytes))
 
 
 __all__ = ["FP32", "INT8", "TOY", "BandwidthProbe", "Dims", "Rates", "classifier_floor", "decode_floor",
-           "decoder_weights", "measure_rates"]
+           "decoder_weights", "encoder_floor", "measure_rates"]

@@ -5,16 +5,19 @@ by default), reused by later runs: ``<shape>/hf`` (config.json, model.safetensor
 ``save_pretrained`` writes them: ours loads it with ``model.checkpoint.load_checkpoint``, HF with
 ``from_pretrained``), ``<shape>/ct2`` (CTranslate2's ``TransformersConverter`` of the seq2seq one and of the
 Llama-style decoders), ``<shape>/gguf`` (llama.cpp's converter of the Llama-style decoders: benchmarks/gguf.py) and
-``<shape>/onnx`` (the classifier exported with ``torch.onnx.export``, fused by onnxruntime's transformer
-optimizer as Optimum does, and its ``quantize_dynamic`` int8 copy). A folder whose ``VERSION`` is not
-:data:`BUILD_VERSION` is rebuilt; every product is written beside its place and renamed into it.
+``<shape>/onnx`` (a classifier, BERT's or XLM-R's, exported with ``torch.onnx.export`` with Optimum's inputs, fused
+by onnxruntime's transformer optimizer as Optimum does, and its ``quantize_dynamic`` int8 copy). A folder whose
+``VERSION`` is not :data:`BUILD_VERSION` is rebuilt; every product is written beside its place and renamed into it.
 
 Weights are transformers' own initialisation (normal, std 0.02; a padding embedding row zero) from a fixed
 seed; OPUS-MT also gets a random ``final_logits_bias``. The tokenizers are tiny but their vocabularies have
-the model's size (filler tokens): load_checkpoint needs one, and CTranslate2 takes its vocabulary from it. The
+the model's size (filler tokens): load_checkpoint needs one, and CTranslate2 takes its vocabulary from it (XLM-R's: a
+SentencePiece-style Unigram of 250,002 pieces as its tokenizer.json lays them out). The
 Llama-style decoders' byte-level BPE is trained (it has merges: llama.cpp's GGUF needs them).
 The benchmark feeds token ids (random, no special ids) to every engine, so it measures model compute,
-not tokenization. ``tiny=True`` gives the same architecture at toy sizes, for the test.
+not tokenization. ``tiny=True`` gives the same architecture at toy sizes, for the test. The encoders
+(:data:`ENCODERS`, benchmarks/encoder_compare.py): ``xlm-roberta-base``, a one-label cross-encoder (bge-reranker-base's
+config), and ``distilbert-base`` with a 9-label token head (NER), whose cells wait for our token head.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ class Shape:
     config: dict[str, Any]  # its config.json fields (everything else at transformers' defaults)
     dims: Dims
     gguf_pre: str = ""  # a Llama-style decoder llama.cpp runs: the pre-tokenizer its real checkpoint's GGUF names
+    job: str = ""  # an encoder of benchmarks/encoder_compare.py: "rerank" (a one-label head) or "entities" (NER)
 
     @property
     def vocab(self) -> int:
@@ -77,6 +81,23 @@ def _bert(vocab: int, d: int, layers: int, heads: int, ffn: int) -> dict[str, An
                 intermediate_size=ffn, max_position_embeddings=512, pad_token_id=0,
                 id2label={0: "negative", 1: "positive"}, label2id={"negative": 0, "positive": 1},
                 hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def _xlm_roberta(vocab: int, d: int, layers: int, heads: int, ffn: int) -> dict[str, Any]:
+    """A cross-encoder on XLM-RoBERTa (BAAI/bge-reranker-base's config): one label, positions from pad + 1, one token
+    type, <s> 0, <pad> 1, </s> 2."""
+    return dict(vocab_size=vocab, hidden_size=d, num_hidden_layers=layers, num_attention_heads=heads,
+                intermediate_size=ffn, max_position_embeddings=514, type_vocab_size=1, layer_norm_eps=1e-5,
+                pad_token_id=1, bos_token_id=0, eos_token_id=2, num_labels=1, hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0)
+
+
+def _distilbert(vocab: int, d: int, layers: int, heads: int, ffn: int, labels: int) -> dict[str, Any]:
+    """DistilBERT with a token-classification head of ``labels`` BIO labels (an NER checkpoint's)."""
+    names = ["O", *(f"{p}-{kind}" for kind in ("PER", "ORG", "LOC", "MISC") for p in "BI")][:labels]
+    return dict(vocab_size=vocab, dim=d, n_layers=layers, n_heads=heads, hidden_dim=ffn, max_position_embeddings=512,
+                pad_token_id=0, id2label=dict(enumerate(names)), label2id={n: i for i, n in enumerate(names)},
+                dropout=0.0, attention_dropout=0.0)
 
 
 def _gpt2(vocab: int, d: int, layers: int, heads: int) -> dict[str, Any]:
@@ -110,6 +131,10 @@ SHAPES = {
                        Dims(768, 3072, 30522, 12)),
     "gpt2-small": Shape("gpt2-small", "causal_lm", "GPT2LMHeadModel", _gpt2(50257, 768, 12, 12),
                         Dims(768, 3072, 50257, 12)),
+    "xlm-roberta-base": Shape("xlm-roberta-base", "classifier", "XLMRobertaForSequenceClassification",
+                              _xlm_roberta(250002, 768, 12, 12, 3072), Dims(768, 3072, 250002, 12), job="rerank"),
+    "distilbert-base": Shape("distilbert-base", "classifier", "DistilBertForTokenClassification",
+                             _distilbert(30522, 768, 6, 12, 3072, 9), Dims(768, 3072, 30522, 6), job="entities"),
     "smollm2-135m": Shape("smollm2-135m", "causal_lm", "LlamaForCausalLM", _smollm2(49152, 576, 30, 9, 3, 1536),
                           Dims(576, 1536, 49152, 30, kv_width=3 * 64, ffn_matrices=3), gguf_pre="smollm"),
     "qwen2.5-0.5b": Shape("qwen2.5-0.5b", "causal_lm", "Qwen2ForCausalLM", _qwen2(151936, 896, 24, 14, 2, 4864),
@@ -120,12 +145,19 @@ TINY = {  # the same architectures at toy sizes: the test's
     "bert-base": Shape("bert-base", "classifier", "BertForSequenceClassification", _bert(300, 32, 2, 4, 64),
                        Dims(32, 64, 300, 2)),
     "gpt2-small": Shape("gpt2-small", "causal_lm", "GPT2LMHeadModel", _gpt2(300, 32, 2, 4), Dims(32, 128, 300, 2)),
+    "xlm-roberta-base": Shape("xlm-roberta-base", "classifier", "XLMRobertaForSequenceClassification",
+                              _xlm_roberta(300, 32, 2, 4, 64) | {"initializer_range": 0.1},  # scores that differ
+                              Dims(32, 64, 300, 2), job="rerank"),
+    "distilbert-base": Shape("distilbert-base", "classifier", "DistilBertForTokenClassification",
+                             _distilbert(300, 32, 2, 4, 64, 9), Dims(32, 64, 300, 2), job="entities"),
     "smollm2-135m": Shape("smollm2-135m", "causal_lm", "LlamaForCausalLM", _smollm2(400, 64, 2, 4, 2, 96),
                           Dims(64, 96, 400, 2, kv_width=32, ffn_matrices=3), gguf_pre="smollm"),
     "qwen2.5-0.5b": Shape("qwen2.5-0.5b", "causal_lm", "Qwen2ForCausalLM", _qwen2(400, 64, 2, 4, 2, 96),
                           Dims(64, 96, 400, 2, kv_width=32, ffn_matrices=3), gguf_pre="qwen2"),
 }
 DECODERS = [name for name, spec in SHAPES.items() if spec.gguf_pre]  # benchmarks/decoder_compare.py's shapes
+ENCODERS = [name for name, spec in SHAPES.items() if spec.job]  # benchmarks/encoder_compare.py's shapes
+XLMR_SPECIALS = ["<s>", "<pad>", "</s>", "<unk>"]  # XLM-R's first ids (<mask> is its last)
 
 
 @dataclass(frozen=True)
@@ -225,6 +257,8 @@ def _hf_directory(spec: Shape, directory: Path) -> None:
         with torch.no_grad():  # a bias that counts: the logits path must add it (OPUS-MT's hold trained values)
             model.final_logits_bias.normal_(0, 0.5, generator=torch.Generator().manual_seed(SEED))
         _marian_tokenizer(directory, spec.vocab)
+    elif spec.architecture.startswith("XLMRoberta"):
+        _unigram_tokenizer(spec.vocab).save_pretrained(directory)
     elif spec.family == "classifier":
         _wordpiece_tokenizer(spec.vocab).save_pretrained(directory)
     else:
@@ -283,6 +317,29 @@ def _wordpiece_tokenizer(vocab_size: int):
         tokenizer_object=backend, model_input_names=["input_ids", "token_type_ids", "attention_mask"], **names)
 
 
+def _unigram_tokenizer(vocab_size: int):
+    """An XLM-R-style SentencePiece Unigram of ``vocab_size`` tokens as its tokenizer.json lays it out: <s> <pad> </s>
+    <unk>, characters, fillers, <mask> last; NFKC, Metaspace, the ``<s> A </s> </s> B </s>`` template."""
+    import string
+
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    pieces = list(dict.fromkeys(["\u2581", *string.ascii_lowercase, *(f"\u2581{c}" for c in string.ascii_lowercase)]))
+    pieces += [f"\u2581w{i}" for i in range(vocab_size - len(XLMR_SPECIALS) - len(pieces) - 1)]
+    vocab = [(t, 0.0) for t in XLMR_SPECIALS] + [(p, -1.0 - i / len(pieces)) for i, p in enumerate(pieces)]
+    backend = Tokenizer(models.Unigram(vocab + [("<mask>", 0.0)], unk_id=XLMR_SPECIALS.index("<unk>")))
+    backend.add_special_tokens([*XLMR_SPECIALS, "<mask>"])
+    backend.normalizer = normalizers.NFKC()
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 2)])
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", cls_token="<s>", pad_token="<pad>", eos_token="</s>",
+        sep_token="</s>", unk_token="<unk>", mask_token="<mask>", model_input_names=["input_ids", "attention_mask"])
+
+
 def _byte_bpe_tokenizer(vocab_size: int, trained: bool = False):
     """A GPT-2 byte-level BPE of ``vocab_size`` tokens (the 256 bytes, fillers, <|endoftext|> last); no merges, or
     (``trained``) the bytes and merges of a BPE trained on a small corpus before the fillers."""
@@ -334,15 +391,18 @@ def _export_fuse_quantize(files: ShapeFiles, directory: Path) -> None:
     from onnxruntime.transformers.optimizer import optimize_model
 
     directory.mkdir(parents=True)
-    model = transformers.BertForSequenceClassification.from_pretrained(files.hf, attn_implementation="eager").eval()
-    ids = torch.randint(5, files.shape.vocab, (2, 16), generator=torch.Generator().manual_seed(SEED))
+    spec = files.shape
+    model = getattr(transformers, spec.architecture).from_pretrained(files.hf, attn_implementation="eager").eval()
+    ids = torch.randint(5, spec.vocab - 1, (2, 16), generator=torch.Generator().manual_seed(SEED))
     mask = torch.ones_like(ids)
     mask[1, -4:] = 0  # a padded row, so that the exported graph keeps the mask's path
-    inputs = ["input_ids", "attention_mask", "token_type_ids"]
+    ids[1, -4:] = spec.config["pad_token_id"]
+    inputs = onnx_inputs(spec)
     raw = directory / "exported.onnx"
-    torch.onnx.export(model, (ids, mask, torch.zeros_like(ids)), str(raw), dynamo=False, input_names=inputs,
-                      output_names=["logits"], opset_version=17,
-                      dynamic_axes={**{name: {0: "batch", 1: "sequence"} for name in inputs}, "logits": {0: "batch"}})
+    logits = {0: "batch", 1: "sequence"} if spec.job == "entities" else {0: "batch"}
+    torch.onnx.export(model, (ids, mask, torch.zeros_like(ids))[: len(inputs)], str(raw), dynamo=False,
+                      input_names=inputs, output_names=["logits"], opset_version=17,
+                      dynamic_axes={**{name: {0: "batch", 1: "sequence"} for name in inputs}, "logits": logits})
     fused = optimize_model(str(raw), model_type="bert", num_heads=files.shape.config["num_attention_heads"],
                            hidden_size=files.shape.dims.d_model)
     stats = {k: v for k, v in fused.get_fused_operator_statistics().items() if v}
@@ -353,11 +413,17 @@ def _export_fuse_quantize(files: ShapeFiles, directory: Path) -> None:
                      extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
 
 
+def onnx_inputs(spec: Shape) -> list[str]:
+    """The exported graph's inputs, as Optimum's export names them: token types only where the model has two."""
+    two_types = spec.config.get("type_vocab_size", 2) > 1 and not spec.architecture.startswith("DistilBert")
+    return ["input_ids", "attention_mask", "token_type_ids"][: 3 if two_types else 2]
+
+
 def onnx_fusions(files: ShapeFiles) -> dict[str, int]:
     """The fused operators onnxruntime's optimizer put in the classifier's graph."""
     path = files.onnx.parent / "fusions.json"
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-__all__ = ["DECODERS", "DEFAULT_CACHE", "SHAPES", "Shape", "ShapeFiles", "build", "ct2_directory", "onnx_fusions",
-           "onnx_models", "shape"]
+__all__ = ["DECODERS", "DEFAULT_CACHE", "ENCODERS", "SHAPES", "Shape", "ShapeFiles", "build", "ct2_directory",
+           "onnx_fusions", "onnx_inputs", "onnx_models", "shape"]

@@ -1,0 +1,316 @@
+"""Ours vs HF vs ONNX Runtime on the encoders' jobs: `python -m benchmarks.compare --shape xlm-roberta-base`.
+
+Shapes (benchmarks/shapes.py, random weights saved by ``save_pretrained``, cached): ``xlm-roberta-base``
+(XLMRobertaForSequenceClassification, 12 layers, d 768, 12 heads, FFN 3,072, vocabulary 250,002, 514 positions, one
+label: a cross-encoder like bge-reranker-base) and ``distilbert-base`` (DistilBertForTokenClassification, 6 layers,
+d 768, 9 labels: the NER cells, a later step: ours has no token-classification head yet, so that shape is refused).
+
+Rerank cells: a query of 16 tokens and 16 or 64 documents, each pair ``<s> query </s> </s> document </s>`` of
+112-128 tokens (random ids, no special ones; the longest 128), scored in chunks of the service's default
+``max_batch_size`` (32 pairs: also CrossEncoder.predict's default batch size), each chunk padded to its longest pair:
+
+- ours fp32 / int8: ``load_checkpoint`` + ``prepare_for_inference`` as the service loads a model
+  (benchmarks/shape_engines.py), then what ``ModelWorker.rerank``'s PoolingJob "logits" computes: ``pad_batch`` of
+  the chunk's ids and segment ids, the classifier's forward, the one-label logit through sigmoid
+  (service.engine.rerank's default activation);
+- HF: the transformers model's forward of the same padded chunks with their attention mask, sigmoid of the logit:
+  what sentence-transformers' ``CrossEncoder.predict`` computes (not installed here);
+- ONNX Runtime fp32 and int8: the classifier exported and fused as the bert-base shape's (Optimum-style inputs:
+  input_ids, attention_mask), one session per thread count.
+
+Before any timing each engine's logits of every cell's pairs are compared with HF's: a fp32 engine more than
+:data:`FP32_ATOL` away is reported as MISMATCH and not timed; int8's difference, correlation and HF's order kept are
+reported. Timing, tables and the floor as for the other shapes (benchmarks/cells.py, benchmarks/shape_compare.py):
+pairs/s, variants alternating after a warm-up, medians, each engine at its best thread count; the floor is
+benchmarks/floor.py's ``encoder_floor`` over each pair's own tokens (padding excluded), weights read once per cell.
+``--quick``: one timed round of the same cells.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from benchmarks import floor, shapes
+from benchmarks.cells import Cell, alternate, kernels, load, ratio_text, versions
+from benchmarks.common import machine_line, markdown_table
+from benchmarks.shape_compare import ENGINES, PEERS, measure_rates, weight_bytes
+from benchmarks.shape_engines import Engines, load_engines
+from model.tokenizer import pad_batch
+from service.engine.rerank import ACTIVATIONS, DEFAULT_ACTIVATION
+from service.engine.types import EngineSettings
+
+logger = logging.getLogger("benchmarks.encoder_compare")
+
+FP32_ATOL = 1e-4  # the largest abs difference from HF's logit a fp32 engine may show
+CHUNK = EngineSettings().max_batch_size  # pairs per forward: the service's default (CrossEncoder.predict's too)
+SPREAD = 16  # pairs are pair_len - SPREAD .. pair_len tokens long: a chunk is padded
+Pairs = list[tuple[list[int], list[int]]]  # (ids, segment ids) per pair, as service.engine.rerank encodes them
+Scorer = Callable[[Pairs], torch.Tensor]  # pairs -> their one-label logits (pairs,)
+
+
+@dataclass(frozen=True)
+class RerankGrid:
+    """A reranker's cells: documents per query, the query's tokens, the longest pair's tokens."""
+
+    documents: list[int]
+    query_len: int
+    pair_len: int
+
+    @property
+    def shortest(self) -> int:
+        """The shortest pair's tokens (a document of at least one token)."""
+        return max(self.query_len + 5, self.pair_len - SPREAD)
+
+
+GRIDS = {"xlm-roberta-base": RerankGrid([16, 64], 16, 128)}
+TINY_GRIDS = {"xlm-roberta-base": RerankGrid([4, 40], 6, 24)}  # 40: more than one chunk
+
+
+def rerank_pairs(spec: shapes.Shape, documents: int, grid: RerankGrid, seed: int) -> Pairs:
+    """One query and ``documents`` documents as XLM-R's pair template lays them out (segment ids 0), random ids
+    without the special ones; pair lengths spread over ``grid.shortest .. grid.pair_len``, the first the longest."""
+    bos, eos = (shapes.XLMR_SPECIALS.index(t) for t in ("<s>", "</s>"))
+    generator = torch.Generator().manual_seed(seed)
+    special = len(shapes.XLMR_SPECIALS)
+    query = torch.randint(special, spec.vocab - 1, (grid.query_len,), generator=generator).tolist()
+    lengths = torch.randint(grid.shortest, grid.pair_len + 1, (documents,), generator=generator)
+    lengths[0] = grid.pair_len
+    pairs = []
+    for total in lengths.tolist():
+        document = torch.randint(special, spec.vocab - 1, (total - grid.query_len - 4,), generator=generator).tolist()
+        ids = [bos, *query, eos, eos, *document, eos]
+        pairs.append((ids, [0] * len(ids)))
+    return pairs
+
+
+def chunks(pairs: Pairs) -> list[Pairs]:
+    return [pairs[i: i + CHUNK] for i in range(0, len(pairs), CHUNK)]
+
+
+def padded(chunk: Pairs, pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, segment ids, attention mask) of a chunk padded to its longest pair, with the service's pad_batch."""
+    ids, _ = pad_batch([p[0] for p in chunk], pad)
+    segments, _ = pad_batch([p[1] for p in chunk], 0)
+    mask = torch.zeros_like(ids)
+    for row, (pair_ids, _) in enumerate(chunk):
+        mask[row, : len(pair_ids)] = 1
+    return ids, segments, mask
+
+
+def ours_scorer(engines: Engines, int8: bool) -> Scorer:
+    model = (engines.ours_int8 if int8 else engines.ours).model
+    pad = model.config.pad_id
+
+    def logits(pairs: Pairs) -> torch.Tensor:
+        out = []
+        with torch.inference_mode():
+            for chunk in chunks(pairs):
+                ids, segments, _ = padded(chunk, pad)
+                out.append(model(ids, segments).float()[:, 0])
+        return torch.cat(out)
+
+    return logits
+
+
+def hf_scorer(engines: Engines) -> Scorer:
+    pad = engines.hf.config.pad_token_id
+
+    def logits(pairs: Pairs) -> torch.Tensor:
+        out = []
+        with torch.inference_mode():
+            for chunk in chunks(pairs):
+                ids, _, mask = padded(chunk, pad)
+                out.append(engines.hf(input_ids=ids, attention_mask=mask).logits[:, 0])
+        return torch.cat(out)
+
+    return logits
+
+
+def ort_scorer(engines: Engines, session) -> Scorer:
+    pad, names = engines.files.shape.config["pad_token_id"], shapes.onnx_inputs(engines.files.shape)
+
+    def logits(pairs: Pairs) -> torch.Tensor:
+        out = []
+        for chunk in chunks(pairs):
+            ids, segments, mask = padded(chunk, pad)
+            feed = dict(zip(("input_ids", "attention_mask", "token_type_ids"), (ids, mask, segments), strict=True))
+            out.append(torch.from_numpy(session.run(["logits"], {n: feed[n].numpy() for n in names})[0])[:, 0])
+        return torch.cat(out)
+
+    return logits
+
+
+def scorers(engines: Engines, threads: int) -> dict[str, Scorer]:
+    """Every engine's pair logits at ``threads`` (ONNX Runtime: its session of that thread count)."""
+    out = {"ours": ours_scorer(engines, False), "ours int8": ours_scorer(engines, True), "HF": hf_scorer(engines)}
+    out |= {f"ORT {kind}": ort_scorer(engines, engines.ort[kind, threads]) for kind in ("fp32", "int8")
+            if (kind, threads) in engines.ort}
+    return out
+
+
+def scored(scorer: Scorer, pairs: Pairs) -> Callable[[], list[int]]:
+    """A timed run: every pair scored (logit through the cross-encoder's activation); returns the pairs scored."""
+    activation = ACTIVATIONS[DEFAULT_ACTIVATION]
+    return lambda: [activation(scorer(pairs)).numel()]
+
+
+def check_outputs(engines: Engines, cells_pairs: dict[int, Pairs], threads: int) -> list[list[str]]:
+    """Each engine's logits of every cell's pairs against HF's: rows of the outputs table; a fp32 engine over
+    :data:`FP32_ATOL` goes into ``engines.excluded``."""
+    candidates = scorers(engines, threads)
+    hf = candidates.pop("HF")
+    reference = {n: hf(pairs) for n, pairs in cells_pairs.items()}
+    rows = []
+    for engine, scorer in candidates.items():
+        error, same_order, correlation = 0.0, True, 1.0
+        for n, pairs in cells_pairs.items():
+            got = scorer(pairs)
+            error = max(error, (got - reference[n]).abs().max().item())
+            same_order &= bool(torch.equal(got.argsort(descending=True), reference[n].argsort(descending=True)))
+            correlation = min(correlation, correlation_with(got, reference[n]))
+        pairs = sum(map(len, cells_pairs.values()))
+        text = f"max abs difference from HF's logits {error:.1e} over {pairs} pairs, correlation {correlation:.4f}, " \
+            f"HF's order {'kept' if same_order else 'not kept'}"
+        if "int8" in engine:
+            text += " (int8: reported, not required)"
+        elif error > FP32_ATOL:
+            engines.excluded[engine] = text
+            logger.error("%s %s: %s", engines.files.shape.name, engine, text)
+            text = f"MISMATCH: {text} (over {FP32_ATOL:g}): not timed"
+        rows.append([engine, "rerank logits vs HF", text])
+    return rows
+
+
+def correlation_with(logits: torch.Tensor, reference: torch.Tensor) -> float:
+    """Pearson's correlation of two engines' logits over the same pairs."""
+    return torch.corrcoef(torch.stack([logits.double(), reference.double()]))[0, 1].item()
+
+
+def rerank_cells(engines: Engines, cells_pairs: dict[int, Pairs], grid: RerankGrid, args: argparse.Namespace,
+                 probe: floor.BandwidthProbe) -> list[Cell]:
+    name, cells = engines.files.shape.name, []
+    for k, (documents, pairs) in enumerate(cells_pairs.items(), 1):
+        logger.info("%s: cell %d/%d, rerank of %d documents (%s)", name, k, len(cells_pairs), documents, load())
+        variants = {}
+        for n in args.threads:
+            for engine, scorer in scorers(engines, n).items():
+                if engine not in engines.excluded:
+                    variants[f"{engine}@{n}"] = (1 if engine.startswith("ORT") else n, scored(scorer, pairs))
+        cell = Cell(name, f"rerank {documents} docs", documents, 0, documents, length=grid.pair_len)
+        cells.append(alternate(cell, variants, documents, args.repeats, args.prune, probe))
+    return cells
+
+
+def floors(cells: list[Cell], cells_pairs: dict[int, Pairs], spec: shapes.Shape, peak: floor.Rates) -> dict:
+    """(family, batch, label) -> (fp32, int8) floor seconds of each cell at the bandwidth read during it."""
+    out = {}
+    for c in cells:
+        rates, lengths = peak.during(c.read_bandwidth()), [len(ids) for ids, _ in cells_pairs[c.batch]]
+        out[c.family, c.batch, c.label] = tuple(floor.encoder_floor(lengths, rates, b, spec.dims)
+                                                for b in (floor.FP32, floor.INT8))
+    return out
+
+
+def rate(cell: Cell, engine: str) -> str:
+    """``engine``'s best pairs/s in ``cell`` (one decimal: a base model scores a few pairs a second per core)."""
+    best = cell.best(engine)
+    return f"{best[0]:,.1f} ({best[1]}t)" if best else "-"
+
+
+def results_table(cells: list[Cell], excluded: dict[str, str]) -> str:
+    engines = [e for e in ENGINES if any(c.best(e) for c in cells) or e in excluded]
+    pairs = [(a, b) for a, b in PEERS if a in engines and b in engines]
+    headers = ["cell", "documents", *[f"{e} pairs/s" for e in engines], *[f"{a} / {b}" for a, b in pairs]]
+    rows = [[c.label, c.batch, *["MISMATCH" if e in excluded else rate(c, e) for e in engines],
+             *[ratio_text(c.ratio(a, b)) for a, b in pairs]] for c in cells]
+    return markdown_table(headers, rows)
+
+
+def floor_table(cells: list[Cell], limits: dict, fp32_weights: int) -> tuple[str, dict]:
+    """Each cell's floor (pairs/s) and each engine's share of it (floor time / its time); the shares by
+    (family, batch, label, engine)."""
+    rows, shares = [], {}
+    engines = [e for e in ENGINES if any(c.best(e) for c in cells)]
+    for c in cells:
+        fp32, int8 = limits[c.family, c.batch, c.label]
+        read = c.read_bandwidth().get(fp32_weights)
+        row = [c.label, f"{read / 1e9:.1f}" if read else "-", f"{c.items / fp32:,.1f}", f"{c.items / int8:,.1f}"]
+        for engine in engines:
+            best = c.best(engine)
+            if best:
+                shares[c.family, c.batch, c.label, engine] = best[0] * (int8 if "int8" in engine else fp32) / c.items
+            row.append(f"{shares[c.family, c.batch, c.label, engine]:.0%}" if best else "-")
+        rows.append(row)
+    headers = ["cell", "read GB/s", "floor fp32 pairs/s", "floor int8 pairs/s", *[f"{e} % of floor" for e in engines]]
+    return markdown_table(headers, rows), shares
+
+
+def targets_table(cells: list[Cell], shares: dict[tuple[str, int, str, str], float]) -> str:
+    """The issue's goals for the rerank cells, measured (met or MISSED); the floor's on the most documents (64)."""
+    rows, most = [], max(c.batch for c in cells)
+
+    def check(target: str, cell: Cell, value: float | None, goal: float, text: str) -> None:
+        if value is not None:
+            rows.append([target, cell.label, text.format(value), "met" if value >= goal else "MISSED"])
+
+    for c in cells:
+        check("ours fp32 >= ORT fp32", c, c.ratio("ours", "ORT fp32"), 1.0, "{:.2f}x")
+        check("ours int8 >= ORT int8", c, c.ratio("ours int8", "ORT int8"), 1.0, "{:.2f}x")
+        check("ours fp32 >= 1.5x HF", c, c.ratio("ours", "HF"), 1.5, "{:.2f}x")
+        if c.batch == most:
+            for engine in ("ours", "ours int8"):
+                share = shares.get((c.family, c.batch, c.label, engine))
+                if share:  # time / floor time = 1 / share
+                    check(f"{engine}: time under 1.3x the floor's", c, 1.3 * share, 1.0, f"{1 / share:.2f}x the floor")
+    return markdown_table(["target", "cell", "measured", ""], rows)
+
+
+def run(args: argparse.Namespace) -> str:
+    spec = shapes.shape(args.shape, args.tiny)
+    if spec.job != "rerank":
+        return (f"{spec.name}: its NER cells (batches 1 / 8 / 32 of 128 tokens) are a later step: ours has no "
+                f"token-classification head yet ({spec.architecture} does not load), so nothing is timed.")
+    grid = (TINY_GRIDS if args.tiny else GRIDS)[args.shape]
+    files = shapes.build(args.shape, args.cache, args.tiny)
+    out = [f"Machine: {machine_line()}", f"Peers: {versions()}", f"Ours: {kernels()}",
+           f"Threads tried per engine: {args.threads}",
+           f"Shape: {spec.name}{' (tiny)' if args.tiny else ''}: {spec.architecture}, d_model {spec.dims.d_model}, "
+           f"{spec.dims.layers} layers, ffn {spec.dims.d_ff}, vocabulary {spec.vocab:,}, one label, random weights, "
+           f"files under {files.root}; a {grid.query_len}-token query and {grid.documents} documents, pairs of "
+           f"{grid.shortest}-{grid.pair_len} tokens in chunks of {CHUNK}; median of {args.repeats} "
+           "alternating runs after 1 warm-up", "", f"Start: {time.strftime('%Y-%m-%d %H:%M:%S')}, {load()}"]
+    logger.info("%s: measuring the floor's rates, loading the engines (%s)", spec.name, load())
+    rates = measure_rates(spec, args.threads)
+    probe = floor.BandwidthProbe(weight_bytes(spec), args.threads)
+    engines = load_engines(files, args.threads)
+    if engines.ort:
+        out.append(f"ONNX Runtime graph: {shapes.onnx_fusions(files)} (onnxruntime.transformers.optimizer), "
+                   "int8: quantize_dynamic of it")
+    cells_pairs = {n: rerank_pairs(spec, n, grid, seed=n) for n in grid.documents}
+    logger.info("%s: comparing outputs", spec.name)
+    checks = check_outputs(engines, cells_pairs, args.threads[0])
+    cells = rerank_cells(engines, cells_pairs, grid, args, probe)
+    out += [f"Cells done: {load()}"]
+    rates = rates.best_with(measure_rates(spec, args.threads))
+    table, shares = floor_table(cells, floors(cells, cells_pairs, spec, rates), weight_bytes(spec)[0])
+    pruned = "; ".join(f"{c.label}: {', '.join(c.pruned)}" for c in cells if c.pruned)
+    bw = ", ".join(f"{size / 1e6:.0f} MB: {r / 1e9:.1f} GB/s" for size, r in rates.bandwidth.items())
+    out += ["", "### Outputs", "", markdown_table(["engine", "check", "result"], checks), "",
+            "### Results (pairs/s, best thread count in brackets; ratios of pairs/s)", "",
+            results_table(cells, engines.excluded), "",
+            f"Timed by their warm-up only (over {args.prune}x slower than the same engine's best): {pruned or 'none'}",
+            "", "### Targets", "", targets_table(cells, shares), "",
+            "### Floor", "", f"Best read bandwidth by working set: {bw}; fp32 GEMM {rates.fp32_flops / 1e9:.0f} "
+            f"GFLOP/s, int8 GEMM {rates.int8_ops / 1e9:.0f} GOP/s; threads of each best: {rates.threads}. A cell's "
+            "floor: every pair's own tokens through every layer (padding excluded), the weights read once, at the "
+            "bandwidth read during the cell.", "", table, "", f"End: {time.strftime('%Y-%m-%d %H:%M:%S')}, {load()}"]
+    return "\n".join(out)
+
+
+__all__ = ["GRIDS", "check_outputs", "rerank_pairs", "run", "scorers"]
