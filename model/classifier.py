@@ -82,11 +82,23 @@ class TransformerClassifier(nn.Module):
         return torch.tanh(pooled) if self.config.pooler_activation == "tanh" else F.relu(pooled)
 
     def forward(self, ids: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
-        """Class logits (B, num_labels); ValueError for a model without a classification head."""
+        """Class logits (B, num_labels); ValueError for a model without a sequence classification head."""
         if self.classifier is None:
             raise ValueError("this model has no classification head (num_labels=0): it computes embeddings only")
+        if self.config.head != "sequence":
+            raise ValueError("this model has a token classification head: it computes token_logits, not one "
+                             "row of logits per text")
         hidden, _ = self.encode(ids, segments, cls_only=True)
         return self.classifier(self.dropout(self.pool(hidden)))
+
+    def token_logits(self, ids: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+        """Each token's class logits (B, T, num_labels) of a token classification head (pad rows included: the
+        caller trims them); ValueError for any other model."""
+        if self.classifier is None or self.config.head != "token":
+            raise ValueError(f"this model has no token classification head (head={self.config.head!r}, "
+                             f"num_labels={self.config.num_labels})")
+        hidden, _ = self.encode(ids, segments)
+        return self.classifier(self.dropout(hidden))
 
     def pretraining_logits(
         self, ids: torch.Tensor, segments: torch.Tensor | None = None

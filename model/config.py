@@ -23,6 +23,7 @@ NORMS = ("pre", "post")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
 POOLER_ACTIVATIONS = ("tanh", "relu")
 OUTPUT_ACTIVATIONS = ("softmax", "sigmoid", "none")  # a classifier's served outputs
+CLASSIFIER_HEADS = ("sequence", "token")  # a classifier's head: one row of logits per text, or per token
 
 
 class ModelConfigError(ValueError):
@@ -203,6 +204,9 @@ class ClassifierConfig(TransformerConfig):
     # what classify serves from the logits: "softmax" (single-label), "sigmoid" (multi-label: each label's
     # probability; a one-label relevance score), "none" (regression: the raw values)
     output_activation: str = "softmax"
+    # "sequence": the classifier reads the pooled [CLS] (forward); "token": it reads every hidden state, without a
+    # pooler (token_logits: NER-style *ForTokenClassification)
+    head: str = "sequence"
 
     family: ClassVar[str] = "classifier"
 
@@ -218,6 +222,9 @@ class ClassifierConfig(TransformerConfig):
         _check(self.position_offset >= 0, "position_offset", "must be >= 0")
         _check(self.output_activation in OUTPUT_ACTIVATIONS, "output_activation",
                f"must be one of {OUTPUT_ACTIVATIONS}")
+        _check(self.head in CLASSIFIER_HEADS, "head", f"must be one of {CLASSIFIER_HEADS}")
+        _check(self.head == "sequence" or self.num_labels > 0 and not self.pooler, "head",
+               "'token' needs num_labels > 0 and no pooler")
 
 
 @dataclass

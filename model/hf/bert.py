@@ -1,4 +1,5 @@
-"""BertForSequenceClassification and BertModel (an embedding model: no classification head) -> our classifier.
+"""BertForSequenceClassification, BertForTokenClassification and BertModel (an embedding model: no classification
+head) -> our classifier.
 
 BERT is post-LN with learned positions, token-type (segment) embeddings and an embedding LayerNorm, exact
 GELU, no final LayerNorm and unscaled embeddings; its pooler (dense + tanh on [CLS]) feeds the classification
@@ -39,7 +40,8 @@ from model.hf.common import (
 from model.hf.encoder_adapters import EncoderNames, adapter_layout
 
 HEAD = "BertForSequenceClassification"
-ARCHITECTURES = (HEAD, "BertModel")
+TOKEN_HEAD = "BertForTokenClassification"  # a Linear on every hidden state, no pooler
+ARCHITECTURES = (HEAD, "BertModel", TOKEN_HEAD)
 RULES = (
     Unsupported("position_embedding_type", ("absolute",), "relative position embeddings"),
     Unsupported("is_decoder", (False,), "a causal decoder"),
@@ -58,8 +60,13 @@ LEGACY_NORM_NAMES = {"LayerNorm.gamma": "LayerNorm.weight", "LayerNorm.beta": "L
 
 
 def labels(hf: Mapping[str, Any]) -> list[str] | None:
-    """The class names of a BertForSequenceClassification in id order; None for a BertModel."""
-    return head_labels(hf, ARCHITECTURES, (HEAD,))
+    """The class names of a BertFor*Classification in id order; None for a BertModel."""
+    return head_labels(hf, ARCHITECTURES, (HEAD, TOKEN_HEAD))
+
+
+def head_kind(hf: Mapping[str, Any], token_heads: tuple[str, ...]) -> str:
+    """ClassifierConfig.head of config.json's architecture: "token" for one of ``token_heads``, else "sequence"."""
+    return "token" if set(token_heads) & set(hf.get("architectures") or ()) else "sequence"
 
 
 def head_labels(hf: Mapping[str, Any], architectures: tuple[str, ...], heads: tuple[str, ...]) -> list[str] | None:
@@ -99,14 +106,16 @@ def output_activation(hf: Mapping[str, Any], num_labels: int) -> str:
 def to_config(hf: Mapping[str, Any]) -> ClassifierConfig:
     """Our config for BERT's config.json (HFImportError naming a field we cannot express)."""
     check_supported(hf, RULES, "BERT")
-    return encoder_config(hf, labels(hf), layer_norm_eps=field(hf, "layer_norm_eps", float, 1e-12))
+    return encoder_config(hf, labels(hf), layer_norm_eps=field(hf, "layer_norm_eps", float, 1e-12),
+                          head=head_kind(hf, (TOKEN_HEAD,)))
 
 
 def encoder_config(hf: Mapping[str, Any], label_names: list[str] | None, *, layer_norm_eps: float,
                    vocab: int = 30522, pad: int = 0, max_positions: int = 512, type_vocab: int = 2,
-                   offset_positions: bool = False) -> ClassifierConfig:
+                   offset_positions: bool = False, head: str = "sequence") -> ClassifierConfig:
     """Our config for a BERT-named config.json (hidden_size, num_attention_heads...; the defaults are the
-    architecture's); ``offset_positions``: RoBERTa's positions from pad_token_id + 1."""
+    architecture's); ``offset_positions``: RoBERTa's positions from pad_token_id + 1; ``head``: "token" for a
+    *ForTokenClassification (no pooler; softmax over each token's labels, as transformers' pipeline)."""
     vocab = field(hf, "vocab_size", default=vocab)
     pad = field(hf, "pad_token_id", default=pad)
     if not 0 <= pad < vocab:
@@ -140,9 +149,10 @@ def encoder_config(hf: Mapping[str, Any], label_names: list[str] | None, *, laye
         n_layers=field(hf, "num_hidden_layers", default=12),
         num_labels=num_labels,
         type_vocab_size=type_vocab,
-        pooler=True,
+        pooler=head == "sequence",
         position_offset=offset,
-        output_activation=output_activation(hf, num_labels) if num_labels else "softmax",
+        output_activation=output_activation(hf, num_labels) if num_labels and head == "sequence" else "softmax",
+        head=head,
     )
 
 

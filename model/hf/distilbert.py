@@ -1,4 +1,4 @@
-"""DistilBertModel / DistilBertForSequenceClassification -> our classifier.
+"""DistilBertModel / DistilBertForSequenceClassification / DistilBertForTokenClassification -> our classifier.
 
 DistilBERT is BERT's post-LN encoder (bert.py) under its own names (q_lin, k_lin, v_lin, out_lin, ffn.lin1 / lin2,
 sa_layer_norm, output_layer_norm), without token types or a pooler, LayerNorm eps fixed at 1e-12; its head is
@@ -6,7 +6,8 @@ sa_layer_norm, output_layer_norm), without token types or a pooler, LayerNorm ep
 classifier. ``sinusoidal_pos_embds`` only initializes the position table, which is saved with the weights: it
 loads as any learned table. PEFT adapters (on q_lin, k_lin, v_lin, out_lin, lin1, lin2, pre_classifier) map onto the
 same modules (ADAPTER_LAYOUT, model.hf.encoder_adapters); a SEQ_CLS adapter's ``classifier`` (modules_to_save)
-copies pre_classifier too (PEFT matches it as a suffix): our pooler and classifier.
+copies pre_classifier too (PEFT matches it as a suffix): our pooler and classifier. DistilBertForTokenClassification
+has no pre_classifier: its ``classifier`` reads every hidden state (ClassifierConfig.head "token").
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from model.hf.common import Tensors, activation, field, strip_prefix, take
 from model.hf.encoder_adapters import EncoderNames, adapter_layout
 
 HEAD = "DistilBertForSequenceClassification"
-ARCHITECTURES = (HEAD, "DistilBertModel")
+TOKEN_HEAD = "DistilBertForTokenClassification"  # classifier on every hidden state, no pre_classifier
+ARCHITECTURES = (HEAD, "DistilBertModel", TOKEN_HEAD)
 LAYER_NORM_EPS = 1e-12  # transformers' DistilBERT hard-codes it
 # A layer's modules: ours -> DistilBERT's (under transformer.layer.N.)
 LINEARS = {"self_attn.q_proj": "attention.q_lin", "self_attn.k_proj": "attention.k_lin",
@@ -42,8 +44,8 @@ CONFIG_NAMES = {"dim": ("hidden_size", 768), "n_heads": ("num_attention_heads", 
 
 
 def labels(hf: Mapping[str, Any]) -> list[str] | None:
-    """The class names of a DistilBertForSequenceClassification in id order; None for a DistilBertModel."""
-    return bert.head_labels(hf, ARCHITECTURES, (HEAD,))
+    """The class names of a DistilBertFor*Classification in id order; None for a DistilBertModel."""
+    return bert.head_labels(hf, ARCHITECTURES, (HEAD, TOKEN_HEAD))
 
 
 def to_config(hf: Mapping[str, Any]) -> ClassifierConfig:
@@ -52,8 +54,10 @@ def to_config(hf: Mapping[str, Any]) -> ClassifierConfig:
     renamed = {bert_name: field(hf, name, default=default) for name, (bert_name, default) in CONFIG_NAMES.items()}
     renamed["hidden_act"] = field(hf, "activation", str, "gelu")
     activation(hf, "activation", "gelu")  # an unknown one refused under DistilBERT's name
-    c = bert.encoder_config({**hf, **renamed, "type_vocab_size": 1}, names, layer_norm_eps=LAYER_NORM_EPS)
-    return dataclasses.replace(c, type_vocab_size=0, pooler=bool(names), pooler_activation="relu")
+    head = bert.head_kind(hf, (TOKEN_HEAD,))
+    c = bert.encoder_config({**hf, **renamed, "type_vocab_size": 1}, names, layer_norm_eps=LAYER_NORM_EPS, head=head)
+    return dataclasses.replace(c, type_vocab_size=0, pooler=bool(names) and head == "sequence",
+                               pooler_activation="relu")
 
 
 def state_dict(c: ClassifierConfig, tensors: Tensors) -> Tensors:
@@ -71,7 +75,8 @@ def state_dict(c: ClassifierConfig, tensors: Tensors) -> Tensors:
             ours |= bert.weight_bias(t, f"{p}{theirs}.", f"{q}{name}.", shape)
         for name, theirs in NORMS.items():
             ours |= bert.weight_bias(t, f"{p}{theirs}.", f"{q}{name}.", (d,))
-    if c.num_labels:
+    if c.pooler:
         ours |= bert.weight_bias(t, "pre_classifier.", "pooler.", (d, d))
+    if c.num_labels:
         ours |= bert.weight_bias(t, "classifier.", "classifier.", (c.num_labels, d))
     return ours | bert.untrained_heads(c, embed)

@@ -6,7 +6,8 @@ are our ``pooler`` and ``classifier`` (BERT's pooler.dense and classifier, RoBER
 classifier.out_proj, DistilBERT's pre_classifier and classifier). A LoRA on any of them maps onto ours, and so does
 an adapter's own copy of a head (PEFT's ``modules_to_save``: SEQ_CLS adapters copy ``classifier``, which is
 RoBERTa's whole head and, by PEFT's suffix match, DistilBERT's pre_classifier too). An adapter of the headless
-model (no prefix) loads on the head model's encoder as well. :func:`adapter_layout` gives the AdapterLayout.
+model (no prefix) loads on the head model's encoder as well; a token classification head's adapters are refused.
+:func:`adapter_layout` gives the AdapterLayout.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from model.config import TransformerConfig
-from model.lora_config import LoRAConfig
+from model.lora_config import AdapterError, LoRAConfig
 from model.lora_io import KEY_PREFIX, AdapterLayout, PeftFiles, peft_files, peft_targets, unmapped_tensor
 
 _LORA_KEY = re.compile(r"base_model\.model\.(.+)\.(lora_[AB]\.weight)")
@@ -65,6 +66,9 @@ def _adapter_config(names: EncoderNames, d: dict[str, Any]) -> dict[str, Any]:
 
 def _adapter_tensors(names: EncoderNames, tensors: dict[str, torch.Tensor], model: TransformerConfig
                      ) -> dict[str, torch.Tensor]:
+    if getattr(model, "head", "sequence") == "token":
+        raise AdapterError(f"adapters of a {names.model} token classification head (*ForTokenClassification) are not "
+                           "supported (supported: the sequence classifiers and the headless model)")
     paths = module_paths(names, model)
     if getattr(model, "num_labels", 0):  # an adapter of the headless model: the same encoder layers
         paths |= _layers(names, model.n_layers)

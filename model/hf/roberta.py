@@ -21,7 +21,8 @@ from model.hf.common import Tensors, check_supported, field, strip_prefix
 from model.hf.encoder_adapters import EncoderNames, adapter_layout
 
 HEADS = ("RobertaForSequenceClassification", "XLMRobertaForSequenceClassification")
-ARCHITECTURES = (HEADS[0], "RobertaModel", HEADS[1], "XLMRobertaModel")
+TOKEN_HEADS = ("RobertaForTokenClassification", "XLMRobertaForTokenClassification")  # classifier: one Linear
+ARCHITECTURES = (HEADS[0], "RobertaModel", HEADS[1], "XLMRobertaModel", *TOKEN_HEADS)
 RULES = bert.RULES
 # RoBERTa's head -> our modules (the rest of the names are BERT's)
 HEAD_NAMES = {"classifier.dense.": "pooler.dense.", "classifier.out_proj.": "classifier."}
@@ -32,21 +33,22 @@ ADAPTER_LAYOUT = adapter_layout(ADAPTER_NAMES)
 
 
 def labels(hf: Mapping[str, Any]) -> list[str] | None:
-    """The class names of a *ForSequenceClassification in id order; None for a RobertaModel / XLMRobertaModel."""
-    return bert.head_labels(hf, ARCHITECTURES, HEADS)
+    """The class names of a *ForSequenceClassification / *ForTokenClassification in id order; None for a
+    RobertaModel / XLMRobertaModel."""
+    return bert.head_labels(hf, ARCHITECTURES, HEADS + TOKEN_HEADS)
 
 
 def to_config(hf: Mapping[str, Any]) -> ClassifierConfig:
     """Our config for RoBERTa's / XLM-R's config.json (HFImportError naming a field we cannot express)."""
     check_supported(hf, RULES, "RoBERTa")
     return bert.encoder_config(hf, labels(hf), layer_norm_eps=field(hf, "layer_norm_eps", float, 1e-12),
-                               vocab=50265, pad=1, offset_positions=True)
+                               vocab=50265, pad=1, offset_positions=True, head=bert.head_kind(hf, TOKEN_HEADS))
 
 
 def state_dict(c: ClassifierConfig, tensors: Tensors) -> Tensors:
     """Our classifier's state dict from RoBERTa's tensors (``roberta.`` prefix under a head)."""
     t = strip_prefix(tensors, "roberta.")
-    if c.num_labels:
+    if c.num_labels and c.head == "sequence":  # a token head's classifier is already ours
         t = {_head_name(k): v for k, v in t.items()}
     return bert.state_dict(c, t)
 

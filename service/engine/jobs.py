@@ -133,7 +133,7 @@ class PoolingJob(Job):
                  adapter: AdapterVersion | None = None, pooling: str = "mean", top_k: int | None = None,
                  normalize: bool = False, min_confidence: float = 0.0) -> None:
         super().__init__(request_id, timeout_s, adapter)
-        self.endpoint = endpoint  # "classify" | "logits" (the head's, raw) | "embed"
+        self.endpoint = endpoint  # "classify" | "logits" (the head's, raw) | "tokens" (per token, raw) | "embed"
         self.inputs = inputs  # (ids, segment ids) per input
         self.pooling = pooling
         self.normalize = normalize  # embed: unit-length vectors

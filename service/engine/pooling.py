@@ -1,4 +1,4 @@
-"""Dynamic batching of classification and embedding (LitServe's deadline-based collate).
+"""Dynamic batching of classification, token classification and embedding (LitServe's deadline-based collate).
 
 The worker collects up to ``max_batch_size`` inputs or waits ``max_wait_ms`` from the oldest
 arrival, runs one padded forward (per-row LoRA adapters for classify), and splits the rows back
@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 
 class PoolingScheduler(Scheduler):
-    """Dynamic batching of classify / logits / embed jobs (and one-off calls) on a classifier."""
+    """Dynamic batching of classify / logits / tokens / embed jobs (and one-off calls) on a classifier."""
 
     def __init__(self, name: str, model: nn.Module, labels: list[str], settings: EngineSettings, metrics: Metrics,
                  registry: AdapterRegistry, temperature: float = 1.0) -> None:
@@ -50,6 +50,9 @@ class PoolingScheduler(Scheduler):
         heads = [j for j in jobs if j.endpoint in ("classify", "logits")]  # one forward through the head
         if heads:
             self._run_group(heads, self._classify, self._head_output)
+        tokens = [j for j in jobs if j.endpoint == "tokens"]  # a token classification head's per-token logits
+        if tokens:
+            self._run_group(tokens, self.model.token_logits, _token_logits)
         for pooling in sorted({j.pooling for j in jobs if j.endpoint == "embed"}):
             group = [j for j in jobs if j.endpoint == "embed" and j.pooling == pooling]
             self._run_group(group, lambda ids, seg, p=pooling: self.model.embed_texts(ids, seg, p), _vectors)
@@ -88,6 +91,9 @@ class PoolingScheduler(Scheduler):
                                    seg.to(self.device))
             self.metrics.batch_size.labels(self.name).observe(len(chunk))
             chunks.append(out)
+        if chunks[0].dim() == 3:  # per-token outputs (B, T, L): chunks padded to one width T
+            width = max(c.shape[1] for c in chunks)
+            chunks = [F.pad(c, (0, 0, 0, width - c.shape[1])) for c in chunks]
         return list(torch.cat(chunks).split([len(job.inputs) for job in jobs]))
 
     def _classify(self, ids: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
@@ -110,6 +116,11 @@ class PoolingScheduler(Scheduler):
             abstained = activation != "none" and score < job.min_confidence
             outputs.append(ClassifyOutput(UNKNOWN_LABEL if abstained else label, score, dict(top), abstained))
         return outputs
+
+
+def _token_logits(job: PoolingJob, out: torch.Tensor) -> list[torch.Tensor]:
+    """A tokens job's logits per row (T, num_labels) in float32 on the CPU, trimmed to the row's length."""
+    return [row[: len(ids)].float().cpu() for row, (ids, _) in zip(out, job.inputs, strict=True)]
 
 
 def _vectors(job: PoolingJob, out: torch.Tensor) -> list[list[float]]:

@@ -27,6 +27,7 @@ from model.hf.sentence import EmbeddingDefaults
 from model.lora import adapter_parameter_count, use_adapters
 from model.prefix_cache import PrefixCache, prefix_cache_serves
 from model.speculative import speculative_for
+from model.token_entities import IGNORE_LABELS, STRATEGIES, Window, WordRules, aggregate, check_options, probabilities
 from service.engine import adapter_store, tracing
 from service.engine.adapters import AdapterRegistry, check_name
 from service.engine.attention import ALL_MAPS, MapSelection, prepare_maps
@@ -145,11 +146,18 @@ class ModelWorker:
         )
 
     def tasks(self) -> list[str]:
-        """What this model serves: generate (causal_lm, seq2seq); classify (a classification head), embed and
-        rerank (every classifier: a one-label head scores pairs, the others by embeddings' cosine)."""
+        """What this model serves: generate (causal_lm, seq2seq); classify (a sequence classification head) or
+        entities (a token classification head); embed and rerank (every classifier: a one-label head scores pairs,
+        the others by embeddings' cosine)."""
         if self.family != "classifier":
             return ["generate"]
-        return [*(["classify"] if self.config.num_labels else []), "embed", "rerank"]
+        head = ["entities"] if self.token_head else ["classify"] if self.config.num_labels else []
+        return [*head, "embed", "rerank"]
+
+    @property
+    def token_head(self) -> bool:
+        """Whether this model has a token classification head (ClassifierConfig.head "token")."""
+        return self.family == "classifier" and self.config.head == "token"
 
     def embedding_defaults(self) -> EmbeddingDefaults:
         """What embed uses when a request leaves pooling or normalize unset."""
@@ -174,7 +182,9 @@ class ModelWorker:
             warm = GenerationRequest(["warm up"], DecodingOptions(max_new_tokens=min(2, self.max_new_tokens)))
             await self.generate(warm, request_id)
         else:
-            if self.config.num_labels:
+            if self.token_head:
+                await self.entities(["warm up"], "simple", None, None, None, request_id)
+            elif self.config.num_labels:
                 await self.classify(["warm up"], None, None, request_id)
             await self.embed(["warm up"], None, request_id)
 
@@ -239,6 +249,9 @@ class ModelWorker:
         if not self.config.num_labels:
             raise InvalidRequest(None, f"model {self.name!r} has no classification head (an embedding model); "
                                        "use /embed")
+        if self.token_head:
+            raise InvalidRequest(None, f"model {self.name!r} has a token classification head: use /entities "
+                                       f"(it serves entities, {', '.join(self.tasks())})")
         self.inputs.count(inputs)
         if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
             raise InvalidRequest("top_k", f"must be an integer >= 1, got {top_k!r}")
@@ -262,6 +275,56 @@ class ModelWorker:
                          adapter=self._acquire(adapter), top_k=top_k, min_confidence=min_confidence)
         self._submit(job, queue)
         return await self._result(job)
+
+    async def entities(self, inputs: list[str], strategy: str, ignore_labels: list[str] | None, stride: int | None,
+                       adapter: str | None, request_id: str, queue: QueueTag = DEFAULT_QUEUE) -> list[list[dict]]:
+        """Each text's entities as transformers' token-classification pipeline finds them (model.token_entities):
+        without ``stride`` the text must fit max_input_tokens; with it, windows of max_input_tokens tokens, each
+        repeating the last ``stride`` tokens of the one before."""
+        self._require("entities", ("classifier",))
+        if not self.token_head:
+            raise InvalidRequest(None, f"model {self.name!r} has no token classification head: it serves "
+                                       f"{', '.join(self.tasks())}")
+        try:
+            check_options(strategy, stride)
+        except ValueError as exc:
+            raise InvalidRequest("stride" if strategy in STRATEGIES else "aggregation_strategy", str(exc)) from None
+        self.inputs.count(inputs)
+        tok, limit = self.checkpoint.tokenizer, self.max_input_tokens
+        cap, cap_name = (limit, "max_input_tokens") if stride is None else (
+            self.settings.max_tokens_per_request, "max_tokens_per_request")
+        texts = [self.inputs.size(f"inputs[{i}]", self.inputs.text(i, t), tok, cap, cap_name)
+                 for i, t in enumerate(inputs)]
+
+        def encode():
+            windows = []
+            for i, text in enumerate(texts):
+                try:
+                    spans = tok.encode_windows(text, None if stride is None else limit, stride or 0)
+                except ValueError as exc:
+                    raise InvalidRequest("stride", str(exc)) from None
+                for window in spans:
+                    self.inputs.length(i, window.ids)
+                windows.append(spans)
+            return windows
+
+        windows = await self.inputs.run(encode)
+        rows = [(list(s.ids), [0] * len(s.ids)) for spans in windows for s in spans]
+        check_cost(self.settings.max_tokens_per_request, {"window tokens": sum(len(ids) for ids, _ in rows)}, None)
+        job = PoolingJob(request_id, self.settings.request_timeout_s, "tokens", rows, adapter=self._acquire(adapter))
+        self._submit(job, queue)
+        logits = iter(await self._result(job))  # per window (T, num_labels), in the rows' order
+        id2label = dict(enumerate(self.checkpoint.labels or []))
+        ignore = IGNORE_LABELS if ignore_labels is None else ignore_labels
+
+        def entities():
+            rules, found = WordRules.of(tok), []
+            for text, spans in zip(texts, windows, strict=True):
+                scored = [Window.of(s, probabilities(next(logits).numpy()), tok.unk_id) for s in spans]
+                found.append([e.as_dict() for e in aggregate(text, scored, id2label, rules, strategy, ignore)])
+            return found
+
+        return await self.inputs.run(entities)
 
     async def embed(self, inputs: list[str], pooling: str | None, request_id: str,
                     normalize: bool | None = None, queue: QueueTag = DEFAULT_QUEUE) -> list[list[float]]:

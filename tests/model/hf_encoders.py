@@ -1,5 +1,6 @@
 """Random RoBERTa, XLM-RoBERTa and DistilBERT models saved by `transformers` itself, alone or in a directory with a
-tokenizer trained here (RoBERTa's byte-level BPE, an XLM-R-style Unigram, BERT's WordPiece for DistilBERT).
+tokenizer trained here (RoBERTa's byte-level BPE, an XLM-R-style Unigram, BERT's WordPiece for DistilBERT), and
+each of them and BERT as a *ForTokenClassification (head "token").
 
 Shared by the import tests (tests/model/test_hf_encoders.py) and the served ones (tests/service/test_hf_models.py).
 """
@@ -30,8 +31,13 @@ ARCHITECTURES = {
                    dict(dim=32, n_layers=2, n_heads=4, hidden_dim=48, dropout=0.0, attention_dropout=0.0,
                         seq_classif_dropout=0.0)),
 }
+# the token classification heads (head "token"), BERT's among them
+TOKEN_HEADS = {"bert": "BertForTokenClassification", "roberta": "RobertaForTokenClassification",
+               "xlm-roberta": "XLMRobertaForTokenClassification", "distilbert": "DistilBertForTokenClassification"}
+ENCODERS = {"bert": ("BertConfig", "BertModel", "BertForSequenceClassification", 0, BERT_SIZES), **ARCHITECTURES}
 # head -> config fields (None: the headless model)
 HEADS = {
+    "token": {"id2label": {0: "O", 1: "B-PER", 2: "I-PER", 3: "B-LOC", 4: "I-LOC"}},
     "model": None,
     "single": {"id2label": {0: "neg", 1: "pos", 2: "mid"}},
     "multi": {"id2label": {0: "toxic", 1: "spam", 2: "rude"}, "problem_type": "multi_label_classification"},
@@ -42,8 +48,10 @@ XLMR_SPECIALS = ["<s>", "<pad>", "</s>", "<unk>"]  # XLM-R's first ids
 
 
 def save(directory: Path, architecture: str, head: str, seed: int = 0, **overrides):
-    """A random model of ``architecture`` with ``head`` saved by save_pretrained; the model itself, in eval mode."""
-    config_cls, model_cls, head_cls, pad, fields = ARCHITECTURES[architecture]
+    """A random model of ``architecture`` (ENCODERS) with ``head`` saved by save_pretrained; the model itself, in
+    eval mode."""
+    config_cls, model_cls, head_cls, pad, fields = ENCODERS[architecture]
+    head_cls = TOKEN_HEADS[architecture] if head == "token" else head_cls
     head_fields = HEADS[head]
     config = getattr(transformers, config_cls)(**{**SIZES, "pad_token_id": pad, **fields, **(head_fields or {}),
                                                   **overrides})
@@ -79,7 +87,7 @@ def xlmr_unigram() -> Tokenizer:
 
 
 def _tokenizer(architecture: str) -> tuple[Tokenizer, dict[str, str]]:
-    if architecture == "distilbert":
+    if architecture in ("bert", "distilbert"):
         return wordpiece(lowercase=True, strip_accents=None), {
             "pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]",
             "mask_token": "[MASK]"}

@@ -6,7 +6,8 @@ Each architecture as a headless model (hidden states, the cls / mean / max embed
 on a batch of right-padded rows and a left-padded one (RoBERTa counts positions from the ids): equal to transformers
 within 1e-4 in float32 and 1e-9 in float64, in the layers (float64) and the C++ encoder (float32 inference); what
 classify serves is softmax, each label's sigmoid or the raw value as transformers' text-classification pipeline
-applies them; int8 stays close to float32.
+applies them; int8 stays close to float32. Each of them and BERT as a *ForTokenClassification: every real token's
+logits equal transformers' (token_logits), its adapters refused by name.
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ import pytest
 import torch
 
 from model import native
+from model.checkpoint import load_hf_checkpoint
 from model.classifier import label_scores
 from model.fast_step import plan_for
 from model.hf import HFImportError, load_hf_model
+from model.lora_config import AdapterError
+from model.lora_io import load_adapter
 from model.quantize import quantize_int8
-from tests.hf_compare import ATOL
-from tests.model.hf_encoders import ARCHITECTURES, save
+from tests.hf_compare import ATOL, peft_adapter
+from tests.model.hf_encoders import ARCHITECTURES, ENCODERS, HEADS, TOKEN_HEADS, encoder_directory, save
 
 transformers = pytest.importorskip("transformers")
 
@@ -67,6 +71,41 @@ def test_encoders_equal_transformers_on_padded_batches(tmp_path, architecture, h
     assert config.num_labels == (0 if serves is None else expected.logits.shape[-1])
     if serves is None:
         _embeddings_equal(ours, ids, pad, theirs_forward(theirs, torch.float64, ids, pad).last_hidden_state)
+
+
+@pytest.mark.parametrize("architecture", TOKEN_HEADS)
+def test_token_heads_equal_transformers_on_padded_batches(tmp_path, architecture):
+    """*ForTokenClassification: every real token's logits (the pads' are the caller's to drop), without a pooler;
+    the sequence forward is refused by name, as token_logits is on a sequence classifier."""
+    theirs = save(tmp_path / "hf", architecture, "token")
+    pad = ENCODERS[architecture][3]
+    ids = batch(pad)
+    real = ids != pad
+    for dtype, tolerance in ((torch.float32, ATOL), (torch.float64, 1e-9)):
+        ours, config = load_hf_model(tmp_path / "hf", dtype)
+        want = theirs_forward(theirs, dtype, ids, pad).logits
+        with torch.inference_mode():
+            got = ours.token_logits(ids)
+        assert got.shape == want.shape
+        assert (got - want)[real].abs().max() < tolerance, (dtype, float((got - want)[real].abs().max()))
+    assert (config.head, config.pooler, config.num_labels) == ("token", False, len(HEADS["token"]["id2label"]))
+    with pytest.raises(ValueError, match="token classification head"):
+        ours(ids)
+    save(tmp_path / "seq", architecture, "single")
+    sequence, _ = load_hf_model(tmp_path / "seq")
+    with pytest.raises(ValueError, match="no token classification head"):
+        sequence.token_logits(ids)
+
+
+def test_adapters_of_token_heads_are_refused_by_name(tmp_path):
+    pytest.importorskip("peft")
+    directory = encoder_directory(tmp_path / "hf", "distilbert", "token")
+    base = transformers.AutoModelForTokenClassification.from_pretrained(directory)
+    adapter = peft_adapter(base, tmp_path / "adapter", seed=0, r=2, lora_alpha=4, target_modules=["q_lin"],
+                           task_type="TOKEN_CLS")
+    checkpoint = load_hf_checkpoint(directory, device="cpu")
+    with pytest.raises(AdapterError, match="adapters of a DistilBERT token classification head"):
+        load_adapter(checkpoint.model, adapter, "a", layout=checkpoint.adapter_layout)
 
 
 def _embeddings_equal(ours, ids: torch.Tensor, pad: int, hidden: torch.Tensor) -> None:

@@ -58,6 +58,7 @@ OPERATIONS = {
     "POST /v1/models/{model}/generate": [LM, MT],  # the models whose family the operation serves
     "POST /v1/models/{model}/classify": [CLS],
     "POST /v1/models/{model}/embed": [CLS],
+    "POST /v1/models/{model}/entities": [CLS],  # no token head: its 422s
     "POST /v1/models/{model}/attention": [LM, MT, CLS],
     "GET /v1/models/{model}/adapters": [LM, MT, CLS],
     "PUT /v1/models/{model}/adapters/{name}": [LM, MT, CLS],

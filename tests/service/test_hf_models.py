@@ -12,7 +12,8 @@ The OPUS-MT directory holds a random MarianMTModel, SentencePiece models and voc
 generation_config.json that bans the pad token and forces EOS at the limit, as OPUS-MT's do. The other encoders
 (tests/model/hf_encoders.py): a multi-label RoBERTa, a DistilBERT and a one-label XLM-RoBERTa (a cross-encoder)
 classify as transformers' text-classification pipeline scores, and an XLM-RoBERTa in the sentence-transformers
-layout embeds through /v1/embeddings.
+layout embeds through /v1/embeddings. A BertForTokenClassification (tests/model/test_token_entities.py's, its head
+scaled for varied labels) finds the entities transformers' token-classification pipeline finds.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from tests.hf_directories import (
     sentence_transformers_layout,
 )
 from tests.model.hf_encoders import encoder_directory
+from tests.model.test_token_entities import token_classifier
 from tests.service.fixtures import LM
 from tests.service.server import running_server
 
@@ -49,6 +51,8 @@ PROMPTS = ["def add(", "the quick", "for i in"]
 NEW_TOKENS = 8
 ENCODERS = {"roberta-multi": ("roberta", "multi"), "distilbert-cls": ("distilbert", "single"),  # name -> kind, head
             "xlmr-score": ("xlm-roberta", "one-label"), "distilbert-regression": ("distilbert", "regression")}
+NER = "bert-ner"  # a BertForTokenClassification
+NER_TEXTS = ["  Élan vital, déjà vu à Köln!  ", "Grüße aus Köln, e\u0301 combining", "the quick brown fox (Tokyo)..."]
 ENCODER_ADAPTERS = {"roberta-multi": ["query", "value", "dense"], "distilbert-cls": ["q_lin", "v_lin", "lin1"]}
 ADAPTERS = {  # name -> PEFT LoraConfig fields
     "all-projections": dict(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj", "c_fc"]),
@@ -91,6 +95,7 @@ def served(models_dir, tmp_path_factory):
         peft_adapter(transformers.AutoModelForSequenceClassification.from_pretrained(root / "models" / name),
                      root / "adapters" / name / "lora", 5, r=2, lora_alpha=4, target_modules=targets)
     sentence_transformers_layout(encoder_directory(root / "models" / "xlmr-embed", "xlm-roberta", "model"))
+    token_classifier(root / "models" / NER, "bert-cased")
     broken = root / "models" / "broken-hf"
     broken.mkdir()
     (broken / "config.json").write_text(json.dumps({"model_type": "falcon", "architectures": ["FalconForCausalLM"]}))
@@ -105,7 +110,7 @@ def test_an_hf_directory_is_listed_as_hf_beside_our_checkpoints(served):
     assert {m["name"]: m["vocab_size"] for m in listing["data"]}["opus-mt"] == MARIAN_PAD + 1
     assert formats == {"gpt2-hf": ("hf", "causal_lm"), LM: ("tserve", "causal_lm"),
                        "bert-cls": ("hf", "classifier"), "bert-embed": ("hf", "classifier"),
-                       "opus-mt": ("hf", "seq2seq"), "xlmr-embed": ("hf", "classifier"),
+                       "opus-mt": ("hf", "seq2seq"), "xlmr-embed": ("hf", "classifier"), NER: ("hf", "classifier"),
                        **{name: ("hf", "classifier") for name in ENCODERS}}
     (failed,) = listing["failed"]
     assert failed["name"] == "broken-hf" and "model_type='falcon' is not supported" in failed["error"]
@@ -204,6 +209,60 @@ def test_hf_encoder_classifiers_score_as_the_transformers_pipeline(served, name)
         assert (output["label"], output["abstained"]) == wanted, item
         for w in want:
             assert abs(output["probabilities"][w["label"]] - w["score"]) < 1e-5, (item, w)
+
+
+@pytest.mark.parametrize("strategy", ["simple", "first", "none"])
+def test_an_hf_token_classifier_finds_the_entities_of_the_transformers_pipeline(served, strategy):
+    client, gpt2, _ = served
+    pipe = transformers.pipeline("token-classification", model=str(gpt2.parent / NER), aggregation_strategy=strategy)
+    response = client.post(f"/v1/models/{NER}/entities", json={"inputs": NER_TEXTS, "aggregation_strategy": strategy})
+    assert response.status_code == 200, response.text
+    outputs = response.json()["outputs"]
+    assert sum(map(len, outputs)) >= len(NER_TEXTS)  # entities found, not all "O"
+    for text, got in zip(NER_TEXTS, outputs, strict=True):
+        want = pipe(text)
+        assert [{**e, "score": None} for e in got] == [{**w, "score": None} for w in want], text
+        assert all(abs(e["score"] - float(w["score"])) < 1e-5 for e, w in zip(got, want, strict=True)), text
+
+
+def test_a_text_longer_than_the_model_runs_in_overlapping_windows_with_a_stride(served):
+    """Windows of max_input_tokens (the model's 130 positions) overlapping by ``stride``: the pipeline's windows
+    when its tokenizer's model_max_length is the same; without a stride the text is a 422."""
+    client, gpt2, _ = served
+    directory, text = gpt2.parent / NER, " ".join(NER_TEXTS * 12)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory, model_max_length=130)
+    pipe = transformers.pipeline("token-classification", model=str(directory), tokenizer=tokenizer,
+                                 aggregation_strategy="first", stride=16)
+    assert len(tokenizer(text)["input_ids"]) > 260  # three windows at least
+    response = client.post(f"/v1/models/{NER}/entities", json={"inputs": text, "aggregation_strategy": "first",
+                                                               "stride": 16})
+    assert response.status_code == 200, response.text
+    (got,) = response.json()["outputs"]
+    want = pipe(text)
+    assert len(got) > 10 and got[-1]["end"] > len(text) - 40  # entities from the last window too
+    assert [{**e, "score": None} for e in got] == [{**w, "score": None} for w in want]
+    assert all(abs(e["score"] - float(w["score"])) < 1e-5 for e, w in zip(got, want, strict=True))
+    refused = client.post(f"/v1/models/{NER}/entities", json={"inputs": text, "aggregation_strategy": "first"})
+    assert refused.status_code == 422 and "exceeds max_input_tokens=130" in refused.text, refused.text
+
+
+@pytest.mark.parametrize(("model", "body", "says"), [
+    ("bert-cls", {"inputs": "x"}, "has no token classification head: it serves classify, embed, rerank"),
+    (NER, {"inputs": "x", "aggregation_strategy": "longest"}, "aggregation_strategy"),
+    (NER, {"inputs": "x", "stride": 2}, "stride splits a long text into windows"),
+], ids=["sequence-classifier", "strategy", "stride-with-none"])
+def test_entities_requests_a_model_cannot_answer_are_422s_naming_why(served, model, body, says):
+    client, _, _ = served
+    response = client.post(f"/v1/models/{model}/entities", json=body)
+    assert response.status_code == 422 and says in response.text, response.text
+
+
+def test_a_token_classifier_refuses_classify_naming_entities_and_lists_entities(served):
+    client, _, _ = served
+    response = client.post(f"/v1/models/{NER}/classify", json={"inputs": ["x"]})
+    assert response.status_code == 422 and "use /entities" in response.text, response.text
+    tasks = {m["name"]: m["tasks"] for m in client.get("/v1/models").json()["data"]}
+    assert tasks[NER] == ["entities", "embed", "rerank"]
 
 
 def test_an_hf_xlm_roberta_embedder_answers_openai_embeddings(served):

@@ -18,6 +18,7 @@ NEEDS = (
     Need("final_norm", False, "no final LayerNorm"),
     Need("scale_embeddings", False, "unscaled embeddings"),
     Need("embedding_norm", True, "an embedding LayerNorm"),
+    Need("head", "sequence", "a sequence classification head (not a token one)"),
     Need("pooler", True, "the dense + tanh pooler"),
     Need("pooler_activation", "tanh", "the dense + tanh pooler"),
     Need("position_offset", 0, "positions counted from 0 (RoBERTa's start after the pad id)"),

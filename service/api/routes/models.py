@@ -1,4 +1,4 @@
-"""/v1/models: the list, and per model generate, classify, embed and attention."""
+"""/v1/models: the list, and per model generate, classify, entities, embed and attention."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from service.api.schemas import (
     ModelList,
     ModelLoadFailure,
 )
+from service.api.schemas.encoders import EntitiesRequest, EntitiesResponse
 from service.engine.attention import MapSelection
 from service.engine.engine import Engine
 from service.engine.types import ModelInfo, StreamEvent
@@ -104,6 +105,20 @@ async def classify(req: ClassifyRequest, request: Request, worker: Worker, rid: 
                                     min_confidence=req.min_confidence)
     return ClassifyResponse(outputs=[Classification(label=o.label, score=o.score, probabilities=dict(o.probabilities),
                                                     abstained=o.abstained) for o in outputs])
+
+
+@router.post("/{model}/entities", name="entities", response_model=EntitiesResponse,
+             response_model_exclude_none=True, responses=errors(*_COMMON))
+async def entities(req: EntitiesRequest, request: Request, worker: Worker, rid: RequestId,
+                   client: Client) -> EntitiesResponse:
+    """Named entities (token classification) of each text, as transformers' token-classification pipeline finds
+    them with the same aggregation_strategy, ignore_labels and stride; a model without a token classification head
+    is a 422."""
+    request.state.adapter = req.adapter
+    texts = [req.inputs] if isinstance(req.inputs, str) else list(req.inputs)
+    outputs = await worker.entities(texts, req.aggregation_strategy, req.ignore_labels, req.stride,
+                                    req.adapter, rid, client.queue(req.priority))
+    return EntitiesResponse.model_validate({"outputs": outputs})
 
 
 @router.post("/{model}/embed", name="embed", response_model=EmbedResponse, responses=errors(*_COMMON))

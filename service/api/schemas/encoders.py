@@ -1,4 +1,4 @@
-"""Bodies of classify, embed and attention."""
+"""Bodies of classify, entities, embed and attention."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
+from model.token_entities import STRATEGIES
 from service.api.schemas.common import Name, Priority, RequestModel, Text, one_or_many
 from service.engine.attention import MAX_ATTENTION_VALUES
 
@@ -42,6 +43,41 @@ class Classification(BaseModel):
 
 class ClassifyResponse(BaseModel):
     outputs: list[Classification]
+
+
+class EntitiesRequest(RequestModel):
+    """transformers' token-classification pipeline's parameters."""
+
+    inputs: one_or_many(Text, Annotated[list[Text], Field(min_length=1)]) = Field(  # type: ignore[valid-type]
+        description="A text or a list of texts (the answer has one list of entities per text either way).")
+    aggregation_strategy: Literal[STRATEGIES] = Field(  # type: ignore[valid-type]
+        "none", description="none: one entry per token; simple: runs of tokens of one entity (B-/I- tags) grouped; "
+        "first / average / max: each word takes its first token's label, the best label of its tokens' mean scores, "
+        "or its most confident token's label, then words are grouped (as the pipeline does).")
+    ignore_labels: list[Annotated[str, Field(min_length=1, max_length=256)]] | None = Field(
+        None, max_length=64, description='Labels left out of the answer (at most 64). Default: ["O"].')
+    stride: int | None = Field(
+        None, ge=0, description="Split a text longer than the model's max_input_tokens into windows of that many "
+        "tokens, each repeating the last `stride` tokens of the one before; overlapping entities are merged. Not "
+        "with aggregation_strategy none. Without it, a longer text is a 422.")
+    adapter: Name | None = None
+    priority: Priority = 0
+
+
+class TokenEntity(BaseModel):
+    """An entity (entity_group) or, for aggregation_strategy none, a token (entity, index)."""
+
+    entity_group: str | None = Field(None, description="The entity's label (its tag, B-/I- dropped).")
+    entity: str | None = Field(None, description="aggregation_strategy none: the token's label.")
+    score: float = Field(description="The label's probability (a group's: the mean of its tokens' or words').")
+    index: int | None = Field(None, description="aggregation_strategy none: the token's position in its input.")
+    word: str = Field(description="The entity's text as the tokenizer decodes its tokens.")
+    start: int | None = Field(description="Its first character's offset in the text.")
+    end: int | None = Field(description="The offset after its last character.")
+
+
+class EntitiesResponse(BaseModel):
+    outputs: list[list[TokenEntity]] = Field(description="Per input, its entities in text order.")
 
 
 class EmbedRequest(RequestModel):

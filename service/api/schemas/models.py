@@ -72,10 +72,11 @@ class ModelInfoSchema(BaseModel):
         None, description="How its chat template writes tool calls, where /v1/chat/completions reads them into "
         "tool_calls (hermes: <tool_call> JSON </tool_call>); null: calls, if any, come back as content."
     )
-    tasks: list[Literal["generate", "classify", "embed", "rerank"]] = Field(
+    tasks: list[Literal["generate", "classify", "embed", "rerank", "entities"]] = Field(
         default_factory=list, description="What it serves: generate (/generate, completions, chat), classify (a "
-        "classification head), embed (/embed, /v1/embeddings), rerank (/v1/rerank, /score: a one-label head scores "
-        "pairs as a cross-encoder; other classifiers by the cosine of embeddings)."
+        "sequence classification head), embed (/embed, /v1/embeddings), rerank (/v1/rerank, /score: a one-label head "
+        "scores pairs as a cross-encoder; other classifiers by the cosine of embeddings), entities (/entities: a token "
+        "classification head)."
     )
     embedding_defaults: dict[str, str | bool] | None = Field(
         None, description="A classifier's embed defaults, for requests that leave them unset: pooling and "
