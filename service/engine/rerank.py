@@ -77,6 +77,16 @@ def _end_of(ids: list[int], run: list[int]) -> int | None:
     return None
 
 
+def check_counts(queries: int, documents: int, cap: int, field: str) -> None:
+    """1 to ``cap`` documents (max_rerank_documents), for one query or one per document; else a 422 on ``field``."""
+    if not documents:
+        raise InvalidRequest(field, "expected a non-empty list")
+    if documents > cap:
+        raise InvalidRequest(field, f"{documents} documents exceeds max_rerank_documents={cap}")
+    if queries not in (1, documents):
+        raise InvalidRequest(field, f"{documents} documents for {queries} queries: send one query, or one per document")
+
+
 def pair_scores(logits: list[list[float]], activation: str) -> list[float]:
     """Each pair's score: its one-label head's logit through ``activation``."""
     return ACTIVATIONS[activation](torch.tensor([row[0] for row in logits])).tolist()

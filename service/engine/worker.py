@@ -27,12 +27,13 @@ from model.hf.sentence import EmbeddingDefaults
 from model.lora import adapter_parameter_count, use_adapters
 from model.prefix_cache import PrefixCache, prefix_cache_serves
 from model.speculative import speculative_for
-from model.token_entities import IGNORE_LABELS, STRATEGIES, Window, WordRules, aggregate, check_options, probabilities
+from model.token_entities import IGNORE_LABELS
 from service.engine import adapter_store, tracing
 from service.engine.adapters import AdapterRegistry, check_name
 from service.engine.attention import ALL_MAPS, MapSelection, prepare_maps
 from service.engine.chat import chat_template_for, load_chat
 from service.engine.continuous_batching import GenerationScheduler
+from service.engine.entities import check_request, found, windows_of
 from service.engine.errors import Conflict, InvalidRequest, NotFound, ServiceError
 from service.engine.generation_requests import GenerationPlanner
 from service.engine.inputs import InputChecks
@@ -45,6 +46,7 @@ from service.engine.rerank import (
     CROSS_ENCODER,
     DEFAULT_ACTIVATION,
     EMBEDDING_COSINE,
+    check_counts,
     cosines,
     cut_to_bytes,
     encode_request,
@@ -285,30 +287,14 @@ class ModelWorker:
         if not self.token_head:
             raise InvalidRequest(None, f"model {self.name!r} has no token classification head: it serves "
                                        f"{', '.join(self.tasks())}")
-        try:
-            check_options(strategy, stride)
-        except ValueError as exc:
-            raise InvalidRequest("stride" if strategy in STRATEGIES else "aggregation_strategy", str(exc)) from None
+        check_request(strategy, stride)
         self.inputs.count(inputs)
         tok, limit = self.checkpoint.tokenizer, self.max_input_tokens
         cap, cap_name = (limit, "max_input_tokens") if stride is None else (
             self.settings.max_tokens_per_request, "max_tokens_per_request")
         texts = [self.inputs.size(f"inputs[{i}]", self.inputs.text(i, t), tok, cap, cap_name)
                  for i, t in enumerate(inputs)]
-
-        def encode():
-            windows = []
-            for i, text in enumerate(texts):
-                try:
-                    spans = tok.encode_windows(text, None if stride is None else limit, stride or 0)
-                except ValueError as exc:
-                    raise InvalidRequest("stride", str(exc)) from None
-                for window in spans:
-                    self.inputs.length(i, window.ids)
-                windows.append(spans)
-            return windows
-
-        windows = await self.inputs.run(encode)
+        windows = await self.inputs.run(lambda: windows_of(tok, self.inputs, texts, limit, stride))
         rows = [(list(s.ids), [0] * len(s.ids)) for spans in windows for s in spans]
         check_cost(self.settings.max_tokens_per_request, {"window tokens": sum(len(ids) for ids, _ in rows)}, None)
         job = PoolingJob(request_id, self.settings.request_timeout_s, "tokens", rows, adapter=self._acquire(adapter))
@@ -316,15 +302,7 @@ class ModelWorker:
         logits = iter(await self._result(job))  # per window (T, num_labels), in the rows' order
         id2label = dict(enumerate(self.checkpoint.labels or []))
         ignore = IGNORE_LABELS if ignore_labels is None else ignore_labels
-
-        def entities():
-            rules, found = WordRules.of(tok), []
-            for text, spans in zip(texts, windows, strict=True):
-                scored = [Window.of(s, probabilities(next(logits).numpy()), tok.unk_id) for s in spans]
-                found.append([e.as_dict() for e in aggregate(text, scored, id2label, rules, strategy, ignore)])
-            return found
-
-        return await self.inputs.run(entities)
+        return await self.inputs.run(lambda: found(tok, texts, windows, logits, id2label, strategy, ignore))
 
     async def embed(self, inputs: list[str], pooling: str | None, request_id: str,
                     normalize: bool | None = None, queue: QueueTag = DEFAULT_QUEUE) -> list[list[float]]:
@@ -355,14 +333,7 @@ class ModelWorker:
         (service.engine.rerank); ``truncate`` cuts a document over max_input_tokens to fit instead of refusing it.
         Errors name ``fields`` (the queries' and the documents' request fields)."""
         self._require("rerank", ("classifier",))
-        cap = self.settings.max_rerank_documents
-        if not documents:
-            raise InvalidRequest(fields[1], "expected a non-empty list")
-        if len(documents) > cap:
-            raise InvalidRequest(fields[1], f"{len(documents)} documents exceeds max_rerank_documents={cap}")
-        if len(queries) not in (1, len(documents)):
-            raise InvalidRequest(fields[1], f"{len(documents)} documents for {len(queries)} queries: send one query, "
-                                 "or one per document")
+        check_counts(len(queries), len(documents), self.settings.max_rerank_documents, fields[1])
         tok, limit = self.checkpoint.tokenizer, self.max_input_tokens
         queries = [self.inputs.size(fields[0], q, tok, limit) for q in queries]
         documents = [cut_to_bytes(d, limit * tok.max_token_bytes) if truncate
