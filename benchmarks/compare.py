@@ -3,8 +3,8 @@
 ``--shape toy`` (the default) is described here; ``--shape opus-mt``, ``bert-base`` and ``gpt2-small`` (the
 shapes people serve, with ONNX Runtime for the classifier) in benchmarks/shape_compare.py; ``smollm2-135m`` and
 ``qwen2.5-0.5b`` (Llama-style decoders, with llama.cpp and CTranslate2) in benchmarks/decoder_compare.py;
-``xlm-roberta-base`` (a cross-encoder's rerank, with ONNX Runtime) and ``distilbert-base`` (NER: a later step) in
-benchmarks/encoder_compare.py;
+``xlm-roberta-base`` (a cross-encoder's rerank, with ONNX Runtime) in benchmarks/encoder_compare.py and
+``distilbert-base`` (NER: token classification, with ONNX Runtime) in benchmarks/ner_compare.py;
 ``--device cuda`` (ours vs HF on a GPU, on the first three of those shapes: every one, or the one ``--shape`` names)
 in benchmarks/gpu_compare.py.
 
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import decoder_compare, encoder_compare, floor, gpu_compare, peers, shape_compare, shapes
+from benchmarks import decoder_compare, encoder_compare, floor, gpu_compare, ner_compare, peers, shape_compare, shapes
 from benchmarks.cells import Cell, alternate, kernels, load, rate, ratio_text, versions
 from benchmarks.common import machine_line, markdown_table
 from model.checkpoint import save_checkpoint
@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> str:
     if args.shape in shapes.DECODERS:
         return decoder_compare.run(args)
     if args.shape in shapes.ENCODERS:
-        return encoder_compare.run(args)
+        return (ner_compare if shapes.SHAPES[args.shape].job == "entities" else encoder_compare).run(args)
     if args.shape != "toy":
         return shape_compare.run(args)
     out = [f"Machine: {machine_line()}", f"Peers: {versions()}", f"Ours: {kernels()}",
@@ -222,7 +222,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=["toy", *shapes.SHAPES], default="toy",
                         help="toy: this module's d_model 512 models (default); the others: benchmarks/shape_compare.py "
-                        "(decoder_compare.py, encoder_compare.py)")
+                        "(decoder_compare.py, encoder_compare.py, ner_compare.py)")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run: 1 round and fewer cells (toy: also 16/8 new tokens, smaller batches)")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="thread counts tried per engine")

@@ -3,7 +3,7 @@
 Shapes (benchmarks/shapes.py, random weights saved by ``save_pretrained``, cached): ``xlm-roberta-base``
 (XLMRobertaForSequenceClassification, 12 layers, d 768, 12 heads, FFN 3,072, vocabulary 250,002, 514 positions, one
 label: a cross-encoder like bge-reranker-base) and ``distilbert-base`` (DistilBertForTokenClassification, 6 layers,
-d 768, 9 labels: the NER cells, a later step: ours has no token-classification head yet, so that shape is refused).
+d 768, 9 labels: the NER cells, run by benchmarks/ner_compare.py with this module's tables).
 
 Rerank cells: a query of 16 tokens and 16 or 64 documents, each pair ``<s> query </s> </s> document </s>`` of
 112-128 tokens (random ids, no special ones; the longest 128), scored in chunks of the service's default
@@ -218,21 +218,22 @@ def floors(cells: list[Cell], cells_pairs: dict[int, Pairs], spec: shapes.Shape,
 
 
 def rate(cell: Cell, engine: str) -> str:
-    """``engine``'s best pairs/s in ``cell`` (one decimal: a base model scores a few pairs a second per core)."""
+    """``engine``'s best rate in ``cell`` (one decimal: a base model scores a few pairs a second per core)."""
     best = cell.best(engine)
     return f"{best[0]:,.1f} ({best[1]}t)" if best else "-"
 
 
-def results_table(cells: list[Cell], excluded: dict[str, str]) -> str:
+def results_table(cells: list[Cell], excluded: dict[str, str], unit: str = "pairs", count: str = "documents") -> str:
+    """Each engine's best ``unit``/s per cell and ours over each peer (NER: texts per batch)."""
     engines = [e for e in ENGINES if any(c.best(e) for c in cells) or e in excluded]
     pairs = [(a, b) for a, b in PEERS if a in engines and b in engines]
-    headers = ["cell", "documents", *[f"{e} pairs/s" for e in engines], *[f"{a} / {b}" for a, b in pairs]]
+    headers = ["cell", count, *[f"{e} {unit}/s" for e in engines], *[f"{a} / {b}" for a, b in pairs]]
     rows = [[c.label, c.batch, *["MISMATCH" if e in excluded else rate(c, e) for e in engines],
              *[ratio_text(c.ratio(a, b)) for a, b in pairs]] for c in cells]
     return markdown_table(headers, rows)
 
 
-def floor_table(cells: list[Cell], limits: dict, fp32_weights: int) -> tuple[str, dict]:
+def floor_table(cells: list[Cell], limits: dict, fp32_weights: int, unit: str = "pairs") -> tuple[str, dict]:
     """Each cell's floor (pairs/s) and each engine's share of it (floor time / its time); the shares by
     (family, batch, label, engine)."""
     rows, shares = [], {}
@@ -247,7 +248,8 @@ def floor_table(cells: list[Cell], limits: dict, fp32_weights: int) -> tuple[str
                 shares[c.family, c.batch, c.label, engine] = best[0] * (int8 if "int8" in engine else fp32) / c.items
             row.append(f"{shares[c.family, c.batch, c.label, engine]:.0%}" if best else "-")
         rows.append(row)
-    headers = ["cell", "read GB/s", "floor fp32 pairs/s", "floor int8 pairs/s", *[f"{e} % of floor" for e in engines]]
+    headers = ["cell", "read GB/s", f"floor fp32 {unit}/s", f"floor int8 {unit}/s",
+               *[f"{e} % of floor" for e in engines]]
     return markdown_table(headers, rows), shares
 
 
@@ -274,8 +276,7 @@ def targets_table(cells: list[Cell], shares: dict[tuple[str, int, str, str], flo
 def run(args: argparse.Namespace) -> str:
     spec = shapes.shape(args.shape, args.tiny)
     if spec.job != "rerank":
-        return (f"{spec.name}: its NER cells (batches 1 / 8 / 32 of 128 tokens) are a later step: ours has no "
-                f"token-classification head yet ({spec.architecture} does not load), so nothing is timed.")
+        raise ValueError(f"{spec.name} is a {spec.job!r} shape: benchmarks/ner_compare.py runs its cells")
     grid = (TINY_GRIDS if args.tiny else GRIDS)[args.shape]
     files = shapes.build(args.shape, args.cache, args.tiny)
     out = [f"Machine: {machine_line()}", f"Peers: {versions()}", f"Ours: {kernels()}",

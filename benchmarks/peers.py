@@ -242,15 +242,17 @@ class CT2Process:
             raise RuntimeError(f"CTranslate2 worker: {reply}")
         return reply
 
-    def translate(self, pieces: list[list[str]], beams: int, new_tokens: int, use_vmap: bool = False) -> list[int]:
-        """Tokens generated per source (``use_vmap``: restricted by the model directory's vmap.txt)."""
-        self._conn.send((pieces, beams, new_tokens, False, use_vmap))
+    def translate(self, pieces: list[list[str]], beams: int, new_tokens: int, use_vmap: bool = False,
+                  prefix: str | None = None) -> list[int]:
+        """Tokens generated per source (``use_vmap``: restricted by the model directory's vmap.txt; ``prefix``: every
+        translation's first token, a target language's, as ``target_prefix``: counted among the ``new_tokens``)."""
+        self._conn.send((pieces, beams, new_tokens, False, use_vmap, prefix))
         return self._reply()
 
-    def tokens(self, pieces: list[list[str]], beams: int, new_tokens: int, use_vmap: bool = False
-               ) -> list[list[str]]:
-        """The best hypothesis of each source, as token strings."""
-        self._conn.send((pieces, beams, new_tokens, True, use_vmap))
+    def tokens(self, pieces: list[list[str]], beams: int, new_tokens: int, use_vmap: bool = False,
+               prefix: str | None = None) -> list[list[str]]:
+        """The best hypothesis of each source, as token strings (the prefix included)."""
+        self._conn.send((pieces, beams, new_tokens, True, use_vmap, prefix))
         return self._reply()
 
     @property
@@ -276,7 +278,7 @@ def _serve_translator(conn, ct2_dir: str, compute_type: str, threads: int, gener
         return
     conn.send("ready")
     while (request := conn.recv()) is not None:
-        pieces, beams, new_tokens, want_tokens, use_vmap = request
+        pieces, beams, new_tokens, want_tokens, use_vmap, prefix = request
         try:
             if generator:
                 results = translator.generate_batch(pieces, beam_size=max(beams, 1), max_length=new_tokens,
@@ -285,7 +287,7 @@ def _serve_translator(conn, ct2_dir: str, compute_type: str, threads: int, gener
             else:
                 results = translator.translate_batch(
                     pieces, beam_size=max(beams, 1), max_decoding_length=new_tokens, min_decoding_length=new_tokens,
-                    use_vmap=use_vmap,
+                    use_vmap=use_vmap, target_prefix=[[prefix]] * len(pieces) if prefix else None,
                 )
                 best = [r.hypotheses[0] for r in results]
             conn.send([b if want_tokens else len(b) for b in best])

@@ -12,7 +12,12 @@ token ids (random, no special ids): the benchmark measures model compute, not to
   fewer than 256 tokens repeats the forward up to that); ours fp32 / int8, HF, ONNX Runtime fp32 and its dynamic int8
   (``torch.onnx.export``, fused by onnxruntime's transformer optimizer, graph optimizations on);
 - gpt2-small: greedy at batch 1, 8, 32 and beam 4 at batch 1 (16-token prompts, 128 new tokens); ours
-  fp32 / int8, HF.
+  fp32 / int8, HF;
+- nllb-200-distilled-600m (M2M100ForConditionalGeneration, d 1024, 12+12 layers, vocabulary 256,206) and flan-t5-base
+  (T5ForConditionalGeneration, gated GELU, d 768, 12+12, 32,128), issue 39's (benchmarks/seq2seq_shapes.py): greedy
+  and beam 4 at batch 1 and 16 (32-token sources, 64 new tokens), engines as opus-mt's; NLLB's target language is
+  the forced first token on every engine (ours ``forced_first``, HF ``forced_bos_token_id``, CTranslate2
+  ``target_prefix``), one of the 64 new tokens on each.
 
 ``--quick`` times fewer cells, once each (the lengths stay). Ours loads the directory with
 ``model.checkpoint.load_checkpoint`` and runs it as the service does (benchmarks/shape_engines.py).
@@ -59,6 +64,7 @@ PEERS = (("ours", "HF"), ("ours", "CT2 fp32"), ("ours int8", "CT2 int8"), ("ours
 # CTranslate2's OPUS-MT en-de table (README, Intel Xeon, beam 4, batch 32, 4 threads): target tokens/s
 CT2_PUBLISHED = {"HF": 147, "CT2 fp32": 525, "CT2 int8": 696}
 MIN_TOKENS_PER_RUN = 256  # a classifier run repeats its forward until it has seen this many tokens
+ISSUE_39 = ("nllb-200-distilled-600m", "flan-t5-base")  # the translator / instruction seq2seq shapes of issue 39
 
 
 @dataclass(frozen=True)
@@ -75,11 +81,13 @@ GRIDS = {
     "opus-mt": Grid([(1, 1), (1, 16), (4, 1), (4, 16), (4, 32)], [(1, 1), (1, 16), (4, 1)], 32, 64),
     "bert-base": Grid([(n, b) for n in (16, 64, 256) for b in (1, 8, 64)], [(16, 1), (64, 8), (256, 1)]),
     "gpt2-small": Grid([(1, 1), (1, 8), (1, 32), (4, 1)], [(1, 1), (1, 32), (4, 1)], 16, 128),
+    **{name: Grid([(1, 1), (1, 16), (4, 1), (4, 16)], [(1, 1), (4, 1)], 32, 64) for name in ISSUE_39},
 }
 TINY_GRIDS = {
     "opus-mt": Grid([(1, 1), (4, 2)], [(1, 1), (4, 2)], 8, 4),
     "bert-base": Grid([(16, 1), (16, 4)], [(16, 1), (16, 4)]),
     "gpt2-small": Grid([(1, 1), (4, 1)], [(1, 1), (4, 1)], 8, 4),
+    **{name: Grid([(1, 1), (4, 2)], [(1, 1), (4, 2)], 8, 4) for name in ISSUE_39},
 }
 
 
@@ -98,12 +106,14 @@ def decode_cells(engines: Engines, grid: list[tuple[int, int]], spec: Grid, args
                     length=spec.length)
         variants = {}
         for n in args.threads:
-            variants[f"ours@{n}"] = (n, ours_decode(engines.ours, inputs, beams, spec.new_tokens))
-            variants[f"ours int8@{n}"] = (n, ours_decode(engines.ours_int8, inputs, beams, spec.new_tokens))
-            variants[f"HF@{n}"] = (n, hf_decode(engines.hf, inputs, beams, spec.new_tokens))
+            variants[f"ours@{n}"] = (n, ours_decode(engines.ours, inputs, beams, spec.new_tokens, engines.forced))
+            variants[f"ours int8@{n}"] = (n, ours_decode(engines.ours_int8, inputs, beams, spec.new_tokens,
+                                                         engines.forced))
+            variants[f"HF@{n}"] = (n, hf_decode(engines.hf, inputs, beams, spec.new_tokens, engines.forced))
             for kind in ("fp32", "int8"):
                 if (kind, n) in engines.translators:
-                    run = ct2_decode(engines.translators[kind, n], pieces, inputs, beams, spec.new_tokens)
+                    run = ct2_decode(engines.translators[kind, n], pieces, inputs, beams, spec.new_tokens,
+                                     engines.prefix)
                     variants[f"CT2 {kind}@{n}"] = (1, run)
         variants = {v: run for v, run in variants.items() if v.rsplit("@", 1)[0] not in engines.excluded}
         cells.append(alternate(cell, variants, spec.new_tokens, args.repeats, args.prune, probe))
@@ -166,6 +176,10 @@ def targets_table(cells: list[Cell], shares: dict[tuple[str, int, str], float]) 
             check("ours int8 >= ORT int8", c, c.ratio("ours int8", "ORT int8"), 1.0)
             if c.batch == 1:
                 check("ours fp32 >= 2x HF at batch 1", c, c.ratio("ours", "HF"), 2.0)
+        if c.family in ISSUE_39:
+            check("ours fp32 >= 2x HF", c, c.ratio("ours", "HF"), 2.0)
+            check("ours fp32 >= CT2 fp32", c, c.ratio("ours", "CT2 fp32"), 1.0)
+            check("ours int8 >= CT2 int8", c, c.ratio("ours int8", "CT2 int8"), 1.0)
         if c.family == "gpt2-small" and c.label == "greedy" and c.batch in (1, 32):
             check("ours fp32 >= 2x HF", c, c.ratio("ours", "HF"), 2.0)
         if c.batch == 1 and (c.family, c.batch, c.label) + ("ours",) in shares:

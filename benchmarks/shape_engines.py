@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from benchmarks import peers, shapes
+from benchmarks import peers, seq2seq_shapes, shapes
 from model.checkpoint import Checkpoint, load_checkpoint
 from model.decoding import GenerationConfig
 from model.generation import generate_causal, generate_seq2seq
@@ -45,10 +45,16 @@ class Engines:
     translators: dict[tuple[str, int], peers.CT2Process] = field(default_factory=dict)
     ort: dict[tuple[str, int], object] = field(default_factory=dict)  # (kind, threads) -> InferenceSession
     excluded: dict[str, str] = field(default_factory=dict)
+    forced: int | None = None  # the id of the shape's forced first token (a target language), None without one
 
     @property
     def family(self) -> str:
         return self.files.shape.family
+
+    @property
+    def prefix(self) -> str | None:
+        """The forced first token as CTranslate2's ``target_prefix`` spells it."""
+        return self.files.shape.forced_first or None
 
     def close(self) -> None:
         for translator in self.translators.values():
@@ -56,10 +62,12 @@ class Engines:
 
 
 def random_ids(shape: shapes.Shape, batch: int, length: int, seed: int) -> torch.Tensor:
-    """Token ids without the special ones: Marian's </s>, <unk> and pad; BERT's five specials (then [CLS] and
-    [SEP] around each row); GPT-2's <|endoftext|>."""
+    """Token ids without the special ones: Marian's </s>, <unk> and pad; NLLB's and T5's specials, language codes and
+    sentinels; BERT's five specials (then [CLS] and [SEP] around each row); GPT-2's <|endoftext|>."""
     low, high = {"seq2seq": (2, shape.vocab - 1), "classifier": (5, shape.vocab),
                  "causal_lm": (0, shape.vocab - 1)}[shape.family]
+    if shape.family == "seq2seq" and shape.architecture != "MarianMTModel":
+        low, high = seq2seq_shapes.special_ids(shape.architecture, shape.vocab)
     ids = torch.randint(low, high, (batch, length), generator=torch.Generator().manual_seed(seed))
     if shape.family == "classifier":
         ids[:, 0], ids[:, -1] = shapes.BERT_SPECIALS.index("[CLS]"), shapes.BERT_SPECIALS.index("[SEP]")
@@ -76,7 +84,7 @@ def load_engines(files: shapes.ShapeFiles, threads: list[int]) -> Engines:
     prepare_for_inference(ours.model, "none")  # as the service loads a model
     prepare_for_inference(ours_int8.model, "int8")
     hf = getattr(transformers, files.shape.architecture).from_pretrained(files.hf).eval()
-    engines = Engines(files, ours, ours_int8, hf)
+    engines = Engines(files, ours, ours_int8, hf, forced=forced_first_id(files))
     if files.shape.family == "seq2seq":
         ct2 = shapes.ct2_directory(files)
         if ct2 is None:
@@ -92,6 +100,14 @@ def load_engines(files: shapes.ShapeFiles, threads: list[int]) -> Engines:
             engines.ort = {(kind, n): ort_session(path, n) for kind, path in zip(("fp32", "int8"), models, strict=True)
                            for n in threads}
     return engines
+
+
+def forced_first_id(files: shapes.ShapeFiles) -> int | None:
+    """The id of the shape's forced first token in its tokenizer.json (an added token: a language code)."""
+    if not files.shape.forced_first:
+        return None
+    added = json.loads((files.hf / "tokenizer.json").read_text(encoding="utf-8"))["added_tokens"]
+    return next(t["id"] for t in added if t["content"] == files.shape.forced_first)
 
 
 def ort_session(path, threads: int):
@@ -117,14 +133,19 @@ def generation_config(checkpoint: Checkpoint, beams: int, new_tokens: int) -> Ge
                             eos_token_id=checkpoint.config.eos_id, **rules)
 
 
-def ours_tokens(checkpoint: Checkpoint, inputs: torch.Tensor, beams: int, new_tokens: int) -> list[list[int]]:
-    generate = generate_seq2seq if checkpoint.family == "seq2seq" else generate_causal
-    return [h[0].tokens for h in generate(checkpoint.model, inputs.tolist(), generation_config(
-        checkpoint, beams, new_tokens))]
+def ours_tokens(checkpoint: Checkpoint, inputs: torch.Tensor, beams: int, new_tokens: int,
+                forced: int | None = None) -> list[list[int]]:
+    """Ours' best hypothesis per input (``forced``: every translation's first token, counted among the new ones)."""
+    config = generation_config(checkpoint, beams, new_tokens)
+    if checkpoint.family != "seq2seq":
+        return [h[0].tokens for h in generate_causal(checkpoint.model, inputs.tolist(), config)]
+    first = None if forced is None else [forced] * len(inputs)
+    return [h[0].tokens for h in generate_seq2seq(checkpoint.model, inputs.tolist(), config, forced_first=first)]
 
 
-def ours_decode(checkpoint: Checkpoint, inputs: torch.Tensor, beams: int, new_tokens: int) -> Runner:
-    return lambda: [len(t) for t in ours_tokens(checkpoint, inputs, beams, new_tokens)]
+def ours_decode(checkpoint: Checkpoint, inputs: torch.Tensor, beams: int, new_tokens: int,
+                forced: int | None = None) -> Runner:
+    return lambda: [len(t) for t in ours_tokens(checkpoint, inputs, beams, new_tokens, forced)]
 
 
 def hf_generate(model: torch.nn.Module, inputs: torch.Tensor, beams: int, new_tokens: int, **extra):
@@ -136,26 +157,32 @@ def hf_generate(model: torch.nn.Module, inputs: torch.Tensor, beams: int, new_to
                               pad_token_id=model.generation_config.eos_token_id if pad is None else pad, **extra)
 
 
-def hf_decode(model: torch.nn.Module, inputs: torch.Tensor, beams: int, new_tokens: int) -> Runner:
+def hf_decode(model: torch.nn.Module, inputs: torch.Tensor, beams: int, new_tokens: int,
+              forced: int | None = None) -> Runner:
+    """HF ``generate()``; ``forced``: its forced_bos_token_id (the first new token)."""
     start = 1 if model.config.is_encoder_decoder else inputs.shape[1]  # the decoder start token, or the prompt
+    extra = {} if forced is None else {"forced_bos_token_id": forced}
 
     def run() -> list[int]:
-        out = hf_generate(model, inputs, beams, new_tokens)
+        out = hf_generate(model, inputs, beams, new_tokens, **extra)
         return [out.shape[1] - start] * out.shape[0]
 
     return run
 
 
 def ct2_pieces(files: shapes.ShapeFiles) -> list[str]:
-    """vocab.json's token strings by id: what CTranslate2's converter took as its vocabulary."""
-    vocab = json.loads((files.hf / "vocab.json").read_text())
-    return [piece for piece, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    """The token strings by id that CTranslate2's converter took as its vocabulary: OPUS-MT's vocab.json, else the
+    converted model's own list (NLLB's and T5's tokenizers plus the names it gave the rows they leave unnamed)."""
+    if (files.hf / "vocab.json").is_file():
+        vocab = json.loads((files.hf / "vocab.json").read_text())
+        return [piece for piece, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    return json.loads((files.ct2 / "shared_vocabulary.json").read_text(encoding="utf-8"))
 
 
 def ct2_decode(translator: peers.CT2Process, pieces: list[str], inputs: torch.Tensor, beams: int,
-               new_tokens: int) -> Runner:
+               new_tokens: int, prefix: str | None = None) -> Runner:
     sources = [[pieces[i] for i in row] for row in inputs.tolist()]
-    return lambda: translator.translate(sources, beams, new_tokens)
+    return lambda: translator.translate(sources, beams, new_tokens, prefix=prefix)
 
 
 def rows_of(logits: Callable[..., torch.Tensor], engine: object, ids: torch.Tensor) -> Callable[[], int]:
@@ -194,10 +221,11 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
                 None if len(a) == len(b) else min(len(a), len(b)))
 
 
-def hf_greedy_reference(model: torch.nn.Module, inputs: torch.Tensor, new_tokens: int
+def hf_greedy_reference(model: torch.nn.Module, inputs: torch.Tensor, new_tokens: int, forced: int | None = None
                         ) -> tuple[list[list[int]], torch.Tensor]:
     """HF's greedy tokens of each input and the processed logits it chose them from (inputs, steps, vocab)."""
-    out = hf_generate(model, inputs, 1, new_tokens, return_dict_in_generate=True, output_scores=True)
+    extra = {} if forced is None else {"forced_bos_token_id": forced}
+    out = hf_generate(model, inputs, 1, new_tokens, return_dict_in_generate=True, output_scores=True, **extra)
     start = 1 if model.config.is_encoder_decoder else inputs.shape[1]
     return out.sequences[:, start:].tolist(), torch.stack(out.scores, 1).float()
 
@@ -217,15 +245,16 @@ def check_decoding(engines: Engines, length: int, new_tokens: int) -> list[list[
     """Greedy tokens of each engine against HF's on three inputs: rows of the outputs table; a fp32 engine that
     disagrees beyond a tie goes into ``engines.excluded``."""
     inputs = random_ids(engines.files.shape, 3, length, seed=1234)
-    reference, scores = hf_greedy_reference(engines.hf, inputs, new_tokens)
-    candidates = {"ours": ours_tokens(engines.ours, inputs, 1, new_tokens),
-                  "ours int8": ours_tokens(engines.ours_int8, inputs, 1, new_tokens)}
+    reference, scores = hf_greedy_reference(engines.hf, inputs, new_tokens, engines.forced)
+    candidates = {"ours": ours_tokens(engines.ours, inputs, 1, new_tokens, engines.forced),
+                  "ours int8": ours_tokens(engines.ours_int8, inputs, 1, new_tokens, engines.forced)}
     if engines.translators:
-        index = {piece: i for i, piece in enumerate(ct2_pieces(engines.files))}
-        sources = [[ct2_pieces(engines.files)[i] for i in row] for row in inputs.tolist()]
+        pieces = ct2_pieces(engines.files)
+        index = {piece: i for i, piece in enumerate(pieces)}
+        sources = [[pieces[i] for i in row] for row in inputs.tolist()]
         some = min(engines.translators)[1]
         for kind in ("fp32", "int8"):
-            strings = engines.translators[kind, some].tokens(sources, 1, new_tokens)
+            strings = engines.translators[kind, some].tokens(sources, 1, new_tokens, prefix=engines.prefix)
             candidates[f"CT2 {kind}"] = [[index[s] for s in row] for row in strings]
     rows = []
     for engine, tokens in candidates.items():

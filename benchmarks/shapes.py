@@ -3,7 +3,7 @@
 :func:`build` makes one shape's files once and keeps them in a cache folder (``~/.cache/tserve/bench-shapes``
 by default), reused by later runs: ``<shape>/hf`` (config.json, model.safetensors and a tokenizer, as
 ``save_pretrained`` writes them: ours loads it with ``model.checkpoint.load_checkpoint``, HF with
-``from_pretrained``), ``<shape>/ct2`` (CTranslate2's ``TransformersConverter`` of the seq2seq one and of the
+``from_pretrained``), ``<shape>/ct2`` (CTranslate2's ``TransformersConverter`` of the seq2seq ones and of the
 Llama-style decoders), ``<shape>/gguf`` (llama.cpp's converter of the Llama-style decoders: benchmarks/gguf.py) and
 ``<shape>/onnx`` (a classifier, BERT's or XLM-R's, exported with ``torch.onnx.export`` with Optimum's inputs, fused
 by onnxruntime's transformer optimizer as Optimum does, and its ``quantize_dynamic`` int8 copy). A folder whose
@@ -13,11 +13,13 @@ Weights are transformers' own initialisation (normal, std 0.02; a padding embedd
 seed; OPUS-MT also gets a random ``final_logits_bias``. The tokenizers are tiny but their vocabularies have
 the model's size (filler tokens): load_checkpoint needs one, and CTranslate2 takes its vocabulary from it (XLM-R's: a
 SentencePiece-style Unigram of 250,002 pieces as its tokenizer.json lays them out). The
-Llama-style decoders' byte-level BPE is trained (it has merges: llama.cpp's GGUF needs them).
+Llama-style decoders' byte-level BPE is trained (it has merges: llama.cpp's GGUF needs them). Issue 39's seq2seq
+shapes, ``nllb-200-distilled-600m`` and ``flan-t5-base``, take their configs and tokenizers from
+benchmarks/seq2seq_shapes.py; a multilingual one names its target language in :attr:`Shape.forced_first`.
 The benchmark feeds token ids (random, no special ids) to every engine, so it measures model compute,
 not tokenization. ``tiny=True`` gives the same architecture at toy sizes, for the test. The encoders
 (:data:`ENCODERS`, benchmarks/encoder_compare.py): ``xlm-roberta-base``, a one-label cross-encoder (bge-reranker-base's
-config), and ``distilbert-base`` with a 9-label token head (NER), whose cells wait for our token head.
+config), and ``distilbert-base`` with a 9-label token head (NER: benchmarks/ner_compare.py).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import seq2seq_shapes
 from benchmarks.floor import Dims
 
 logger = logging.getLogger("benchmarks.shapes")
@@ -60,6 +63,7 @@ class Shape:
     dims: Dims
     gguf_pre: str = ""  # a Llama-style decoder llama.cpp runs: the pre-tokenizer its real checkpoint's GGUF names
     job: str = ""  # an encoder of benchmarks/encoder_compare.py: "rerank" (a one-label head) or "entities" (NER)
+    forced_first: str = ""  # a multilingual translator's target language: the token every translation starts with
 
     @property
     def vocab(self) -> int:
@@ -93,9 +97,11 @@ def _xlm_roberta(vocab: int, d: int, layers: int, heads: int, ffn: int) -> dict[
 
 
 def _distilbert(vocab: int, d: int, layers: int, heads: int, ffn: int, labels: int) -> dict[str, Any]:
-    """DistilBERT with a token-classification head of ``labels`` BIO labels (an NER checkpoint's)."""
+    """DistilBERT with a token-classification head of ``labels`` BIO labels (an NER checkpoint's); its heads under
+    the common name (DistilBertConfig maps it to n_heads), which the ONNX export reads."""
     names = ["O", *(f"{p}-{kind}" for kind in ("PER", "ORG", "LOC", "MISC") for p in "BI")][:labels]
-    return dict(vocab_size=vocab, dim=d, n_layers=layers, n_heads=heads, hidden_dim=ffn, max_position_embeddings=512,
+    return dict(vocab_size=vocab, dim=d, n_layers=layers, num_attention_heads=heads, hidden_dim=ffn,
+                max_position_embeddings=512,
                 pad_token_id=0, id2label=dict(enumerate(names)), label2id={n: i for i, n in enumerate(names)},
                 dropout=0.0, attention_dropout=0.0)
 
@@ -139,6 +145,11 @@ SHAPES = {
                           Dims(576, 1536, 49152, 30, kv_width=3 * 64, ffn_matrices=3), gguf_pre="smollm"),
     "qwen2.5-0.5b": Shape("qwen2.5-0.5b", "causal_lm", "Qwen2ForCausalLM", _qwen2(151936, 896, 24, 14, 2, 4864),
                           Dims(896, 4864, 151936, 24, kv_width=2 * 64, ffn_matrices=3), gguf_pre="qwen2"),
+    "nllb-200-distilled-600m": Shape("nllb-200-distilled-600m", "seq2seq", "M2M100ForConditionalGeneration",
+                                     seq2seq_shapes.nllb(256206, 1024, 12, 16, 4096), Dims(1024, 4096, 256206, 12),
+                                     forced_first=seq2seq_shapes.NLLB_TARGET),
+    "flan-t5-base": Shape("flan-t5-base", "seq2seq", "T5ForConditionalGeneration",
+                          seq2seq_shapes.t5(32128, 768, 12, 12, 64, 2048), Dims(768, 2048, 32128, 12, ffn_matrices=3)),
 }
 TINY = {  # the same architectures at toy sizes: the test's
     "opus-mt": Shape("opus-mt", "seq2seq", "MarianMTModel", _marian(301, 32, 2, 4, 64), Dims(32, 64, 301, 2)),
@@ -154,6 +165,11 @@ TINY = {  # the same architectures at toy sizes: the test's
                           Dims(64, 96, 400, 2, kv_width=32, ffn_matrices=3), gguf_pre="smollm"),
     "qwen2.5-0.5b": Shape("qwen2.5-0.5b", "causal_lm", "Qwen2ForCausalLM", _qwen2(400, 64, 2, 4, 2, 96),
                           Dims(64, 96, 400, 2, kv_width=32, ffn_matrices=3), gguf_pre="qwen2"),
+    "nllb-200-distilled-600m": Shape("nllb-200-distilled-600m", "seq2seq", "M2M100ForConditionalGeneration",
+                                     seq2seq_shapes.nllb(300, 32, 2, 4, 64), Dims(32, 64, 300, 2),
+                                     forced_first=seq2seq_shapes.NLLB_TARGET),
+    "flan-t5-base": Shape("flan-t5-base", "seq2seq", "T5ForConditionalGeneration",
+                          seq2seq_shapes.t5(300, 32, 2, 4, 8, 64), Dims(32, 64, 300, 2, ffn_matrices=3)),
 }
 DECODERS = [name for name, spec in SHAPES.items() if spec.gguf_pre]  # benchmarks/decoder_compare.py's shapes
 ENCODERS = [name for name, spec in SHAPES.items() if spec.job]  # benchmarks/encoder_compare.py's shapes
@@ -253,7 +269,10 @@ def _hf_directory(spec: Shape, directory: Path) -> None:
     config = getattr(transformers, spec.architecture).config_class(**spec.config)
     torch.manual_seed(SEED)
     model = getattr(transformers, spec.architecture)(config).eval()
-    if spec.family == "seq2seq":
+    if spec.family == "seq2seq" and spec.architecture != "MarianMTModel":
+        seq2seq_shapes.write_tokenizer(spec.architecture, spec.vocab, directory)
+        seq2seq_shapes.own_head(model)
+    elif spec.family == "seq2seq":
         with torch.no_grad():  # a bias that counts: the logits path must add it (OPUS-MT's hold trained values)
             model.final_logits_bias.normal_(0, 0.5, generator=torch.Generator().manual_seed(SEED))
         _marian_tokenizer(directory, spec.vocab)
@@ -270,7 +289,7 @@ def _hf_directory(spec: Shape, directory: Path) -> None:
                 if name.endswith(".bias"):
                     parameter.normal_(0, 0.02, generator=generator)
     model.save_pretrained(directory)
-    if spec.family == "seq2seq":  # OPUS-MT's rule (its pad id never generated), without its length defaults
+    if spec.architecture == "MarianMTModel":  # OPUS-MT's rule (its pad id never generated), without its length defaults
         pad = spec.vocab - 1
         (directory / "generation_config.json").write_text(json.dumps(
             {"bad_words_ids": [[pad]], "decoder_start_token_id": pad, "eos_token_id": 0, "pad_token_id": pad}))

@@ -5,7 +5,8 @@ The fast path is ``torch.nn.functional.scaled_dot_product_attention`` (fused ker
 Blocks of up to 16 queries per row (decoding steps over the KV cache, short sentences, a [CLS]-only last
 layer) go through :func:`decode_attention`: our AVX-512 kernel (model/kernels/decode_attention.cpp) on CPU
 float32 inference, SDPA otherwise.
-Masks are boolean, True where a query may attend, broadcastable to (B, H, Tq, Tk).
+Masks are boolean, True where a query may attend, broadcastable to (B, H, Tq, Tk); or float, added to the scores
+(T5's relative position bias, model.relative_position: the kernel leaves those to SDPA).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from model.shared_prefix import SharedPrefix
 
 KERNEL_MAX_QUERIES = 16  # longer query blocks (prefill) are SDPA's strength
 KERNEL_MAX_HEAD_DIM = 256  # decode_attention.cpp kMaxChunks * 16 (Gemma 3: 256)
+ENCODER_HEAD_DIM = 64  # the head dim of encoder_attention.cpp (an encoder's rows of more than 16 queries)
 QUERY_BLOCK = 64  # a longer query block's SDPA on the CPU runs in blocks of this many queries (causal_sdpa)
 
 
@@ -33,7 +35,7 @@ def attention(
     """Explicit attention returning (output, weights); shapes (B, H, Tq, Dh) and (B, H, Tq, Tk)."""
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     weights = scores.softmax(dim=-1)
     return F.dropout(weights, p=dropout) @ v, weights
 
@@ -78,6 +80,9 @@ def blocked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     queries on the CPU run in blocks of QUERY_BLOCK, each against the keys up to the last one its mask shows, so a
     causal prefill skips the upper triangle (SDPA with an explicit mask computes it all: 512 tokens, 7.6 -> 4.6 ms a
     layer at 9 / 3 heads of 64, 11.6 -> 7.2 ms at 14 / 2)."""
+    kernel = native.kernels()
+    if kernel is not None and encoder_rows(q, k, v, mask):
+        return kernel.encoder_attention(q, k, v, mask)
     t, gqa = q.shape[2], k.shape[1] != q.shape[1]
     if mask is None or mask.dtype != torch.bool or t <= QUERY_BLOCK or mask.shape[-2] != t or q.device.type != "cpu":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
@@ -90,6 +95,17 @@ def blocked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
         out[:, :, start:stop] = F.scaled_dot_product_attention(
             q[:, :, start:stop], k[:, :, :end], v[:, :, :end], attn_mask=mask[..., start:stop, :end], enable_gqa=gqa)
     return out
+
+
+def encoder_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether our encoder-attention kernel (model/kernels/encoder_attention.cpp: 2.3-2.4x SDPA on 8 rows x 12 heads
+    x 128 tokens) computes this: CPU float32 inference, self-attention of rows with as many keys as queries and head
+    dim 64 (BERT, RoBERTa, XLM-R, DistilBERT), unit stride along it, no mask or a bool key mask (B|1, 1, 1, T)."""
+    return (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32 and not q.requires_grad
+            and q.dim() == 4 and q.shape == k.shape == v.shape and q.shape[3] == ENCODER_HEAD_DIM
+            and q.stride(3) == k.stride(3) == v.stride(3) == 1 and k.stride() == v.stride()
+            and (mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == mask.shape[2] == 1
+                                  and mask.shape[0] in (1, q.shape[0]) and mask.shape[3] == q.shape[2])))
 
 
 def prefix_attention(
@@ -159,6 +175,15 @@ def _few_queries_attention(
     return (from_prefix.view(heads, b, t, dh).transpose(0, 1) + from_own).to(dtype)
 
 
+def rotate_through_float32(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, H, T, Dh) rotated as transformers' ModernBERT rotates it: x rounded to float32, times cos/sin (B|1, T, Dh)
+    cast to x's dtype, in the promoted dtype (float64 stays float64, bfloat16 computes in float32), cast back."""
+    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+    h = x.float()
+    half = h.shape[-1] // 2
+    return (h * cos + torch.cat((-h[..., half:], h[..., :half]), dim=-1) * sin).to(x.dtype)
+
+
 class MultiHeadAttention(nn.Module):
     """Self- or cross-attention with separate q/k/v/out projections (the names LoRA targets).
 
@@ -166,14 +191,17 @@ class MultiHeadAttention(nn.Module):
     by n_heads / n_kv_heads consecutive query heads), a ``head_dim`` other than d_model / n_heads, and ``rotary``
     positions applied to q and k at each row's absolute position (before K is cached). Self-attention may also
     take ``qk_norm`` (norms of each head of q and of k, before rope), a ``scale`` of q.k other than 1/sqrt(head_dim),
-    a ``window`` (a query sees the keys less than ``window`` positions back; the cache keeps them all), and
+    a ``window`` (a query sees the keys less than ``window`` positions back; the cache keeps them all; with
+    ``bidirectional_window`` also less than ``window`` ahead: an encoder's local layers), ``rotary_float32``
+    (:func:`rotate_through_float32`), and
     ``out_bias`` apart from the q/k/v projections' ``bias`` (None: the same).
     """
 
     def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, bias: bool = True, *,
                  n_kv_heads: int | None = None, head_dim: int | None = None, rotary: Rotary | None = None,
                  out_bias: bool | None = None, qk_norm: tuple[nn.Module, nn.Module] | None = None,
-                 scale: float | None = None, window: int | None = None) -> None:
+                 scale: float | None = None, window: int | None = None, bidirectional_window: bool = False,
+                 rotary_float32: bool = False) -> None:
         super().__init__()
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads or n_heads
@@ -189,6 +217,8 @@ class MultiHeadAttention(nn.Module):
         # the kernels and SDPA scale by 1/sqrt(head_dim): another scale multiplies q by its ratio to that one
         self.query_scale = 1.0 if scale is None else scale * math.sqrt(self.head_dim)
         self.window = window
+        self.bidirectional_window = bidirectional_window
+        self.rotary_float32 = rotary_float32
         # Optional (D -> 3D) projection computing q, k, v of self-attention in one GEMM (model.quantize
         # builds an int8 one); used only while q/k/v are still the modules it was built from, so a
         # LoRA wrapper around any of them switches back to the separate projections.
@@ -246,13 +276,19 @@ class MultiHeadAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None and source is None and kv is None:
             cos, sin = self.rotary.cos_sin(self._positions(x, cache))  # once for q and k
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            if self.rotary_float32 and q.dtype != torch.float32:
+                q, k = rotate_through_float32(q, cos, sin), rotate_through_float32(k, cos, sin)
+            else:
+                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.query_scale != 1.0:
             q = q * self.query_scale
         if cache is not None and kv is None:
             k, v = cache.write(layer, k, v)  # (B, H_kv, K, Dh): each K/V head serves a group of consecutive query heads
         if self.window is not None and source is None and kv is None:
-            mask = within_window(mask, self._own_positions(x, cache), k.shape[2], self.window)
+            queries = self._own_positions(x, cache)
+            mask = within_window(mask, queries, k.shape[2], self.window)
+            if self.bidirectional_window:  # and less than window ahead: keys k - q < window
+                mask = mask & (torch.arange(k.shape[2], device=x.device) - queries[:, None, :, None] < self.window)
         dropout = self.dropout if self.training else 0.0
         if k.dtype != q.dtype:  # a cache kept in another dtype
             k, v = k.to(q.dtype), v.to(q.dtype)

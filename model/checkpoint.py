@@ -34,6 +34,7 @@ from model.files import UnreadableFile, make_shareable, read_regular
 from model.hf import hf_companions, is_hf_directory, load_hf_model
 from model.hf.common import all_finite, read_safetensors
 from model.hf.generation import GENERATION_FILE, GenerationRules, generation_rules
+from model.hf.languages import Languages
 from model.hf.sentence import EmbeddingDefaults
 from model.lora_io import AdapterLayout
 from model.placeholders import MAX_SENTINELS, sentinel
@@ -80,6 +81,7 @@ class Checkpoint:
     generation: GenerationRules | None = None  # a generation_config.json's rules and defaults (model.hf.generation)
     calibration: Calibration | None = None  # a classifier's calibration.json (model.calibration)
     score_activation: str | None = None  # a CrossEncoder's (model.hf.sentence.score_activation)
+    languages: Languages | None = None  # a multilingual translator's language codes (model.hf.languages)
 
     @property
     def family(self) -> str:

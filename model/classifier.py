@@ -1,4 +1,9 @@
-"""BERT-style bidirectional encoder: classification, pooled embeddings, and pre-training heads."""
+"""BERT-style bidirectional encoder: classification, pooled embeddings, and pre-training heads.
+
+The heads read the [CLS] state (or, ``head_pooling="mean"``, the mean of the non-pad states) through the optional
+pooler: dense -> activation (-> LayerNorm with ``head_norm``: ModernBERT's head), which a token head applies to every
+state.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ from torch import nn
 
 from model.config import ClassifierConfig
 from model.fast_step import run_encoder
-from model.kernel_layers import LayerNorm, Linear
+from model.kernel_layers import LayerNorm, Linear, activate
 from model.layers import Embeddings, LayerStack, init_weights, padding_mask
 
 POOLINGS = ("cls", "mean", "max")
@@ -40,7 +45,7 @@ class MaskedLMHead(nn.Module):
 
 
 class TransformerClassifier(nn.Module):
-    """Encoder over "[CLS] a [SEP] b [SEP]" with segment embeddings; [CLS] pooling feeds the heads."""
+    """Encoder over "[CLS] a [SEP] b [SEP]" with segment embeddings; [CLS] (or mean) pooling feeds the heads."""
 
     def __init__(self, config: ClassifierConfig) -> None:
         super().__init__()
@@ -48,6 +53,7 @@ class TransformerClassifier(nn.Module):
         self.embed = Embeddings(config, config.vocab_size, config.type_vocab_size, config.position_offset)
         self.encoder = LayerStack(config, config.n_layers)
         self.pooler = Linear(config.d_model, config.d_model) if config.pooler else None
+        self.head_norm = LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.head_norm else None
         self.dropout = nn.Dropout(config.dropout)
         # num_labels 0: an embedding model without a classification head
         self.classifier = Linear(config.d_model, config.num_labels) if config.num_labels else None
@@ -69,17 +75,34 @@ class TransformerClassifier(nn.Module):
         ``cls_only``: the last layer computes the [CLS] position alone (all the heads read): (B, 1, D).
         """
         mask = padding_mask(ids, self.config.pad_id)
-        keep = slice(0, 1) if cls_only else None
+        keep = slice(0, 1) if cls_only and self._cls_alone else None
         return run_encoder(self.encoder, self.embed(ids, segments=segments), mask, attention_weights, keep)
 
-    def pool(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The pooled [CLS] representation (B, D) the heads read: act(dense([CLS])) with the pooler (BERT's pooler,
-        RoBERTa's head dense, DistilBERT's pre_classifier), else [CLS] itself."""
-        cls = hidden[:, 0]
+    @property
+    def _cls_alone(self) -> bool:
+        """Whether the last layer may compute [CLS] alone: its attention then reads no rotary positions and no window
+        (TransformerLayer's ``keep``), and the head reads [CLS] only."""
+        c = self.config
+        return c.positions != "rope" and c.sliding_window is None and c.head_pooling == "cls"
+
+    def pool(self, hidden: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The pooled representation (B, D) the heads read: the [CLS] state, or with ``head_pooling="mean"`` the mean
+        of the states of ``ids``' non-pad tokens (ValueError without them), through :meth:`transform`."""
+        if self.config.head_pooling == "mean":
+            if ids is None:
+                raise ValueError("head_pooling 'mean' needs the ids (which positions are padding)")
+            return self.transform(_mean(hidden, ids, self.config.pad_id))
+        return self.transform(hidden[:, 0])
+
+    def transform(self, states: torch.Tensor) -> torch.Tensor:
+        """act(dense(states)) with the pooler (BERT's pooler, RoBERTa's head dense, DistilBERT's pre_classifier),
+        then the head's LayerNorm where there is one (ModernBERT's head); the states themselves without a pooler."""
         if self.pooler is None:
-            return cls
-        pooled = self.pooler(cls)
-        return torch.tanh(pooled) if self.config.pooler_activation == "tanh" else F.relu(pooled)
+            return states
+        pooled = self.pooler(states)
+        act = self.config.pooler_activation
+        pooled = torch.tanh(pooled) if act == "tanh" else activate(pooled, act)
+        return pooled if self.head_norm is None else self.head_norm(pooled)
 
     def forward(self, ids: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
         """Class logits (B, num_labels); ValueError for a model without a sequence classification head."""
@@ -89,7 +112,7 @@ class TransformerClassifier(nn.Module):
             raise ValueError("this model has a token classification head: it computes token_logits, not one "
                              "row of logits per text")
         hidden, _ = self.encode(ids, segments, cls_only=True)
-        return self.classifier(self.dropout(self.pool(hidden)))
+        return self.classifier(self.dropout(self.pool(hidden, ids)))
 
     def token_logits(self, ids: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
         """Each token's class logits (B, T, num_labels) of a token classification head (pad rows included: the
@@ -98,14 +121,14 @@ class TransformerClassifier(nn.Module):
             raise ValueError(f"this model has no token classification head (head={self.config.head!r}, "
                              f"num_labels={self.config.num_labels})")
         hidden, _ = self.encode(ids, segments)
-        return self.classifier(self.dropout(hidden))
+        return self.classifier(self.dropout(self.transform(hidden)))
 
     def pretraining_logits(
         self, ids: torch.Tensor, segments: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """MLM logits (B, T, V) and sentence-order logits (B, 2)."""
         hidden, _ = self.encode(ids, segments)
-        return self.mlm_head(hidden), self.order_head(self.dropout(self.pool(hidden)))
+        return self.mlm_head(hidden), self.order_head(self.dropout(self.pool(hidden, ids)))
 
     def embed_texts(
         self, ids: torch.Tensor, segments: torch.Tensor | None = None, pooling: str = "mean"
@@ -116,8 +139,13 @@ class TransformerClassifier(nn.Module):
         hidden, _ = self.encode(ids, segments)
         if pooling == "cls":
             return hidden[:, 0]
-        keep = (ids != self.config.pad_id).unsqueeze(-1)
         if pooling == "max":
+            keep = (ids != self.config.pad_id).unsqueeze(-1)
             return hidden.masked_fill(~keep, float("-inf")).amax(1)
-        keep = keep.to(hidden.dtype)
-        return (hidden * keep).sum(1) / keep.sum(1).clamp(min=1.0)
+        return _mean(hidden, ids, self.config.pad_id)
+
+
+def _mean(hidden: torch.Tensor, ids: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """The mean (B, D) of each row's non-pad states of ``hidden`` (B, T, D)."""
+    keep = (ids != pad_id).unsqueeze(-1).to(hidden.dtype)
+    return (hidden * keep).sum(1) / keep.sum(1).clamp(min=1.0)

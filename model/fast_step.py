@@ -16,9 +16,11 @@ Which blocks it implements is one predicate, :func:`unsupported` (of the config;
 verdict): GPT-2's, BERT's and Marian's blocks, and Llama's (RMSNorm, rotary positions at each row's position with
 every scaling of model/rope.py and partial rotary widths, grouped-query attention, a head width other than
 d_model / heads, the gated FFN, optional biases) with Mistral's, Qwen3's and Gemma 3's (q/k norms, sliding-window
-layers, (1 + weight) RMSNorms, sandwich norms, a scale of q.k, the window layers' own rotary base). Rotary cos/sin
-are computed once per step here (``Rotary.cos_sin``) for each distinct rotary of the layers, and the window layers'
-mask once per step (``within_window``, as MultiHeadAttention applies it). The stack as the C++ step binds it is
+layers, (1 + weight) RMSNorms, sandwich norms, a scale of q.k, the window layers' own rotary base), and T5's (the
+scale of q.k in cross-attention too, the relative position bias). Rotary cos/sin are computed once per step here
+(``Rotary.cos_sin``) for each distinct rotary of the layers, the window layers' mask once per step
+(``within_window``, as MultiHeadAttention applies it), and T5's float self-attention mask of the bias once per step
+(``RelativePositionBias.attention_mask``, as LayerStack.forward makes it). The stack as the C++ step binds it is
 model/native_step.py's.
 """
 
@@ -149,6 +151,8 @@ class _Layer:
 
             def cross_attention(h: torch.Tensor) -> torch.Tensor:
                 q = cross.heads(cross.q(h))
+                if cross.query_scale != 1.0:
+                    q = q * cross.query_scale
                 out = _grouped_attention(q, memory.keys[i], memory.values[i], memory_mask, memory.group_size)
                 return cross.merge(out)
 
@@ -188,9 +192,10 @@ _WATCHED = {
 
 def _watched(stack: LayerStack) -> list[tuple[dict, str, object]]:
     """(dict, name, value) of every module and parameter the plan binds, to notice a swap: the module
-    dicts of the layers and their attention/FFN blocks, and the parameter dicts of the bound
-    Linear/LayerNorm layers (a new Parameter object assigned to one of them)."""
-    watched: list[tuple[dict, str, object]] = [(stack._modules, "final_norm", stack.final_norm)]
+    dicts of the stack (its final norm, T5's bias), of the layers and their attention/FFN blocks, and the parameter
+    dicts of the bound Linear/LayerNorm layers (a new Parameter object assigned to one of them)."""
+    watched: list[tuple[dict, str, object]] = [(stack._modules, name, stack._modules.get(name))
+                                               for name in ("final_norm", "relative_bias")]
     for layer in stack.layers:
         parents = [(layer, "layer"), (layer.self_attn, "attention"), (layer.ffn, "ffn")]
         if layer.cross_attn is not None:
@@ -214,6 +219,7 @@ class DecodePlan:
         self.rotaries, self.rotary_of = rotary_kinds(stack)  # the distinct rotaries, each layer's among them
         self.windows = [layer.self_attn.window for layer in stack.layers]
         self.window = next((w for w in self.windows if w is not None), None)  # NativeStep: one for all window layers
+        self.relative_bias = stack.relative_bias  # T5's: the self-attention mask carries it (a float mask)
         self._parents, self._names, self._children = zip(*_watched(stack), strict=True)
 
     def current(self) -> bool:
@@ -235,6 +241,8 @@ class DecodePlan:
             else None
         )
         angles = [_angles(rotary, cache) for rotary in self.rotaries]
+        if self.relative_bias is not None:  # once per step for every layer, as LayerStack.forward makes it
+            mask = self.relative_bias.attention_mask(mask, x.shape[1], cache)
         if deltas is not None:
             window = None if self.window is None else _window_mask(mask, cache, x.shape[1], self.window)
             masks: Masks = (mask, window)
@@ -340,9 +348,12 @@ def _encode(
         or x.shape[1] > plan.kernels.MAX_STEP_TOKENS
         or keep_last not in (None, slice(0, 1))
         or (mask is not None and mask.dtype != torch.bool)
+        or (plan.relative_bias is not None and keep_last is not None)  # which LayerStack.forward refuses
         or native_step.deltas(x.shape[0], x.shape[1]) != []
     ):
         return stack(x, mask, attention_weights=attention_weights, keep_last=keep_last)
+    if plan.relative_bias is not None:  # T5's encoder: the bias as a float mask, as LayerStack.forward makes it
+        mask = plan.relative_bias.attention_mask(mask, x.shape[1], None)
     rows = x.shape[0] * x.shape[1]
     x = native_step.stack.encode(x, mask, native_step.panels(plan.kernels, rows), keep_last is not None)
     return (plan.final_norm(x) if plan.final_norm is not None else x), [{} for _ in stack.layers]

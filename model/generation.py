@@ -16,7 +16,7 @@ from model.generation_config import ConfigError, GenerationConfig, Strategy
 from model.kv_cache import KVCache
 from model.lora import AdapterSelection, set_adapters, use_adapters
 from model.restricted_vocab import VocabularyRestriction
-from model.search import Hypothesis, Search, StopFn, run_search
+from model.search import Hypothesis, Search, StopFn, force_first_tokens, run_search
 from model.seq2seq import Seq2SeqTransformer
 from model.speculative import Drafter, SpeculativeConfig, make_drafter, next_draft, verify
 from model.tokenizer import Tokenizer, pad_batch
@@ -82,11 +82,16 @@ def generate_seq2seq(
     adapters: AdapterSelection = None,
     targets: Sequence[Sequence[int]] | None = None,
     vocab_map: VocabularyMap | None = None,
+    forced_first: Sequence[int | None] | None = None,
 ) -> list[list[Hypothesis]]:
     """Translate each source; returns per source the hypotheses of ``config`` (best first). ``targets``: per source,
     the start of its translation (target tokens) to continue; the hypotheses hold what follows it. ``vocab_map``:
-    each translation uses only its source's candidate tokens (model.vocab_map, CTranslate2's use_vmap)."""
+    each translation uses only its source's candidate tokens (model.vocab_map, CTranslate2's use_vmap).
+    ``forced_first``: per source, the token its translation must start with (a target language's, or None), generated
+    as generate()'s forced_bos_token_id is (model.search.force_first_tokens); a source with a target prefix is
+    continued from it instead, which must then start with that token."""
     targets = [list(t) for t in targets] if targets is not None else [[] for _ in sources]
+    forced = _forced_rows(forced_first, targets)
     _check_lengths([len(s) for s in sources], 0, model.config.max_src_len, "source")
     _check_lengths([len(t) for t in targets], config.max_new_tokens + 1, model.config.max_len, "output")
     device = next(model.parameters()).device
@@ -97,6 +102,8 @@ def generate_seq2seq(
         if vocab_map is not None:
             search.vocabulary = VocabularyRestriction.of_sources(vocab_map, sources, model.config.vocab_size, device)
         first, cache = model.start(src.to(device), capacity=capacity, targets=targets, vocabulary=search.vocabulary)
+        if forced is not None:
+            first = force_first_tokens(first, forced)
         return run_search(search, first, lambda t: model.decode_step(t, cache, search.vocabulary),
                           rows.select_with(cache.select))
 
@@ -136,6 +143,18 @@ def trim_stop(text: str, stops: Sequence[str]) -> str:
     """Cut ``text`` at the first occurrence of any stop string."""
     cut = min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=len(text))
     return text[:cut]
+
+
+def _forced_rows(forced: Sequence[int | None] | None, targets: list[list[int]]) -> list[int | None] | None:
+    """Each row's forced first token: none where the row continues a target prefix (which starts with it)."""
+    if forced is None:
+        return None
+    if len(forced) != len(targets):
+        raise ValueError(f"got {len(forced)} forced first tokens for {len(targets)} sources")
+    for i, (token, target) in enumerate(zip(forced, targets, strict=True)):
+        if token is not None and target and target[0] != token:
+            raise ValueError(f"source {i}: its target prefix must start with its forced first token {token}")
+    return [None if target else token for token, target in zip(forced, targets, strict=True)]
 
 
 def _check_lengths(lengths: list[int], extra: int, limit: int, what: str) -> None:

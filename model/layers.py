@@ -12,6 +12,7 @@ from model.config import TransformerConfig
 from model.kernel_layers import LayerNorm, Linear, activate, kernels_for
 from model.kv_cache import KVCache
 from model.native_support import unsupported
+from model.relative_position import RelativePositionBias
 from model.rope import Rotary
 
 # The most positions a sinusoidal table covers: 16x OPUS-MT-big's 1,024 (the table is computed, not stored,
@@ -38,8 +39,10 @@ class Embeddings(nn.Module):
     """Token embedding (optionally * sqrt(d_model)) + positions (+ segments), then optional LayerNorm, dropout."""
 
     def __init__(self, config: TransformerConfig, vocab_size: int, type_vocab_size: int = 0,
-                 position_offset: int = 0) -> None:
-        """``position_offset`` > 0: positions count the non-pad tokens from it (:func:`counted_positions`)."""
+                 position_offset: int = 0, pad_positions: bool = True) -> None:
+        """``position_offset`` > 0: positions count the non-pad tokens from it (:func:`counted_positions`).
+        ``pad_positions`` False: a pad token gets no position (fairseq's sinusoidal table, whose padding_idx row is
+        zero: M2M100 reads it for every pad, a generated one too)."""
         super().__init__()
         self.tokens = nn.Embedding(vocab_size, config.d_model, padding_idx=config.pad_id)
         self.scale = math.sqrt(config.d_model) if config.scale_embeddings else 1.0
@@ -48,7 +51,7 @@ class Embeddings(nn.Module):
         self.scale_in_dtype = self.rotary
         if config.positions == "learned":
             self.positions = nn.Embedding(config.max_len + position_offset, config.d_model)
-        elif self.rotary:
+        elif config.positions in ("rope", "relative"):  # rotary angles or T5's bias, in attention
             self.positions = None
         else:
             self.positions = None
@@ -58,6 +61,7 @@ class Embeddings(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
         self.max_len = config.max_len
         self.position_offset = position_offset
+        self.pad_positions = pad_positions
         self.pad_id = config.pad_id
 
     def forward(
@@ -71,9 +75,11 @@ class Embeddings(nn.Module):
         x = self.tokens(ids)
         if self.scale != 1.0:
             x = x * (torch.tensor(self.scale, dtype=x.dtype) if self.scale_in_dtype else self.scale)
-        if self.positions is not None:
+        if self.positions is not None and not self.pad_positions:
+            x = x + self.positions(positions) * (ids != self.pad_id)[..., None]
+        elif self.positions is not None:
             x = x + self.positions(positions)
-        elif not self.rotary:
+        elif hasattr(self, "sinusoids"):
             x = x + self.sinusoids[positions].to(x.dtype)
         if self.segments is not None:
             x = x + self.segments(torch.zeros_like(ids) if segments is None else segments)
@@ -154,10 +160,14 @@ class TransformerLayer(nn.Module):
         self.self_attn = MultiHeadAttention(d, config.n_heads, config.dropout, config.bias,
                                             n_kv_heads=config.kv_heads, head_dim=config.head_dim,
                                             rotary=_rotary(config, window), out_bias=config.out_bias, qk_norm=qk_norm,
-                                            scale=config.attention_scale, window=window)
-        self.self_attn_norm = make_norm(config, d)
+                                            scale=config.attention_scale, window=window,
+                                            bidirectional_window=config.bidirectional_window,
+                                            rotary_float32=config.rotary_float32)
+        # ModernBERT's layer 0 reads the (normalized) embeddings as they are
+        self.self_attn_norm = make_norm(config, d) if index or config.first_attn_norm else nn.Identity()
         self.cross_attn = (
-            MultiHeadAttention(d, config.n_heads, config.dropout, config.bias) if cross_attention else None
+            MultiHeadAttention(d, config.n_heads, config.dropout, config.bias, head_dim=config.head_dim,
+                               scale=config.attention_scale) if cross_attention else None
         )
         self.cross_attn_norm = make_norm(config, d) if cross_attention else None
         self.ffn = FeedForward(config)
@@ -228,10 +238,17 @@ class TransformerLayer(nn.Module):
 class LayerStack(nn.Module):
     """A stack of Transformer layers with the optional final LayerNorm of pre-LN models."""
 
-    def __init__(self, config: TransformerConfig, n_layers: int, cross_attention: bool = False) -> None:
+    def __init__(self, config: TransformerConfig, n_layers: int, cross_attention: bool = False,
+                 causal: bool = False) -> None:
+        """``causal``: the stack's self-attention sees no later position (a decoder: its relative position bias
+        buckets the distances one way)."""
         super().__init__()
         self.layers = nn.ModuleList(TransformerLayer(config, cross_attention, i) for i in range(n_layers))
         self.final_norm = make_norm(config, config.d_model) if config.final_norm else None
+        # T5: one bias table for every layer's self-attention (transformers keeps it in layer 0)
+        self.relative_bias = (RelativePositionBias(config.relative_buckets, config.relative_max_distance,
+                                                   config.n_heads, bidirectional=not causal)
+                              if config.positions == "relative" else None)
 
         self.native = not unsupported(config)  # the decode plan and C++ step (model.fast_step) implement these blocks
 
@@ -246,7 +263,12 @@ class LayerStack(nn.Module):
         attention_weights: bool = False,
         keep_last: slice | None = None,
     ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
-        """``keep_last``: the last layer computes only these positions (a head that reads [CLS] only)."""
+        """``keep_last``: the last layer computes only these positions (a head that reads [CLS] only).
+        With a relative position bias ``mask`` (boolean) becomes the float mask of the bias, for every layer."""
+        if self.relative_bias is not None:
+            if keep_last is not None:
+                raise ValueError("keep_last does not take a relative position bias")
+            mask = self.relative_bias.attention_mask(mask, x.shape[1], cache)
         maps = []
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):

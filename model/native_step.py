@@ -3,8 +3,9 @@
 model/fast_step.py's plan holds one :class:`NativeStep` where every layer is something the C++ step runs: float32
 or our int8 projections (LoRA-wrapped ones by their bases, the adapters' deltas passed per step), LayerNorms or
 RMSNorms (Llama's, or Gemma's by 1 + weight: one kind per stack), q/k norms and sandwich norms, one attention shape
-for every layer (heads, KV heads, head width, scale of q.k, rotary or not), and per layer its rotary kind
-(:func:`rotary_kinds`: Gemma 3's window layers rotate with their own base) and whether it attends within the window.
+for every layer (heads, KV heads, head width, scale of q.k, rotary or not; cross-attention's head width and scale
+of q.k the same), and per layer its rotary kind (:func:`rotary_kinds`: Gemma 3's window layers rotate with their own
+base) and whether it attends within the window.
 """
 
 from __future__ import annotations
@@ -157,7 +158,9 @@ class NativeStep:
         windows = {layer.self_attn.window for layer in stack.layers} - {None}
         if activation is None or len(windows) > 1 or any(
             layer.pre_norm != first.pre_norm or layer.ffn.activation != first.ffn.activation
-            or _attention_shape(layer.self_attn) != shape for layer in stack.layers
+            or _attention_shape(layer.self_attn) != shape
+            or layer.cross_attn is not None and _scaled_heads(layer.cross_attn) != _scaled_heads(first.self_attn)
+            for layer in stack.layers
         ):
             return None
         offset = any(is_rms_norm(m) and m.offset for m in stack.modules())
@@ -225,3 +228,9 @@ def _attention_shape(attn: MultiHeadAttention) -> tuple[int, int, int, bool, flo
     q/k norms or not."""
     return (attn.n_heads, attn.n_kv_heads, attn.head_dim, attn.rotary is not None, attn.query_scale,
             attn.q_norm is not None)
+
+
+def _scaled_heads(attn: MultiHeadAttention) -> tuple[int, float]:
+    """The head width and scale of q (``query_scale``) of an attention: one pair for a stack's self- and
+    cross-attention in the C++ step."""
+    return attn.head_dim, attn.query_scale

@@ -15,7 +15,8 @@ IMPLEMENTED_FIELDS = frozenset({
     "scale_embeddings", "tie_embeddings", "embedding_norm", "final_norm", "layer_norm_eps", "pad_id", "norm_type",
     "rope_theta", "rope_scaling", "rotary_dim", "n_kv_heads", "head_size", "ffn", "ffn_bias", "out_bias",
     "qk_norm", "sliding_window", "window_layers", "rope_local_theta", "norm_offset", "sandwich_norm",
-    "attention_scale",
+    "attention_scale",  # of self- and cross-attention
+    "relative_buckets", "relative_max_distance",  # T5's relative position bias: a float self-attention mask
 })
 
 

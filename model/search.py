@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from model.generation_config import GenerationConfig, require
-from model.logits import mask_repeats, penalize_repeats
+from model.logits import NEG_INF, mask_repeats, penalize_repeats
 from model.restricted_vocab import VocabularyRestriction
 
 logger = logging.getLogger(__name__)
@@ -121,6 +121,27 @@ class Search(ABC):
         """What ``advance`` returns once no row is left."""
         empty = torch.empty(0, dtype=torch.long, device=device)
         return empty, empty.clone()
+
+
+def force_first_tokens(logits: torch.Tensor, forced: Sequence[int | None]) -> torch.Tensor:
+    """The first step's logits (one row per input, (B, V)) with row i's ``forced[i]`` the only token it may produce,
+    at log-prob 0 (None: the row is left as it is): Hugging Face's ForcedBOSTokenLogitsProcessor (a target language's
+    token, BART's ``<s>``). The forced token is then generated like any other: it is in the hypothesis's tokens and
+    counts in its length (the length penalty), max_new_tokens and min_new_tokens, as in generate(); its log-prob is
+    0 (generate()'s beam score)."""
+    if len(forced) != logits.shape[0]:
+        raise ValueError(f"got {len(forced)} forced tokens for {logits.shape[0]} rows")
+    rows = [i for i, token in enumerate(forced) if token is not None]
+    if not rows:
+        return logits
+    tokens = [forced[i] for i in rows]
+    if not all(isinstance(t, int) and 0 <= t < logits.shape[1] for t in tokens):
+        raise ValueError(f"forced tokens {tokens} must be token ids below the vocabulary size {logits.shape[1]}")
+    out = logits.clone()
+    index = torch.tensor(rows, device=logits.device)
+    out[index] = NEG_INF
+    out[index, torch.tensor(tokens, device=logits.device)] = 0.0
+    return out
 
 
 def run_search(search: Search, first_logits: torch.Tensor, step: Callable[[torch.Tensor], torch.Tensor],

@@ -22,11 +22,15 @@ class Seq2SeqTransformer(nn.Module):
     def __init__(self, config: Seq2SeqConfig) -> None:
         super().__init__()
         self.config = config
-        self.tgt_embed = Embeddings(config, config.vocab_size)
+        self.tgt_embed = Embeddings(config, config.vocab_size, pad_positions=config.pad_positions)
         shared = config.src_vocab_size is None
-        self.src_embed = self.tgt_embed if shared else Embeddings(config, config.src_vocab_size)
+        self.src_embed = (self.tgt_embed if shared and config.shared_positions
+                          else Embeddings(config, config.src_vocab_size or config.vocab_size,
+                                          pad_positions=config.pad_positions))
+        if shared and not config.shared_positions:  # one token embedding, a position table per side
+            self.src_embed.tokens = self.tgt_embed.tokens
         self.encoder = LayerStack(config, config.n_encoder_layers)
-        self.decoder = LayerStack(config, config.n_decoder_layers, cross_attention=True)
+        self.decoder = LayerStack(config, config.n_decoder_layers, cross_attention=True, causal=True)
         self.lm_head = Linear(config.d_model, config.vocab_size, bias=config.head_bias)
         init_weights(self)
         if config.scale_embeddings:
@@ -59,7 +63,7 @@ class Seq2SeqTransformer(nn.Module):
             memory_mask=src_mask,
             attention_weights=attention_weights,
         )
-        return self.lm_head(x), {"encoder": enc_maps, "decoder": dec_maps}
+        return self.logits(x), {"encoder": enc_maps, "decoder": dec_maps}
 
     def cross_kv(self, memory: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Every decoder layer's cross-attention keys and values of ``memory`` (B, S, D), each (B, H, S, Dh)."""
@@ -123,7 +127,9 @@ class Seq2SeqTransformer(nn.Module):
 
     def logits(self, hidden: torch.Tensor, vocabulary: VocabularyRestriction | None = None) -> torch.Tensor:
         """The output head over ``hidden`` (B, [t,] D): every target token's logit, or under a ``vocabulary``
-        restriction the candidates' (the others -inf)."""
+        restriction the candidates' (the others -inf). ``hidden`` is scaled by ``head_scale`` first (T5)."""
+        if self.config.head_scale != 1.0:
+            hidden = hidden * self.config.head_scale
         if vocabulary is None:
             return self.lm_head(hidden)
         return vocabulary.logits(self.lm_head, hidden)

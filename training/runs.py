@@ -246,6 +246,7 @@ class TranslatePoRun:
     beams: int = 4
     max_new_tokens: int = 128
     device: str = DEVICE
+    target_lang: str | None = None  # a multilingual model's target code (None: the catalog's Language: header's)
 
 
 @dataclass(frozen=True)

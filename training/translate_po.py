@@ -8,6 +8,11 @@ Placeholders are protected as the service protects them (model.placeholders): re
 and repaired where the model lost one; a repaired entry says so in a translator comment. An entry whose output
 still lacks its source's placeholders (a model without sentinels) or whose line is longer than the model takes
 stays untranslated, so the catalog never holds a message that would break the program formatting it.
+
+A multilingual model (NLLB-200, M2M100, mBART-50: model.hf.languages) translates into the catalog's language: the
+``Language:`` header's code where the model has it (M2M100's ``fr``), else the one code that is it with a region or
+script (mBART-50's ``fr_XX`` for ``fr`` or ``fr_CA``), else ``--target-lang`` must name it (NLLB's ``fra_Latn``); its
+token is each translation's forced first token, as transformers' forced_bos_token_id.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from pathlib import Path
 import torch
 
 from model.checkpoint import Checkpoint
+from model.hf.languages import Languages
 from model.placeholders import Restored, check, protect, sentinels_for
 from training.tasks.base import TaskOptions, TokenIds
 from training.tasks.seq2seq import Seq2SeqTask
@@ -49,26 +55,63 @@ class PoReport:
 class LineTranslator:
     """Single lines through a seq2seq checkpoint (greedy or beams), placeholders protected, in batches."""
 
-    def __init__(self, checkpoint: Checkpoint, adapters: str | None, beams: int, max_new_tokens: int) -> None:
+    def __init__(self, checkpoint: Checkpoint, adapters: str | None, beams: int, max_new_tokens: int,
+                 target_lang: str | None = None) -> None:
         if checkpoint.family != "seq2seq":
             raise ValueError(f"translate-po needs a translation (seq2seq) model, not {checkpoint.family}")
+        if target_lang is not None and checkpoint.languages is None:
+            raise ValueError("--target-lang is for multilingual models (NLLB-200, M2M100, mBART-50); this model "
+                             "has no language codes")
         self.checkpoint, self.adapters = checkpoint, adapters
         self.task = Seq2SeqTask(TaskOptions(beams=beams, max_new_tokens=max_new_tokens,
                                             ids=TokenIds.of(checkpoint.config)))
         self.sentinels = sentinels_for(checkpoint.tokenizer, checkpoint.prompt_tokenizer)
+        self.target_lang = target_lang
+        self.forced: int | None = None  # the target language's token (set by :meth:`choose_language`)
+
+    def choose_language(self, header: str) -> str | None:
+        """A multilingual model's target language: ``--target-lang``, else the one the catalog's ``Language:``
+        ``header`` names (:func:`target_language`); None for a model without languages."""
+        languages = self.checkpoint.languages
+        if languages is None:
+            return None
+        code = self.target_lang if self.target_lang is not None else target_language(languages, header)
+        self.forced = languages.token_id(code, "--target-lang")
+        return code
 
     def translate(self, lines: list[str]) -> list[Restored | None]:
         """Each line's restored translation, or None where it is too long for the model."""
         protected = [protect(line, self.sentinels) for line in lines]
         sources = self.checkpoint.encode_prompts([p.text for p in protected])
         fits = [i for i, ids in enumerate(sources) if len(ids) < self.checkpoint.config.max_src_len]
+        generation = self.checkpoint.generation
+        forced = self.forced if self.forced is not None or generation is None else generation.forced_bos
         with torch.no_grad():
             outputs = self.task.translate(self.checkpoint.model, [sources[i] for i in fits], self.checkpoint.tokenizer,
-                                          self.adapters)
+                                          self.adapters, forced, generation.imposed() if generation else None)
         results: list[Restored | None] = [None] * len(lines)
         for i, output in zip(fits, outputs, strict=True):
             results[i] = protected[i].restore(output)
         return results
+
+
+def target_language(languages: Languages, header: str) -> str:
+    """The model's code for a catalog's ``Language:`` header: the code itself, else the one code that is it (or its
+    language part, ``pt`` of ``pt_BR``) with a region or script after ``_``; ValueError asking for --target-lang."""
+    header = header.strip().replace("-", "_")
+    for name in dict.fromkeys([header, header.split("_")[0]]):
+        if not name:
+            continue
+        if name in languages.ids:
+            return name
+        matches = [code for code in languages.ids if code.startswith(name + "_")]
+        if len(matches) == 1:
+            return matches[0]
+        if matches:
+            raise ValueError(f"the catalog's Language: {header!r} could be any of {', '.join(matches)}: give "
+                             "--target-lang")
+    raise ValueError(f"the catalog's Language: {header!r} is none of the model's language codes: give --target-lang "
+                     f"(codes: {', '.join(languages.ids)})")
 
 
 def translate_catalog(source: Path, out: Path, translator: LineTranslator) -> PoReport:
@@ -76,6 +119,7 @@ def translate_catalog(source: Path, out: Path, translator: LineTranslator) -> Po
     import polib
 
     catalog = polib.pofile(str(source), wrapwidth=0)
+    translator.choose_language(catalog.metadata.get("Language", ""))
     nplurals = _nplurals(catalog.metadata.get("Plural-Forms", ""))
     report = PoReport()
     wanted: list[tuple[polib.POEntry, list[str]]] = []
@@ -138,4 +182,4 @@ def _nplurals(plural_forms: str) -> int:
     return int(found.group(1)) if found else 2
 
 
-__all__ = ["LineTranslator", "PoReport", "translate_catalog"]
+__all__ = ["LineTranslator", "PoReport", "target_language", "translate_catalog"]

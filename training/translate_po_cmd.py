@@ -29,7 +29,7 @@ def _run(run: TranslatePoRun) -> None:
         if run.adapter:
             load_adapter(checkpoint.model, run.adapter, "translate-po", layout=checkpoint.adapter_layout)
             adapters = "translate-po"
-        translator = LineTranslator(checkpoint, adapters, run.beams, run.max_new_tokens)
+        translator = LineTranslator(checkpoint, adapters, run.beams, run.max_new_tokens, run.target_lang)
         report = translate_catalog(run.catalog, run.out, translator)
     except (CheckpointError, AdapterError, ValueError, OSError) as exc:
         raise UserError(str(exc)) from None
@@ -53,4 +53,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--beams", type=int, default=4, help="beam size (1: greedy; default 4)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="longest translation of one line, in tokens")
     p.add_argument("--device", default=DEVICE, help="auto (default: CUDA when there is one), cpu, cuda, cuda:N")
+    p.add_argument("--target-lang", metavar="CODE", help="a multilingual model's (NLLB-200, M2M100, mBART-50) "
+                   "target language code, e.g. fra_Latn; default: the one the catalog's Language: header names")
     p.set_defaults(func=command(TranslatePoRun, _run))

@@ -94,6 +94,18 @@ def field(config: Mapping[str, Any], name: str, kind: type | tuple[type, ...] = 
     return value
 
 
+def token_id_field(config: Mapping[str, Any], name: str, vocab: int, default: int) -> int:
+    """``config[name]``, a token id of a vocabulary of ``vocab`` (a list's first: our configs keep one end id);
+    ``default`` when it is missing or null."""
+    value = config.get(name)
+    if isinstance(value, list):
+        value = value[0] if value else None
+    value = default if value is None else value
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < vocab:
+        raise HFImportError(f"{CONFIG_FILE}: {name}={value!r} is outside the vocabulary (vocab_size={vocab})")
+    return value
+
+
 def activation(config: Mapping[str, Any], name: str, default: str) -> str:
     """Our activation for HF's ``config[name]``."""
     value = field(config, name, str, default)

@@ -1,4 +1,5 @@
-"""PEFT adapters of the BERT-shaped encoders (BERT, RoBERTa / XLM-R, DistilBERT) <-> our classifier's modules.
+"""PEFT adapters of the BERT-shaped encoders (BERT, RoBERTa / XLM-R, DistilBERT, ModernBERT) <-> our classifier's
+modules.
 
 Each architecture names the same modules its own way (:class:`EncoderNames`): a layer's Linears, the encoder's
 attribute under a head model (``bert.``, ``roberta.``, ``distilbert.``), and the head model's own Linears, which
@@ -8,6 +9,10 @@ an adapter's own copy of a head (PEFT's ``modules_to_save``: SEQ_CLS adapters co
 RoBERTa's whole head and, by PEFT's suffix match, DistilBERT's pre_classifier too). An adapter of the headless
 model (no prefix) loads on the head model's encoder as well; a token classification head's adapters are refused.
 :func:`adapter_layout` gives the AdapterLayout.
+
+A fused Linear (ModernBERT's ``Wqkv``, ``Wi``: ``EncoderNames.fused``) is one LoRA whose B's rows split into our parts'
+(q, k, v; fc1, up), which share its A; ours go back as one LoRA of rank k r on the fused module and every other LoRA
+padded to that rank, as model.hf.llama_adapters does for Phi-3.
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from model.config import TransformerConfig
+from model.hf.llama_adapters import fuse, split_b
 from model.lora_config import AdapterError, LoRAConfig
 from model.lora_io import KEY_PREFIX, AdapterLayout, PeftFiles, peft_files, peft_targets, unmapped_tensor
 
@@ -40,20 +47,24 @@ class EncoderNames:
     heads: Mapping[str, str]  # the head model's Linears outside the layers (paths from its root) -> ours
     # PEFT modules_to_save names -> the heads of ours they copy (a name not here: ours alike)
     saves: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # a layer's fused Linears: theirs -> our parts in its row order (ModernBERT's attn.Wqkv -> q, k, v)
+    fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
 
-def module_paths(names: EncoderNames, config: TransformerConfig) -> dict[str, str]:
-    """The HF model's module paths (as PEFT saves them) -> ours, for the model of ``config``: the head model's with
-    a classification head, else the headless model's (its pooler: pooler.dense)."""
+def module_paths(names: EncoderNames, config: TransformerConfig) -> dict[str, str | tuple[str, ...]]:
+    """The HF model's module paths (as PEFT saves them) -> ours (a fused module's: our parts), for the model of
+    ``config``: the head model's with a classification head, else the headless model's (its pooler: pooler.dense)."""
     layers = _layers(names, config.n_layers)
     if getattr(config, "num_labels", 0):
         return {names.prefix + path: ours for path, ours in layers.items()} | dict(names.heads)
     return layers | {"pooler.dense": "pooler"}
 
 
-def _layers(names: EncoderNames, n_layers: int) -> dict[str, str]:
-    return {f"{names.layers}.{i}.{theirs}": f"encoder.layers.{i}.{ours}"
-            for i in range(n_layers) for ours, theirs in names.linears.items()}
+def _layers(names: EncoderNames, n_layers: int) -> dict[str, str | tuple[str, ...]]:
+    fused = {f"{names.layers}.{i}.{theirs}": tuple(f"encoder.layers.{i}.{part}" for part in parts)
+             for i in range(n_layers) for theirs, parts in names.fused.items()}
+    return fused | {f"{names.layers}.{i}.{theirs}": f"encoder.layers.{i}.{ours}"
+                    for i in range(n_layers) for ours, theirs in names.linears.items()}
 
 
 def _adapter_config(names: EncoderNames, d: dict[str, Any]) -> dict[str, Any]:
@@ -80,8 +91,12 @@ def _adapter_tensors(names: EncoderNames, tensors: dict[str, torch.Tensor], mode
         lora = _LORA_KEY.fullmatch(key)
         match = lora or _COPY_KEY.fullmatch(key)
         path = paths.get(match[1], "") if match else ""
+        if isinstance(path, tuple) and lora:  # a fused Linear: A shared by its parts, B's rows split among them
+            pieces = [t] * len(path) if match[2] == "lora_A.weight" else split_b(key, t, path, model)
+            ours |= {f"{KEY_PREFIX}{part}.{match[2]}": piece for part, piece in zip(path, pieces, strict=True)}
+            continue
         # a copy is of a head (ours: pooler, classifier), never of a layer's Linear
-        if not path or (path.rpartition(".")[2] not in adapted if lora else "." in path):
+        if not isinstance(path, str) or not path or (path.rpartition(".")[2] not in adapted if lora else "." in path):
             raise unmapped_tensor(key, names.model, names.targets)
         ours[f"{KEY_PREFIX}{path}.{match[2]}"] = t
     return ours
@@ -90,19 +105,38 @@ def _adapter_tensors(names: EncoderNames, tensors: dict[str, torch.Tensor], mode
 def _to_peft(names: EncoderNames, config: LoRAConfig, tensors: dict[str, torch.Tensor], model: TransformerConfig
              ) -> PeftFiles:
     """Our adapter as PEFT's on the model ours was imported from; modules_to_save: the PEFT names that copy our
-    copied heads. task_type stays None: PEFT's SEQ_CLS would add the head to modules_to_save."""
-    theirs_of = {ours: theirs for theirs, ours in module_paths(names, model).items()}
+    copied heads. task_type stays None: PEFT's SEQ_CLS would add the head to modules_to_save. The parts of a fused
+    Linear go back as one LoRA (see the module)."""
+    paths = module_paths(names, model)
+    theirs_of = {ours: theirs for theirs, ours in paths.items() if isinstance(ours, str)}
+    fused_of = {part: (theirs, parts) for theirs, parts in paths.items() if isinstance(parts, tuple) for part in parts}
     theirs, copied = {}, []
+    fused: dict[str, dict[str, dict[str, torch.Tensor]]] = {}  # a fused module -> our part -> its A, B
     for key, t in tensors.items():
         lora = _LORA_KEY.fullmatch(key)
         match = lora or _COPY_KEY.fullmatch(key)
+        if lora is not None and match[1] in fused_of:
+            kind = match[2].removeprefix("lora_")[0]  # "A" or "B"
+            fused.setdefault(fused_of[match[1]][0], {}).setdefault(match[1], {})[kind] = t
+            continue
         if match is None or match[1] not in theirs_of:
-            raise unmapped_tensor(key, names.model, [*names.linears, *names.heads.values()])
+            raise unmapped_tensor(key, names.model, [*names.linears, *names.fused, *names.heads.values()])
         theirs[f"{KEY_PREFIX}{theirs_of[match[1]]}.{match[2]}"] = t
         if lora is None:
             copied.append(match[1])
+    grow = max((len(paths[module]) for module in fused), default=1)
+    for module, pairs in fused.items():
+        ab = fuse(paths[module], pairs, model)
+        theirs |= {f"{KEY_PREFIX}{module}.lora_{kind}.weight": ab[kind] for kind in "AB"}
+    r = grow * config.r
+    for key, t in theirs.items():  # every LoRA to rank grow r: zero rows of A, zero columns of B
+        if key.endswith(".lora_A.weight"):
+            theirs[key] = F.pad(t, (0, 0, 0, r - t.shape[0]))
+        elif key.endswith(".lora_B.weight"):
+            theirs[key] = F.pad(t, (0, r - t.shape[1]))
     saves = [next((s for s, ours in names.saves.items() if head in ours), head) for head in copied]
-    return peft_files(config, theirs, None, modules_to_save=sorted(set(saves)) or None)
+    return peft_files(config, theirs, None, modules_to_save=sorted(set(saves)) or None, r=r,
+                      lora_alpha=grow * config.lora_alpha)
 
 
 def adapter_layout(names: EncoderNames) -> AdapterLayout:

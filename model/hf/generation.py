@@ -3,9 +3,11 @@
 Two parts: rules imposed on every search (``bad_words_ids`` of one token each: OPUS-MT bans its pad token,
 whose logit could otherwise win; ``forced_eos_token_id``: the last token allowed is EOS;
 ``no_repeat_ngram_size``, ``repetition_penalty``: a request may set its own; ``renormalize_logits``), and
-defaults for what a request leaves unset (``num_beams``, ``max_length``/``max_new_tokens``, ``length_penalty``,
-``early_stopping``, ``do_sample`` with its ``temperature``/``top_k``/``top_p``). Fields that would change the
-tokens in ways we cannot reproduce are refused by name. Older configs keep these fields in config.json instead.
+defaults for what a request leaves unset (``num_beams``, ``max_length``/``max_new_tokens``, ``min_length``,
+``length_penalty``, ``early_stopping``, ``do_sample`` with its ``temperature``/``top_k``/``top_p``).
+``forced_bos_token_id`` (BART's ``<s>``) is the forced first token of every row that names none of its own (a target
+language's: model.search.force_first_tokens). Fields that would change the tokens in ways we cannot reproduce are
+refused by name. Older configs keep these fields in config.json instead.
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ UNSUPPORTED = {
     "encoder_repetition_penalty": 1.0, "num_beam_groups": 1, "diversity_penalty": 0.0,
     "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "min_p": None, "top_h": None,
     "encoder_no_repeat_ngram_size": 0, "suppress_tokens": None, "begin_suppress_tokens": None,
-    "forced_bos_token_id": None, "sequence_bias": None, "exponential_decay_length_penalty": None,
+    "sequence_bias": None, "exponential_decay_length_penalty": None,
     "guidance_scale": None, "constraints": None, "force_words_ids": None, "penalty_alpha": None,
-    "min_length": 0, "min_new_tokens": None, "watermarking_config": None,
+    "min_new_tokens": None, "watermarking_config": None,
 }
 HF_TOP_K = 50  # generate()'s top_k when sampling and the config names none
 
@@ -44,10 +46,14 @@ class GenerationRules:
     repetition_penalty: float = 1.0
     renormalize: bool = False
     defaults: dict[str, Any] = field(default_factory=dict)
+    forced_bos: int | None = None  # a row's first token unless it names one (model.search.force_first_tokens)
 
     def imposed(self) -> dict[str, Any]:
         """The GenerationConfig fields every search of the model gets."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "defaults"}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _NOT_IMPOSED}
+
+
+_NOT_IMPOSED = ("defaults", "forced_bos")
 
 
 def _number(source: dict, name: str, kind: type, default: Any) -> Any:
@@ -76,6 +82,11 @@ def _defaults(source: dict, config: TransformerConfig) -> dict[str, Any]:
         out["max_new_tokens"] = _number(source, "max_new_tokens", int, None)
     elif source.get("max_length") is not None and config.family == "seq2seq":  # counts the decoder start token
         out["max_new_tokens"] = max(1, _number(source, "max_length", int, None) - 1)
+    min_length = _number(source, "min_length", int, 0)
+    if min_length > 1 and config.family != "seq2seq":  # there it counts each request's prompt
+        raise HFImportError(f"min_length={min_length} is not supported for a decoder-only model")
+    if min_length > 1:  # counts the decoder start token too, as max_length does
+        out["min_new_tokens"] = min_length - 1
     if "length_penalty" in source:
         out["length_penalty"] = _number(source, "length_penalty", float, 1.0)
     early = source.get("early_stopping", False)
@@ -119,6 +130,15 @@ def _rules(source: dict, config: TransformerConfig) -> GenerationRules:
     eos = getattr(config, "eos_id", None)
     if forced is not None and forced != eos:
         raise HFImportError(f"forced_eos_token_id={forced!r} differs from the model's eos_token_id={eos}")
+    start = source.get("decoder_start_token_id")
+    if config.family == "seq2seq" and start is not None and start != getattr(config, "bos_id", None):
+        raise HFImportError(f"decoder_start_token_id={start!r} differs from the model's "
+                            f"decoder_start_token_id={getattr(config, 'bos_id', None)}")
+    forced_bos = source.get("forced_bos_token_id")
+    if forced_bos is not None and (isinstance(forced_bos, bool) or not isinstance(forced_bos, int)
+                                   or not 0 <= forced_bos < config.vocab_size or config.family != "seq2seq"):
+        raise HFImportError(f"forced_bos_token_id={forced_bos!r} is not supported (a token of the vocabulary, "
+                            "for an encoder-decoder)")
     ngram = _number(source, "no_repeat_ngram_size", int, 0)
     if ngram < 0:
         raise HFImportError(f"no_repeat_ngram_size must be >= 0, got {ngram}")
@@ -129,4 +149,5 @@ def _rules(source: dict, config: TransformerConfig) -> GenerationRules:
         repetition_penalty=_penalty(source),
         renormalize=_number(source, "renormalize_logits", bool, False),
         defaults=_defaults(source, config),
+        forced_bos=forced_bos,
     )

@@ -15,7 +15,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from model.config import CausalLMConfig
-from model.hf.common import CONFIG_FILE, HFImportError, Tensors, Unsupported, check_supported, field, take
+from model.hf.common import (
+    CONFIG_FILE,
+    HFImportError,
+    Tensors,
+    Unsupported,
+    check_supported,
+    field,
+    take,
+    token_id_field,
+)
 from model.hf.llama_adapters import adapter_layout
 from model.hf.rope import max_length, rope_fields
 
@@ -28,16 +37,6 @@ PROJECTIONS = {"self_attn.q_proj": "self_attn.q_proj", "self_attn.k_proj": "self
 ADAPTER_LAYOUT = adapter_layout(PROJECTIONS, "Llama")  # PEFT adapters: model/hf/llama_adapters.py
 NORMS = {"input_layernorm": "self_attn_norm", "post_attention_layernorm": "ffn_norm"}  # a layer's, theirs -> ours
 LAYER_TYPES = {"full_attention": False, "sliding_attention": True}  # config.json's layer_types: windowed or not
-
-
-def _token_id(hf: Mapping[str, Any], name: str, vocab: int, default: int) -> int:
-    value = hf.get(name)
-    if isinstance(value, list):  # several end ids: our config keeps the first
-        value = value[0] if value else None
-    value = default if value is None else value
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < vocab:
-        raise HFImportError(f"{CONFIG_FILE}: {name}={value!r} is outside the vocabulary (vocab_size={vocab})")
-    return value
 
 
 def to_config(hf: Mapping[str, Any]) -> CausalLMConfig:
@@ -73,8 +72,8 @@ def family_fields(hf: Mapping[str, Any], **rope: Any) -> dict[str, Any]:
     vocab = field(hf, "vocab_size", default=32000)
     d_model, heads = field(hf, "hidden_size", default=4096), field(hf, "num_attention_heads", default=32)
     head_dim = field(hf, "head_dim", default=d_model // heads)
-    bos = _token_id(hf, "bos_token_id", vocab, 1)
-    eos = _token_id(hf, "eos_token_id", vocab, 2)
+    bos = token_id_field(hf, "bos_token_id", vocab, 1)
+    eos = token_id_field(hf, "eos_token_id", vocab, 2)
     attention_bias = field(hf, "attention_bias", bool, False)
     return dict(
         vocab_size=vocab,
@@ -91,7 +90,7 @@ def family_fields(hf: Mapping[str, Any], **rope: Any) -> dict[str, Any]:
         tie_embeddings=field(hf, "tie_word_embeddings", bool, False),
         final_norm=True,
         layer_norm_eps=field(hf, "rms_norm_eps", float, 1e-6),
-        pad_id=_token_id(hf, "pad_token_id", vocab, eos),  # no pad token: rows end at eos
+        pad_id=token_id_field(hf, "pad_token_id", vocab, eos),  # no pad token: rows end at eos
         n_layers=field(hf, "num_hidden_layers", default=32),
         bos_id=bos,
         eos_id=eos,

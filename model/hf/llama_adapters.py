@@ -43,7 +43,7 @@ def _leaf(path: str) -> str:
     return path.rpartition(".")[2]
 
 
-def _split_b(key: str, b: torch.Tensor, parts: tuple[str, ...], model: TransformerConfig) -> list[torch.Tensor]:
+def split_b(key: str, b: torch.Tensor, parts: tuple[str, ...], model: TransformerConfig) -> list[torch.Tensor]:
     """A fused module's B, its rows split into its parts' (our paths in a layer, in the fused order)."""
     rows = [ROWS[_leaf(part)](model) for part in parts]
     if b.dim() != 2 or b.shape[0] != sum(rows):
@@ -52,7 +52,7 @@ def _split_b(key: str, b: torch.Tensor, parts: tuple[str, ...], model: Transform
     return [part.contiguous() for part in b.split(rows)]
 
 
-def _fuse(parts: tuple[str, ...], pairs: Mapping[str, Mapping[str, torch.Tensor]], model: TransformerConfig
+def fuse(parts: tuple[str, ...], pairs: Mapping[str, Mapping[str, torch.Tensor]], model: TransformerConfig
           ) -> dict[str, torch.Tensor]:
     """One LoRA of rank len(parts) r for the parts' LoRAs (our paths -> their A and B; a part missing adds zeros)."""
     some = next(iter(pairs.values()))
@@ -112,7 +112,7 @@ class _Names:
                 raise unmapped_tensor(key, self.architecture, self.targets)
             layer, module, kind = match.groups()
             parts = self.parts[module]
-            pieces = [t] * len(parts) if kind == "A" or len(parts) == 1 else _split_b(key, t, parts, model)
+            pieces = [t] * len(parts) if kind == "A" or len(parts) == 1 else split_b(key, t, parts, model)
             for part, piece in zip(parts, pieces, strict=True):
                 ours[f"{KEY_PREFIX}decoder.layers.{layer}.{part}.lora_{kind}.weight"] = piece
         return ours
@@ -133,7 +133,7 @@ class _Names:
                 raise unmapped_tensor(key, self.architecture, self.module_of)
         grow = max((len(self.parts[module]) for _, module in modules), default=1)
         for (layer, module), pairs in modules.items():
-            ab = _fuse(self.parts[module], pairs, model)
+            ab = fuse(self.parts[module], pairs, model)
             for kind in "AB":
                 theirs[f"{KEY_PREFIX}model.layers.{layer}.{module}.lora_{kind}.weight"] = ab[kind]
         r = grow * lora.r

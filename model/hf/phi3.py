@@ -18,14 +18,11 @@ from model.hf.llama import state_dict as llama_state_dict
 from model.hf.llama_adapters import adapter_layout, fused_projections
 
 ARCHITECTURES = ("Phi3ForCausalLM",)
-# PEFT adapters (model/hf/llama_adapters.py): a fused module's LoRA splits into our parts, in its order
-ADAPTER_LAYOUT = adapter_layout({"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-                                 "self_attn.o_proj": "self_attn.out_proj", "mlp.gate_up_proj": ("ffn.fc1", "ffn.up"),
-                                 "mlp.down_proj": "ffn.fc2"}, "Phi-3")
 ROPE_ALIASES = {"su": "longrope", "yarn": "longrope"}
 FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}  # Phi-3's fused projections: Llama's, in row order
-ADAPTER_LAYOUT = adapter_layout(fused_projections(PROJECTIONS, FUSED), "Phi-3")  # model/hf/llama_adapters.py
+# PEFT adapters (model/hf/llama_adapters.py): a fused module's LoRA splits into our parts, in its order
+ADAPTER_LAYOUT = adapter_layout(fused_projections(PROJECTIONS, FUSED), "Phi-3")
 
 __all__ = ["ADAPTER_LAYOUT", "ARCHITECTURES", "state_dict", "to_config"]
 

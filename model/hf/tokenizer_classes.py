@@ -7,7 +7,11 @@ normalizer, pre-tokenizer, decoder and BPE options, so the ids depend on the cla
 The encoders' classes also replace the file's template (post-processor) by their own: BertTokenizer (and
 DistilBertTokenizer) ``[CLS] a [SEP] (b [SEP])``, RobertaTokenizer a RobertaProcessing, XLMRobertaTokenizer
 ``<s> a </s> (</s> b </s>)``; XLMRobertaTokenizer keeps only the file's Precompiled normalizer and hard-codes
-unk_id 3. :func:`pipeline` returns tokenizer.json's text with the picked class's pipeline in place of the file's.
+unk_id 3. The seq2seq classes (model.hf.seq2seq_tokenizers) build a Metaspace pipeline: NllbTokenizer a BPE with
+``[src_lang] a </s>`` (``a </s> [src_lang]`` with legacy_behaviour), MBart50Tokenizer a Unigram with
+``[src_lang] a </s>``, T5Tokenizer a Unigram after a whitespace split with ``a </s>``; BartTokenizer is
+RobertaTokenizer. :func:`pipeline` returns tokenizer.json's text with the picked class's pipeline in place of the
+file's.
 What AutoTokenizer does with tokenizer_config.json's ``add_bos_token`` / ``add_eos_token`` beside a tokenizer.json:
 nothing (they are dropped; the file's post-processor, or the class's own, is the template), so they are not read
 here either.
@@ -23,6 +27,7 @@ from typing import Any
 from tokenizers import Regex, decoders, normalizers, pre_tokenizers, processors
 
 from model.hf.common import HFImportError
+from model.hf.languages import DEFAULT_SOURCE, wrap
 
 BACKEND = "TokenizersBackend"  # the file as written (PreTrainedTokenizerFast is its alias)
 AS_WRITTEN = {BACKEND, "PreTrainedTokenizer", "PreTrainedTokenizerFast", "PythonBackend"}
@@ -31,7 +36,8 @@ AS_WRITTEN = {BACKEND, "PreTrainedTokenizer", "PreTrainedTokenizerFast", "Python
 REGISTERED = {"gpt2": "GPT2Tokenizer", "bert": "BertTokenizer", "qwen2": "Qwen2Tokenizer",
               "qwen3": "Qwen2Tokenizer", "distilbert": "BertTokenizer", "roberta": "RobertaTokenizer",
               "roberta-prelayernorm": "RobertaTokenizer", "xlm-roberta": "XLMRobertaTokenizer",
-              "xlm-roberta-xl": BACKEND, "modernbert": BACKEND,
+              "xlm-roberta-xl": BACKEND, "modernbert": BACKEND, "t5": "T5Tokenizer", "mt5": "T5Tokenizer",
+              "bart": "RobertaTokenizer",
               **{t: "GemmaTokenizer" for t in ("gemma", "gemma2", "gemma3", "gemma3_text")}}
 # model types whose declared tokenizer_class transformers overrides by the registered one (or by TokenizersBackend)
 OVERRIDDEN = {"phi3", "qwen2", "modernbert"}
@@ -39,6 +45,7 @@ QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| 
                r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
 BPE = {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,  # a new BPE's options
        "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False}
+SPACE_RUNS = normalizers.Replace(Regex(" {2,}"), " ")  # NllbTokenizer's / MBart50Tokenizer's, after Precompiled
 SPM_DECODE = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
 
 
@@ -157,10 +164,59 @@ def _xlm_roberta(settings: dict[str, Any], data: dict[str, Any]) -> Built:
                  {"type": "Unigram", "unk_id": 3, "byte_fallback": False}, template)
 
 
+def _metaspace_spm(normalizer: Any, model: dict[str, Any], template: Any, split: bool = False) -> Built:
+    """The seq2seq SentencePiece classes' pipeline: Metaspace (always prepended, split) both ways; ``split``: a
+    WhitespaceSplit before it (T5Tokenizer's)."""
+    metaspace = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)
+    pre = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), metaspace]) if split else metaspace
+    return Built(normalizer, pre, decoders.Metaspace(replacement="▁", prepend_scheme="always", split=True), model,
+                 template)
+
+
+def _source_template(settings: dict[str, Any], data: dict[str, Any], cls: str) -> Any:
+    """NllbTokenizer's / MBart50Tokenizer's template for tokenizer_config.json's src_lang (model.hf.languages.wrap);
+    a code the vocabulary lacks is the unknown token, as convert_tokens_to_ids gives it."""
+    lang, eos = settings.get("src_lang") or DEFAULT_SOURCE[cls], _text(settings, "eos_token", "</s>")
+    legacy = cls == "NllbTokenizer" and bool(settings.get("legacy_behaviour"))
+    try:
+        lang_id = _token_id(data, lang, "src_lang")
+    except HFImportError:
+        lang_id = _token_id(data, _text(settings, "unk_token", "<unk>"), "unk_token")
+    return processors.TemplateProcessing(
+        single=wrap(["$A"], lang, eos, legacy), pair=wrap(["$A", "$B"], lang, eos, legacy),
+        special_tokens=[(eos, _token_id(data, eos, "eos_token")), (lang, lang_id)])
+
+
+def _nllb(settings: dict[str, Any], data: dict[str, Any]) -> Built:
+    """BPE (fuse_unk), the file's Precompiled normalizer then spaces runs as one (no normalizer without it)."""
+    charsmap = _precompiled(data.get("normalizer"))
+    normalizer = None if charsmap is None else {"type": "Sequence", "normalizers": [charsmap, _json(SPACE_RUNS)]}
+    model = {**BPE, "fuse_unk": True, "unk_token": _text(settings, "unk_token", "<unk>")}
+    return _metaspace_spm(normalizer, model, _source_template(settings, data, "NllbTokenizer"))
+
+
+def _mbart50(settings: dict[str, Any], data: dict[str, Any]) -> Built:
+    """A Unigram with unk_id 3, the file's Precompiled normalizer (if any) then space runs as one."""
+    charsmap = _precompiled(data.get("normalizer"))
+    normalizer = {"type": "Sequence", "normalizers": [*([charsmap] if charsmap else []), _json(SPACE_RUNS)]}
+    return _metaspace_spm(normalizer, {"type": "Unigram", "unk_id": 3, "byte_fallback": False},
+                          _source_template(settings, data, "MBart50Tokenizer"))
+
+
+def _t5(settings: dict[str, Any], data: dict[str, Any]) -> Built:
+    """A Unigram with unk_id 2, the file's Precompiled normalizer alone, ``a </s> (b </s>)``."""
+    eos_id = _token_id(data, _text(settings, "eos_token", "</s>"), "eos_token")
+    template = processors.TemplateProcessing(single=["$A", "</s>"], pair=["$A", "</s>", "$B", "</s>"],
+                                             special_tokens=[("</s>", eos_id)])
+    model = {"type": "Unigram", "unk_id": 2, "byte_fallback": False}
+    return _metaspace_spm(_precompiled(data.get("normalizer")), model, template, split=True)
+
+
 BUILDERS: dict[str, Callable[[dict[str, Any], dict[str, Any]], Built]] = {
     "LlamaTokenizer": _llama, "GemmaTokenizer": _gemma, "Qwen2Tokenizer": _qwen2, "GPT2Tokenizer": _gpt2,
     "BertTokenizer": _bert, "DistilBertTokenizer": _bert, "RobertaTokenizer": _roberta,
-    "XLMRobertaTokenizer": _xlm_roberta}
+    "XLMRobertaTokenizer": _xlm_roberta, "NllbTokenizer": _nllb, "MBart50Tokenizer": _mbart50, "T5Tokenizer": _t5,
+    "BartTokenizer": _roberta}  # transformers 5's BartTokenizer is RobertaTokenizer
 
 
 def _text(settings: dict[str, Any], key: str, default: str) -> str:

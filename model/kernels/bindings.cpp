@@ -15,6 +15,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("mask"),
              pybind11::arg("prefix_blocks") = std::vector<torch::Tensor>{},
              pybind11::arg("prefix_table") = c10::nullopt, pybind11::arg("layer") = 0, release());
+  module.def("encoder_attention", &encoder_attention,
+             "bidirectional self-attention of (B, H, T, 64) rows under a key mask (B|1, 1, 1, T), float32",
+             pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("mask"), release());
   module.def("few_rows_linear", &few_rows_linear, "float32 linear of a few rows over input-major weights (else at::linear)",
              release());
   module.def("pack_weight", &pack_weight, "an (N, K) float32 weight as (ceil(N / 32), K, 32) panels", release());

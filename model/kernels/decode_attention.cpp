@@ -5,7 +5,9 @@
 // source in cross-attention. Grouped-query attention: k and v may hold fewer heads (H_kv dividing H); query head
 // h reads KV head h / (H / H_kv), in place (no expanded copy). It reads K/V once per head at memory speed where SDPA's CPU kernel, built for
 // long query blocks, spends 2-3x longer on one query. The mask is bool (True = attend), broadcast over heads
-// and queries where its dims are 1. A query that may attend to nothing gets zeros (SDPA gives NaN).
+// and queries where its dims are 1. A query that may attend to nothing gets zeros (SDPA gives NaN). Or the mask is
+// float32, added to the scores as SDPA adds a float attn_mask (T5's relative position bias, its masked keys at the
+// lowest float: model/relative_position.py).
 //
 // A row may also read a shared prefix ahead of its own keys: blocks of a prefix cache (model/shared_prefix.py),
 // each (layers, 2, H_kv, block, Dh) contiguous, listed per row by a block table (B, M) of indices into the blocks
@@ -34,6 +36,7 @@ struct Head {
   const float* k;     // first key; keys and values kv_row apart
   const float* v;
   const bool* mask;   // first query's mask over the keys (or null); mask_row apart per query
+  const float* bias;  // or a float mask added to the scores (or null), laid out as `mask`
   float* out;         // first query's output; out_row apart
   int64_t q_row, kv_row, mask_row, out_row, queries, keys, dh;
   const float* const* prefix_k = nullptr;  // per prefix block: its first key (keys dh apart), read before k
@@ -78,6 +81,7 @@ AVX512 void attend(const Head& a, float scale, float* scores) {
   for (int64_t i = 0; i < a.queries; ++i) {
     const float* q = a.q + i * a.q_row;
     const bool* mask = a.mask ? a.mask + i * a.mask_row : nullptr;
+    const float* bias = a.bias ? a.bias + i * a.mask_row : nullptr;
     __m512 qv[kMaxChunks];
     for (int64_t c = 0; c < chunks; ++c)
       qv[c] = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes(c), q + c * 16), _mm512_set1_ps(scale));
@@ -96,6 +100,7 @@ AVX512 void attend(const Head& a, float scale, float* scores) {
         continue;
       }
       score = dot(qv, a.k + j * a.kv_row, a.kv_row, chunks, last);
+      if (bias) score += bias[j];
       top = std::max(top, score);
     }
     float* out = a.out + i * a.out_row;
@@ -149,8 +154,8 @@ bool has_avx512() {
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
 }
 
-// q (B, H, Tq, Dh); k, v (B, H_kv, T, Dh), H_kv dividing H, with unit stride along Dh (cache slices are fine); mask bool,
-// broadcastable to (B, 1 or H, 1 or Tq, T), or None. prefix_blocks / prefix_table / layer: a shared prefix (the
+// q (B, H, Tq, Dh); k, v (B, H_kv, T, Dh), H_kv dividing H, with unit stride along Dh (cache slices are fine); mask bool
+// or float32 (added to the scores of the row's own keys), broadcastable to (B, 1 or H, 1 or Tq, T), or None. prefix_blocks / prefix_table / layer: a shared prefix (the
 // header); no blocks: none.
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const c10::optional<torch::Tensor>& mask, const std::vector<torch::Tensor>& prefix_blocks,
@@ -167,8 +172,9 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
   const int64_t group = h / kv_heads;  // query heads per KV head
   at::Tensor m;
   if (mask.has_value()) {
-    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 4 && mask->size(3) == t,
-                "decode attention: mask must be bool, broadcastable to (B, H, Tq, T)");
+    TORCH_CHECK((mask->scalar_type() == at::kBool || mask->scalar_type() == at::kFloat) && mask->dim() == 4 &&
+                mask->size(3) == t && mask->device().is_cpu(),
+                "decode attention: mask must be bool or float32, broadcastable to (B, H, Tq, T)");
     m = mask->stride(3) == 1 ? *mask : mask->contiguous();
     m = m.expand({b, h, tq, t});
   }
@@ -195,6 +201,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
   // (B, H, Tq, Dh) laid out (B, Tq, H, Dh): merging the heads for the out projection is then a view, not a copy
   torch::Tensor out = torch::empty({b, tq, h, dh}, q.options()).transpose(1, 2);
   const float scale = 1.f / std::sqrt(static_cast<float>(dh));
+  const bool additive = m.defined() && m.scalar_type() == at::kFloat;
   at::parallel_for(0, b * h, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(most_shared + t + 16);
     std::vector<const float*> prefix_k, prefix_v;
@@ -203,7 +210,8 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
       Head head{q.data_ptr<float>() + bi * q.stride(0) + hi * q.stride(1),
                 k.data_ptr<float>() + bi * k.stride(0) + kv * k.stride(1),
                 v.data_ptr<float>() + bi * v.stride(0) + kv * v.stride(1),
-                m.defined() ? m.data_ptr<bool>() + bi * m.stride(0) + hi * m.stride(1) : nullptr,
+                m.defined() && !additive ? m.data_ptr<bool>() + bi * m.stride(0) + hi * m.stride(1) : nullptr,
+                additive ? m.data_ptr<float>() + bi * m.stride(0) + hi * m.stride(1) : nullptr,
                 out.data_ptr<float>() + bi * out.stride(0) + hi * out.stride(1),
                 q.stride(2), k.stride(2), m.defined() ? m.stride(2) : 0, out.stride(2), tq, t, dh};
       head.prefix_blocks = prefix.lookup(bi, kv, prefix_k, prefix_v);

@@ -12,7 +12,9 @@
 // a gated FFN (kUp), a head width other than d_model / heads; Qwen3's and Gemma 3's: RMSNorms of each head of q and
 // k before rotation, Gemma's (1 + weight) RMSNorms, norms of each sub-layer's output before the residual add, a
 // scale of q.k other than 1/sqrt(Dh) (q scaled after rotation, as MultiHeadAttention does), sliding-window layers
-// (their own mask, built per step by model/fast_step.py) with their own rotary cos/sin.
+// (their own mask, built per step by model/fast_step.py) with their own rotary cos/sin. T5's: the scale of q.k in
+// cross-attention too, and a relative position bias as a float self-attention mask (StepCache::self_mask, built per
+// step by model/fast_step.py; decode_attention.cpp adds it to the scores).
 // Beyond a few rows the float32 projections take the weights' packed copies when given (packed_linear.cpp).
 // One new token per row; the caller has begun the cache step.
 #include <torch/extension.h>
@@ -227,6 +229,7 @@ torch::Tensor DecoderStack::step(torch::Tensor x, const StepCache& cache, const 
       TORCH_CHECK(l < static_cast<int64_t>(cache.cross_keys.size()), "decode step: no cross-attention keys/values");
       x = s.sublayer(x, n, e, kCrossAttnNorm, kNorms, [&](const torch::Tensor& h) {
         auto q = s.split(project(h, p[kCrossQ], delta(kCrossQ), panel(kCrossQ)));
+        if (s.query_scale != 1.0) q.mul_(s.query_scale);  // the stack's scale of q.k, cross-attention's too (T5's)
         auto out = grouped_attention(q, cache.cross_keys[l], cache.cross_values[l], cache.memory_mask, cache.group);
         return project(s.merge(out), p[kCrossOut], delta(kCrossOut), panel(kCrossOut));
       });

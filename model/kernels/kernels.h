@@ -15,6 +15,8 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
                                const c10::optional<torch::Tensor>& mask,
                                const std::vector<torch::Tensor>& prefix_blocks = {},
                                const c10::optional<torch::Tensor>& prefix_table = c10::nullopt, int64_t layer = 0);
+torch::Tensor encoder_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                const c10::optional<torch::Tensor>& mask);
 torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias);
 torch::Tensor pack_weight(const torch::Tensor& weight);
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
@@ -66,7 +68,7 @@ struct StepCache {
   int64_t start;                     // the position every row writes at (uniform rows)
   int64_t visible;                   // keys visible after the write
   c10::optional<torch::Tensor> write_positions;  // (B, t) per-row positions of ragged rows, instead of start
-  c10::optional<torch::Tensor> self_mask, memory_mask;  // bool masks of self- and cross-attention
+  c10::optional<torch::Tensor> self_mask, memory_mask;  // masks of self- (bool, or float: added) and cross-attention
   int64_t group;                     // rows repeat their source in runs of `group` (beams)
   Tensors prefix_blocks;             // a shared prefix's blocks and block table (decode_attention.cpp); empty: none
   c10::optional<torch::Tensor> prefix_table;
@@ -82,7 +84,8 @@ struct StepCache {
 // K/V heads (grouped-query attention, 0: as heads); head_dim: 0 for d_model / heads; rotary: per layer, which of
 // StepCache's cos/sin rotate its q and k at each row's positions (empty: no rotary positions); windowed: per layer,
 // whether it attends under StepCache's window_mask (empty: none does); norm_offset: the RMSNorms scale by
-// (1 + weight) (Gemma); query_scale: q multiplied by it after rotation (a scale of q.k other than 1/sqrt(Dh)).
+// (1 + weight) (Gemma); query_scale: q multiplied by it after rotation (a scale of q.k other than 1/sqrt(Dh)), and
+// cross-attention's q too.
 struct DecoderStack {
   std::vector<Tensors> projections;
   std::vector<Tensors> norms;

@@ -30,7 +30,7 @@ def generation_request(req: GenerateRequest) -> GenerationRequest:
     return GenerationRequest(inputs=list(req.inputs), decoding=decoding_options(req), stop=list(req.stop),
                              adapter=req.adapter, constraint=constraint(req.constraint), speculative=speculative,
                              target_prefix=req.target_prefix, protect_placeholders=req.protect_placeholders,
-                             use_vmap=req.use_vmap)
+                             use_vmap=req.use_vmap, target_lang=req.target_lang, source_lang=req.source_lang)
 
 
 def _set(sequence: GeneratedSequence) -> dict[str, Any]:

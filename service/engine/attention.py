@@ -116,8 +116,9 @@ def prepare_maps(checkpoint: Checkpoint, inputs: InputChecks, text: str, target:
 
     def run() -> AttentionOutput:
         out = tgt
-        if out is None:  # attend over the model's own greedy translation
-            out = generate_seq2seq(model, [prompt], greedy, vocab_map=vocab_map)[0][0].tokens
+        if out is None:  # attend over the model's own greedy translation (from its forced first token, BART's <s>)
+            forced = checkpoint.generation.forced_bos if checkpoint.generation is not None else None
+            out = generate_seq2seq(model, [prompt], greedy, vocab_map=vocab_map, forced_first=[forced])[0][0].tokens
         return seq2seq_maps(model, checkpoint, prompt, [config.bos_id, *out], selection)
 
     return run

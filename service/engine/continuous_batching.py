@@ -30,6 +30,7 @@ import torch
 
 from model.decoding import Strategy, make_search
 from model.generation import stop_strings
+from model.search import force_first_tokens
 from model.speculative import verify
 from model.tokenizer import Tokenizer
 from service.engine.adapters import AdapterRegistry
@@ -202,7 +203,8 @@ class GenerationScheduler(Scheduler):
             return RunningBatch.concatenate([b for b, _ in parts]), [o for _, out in parts for o in out]
         self.metrics.batch_size.labels(self.name).observe(len(prompts))
         self._prefix_cache_metrics()
-        return RunningBatch(jobs, cache, vocabulary=vocabulary), self._split(jobs, logits)
+        forced = [token for job in jobs for token in job.forced]  # a target language's token, BART's <s>
+        return RunningBatch(jobs, cache, vocabulary=vocabulary), self._split(jobs, logits, forced=forced)
 
     def _prefix_cache_metrics(self) -> None:
         store = self.runner.prefix_cache
@@ -215,12 +217,15 @@ class GenerationScheduler(Scheduler):
         self.metrics.prefix_cache_bytes.labels(self.name).set(store.nbytes)
 
     def _split(self, jobs: list[GenerationJob], logits: torch.Tensor,
-               drafts: list[list[int] | None] | None = None) -> list[Output]:
+               drafts: list[list[int] | None] | None = None, forced: list[int | None] | None = None) -> list[Output]:
         """Per-job logits slices ((rows, V), or (rows, t, V) after a verification step), whether they are all
-        finite (one device sync per model call), and the job's draft."""
+        finite (one device sync per model call), and the job's draft. ``forced``: a prefill's forced first token per
+        row (model.search.force_first_tokens), applied after the model's own logits are checked."""
         # A position's largest logit is finite exactly when it has no NaN (max propagates it), no +inf and at least
         # one token allowed: -inf is a token ruled out (a vocabulary map, a bias), not a fault. One reduction.
         finite = torch.isfinite(logits.amax(dim=-1)).reshape(logits.shape[0], -1).all(dim=-1).tolist()
+        if forced is not None and any(token is not None for token in forced):
+            logits = force_first_tokens(logits, forced)
         out, offset = [], 0
         for i, job in enumerate(jobs):
             rows = job.search.num_rows

@@ -18,6 +18,7 @@ from model.speculative import SpeculativeConfig
 from service.engine.errors import InvalidRequest
 from service.engine.inputs import InputChecks
 from service.engine.jobs import GenerationJob, StreamText
+from service.engine.languages import language_plan
 from service.engine.limits import check_cost
 from service.engine.requests import DECODING_FIELDS, DEFAULTS, GenerationRequest
 from service.engine.runners import GenerationRunner
@@ -80,6 +81,8 @@ class GenerationPlanner:
         values |= self.generation_defaults | given
         if "max_new_tokens" not in given and "max_new_tokens" not in self.generation_defaults:
             values["max_new_tokens"] = self.capped_new_tokens(DEFAULTS.max_new_tokens)
+        if "min_new_tokens" not in given:  # the model's default (min_length) held to this request's length
+            values["min_new_tokens"] = min(values["min_new_tokens"], values["max_new_tokens"])
         beam = values["strategy"] == Strategy.BEAM
         limits = (("max_new_tokens", self.max_new_tokens, f"the limit {self.max_new_tokens} (max_new_tokens="
                    f"{s.max_new_tokens}, model max_len={self.config.max_len})"),
@@ -119,11 +122,13 @@ class GenerationPlanner:
         protected = self._protected(req, texts)
         if protected is not None:
             texts = [p.text for p in protected]
+        languages = language_plan(self.name, self.checkpoint, req.target_lang, req.source_lang, len(texts))
         prompts = []
         if req.prompt_ids is not None and len(req.prompt_ids) != len(texts):
             raise InvalidRequest("inputs", f"{len(texts)} inputs but {len(req.prompt_ids)} encoded prompts")
-        encoded = req.prompt_ids if req.prompt_ids is not None else await self.inputs.run(
+        encode = (lambda: languages.encode(self.checkpoint, texts)) if any(languages.sources) else (
             lambda: self.inputs.encode(texts))
+        encoded = req.prompt_ids if req.prompt_ids is not None else await self.inputs.run(encode)
         for i, ids in enumerate(encoded):
             self.inputs.length(i, ids)
             if not ids:  # an imported tokenizer may add nothing to a text that encodes to nothing
@@ -132,7 +137,8 @@ class GenerationPlanner:
                 raise InvalidRequest(f"inputs[{i}]", f"{len(ids)} tokens + max_new_tokens={config.max_new_tokens} "
                                      f"exceeds the model's max_len={self.config.max_len}")
             prompts.append(ids)
-        targets = await self._target_prefixes(req, config)
+        forced = list(languages.forced)
+        targets = await self._target_prefixes(req, config, forced)
         constraint = await self._constraint(req)
         speculative = self._speculative(req, config, constrained=constraint is not None)
         stops = [s for s in req.stop if s]
@@ -143,7 +149,7 @@ class GenerationPlanner:
         return GenerationJob(request_id, self.settings.request_timeout_s, prompts, config, stops,
                              stream=text_stream, targets=targets,
                              speculative=speculative, constraint=constraint, protected=protected,
-                             use_vmap=self._use_vmap(req))
+                             use_vmap=self._use_vmap(req), forced=forced if languages.any_forced else None)
 
     def _use_vmap(self, req: GenerationRequest) -> bool:
         """Whether ``req``'s outputs keep to the model's vocabulary map: its ``use_vmap``, else whether there is one."""
@@ -198,8 +204,11 @@ class GenerationPlanner:
                                  "draft_model); use ngram")
         return req.speculative
 
-    async def _target_prefixes(self, req: GenerationRequest, config: GenerationConfig) -> list[list[int]] | None:
-        """The target tokens of ``req.target_prefix`` (seq2seq: one per input), checked against the model's length."""
+    async def _target_prefixes(self, req: GenerationRequest, config: GenerationConfig, forced: list[int | None]
+                               ) -> list[list[int]] | None:
+        """The target tokens of ``req.target_prefix`` (seq2seq: one per input), checked against the model's length. A
+        row's forced first token (``forced``, a target language's) starts its non-empty prefix, and is then no longer
+        forced (its entry set to None in place)."""
         if req.target_prefix is None:
             return None
         if self.family != "seq2seq":
@@ -213,6 +222,9 @@ class GenerationPlanner:
                  for i, t in enumerate(req.target_prefix)]
         targets = await self.inputs.run(lambda: [tokenizer.encode(t) for t in texts])
         for i, ids in enumerate(targets):
+            if ids and forced[i] is not None:
+                ids = targets[i] = [forced[i], *ids]
+                forced[i] = None
             if len(ids) > room:
                 raise InvalidRequest(f"target_prefix[{i}]", f"{len(ids)} tokens + max_new_tokens="
                                      f"{config.max_new_tokens} exceeds the model's max_len={self.config.max_len} - 1")

@@ -152,7 +152,7 @@ class GenerationJob(Job):
                  stops: list[str], adapter: AdapterVersion | None = None, stream: StreamText | None = None,
                  targets: list[list[int]] | None = None, speculative: SpeculativeConfig | None = None,
                  constraint: CompiledConstraint | None = None, protected: list[Protected] | None = None,
-                 use_vmap: bool = False) -> None:
+                 use_vmap: bool = False, forced: list[int | None] | None = None) -> None:
         super().__init__(request_id, timeout_s, adapter)
         self.endpoint = "stream" if stream is not None else "generate"
         self.prompts = prompts
@@ -162,6 +162,8 @@ class GenerationJob(Job):
         self.constraint = constraint  # the grammar every output matches
         self.protected = protected  # per input, its placeholders swapped for sentinels (seq2seq): restored in texts
         self.use_vmap = use_vmap  # outputs keep to the model's vocabulary map (seq2seq, model.vocab_map)
+        # per input, the token its output is forced to start with (a target language's; service/engine/languages.py)
+        self.forced = forced if forced is not None else [None] * len(prompts)
         self.matchers: RowMatchers | None = None  # one per row of the search, made with it
         self.config = config
         self.stops = stops

@@ -56,6 +56,9 @@ class GenerationRequest:
     target_prefix: list[str] | None = None  # seq2seq, one per input: the start of its translation to continue
     protect_placeholders: bool | None = None  # seq2seq default: on
     use_vmap: bool | None = None  # seq2seq: keep to the vocabulary map's candidates (default: when it has one)
+    # multilingual seq2seq (service/engine/languages.py): one language code for every input, or one per input
+    target_lang: str | list[str] | None = None
+    source_lang: str | list[str] | None = None
     # the inputs' ids, where the caller encoded them already (chat prompts the model's PromptEncoder rendered and
     # encoded: the template's control tokens as their ids, a user's as text, none added; InputChecks.input_ids)
     prompt_ids: list[list[int]] | None = None

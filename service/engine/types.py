@@ -106,6 +106,8 @@ class ModelInfo:
     chat_template: bool = False  # whether /v1/chat/completions can lay out its conversations (service.engine.chat)
     tool_call_format: str | None = None  # how its chat template writes tool calls ("hermes"); None: another, or none
     tasks: list[str] = field(default_factory=list)  # what it serves: generate, classify, embed, rerank
+    languages: list[str] | None = None  # a multilingual translator's codes (target_lang, source_lang)
+    source_language: str | None = None  # its tokenizer's own source language (src_lang)
 
 
 @dataclass(frozen=True)

@@ -145,6 +145,8 @@ class ModelWorker:
             chat_template=self.chat.encoder is not None,
             tool_call_format=self.chat.tool_call_format,
             tasks=self.tasks(),
+            languages=list(languages.ids) if (languages := self.checkpoint.languages) is not None else None,
+            source_language=languages.source if languages is not None else None,
         )
 
     def tasks(self) -> list[str]:

@@ -1,5 +1,6 @@
 """The encoder shapes of `python -m benchmarks.compare` (benchmarks/encoder_compare.py): their sizes are the
-checkpoints', and at toy size every engine scores the rerank pairs as HF does (ONNX Runtime where installed)."""
+checkpoints', and at toy size every engine scores the rerank pairs and tags the NER tokens as HF does (ONNX Runtime
+where installed)."""
 
 import importlib.util
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from benchmarks import compare, encoder_compare, shapes
+from benchmarks import compare, encoder_compare, ner_compare, shapes
 from benchmarks.shape_engines import load_engines
 
 # the issue's sizes: layers, d_model, heads, FFN, vocabulary, max positions, labels
@@ -58,7 +59,33 @@ def test_every_engine_scores_the_padded_pairs_of_a_tiny_reranker_as_hf(reranker)
     assert not reranker.excluded and [row[0] for row in rows] == list(got)
 
 
-def test_the_rerank_comparison_runs_end_to_end_and_the_ner_shape_waits_for_its_head(tmp_path):
+@pytest.fixture(scope="module")
+def tagger(tmp_path_factory):
+    files = shapes.build("distilbert-base", tmp_path_factory.mktemp("shapes"), tiny=True)
+    return load_engines(files, [1])
+
+
+def test_every_engine_gives_hf_token_logits_of_a_tiny_ner_model_on_padded_texts(tagger):
+    """Ours (the service's pad_batch and token_logits) and ONNX Runtime fp32 give HF's per-token logits on texts of
+    different lengths across two chunks, each row trimmed to its tokens; int8's keep most of HF's labels."""
+    lengths = [16, 5, *range(6, 16)] * 3 + [9]
+    texts = ner_compare.make_texts(tagger, lengths, seed=3)
+    assert len(texts.rows) > ner_compare.CHUNK and [len(r) for r in texts.rows] == lengths
+    got = {engine: torch.cat(scorer(texts.rows)) for engine, scorer in ner_compare.scorers(tagger, 1).items()}
+    assert set(got) == {"ours", "ours int8", "HF", *(["ORT fp32", "ORT int8"] if HAS_ORT else [])}
+    reference = got.pop("HF")
+    labels = len(tagger.files.shape.config["id2label"])
+    assert reference.shape == (sum(lengths), labels) and reference.argmax(-1).unique().numel() > 1
+    for engine, logits in got.items():
+        if "int8" in engine:
+            assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() > 0.9, engine
+        else:
+            assert (logits - reference).abs().max() < 1e-5, engine
+    rows = ner_compare.check_outputs(tagger, {"padded": texts.rows}, 1)
+    assert not tagger.excluded and [row[0] for row in rows] == list(got)
+
+
+def test_the_rerank_and_ner_comparisons_run_end_to_end(tmp_path):
     cache = tmp_path / "cache"
     out = tmp_path / "rerank.md"
     compare.main(["--shape", "xlm-roberta-base", "--tiny", "--quick", "--threads", "1", "--cache", str(cache),
@@ -69,5 +96,10 @@ def test_the_rerank_comparison_runs_end_to_end_and_the_ner_shape_waits_for_its_h
     assert "ours fp32 >= 1.5x HF" in report and "MISMATCH" not in report
     assert "the floor's" in report.split("### Targets", 1)[1]  # the 40-document cell stands in for 64
     ner = tmp_path / "ner.md"
-    compare.main(["--shape", "distilbert-base", "--tiny", "--cache", str(cache), "--out", str(ner)])
-    assert "a later step" in ner.read_text() and not (cache / "distilbert-base-tiny").exists()
+    compare.main(["--shape", "distilbert-base", "--tiny", "--quick", "--threads", "1", "--cache", str(cache),
+                  "--out", str(ner)])
+    report = ner.read_text()
+    results = report.split("### Results (texts/s", 1)[1].split("###", 1)[0]
+    assert all(f"NER batch {n} | {n} |" in results for n in ner_compare.TINY_GRIDS["distilbert-base"].batches)
+    assert "ours fp32 >= 1.5x HF" in report and "MISMATCH" not in report and "Entity aggregation" in report
+    assert "ours int8 % of floor" in report.split("### Floor", 1)[1]

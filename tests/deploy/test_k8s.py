@@ -26,6 +26,7 @@ import yaml
 
 from model.native import KernelOptions
 from service.__main__ import BACKSTOP_S
+from service.api.routes import chat, openai
 from service.api.routes.health import router as health_router
 from service.engine.metrics import Metrics
 from service.settings import Settings
@@ -393,6 +394,19 @@ def test_inference_models_target_the_recipes_causal_lm_and_adapter(rendered):
     assert targets and targets <= adapters and bases and bases <= served, (targets, bases)
     pool = one(rendered["examples/inference-extension"], "InferencePool")["metadata"]["name"]
     assert {m["spec"]["poolRef"]["name"] for m in models} == {pool}
+
+
+def test_the_pool_routes_every_generation_route_that_names_its_model(rendered):
+    # The endpoint picker reads the body's "model": the pool takes the OpenAI routes that generate (their bodies have
+    # "model" and "max_tokens"), and nothing else.
+    generation = set()
+    for route in (*openai.router.routes, *chat.router.routes):
+        body = route.body_field.field_info.annotation if route.body_field else None
+        if body is not None and {"model", "max_tokens"} <= set(body.model_fields):
+            generation.add(route.path)
+    httproute = one(rendered["examples/inference-extension"], "HTTPRoute")
+    paths = {m["path"]["value"] for rule in httproute["spec"]["rules"] for m in rule["matches"]}
+    assert generation == {"/v1/completions", "/v1/chat/completions"} and paths == generation, (paths, generation)
 
 
 # ---- metric names against a real server ------------------------------------------------------------

@@ -17,11 +17,13 @@ import pytest
 
 from tests.deploy.browser import OFFLINE_FLAGS, By, Select, chromium_driver, severe_console_errors, wait
 from tests.deploy.chat_model import chat_model_directory
+from tests.model.test_token_entities import token_classifier
 from tests.service.conftest import LM, MT
 from tests.service.server import Server, running_server
 
 CLS = "tiny-cls"
 CHAT = "tiny-chat"
+NER = "tiny-ner"  # a random BertForTokenClassification
 SOURCE = "the cat sat on the mat"
 SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "playground.png"
 
@@ -29,7 +31,8 @@ SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "playground.png"
 @pytest.fixture(scope="module")
 def server(models_dir: Path, adapters_dir: Path) -> Iterator[Server]:
     with running_server(models_dir, adapters_dir) as s:
-        for name in ("playground.js", "chat.js", "rerank.js", "playground.css"):  # the page's files, beside index.html
+        # The page's files, beside index.html.
+        for name in ("playground.js", "chat.js", "rerank.js", "entities.js", "playground.css"):
             r = httpx.get(f"{s.url}/static/{name}", timeout=10)
             assert r.status_code == 200, (f"GET /static/{name}: {r.status_code}: the service must serve "
                                      "service/api/static/")
@@ -240,6 +243,102 @@ def test_rerank_bars_in_the_servers_order_with_adapter(browser, server: Server):
     assert not rank_rows(browser)
     refused = [e for e in severe_console_errors(browser) if not ("v1/rerank" in e and " 422 " in e)]
     assert not refused, refused
+
+
+@pytest.fixture(scope="module")
+def ner_server(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A server over a token classifier (tests/model/test_token_entities.py's, its head scaled for varied labels)
+    and tiny-cls (a sequence classifier: no entities)."""
+    models = tmp_path_factory.mktemp("ner") / "models"
+    token_classifier(models / NER, "bert-cased")
+    os.symlink(models_dir / CLS, models / CLS)
+    with running_server(models, TSERVE_WARMUP="false") as s:
+        yield s
+
+
+def entity_marks(driver) -> list[tuple[str, str, float, str, str]]:
+    """(text, label, score, title, background colour) of each highlighted span of the entities panel, in order."""
+    return [tuple(m) for m in driver.execute_script(
+        "return [...document.querySelectorAll('#entities-output mark.entity')].map((m) => [m.textContent, "
+        "m.dataset.label, +m.dataset.score, m.title, m.style.backgroundColor]);")]
+
+
+def entities_drawn(driver) -> bool:
+    return driver.find_element(By.ID, "entities-output").get_attribute("data-done") == "true"
+
+
+def test_entities_panel_highlights_the_servers_spans_only_for_token_classifiers(browser, ner_server: Server):
+    """The token classifier's entities panel draws the text with the server's entities highlighted, cut at their
+    code-point offsets (an emoji, two UTF-16 units, before them all; accents; CJK), one colour per label, the text
+    kept as text (markup typed in is not parsed); a sequence classifier has no such panel; a 4xx is the page's error."""
+    text = "😀 Zoë Müller <b>flew</b> from Zürich to 東京, 日本."
+    tasks = {m["name"]: m["tasks"] for m in httpx.get(f"{ner_server.url}/v1/models", timeout=10).json()["data"]}
+    assert "entities" in tasks[NER] and "entities" not in tasks[CLS], tasks
+    open_model(browser, ner_server, CLS)
+    assert not browser.find_elements(By.ID, "panel-entities")
+    assert browser.find_element(By.ID, "entities-form").get_attribute("hidden") is not None
+
+    Select(browser.find_element(By.ID, "model")).select_by_value(NER)  # picked in the page: its panels follow
+    wait(browser, lambda d: d.find_elements(By.ID, "panel-entities"))
+    assert browser.find_element(By.ID, "task-title").text == "Entities"
+    assert browser.find_element(By.ID, "classify-form").get_attribute("hidden") is not None
+    strategies = Select(browser.find_element(By.ID, "entities-strategy"))
+    assert strategies.first_selected_option.get_attribute("value") == "simple"
+    # Typed, but for the emoji: ChromeDriver types only characters of the BMP, so the page's script inserts it.
+    fill(browser, "entities-input", text[1:])
+    browser.execute_script("document.getElementById('entities-input').setRangeText(arguments[0], 0, 0);", text[0])
+    assert browser.find_element(By.ID, "entities-input").get_attribute("value") == text
+    for strategy, key in (("simple", "entity_group"), ("none", "entity")):
+        strategies.select_by_value(strategy)
+        browser.find_element(By.ID, "entities-run").click()
+        wait(browser, lambda d: entities_drawn(d) or status(d))
+        assert not status(browser), status(browser)
+        expected = httpx.post(f"{ner_server.url}/v1/models/{NER}/entities", timeout=30, json={
+            "inputs": [text], "aggregation_strategy": strategy}).json()["outputs"][0]
+        marks = entity_marks(browser)
+        assert [(m[0], m[1]) for m in marks] == [(text[e["start"]:e["end"]], e[key]) for e in expected], strategy
+        assert all(abs(m[2] - e["score"]) < 1e-6 and m[3] == f"{e[key]} · {e['score']:.3f}"
+                   for m, e in zip(marks, expected, strict=True)), (marks, expected)
+        # Entities after the emoji, on accented and CJK characters: a cut in UTF-16 units would shift them all.
+        assert any(e["start"] > 0 for e in expected) and {"ü", "東"} <= set("".join(m[0] for m in marks)), expected
+        # The whole text, in nothing but text nodes and marks: the typed <b> stays text.
+        assert browser.execute_script(
+            "const out = document.getElementById('entities-output');"
+            "return [out.textContent, [...out.querySelectorAll('*')].every((e) => e.matches('mark.entity'))];"
+        ) == [text, True]
+        colours = {label: colour for _, label, _, _, colour in marks}
+        assert len(colours) == len(set(colours.values())), colours  # one colour per label
+        legend = browser.execute_script(
+            "return [...document.querySelectorAll('#entities-legend .legend-item')].map((i) => "
+            "[i.dataset.label, i.querySelector('.swatch').style.backgroundColor]);")
+        assert dict(legend) == colours and len(legend) == len(colours), (legend, colours)
+
+    # No text: the server's 422, naming the field, in the page's status line; the spans are cleared.
+    browser.find_element(By.ID, "entities-input").clear()
+    browser.find_element(By.ID, "entities-run").click()
+    wait(browser, lambda d: status(d))
+    assert status(browser).startswith("422 ") and "inputs" in status(browser), status(browser)
+    assert not entity_marks(browser) and not entities_drawn(browser)
+    refused = [e for e in severe_console_errors(browser) if not ("/entities" in e and " 422 " in e)]
+    assert not refused, refused
+
+
+def test_entity_offsets_count_code_points_not_utf16_units(browser, ner_server: Server):
+    """The panel's cut of a text at the service's offsets (Python str indices: code points) is Python's slicing,
+    with characters outside the BMP (two UTF-16 units each) before and inside the entities."""
+    open_model(browser, ner_server, NER)
+    cases = {"😀 Köln": [(2, 6)], "Köln 😀😀 東京 e\u0301!": [(0, 4), (8, 10), (11, 13)],
+             "a 👩\u200d👩\u200d👧 b 𝔘𝔫𝔦": [(2, 7), (10, 13)]}
+    for text, offsets in cases.items():
+        entities = [{"entity_group": "X", "score": 0.5, "start": start, "end": end} for start, end in offsets]
+        cut = browser.execute_script(
+            "return entitySegments(arguments[0], arguments[1]).map((s) => [s.text, s.entity !== null]);",
+            text, entities)
+        bounds = [0, *[i for pair in offsets for i in pair], len(text)]
+        expected = [[text[a:b], k % 2 == 1] for k, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False))
+                    if a < b]
+        assert cut == expected, text
+    assert not severe_console_errors(browser)
 
 
 def card_texts(driver) -> tuple[str, str]:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from model import native
-from model.attention import QUERY_BLOCK, blocked_sdpa, decode_attention
+from model.attention import QUERY_BLOCK, blocked_sdpa, decode_attention, encoder_rows
 from model.decoding import GenerationConfig
 from model.fast_step import plan_for
 from model.generation import generate_causal, generate_seq2seq
@@ -219,3 +219,46 @@ def test_the_pytorch_prefix_path_computes_half_precision_in_float32(kernel_optio
     got = decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, prefix, 0)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), references[0], rtol=2e-2, atol=2e-2)
+
+
+# ---- the encoder-attention kernel (model/kernels/encoder_attention.cpp) ----
+
+
+@needs_kernel
+@pytest.mark.parametrize(("b", "h", "t"), [(1, 12, 128), (3, 4, 37), (2, 2, 1), (4, 2, 200)])
+@pytest.mark.parametrize("masked", ["none", "per row", "shared"])
+def test_encoder_kernel_equals_the_float64_reference_on_fused_qkv_views(b, h, t, masked):
+    qkv = torch.randn(b, t, 3 * h * 64, generator=torch.Generator().manual_seed(t))
+    q, k, v = (x.view(b, t, h, 64).transpose(1, 2) for x in qkv.split(h * 64, -1))  # as split_qkv gives them
+    mask = None
+    if masked == "per row":
+        mask = torch.ones(b, 1, 1, t, dtype=torch.bool)
+        for row in range(b):
+            mask[row, ..., max(1, t - 5 * row):] = False  # right padding, each row its own length
+    elif masked == "shared":
+        mask = torch.ones(1, 1, 1, t, dtype=torch.bool)
+        mask[..., t // 2 + 1:] = False
+    got = kernel.encoder_attention(q, k, v, mask)
+    assert got.shape == (b, h, t, 64) and got.transpose(1, 2).is_contiguous()  # merging the heads copies nothing
+    torch.testing.assert_close(got.double(), _reference(q, k, v, mask), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_a_row_that_sees_no_key_gets_zeros():
+    q = torch.randn(2, 3, 8, 64)
+    mask = torch.ones(2, 1, 1, 8, dtype=torch.bool)
+    mask[1] = False
+    got = kernel.encoder_attention(q, q, q, mask)
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    torch.testing.assert_close(got[0].double(), _reference(q[:1], q[:1], q[:1], mask[:1])[0], rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_encoder_rows_take_the_kernel_and_give_sdpas_outputs():
+    q, k, v = (torch.randn(3, 4, 40, 64, generator=torch.Generator().manual_seed(s)) for s in range(3))
+    mask = torch.ones(3, 1, 1, 40, dtype=torch.bool)
+    mask[1, ..., 30:] = False
+    assert encoder_rows(q, k, v, mask) and not encoder_rows(q, k, v, mask.expand(3, 1, 40, 40))  # a causal/window mask
+    assert not encoder_rows(q[..., :32], k[..., :32], v[..., :32], mask)  # another head dim
+    torch.testing.assert_close(blocked_sdpa(q, k, v, mask), F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                               rtol=1e-5, atol=1e-5)

@@ -124,14 +124,22 @@ def test_the_python_replay_computes_what_the_pytorch_path_does_in_float64(tmp_pa
 
 
 def test_what_the_c_step_implements_is_one_predicate():
-    """Every block field of today's configs runs on the plan and the C++ step (Mistral's, Qwen3's and Gemma 3's:
-    tests/model/test_decoders_native.py); a field added later declines to the PyTorch blocks until listed."""
+    """Every decoder block field of today's configs runs on the plan and the C++ step (Mistral's, Qwen3's and
+    Gemma 3's: tests/model/test_decoders_native.py; T5's: tests/model/test_t5_native.py); the encoder-only fields
+    (ModernBERT's) decline to the PyTorch blocks, as a field added later does until listed."""
     from dataclasses import fields
 
-    from model.config import TransformerConfig
+    from model.config import ClassifierConfig, Seq2SeqConfig, TransformerConfig
     from model.native_support import IMPLEMENTED_FIELDS
 
-    assert {f.name for f in fields(TransformerConfig)} <= IMPLEMENTED_FIELDS
+    python_only = {"bidirectional_window", "first_attn_norm", "rotary_float32"}
+    assert {f.name for f in fields(TransformerConfig)} - IMPLEMENTED_FIELDS == python_only
+    modernbert = ClassifierConfig(positions="rope", sliding_window=4, bidirectional_window=True, first_attn_norm=False,
+                                  rotary_float32=True)
+    assert set(unsupported(modernbert)) == python_only
+    t5 = dict(positions="relative", norm_type="rms", bias=False, ffn="gated", activation="gelu_tanh", head_size=12,
+              attention_scale=1.0, relative_buckets=8, relative_max_distance=16)
+    assert unsupported(Seq2SeqConfig(**t5)) == []
     llama = dict(positions="rope", norm_type="rms", n_kv_heads=2, ffn="gated", activation="silu", bias=False,
                  scale_embeddings=False, head_size=12, rope_scaling={"rope_type": "linear", "factor": 2.0})
     gemma = dict(qk_norm=True, sliding_window=8, window_layers=[True, False] * 2, rope_local_theta=10.0,

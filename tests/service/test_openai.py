@@ -10,7 +10,7 @@ import httpx
 import pytest
 import torch
 
-from tests.service.conftest import ADAPTERS, LM, MT
+from tests.service.conftest import ADAPTERS, CLS, LM
 from tests.service.server import running_server, sse_data
 
 PROMPTS = ["the quick brown", "hello world", "to be or"]
@@ -242,7 +242,7 @@ def test_guided_fields_and_response_format_constrain_the_completion(client):
         ({"prompt": [1, 2, 3]}, 422, "prompt[0]"),
         ({"prompt": "word " * 400}, 422, "prompt[0]"),
         ({"stop": ["a", "b", "c", "d", "e"]}, 422, "stop"),
-        ({"model": MT}, 422, "model"),
+        ({"model": CLS}, 422, "model"),
         ({"model": "no-such-model"}, 404, None),
     ],
 )

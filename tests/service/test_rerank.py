@@ -2,10 +2,12 @@
 
 The cross-encoders are random BertForSequenceClassification with one label, saved by `transformers` (one with
 sentence-transformers' CrossEncoder activation Identity in config.json, one without: sigmoid). Their scores must be
-transformers' logit of each (query, document) pair through that activation, which is what
-sentence-transformers' ``CrossEncoder.predict`` computes (sentence-transformers is not a test dependency); with a
-PEFT adapter, PeftModel's. The embedding model is a BertModel in sentence-transformers' layout (max pooling): its
-scores are the cosine of transformers' pooled vectors. GPT-2 stands for a model that cannot rerank.
+transformers' logit of each (query, document) pair through that activation, and sentence-transformers'
+``CrossEncoder.predict``; with a PEFT adapter, PeftModel's. The embedding model is a BertModel in
+sentence-transformers' layout (max pooling): its scores are the cosine of transformers' pooled vectors, and of
+``SentenceTransformer.encode``'s. GPT-2 stands for a model that cannot rerank. A one-label
+ModernBertForSequenceClassification reranks as the BERT cross-encoder does, and a ModernBertForTokenClassification
+serves /entities as transformers' token-classification pipeline finds them (tests/model/hf_modernbert.py).
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ from model.hf.common import HFImportError
 from model.hf.sentence import score_activation
 from tests.helpers import error_of
 from tests.hf_compare import peft_adapter, randomize
-from tests.hf_directories import bert_directory, gpt2_directory, sentence_transformers_layout
+from tests.hf_directories import TEXTS, bert_directory, gpt2_directory, sentence_transformers_layout
+from tests.model.hf_modernbert import modernbert_directory
 from tests.service.server import running_server
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
+sentence_transformers = pytest.importorskip("sentence_transformers")
 
 MAX_DOCUMENTS = 8
 MAX_TOKENS = 64  # the BERT directories' max_position_embeddings
@@ -59,6 +63,8 @@ def served(tmp_path_factory):
     peft_adapter(transformers.BertModel.from_pretrained(embed), root / "adapters" / "embed" / ADAPTER, 4, r=2,
                  lora_alpha=4, target_modules=["query", "value"])
     gpt2_directory(models / "gpt2")
+    modernbert_directory(models / "ce-modernbert", "one-label", seed=3)
+    modernbert_directory(models / "ner-modernbert", "token", seed=4)
     env = dict(TSERVE_MAX_RERANK_DOCUMENTS=str(MAX_DOCUMENTS), TSERVE_WARMUP="false")
     with running_server(models, root / "adapters", **env) as server, server.client() as client:
         yield client, models, root / "adapters"
@@ -69,7 +75,7 @@ def cross_scores(directory: Path, queries: list[str], documents: list[str], adap
     """transformers' (peft's) logit of each (query, document) pair, truncated as the server truncates, through
     CrossEncoder's activation (one query for all documents, or one per document)."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
-    model = transformers.BertForSequenceClassification.from_pretrained(directory).eval()
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(directory).eval()
     if adapter is not None:
         model = peft.PeftModel.from_pretrained(model, adapter).eval()
     pairs = [(queries[i if len(queries) > 1 else 0], d) for i, d in enumerate(documents)]
@@ -86,11 +92,14 @@ def rerank(client, body: dict, path: str = "/v1/rerank") -> dict:
     return response.json()
 
 
-@pytest.mark.parametrize("model", ["ce", "ce-identity"])
+@pytest.mark.parametrize("model", ["ce", "ce-identity", "ce-modernbert"])
 def test_a_cross_encoder_ranks_by_transformers_scores_through_its_activation(served, model):
     client, models, _ = served
     out = rerank(client, {"model": model, "query": QUERY, "documents": DOCUMENTS})
     want = cross_scores(models / model, [QUERY], DOCUMENTS, identity=model == "ce-identity")
+    predicted = sentence_transformers.CrossEncoder(str(models / model), device="cpu").predict(
+        [(QUERY, d) for d in DOCUMENTS])
+    assert want == pytest.approx(predicted.tolist(), abs=1e-5)  # CrossEncoder reads the activation as we do
     assert out["scored_by"] == "cross-encoder" and out["model"] == model and out["id"]
     assert [r["index"] for r in out["results"]] == sorted(range(len(DOCUMENTS)), key=lambda i: -want[i])
     for result in out["results"]:
@@ -163,7 +172,12 @@ def test_an_embedding_model_ranks_by_the_cosine_of_its_vectors(served, adapter):
     assert [r["index"] for r in out["results"]] == sorted(range(len(DOCUMENTS)), key=lambda i: -want[i])
     for result in out["results"]:
         assert result["relevance_score"] == pytest.approx(want[result["index"]], abs=1e-5)
-    if adapter is not None:
+    if adapter is None:  # sentence-transformers' own pooling of the saved layout gives the same cosines
+        vectors = sentence_transformers.SentenceTransformer(str(models / "embed"), device="cpu").encode(
+            [QUERY, *DOCUMENTS], convert_to_tensor=True)
+        assert [float(torch.nn.functional.cosine_similarity(vectors[0], v, dim=0)) for v in vectors[1:]] == (
+            pytest.approx(want, abs=1e-5))
+    else:
         assert want != pytest.approx(embedding_cosines(models / "embed", [QUERY, *DOCUMENTS]), abs=1e-4)
     # one-to-one: each text_1 entry against the text_2 entry at its position
     pairs = client.post("/score", json={"model": model, "text_1": DOCUMENTS[::-1], "text_2": DOCUMENTS}).json()
@@ -223,7 +237,24 @@ def test_the_model_list_says_which_tasks_each_model_serves(served):
     client, _, _ = served
     tasks = {m["name"]: m["tasks"] for m in client.get("/v1/models").json()["data"]}
     assert tasks == {"ce": ["classify", "embed", "rerank"], "ce-identity": ["classify", "embed", "rerank"],
-                     "embed": ["embed", "rerank"], "gpt2": ["generate"]}
+                     "embed": ["embed", "rerank"], "gpt2": ["generate"],
+                     "ce-modernbert": ["classify", "embed", "rerank"],
+                     "ner-modernbert": ["entities", "embed", "rerank"]}
+
+
+def test_a_modernbert_token_classifier_finds_the_entities_of_the_transformers_pipeline(served):
+    client, models, _ = served
+    pipe = transformers.pipeline("token-classification", model=str(models / "ner-modernbert"),
+                                 aggregation_strategy="simple")
+    body = {"inputs": TEXTS, "aggregation_strategy": "simple"}
+    response = client.post("/v1/models/ner-modernbert/entities", json=body)
+    assert response.status_code == 200, response.text
+    outputs = response.json()["outputs"]
+    assert sum(map(len, outputs)) >= len(TEXTS)  # entities found, not all "O"
+    for text, got in zip(TEXTS, outputs, strict=True):
+        want = pipe(text)
+        assert [{**e, "score": None} for e in got] == [{**w, "score": None} for w in want], text
+        assert all(abs(e["score"] - float(w["score"])) < 1e-5 for e, w in zip(got, want, strict=True)), text
 
 
 @pytest.mark.parametrize("config, want", [

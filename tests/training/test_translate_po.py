@@ -10,10 +10,15 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from model.placeholders import check
+from tests.hf_seq2seq_tokenizers import m2m100, mbart50, nllb
 from tests.service.conftest import placeholder_translator  # noqa: F401 (the session's fixture)
+from tests.service.test_seq2seq_languages import translator
 from training.cli import main
+
+transformers = pytest.importorskip("transformers")
 
 HEADER = '''msgid ""
 msgstr ""
@@ -106,3 +111,62 @@ def test_a_causal_lm_or_a_missing_catalog_is_a_clear_error(tmp_path, placeholder
     assert main(["translate-po", str(tmp_path / "missing.po"), "--model", str(placeholder_translator),
                  "--out", str(tmp_path / "out.po")]) == 1
     assert "no such catalog" in capsys.readouterr().err
+
+
+MULTILINGUAL = {  # name -> (tokenizer directory builder, tests/model/hf_bart.py variant)
+    "m2m100": (lambda d: m2m100(d, "wmt21"), "m2m100"),
+    "mbart50": (lambda d: mbart50(d, "json"), "mbart"),
+    "nllb": (lambda d: nllb(d, "json"), "nllb"),
+}
+MESSAGES = ["hello world", "good morning to you", "the quick brown fox"]
+
+
+@pytest.fixture(scope="module")
+def multilingual(tmp_path_factory):
+    """Random NLLB-200, M2M100 and mBART-50 models with their tokenizers (tests/service/test_seq2seq_languages.py)."""
+    root = tmp_path_factory.mktemp("multilingual")
+    return {name: translator(root, name, variant, build(root / f"{name}-tok"))
+            for name, (build, variant) in MULTILINGUAL.items()}
+
+
+def catalog(path: Path, language: str) -> Path:
+    entries = "".join(f'\nmsgid "{m}"\nmsgstr ""\n' for m in MESSAGES)
+    path.write_text(HEADER.replace("Language: es", f"Language: {language}") + entries, encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize(("name", "header", "flag", "code"), [
+    ("m2m100", "de", None, "de"),  # the header's code itself
+    ("mbart50", "fr", None, "fr_XX"),  # the one code that is it with a region
+    ("mbart50", "de_CH", None, "de_DE"),  # its language part
+    ("nllb", "fr", "fra_Latn", "fra_Latn"),  # NLLB's codes need --target-lang
+])
+def test_a_multilingual_model_translates_into_the_catalogs_language(tmp_path, multilingual, capsys, name, header,
+                                                                    flag, code):
+    """Each message what generate() gives with forced_bos_token_id = the language's token, without that token."""
+    directory = multilingual[name]
+    out = tmp_path / "out.po"
+    argv = ["translate-po", str(catalog(tmp_path / "in.po", header)), "--model", str(directory), "--out", str(out),
+            "--beams", "1", "--max-new-tokens", "8", "--device", "cpu"]
+    assert main(argv + (["--target-lang", flag] if flag else [])) == 0, capsys.readouterr().err
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    model = transformers.AutoModelForSeq2SeqLM.from_pretrained(directory).eval()
+    entries = po_entries(out)
+    for message in MESSAGES:
+        with torch.no_grad():
+            tokens = model.generate(**tokenizer(message, return_tensors="pt"), max_new_tokens=8, num_beams=1,
+                                    do_sample=False, forced_bos_token_id=tokenizer.convert_tokens_to_ids(
+                                        tokenizer.lang_code_to_token[code] if name == "m2m100" else code))
+        assert entries[None, message].msgstr == tokenizer.decode(tokens[0], skip_special_tokens=True).strip(), message
+
+
+@pytest.mark.parametrize(("name", "header", "flag", "says"), [
+    ("nllb", "fr", None, "the catalog's Language: 'fr' is none of the model's language codes: give --target-lang "
+     "(codes: eng_Latn, fra_Latn"),
+    ("m2m100", "de", "xx", "--target-lang='xx' is not a language code of this model (codes: en, ha,"),
+], ids=["nllb-needs-the-flag", "unknown-code"])
+def test_a_language_the_model_lacks_asks_for_target_lang(tmp_path, multilingual, capsys, name, header, flag, says):
+    argv = ["translate-po", str(catalog(tmp_path / "in.po", header)), "--model", str(multilingual[name]), "--out",
+            str(tmp_path / "out.po"), "--device", "cpu"]
+    assert main(argv + (["--target-lang", flag] if flag else [])) == 1
+    assert says in capsys.readouterr().err

@@ -21,6 +21,8 @@ NEEDS = (
     Need("head", "sequence", "a sequence classification head (not a token one)"),
     Need("pooler", True, "the dense + tanh pooler"),
     Need("pooler_activation", "tanh", "the dense + tanh pooler"),
+    Need("head_norm", False, "no LayerNorm after the pooler (ModernBERT's head)"),
+    Need("head_pooling", "cls", "the [CLS] state pooled (not the mean: ModernBERT's)"),
     Need("position_offset", 0, "positions counted from 0 (RoBERTa's start after the pad id)"),
 )
 # ClassifierConfig.output_activation -> config.json's problem_type: the importer's map (model.hf.bert) inverted

@@ -15,9 +15,10 @@ model starts from its pad id and ends with id 0).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -136,9 +137,12 @@ class Seq2SeqTask(Task):
         return {**bleu_chrf([r.text for r in restored], [e.reference for e in chosen]), "placeholders_ok": kept}
 
     def translate(
-        self, model: Seq2SeqTransformer, sources: Sequence[list[int]], tokenizer: Tokenizer, adapters: Adapters = None
+        self, model: Seq2SeqTransformer, sources: Sequence[list[int]], tokenizer: Tokenizer, adapters: Adapters = None,
+        forced_first: int | None = None, rules: Mapping[str, Any] | None = None,
     ) -> list[str]:
-        """Decode ``sources`` (greedy, or beam search with ``options.beams``), in input order.
+        """Decode ``sources`` (greedy, or beam search with ``options.beams``), in input order. ``forced_first``:
+        every output's first token (a target language's, BART's <s>: model.search.force_first_tokens); ``rules``:
+        the GenerationConfig fields the model imposes (a Hugging Face generation_config's, GenerationRules.imposed).
 
         Outputs are capped at ``MAX_LEN_A * longest source + MAX_LEN_B`` tokens per batch (and by
         --max-new-tokens and the model's max_len), so an untrained model's endless outputs stay cheap.
@@ -150,16 +154,16 @@ class Seq2SeqTask(Task):
             for start in range(0, len(order), DECODE_BATCH):
                 rows = order[start : start + DECODE_BATCH]
                 longest = max(len(sources[i]) for i in rows)
-                config = self._generation_config(min(cap, MAX_LEN_A * longest + MAX_LEN_B), self.options.ids.eos)
+                config = self._generation_config(min(cap, MAX_LEN_A * longest + MAX_LEN_B), self.options.ids.eos,
+                                                 rules or {})
+                forced = None if forced_first is None else [forced_first] * len(rows)
                 results = generate_seq2seq(model, [sources[i] for i in rows], config, adapters,
-                                           vocab_map=self.options.vocab_map)
+                                           vocab_map=self.options.vocab_map, forced_first=forced)
                 decoded = tokenizer.decode_batch([hyps[0].tokens for hyps in results])
                 texts.update(zip(rows, decoded, strict=True))
         return [texts[i] for i in range(len(sources))]
 
-    def _generation_config(self, max_new_tokens: int, eos_id: int) -> GenerationConfig:
-        if self.options.beams > 1:
-            return GenerationConfig(
-                strategy="beam", num_beams=self.options.beams, max_new_tokens=max_new_tokens, eos_token_id=eos_id
-            )
-        return GenerationConfig(strategy="greedy", max_new_tokens=max_new_tokens, eos_token_id=eos_id)
+    def _generation_config(self, max_new_tokens: int, eos_id: int, rules: Mapping[str, Any]) -> GenerationConfig:
+        search = dict(strategy="beam", num_beams=self.options.beams) if self.options.beams > 1 else \
+            dict(strategy="greedy")
+        return GenerationConfig(**rules, **search, max_new_tokens=max_new_tokens, eos_token_id=eos_id)

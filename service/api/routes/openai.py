@@ -47,6 +47,7 @@ from service.api.schemas import (
 )
 from service.engine.engine import Engine
 from service.engine.errors import InvalidRequest
+from service.engine.languages import per_input
 from service.engine.limits import check_cost
 from service.engine.requests import DecodingOptions, GenerationRequest
 from service.engine.types import GenerationOutput, QueueTag, StreamEvent
@@ -173,7 +174,8 @@ def completion_request(req: CompletionRequest, prompts: list[str], adapter: str 
     decoding = decoding_options(req.temperature, req.top_p, 1 if req.stream else req.n, max_new_tokens=max_tokens,
                                 seed=req.seed, logprobs=req.logprobs)
     return GenerationRequest(inputs=prompts, decoding=decoding, stop=stop, adapter=adapter,
-                             constraint=convert.constraint(completion_constraint(req)))
+                             constraint=convert.constraint(completion_constraint(req)), target_lang=req.target_lang,
+                             source_lang=req.source_lang)
 
 
 def decoding_options(temperature: float, top_p: float, samples: int, **given: Any) -> DecodingOptions:
@@ -203,9 +205,9 @@ async def completions(
     name, _, adapter = req.model.partition(":")
     request.state.model, request.state.adapter = name, adapter or None
     worker = worker_for(engine, name)
-    if worker.info.family != "causal_lm":
+    if worker.info.family not in ("causal_lm", "seq2seq"):
         raise InvalidRequest("model", f"{name!r} is a {worker.info.family} model; /v1/completions serves causal_lm "
-                             "models")
+                             "and seq2seq models")
     check_completion(req, settings)
     prompts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
     generate = completion_request(req, prompts, adapter or None, worker)
@@ -299,11 +301,14 @@ async def seeded_streams(worker: ModelWorker, generate: GenerationRequest, promp
     """One engine stream per (prompt, choice), in that order: stream k samples with seed + k. A refusal of any
     discards those opened before it."""
     streams: list[AsyncIterator[StreamEvent]] = []
+    targets = per_input("target_lang", generate.target_lang, len(prompts))  # each prompt's own language
+    sources = per_input("source_lang", generate.source_lang, len(prompts))
     try:
         for k, (i, prompt) in enumerate((i, p) for i, p in enumerate(prompts) for _ in range(n)):
             seed = None if generate.decoding.seed is None else generate.decoding.seed + k
             ids = None if generate.prompt_ids is None else [generate.prompt_ids[i]]
-            one = dataclasses.replace(generate, inputs=[prompt], prompt_ids=ids,
+            one = dataclasses.replace(generate, inputs=[prompt], prompt_ids=ids, target_lang=targets[i],
+                                      source_lang=sources[i],
                                       decoding=dataclasses.replace(generate.decoding, seed=seed))
             streams.append(await worker.stream(one, rid, queue))
     except BaseException:

@@ -9,7 +9,7 @@ unknown fields and non-finite numbers and validates strictly, so a typo, a NaN o
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
 
@@ -60,6 +60,18 @@ def one_or_many(one: object, many: object) -> object:
     """``one | many`` validated by the input's JSON type (a string or an array), so a bad value gets one
     error from the branch it meant, not one per branch; the tags "str"/"list" are left out of field paths."""
     return Annotated[Annotated[one, Tag("str")] | Annotated[many, Tag("list")], Discriminator(_str_or_list)]
+
+
+LanguageCode = Annotated[str, Field(min_length=1, max_length=32, description="A language code of the model (GET "
+                                   "/v1/models: languages), e.g. NLLB-200's fra_Latn, mBART-50's fr_XX, M2M100's fr.")]
+LanguageCodes = one_or_many(LanguageCode, Annotated[list[LanguageCode], Field(min_length=1)])
+
+
+def language_codes(description: str) -> Any:
+    """A field of one language code for every input, or a list with one per input (null: none)."""
+    return Field(None, description=f"Multilingual seq2seq models only (NLLB-200, M2M100, mBART-50): {description} "
+                 "One code for every input, or a list with one per input; an unknown code is a 422 listing the "
+                 "model's.")
 
 
 class RequestModel(BaseModel):

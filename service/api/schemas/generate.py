@@ -15,11 +15,13 @@ from service.api.schemas.common import (
     MIN_TEMPERATURE,
     MIN_TOP_P,
     AnyText,
+    LanguageCodes,
     Name,
     Priority,
     RequestModel,
     Seed,
     Text,
+    language_codes,
 )
 from service.engine.requests import DEFAULTS
 
@@ -119,6 +121,12 @@ class GenerateRequest(RequestModel):
         None, description="seq2seq only, one per input: the start of its translation (typed by a user) to "
         "continue; the outputs hold what follows it (with logprobs, the alternatives at the next position)."
     )
+    target_lang: LanguageCodes | None = language_codes(
+        "the language to translate into: the output starts with its token (transformers' forced_bos_token_id), "
+        "which the text leaves out. Default: the model's generation_config forced_bos_token_id, if any.")
+    source_lang: LanguageCodes | None = language_codes(
+        "the language of the input: its token around the source as the model's tokenizer lays it out with "
+        "src_lang set to it. Default: the tokenizer's own src_lang (GET /v1/models: source_language).")
     protect_placeholders: bool | None = Field(
         None, description="seq2seq only (default: on for seq2seq): keep the inputs' placeholders (printf %s / "
         "%(name)s / %1$s, {0} / {name}, $VAR, HTML/XML tags, URLs, e-mail addresses, --options) intact: they are "

@@ -78,6 +78,13 @@ class ModelInfoSchema(BaseModel):
         "scores pairs as a cross-encoder; other classifiers by the cosine of embeddings), entities (/entities: a token "
         "classification head)."
     )
+    languages: list[str] | None = Field(
+        None, description="A multilingual translator's language codes (NLLB-200, M2M100, mBART-50): the values of "
+        "generate's and completions' target_lang and source_lang; null for other models."
+    )
+    source_language: str | None = Field(
+        None, description="The source language its tokenizer lays inputs out for when a request names none."
+    )
     embedding_defaults: dict[str, str | bool] | None = Field(
         None, description="A classifier's embed defaults, for requests that leave them unset: pooling and "
         "normalize (unit-length vectors). A sentence-transformers model's come from its modules (often normalized); "

@@ -12,11 +12,13 @@ from service.api.schemas.common import (
     DEFAULT_MAX_TOKENS,
     MIN_TEMPERATURE,
     MIN_TOP_P,
+    LanguageCodes,
     Name,
     Priority,
     RequestModel,
     Seed,
     Text,
+    language_codes,
     one_or_many,
 )
 
@@ -41,7 +43,7 @@ class CompletionRequest(RequestModel):
     """OpenAI's /v1/completions body. Fields that would change the meaning but are not supported
     (suffix, best_of != n, penalties, logit_bias) are rejected rather than ignored."""
 
-    model: str = Field(min_length=1, max_length=129, description="A causal_lm model, or 'model:adapter'.")
+    model: str = Field(min_length=1, max_length=129, description="A causal_lm or seq2seq model, or 'model:adapter'.")
     prompt: one_or_many(Text, Annotated[list[Text], Field(min_length=1)]) = Field(
         description="A prompt or a list of prompts."
     )
@@ -58,6 +60,9 @@ class CompletionRequest(RequestModel):
     seed: Seed | None = None
     user: str | None = Field(None, description="Accepted and ignored.")
     priority: Priority = 0  # an extension, as vLLM's
+    # Extensions for multilingual translators, as generate's fields:
+    target_lang: LanguageCodes | None = language_codes("the language to translate into (one per prompt).")
+    source_lang: LanguageCodes | None = language_codes("the language of the prompt.")
     # Constrained decoding under vLLM's names (at most one of the four):
     guided_json: dict[str, Any] | str | None = Field(None, description="A JSON schema (object or its JSON text).")
     guided_regex: Text | None = Field(None, description="As generate's constraint.regex (Rust's regex syntax).")

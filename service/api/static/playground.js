@@ -1,5 +1,5 @@
 // tserve playground: pick a model and adapter, run it, look at its attention; the chat view is chat.js, the rerank
-// panel rerank.js.
+// panel rerank.js, the entities panel entities.js.
 // No build step, no deps.
 "use strict";
 
@@ -14,7 +14,10 @@ const TASKS = {
   classifier: { task: "classify", title: "Classify", form: "classify-form", input: "Text" },
 };
 // The task card's other panels, after the family's own, for the models that serve their task.
-const OTHER_PANELS = [{ task: "rerank", title: "Rerank", form: "rerank-form" }];
+const OTHER_PANELS = [
+  { task: "entities", title: "Entities", form: "entities-form" },
+  { task: "rerank", title: "Rerank", form: "rerank-form" },
+];
 const PANEL_FORMS = [...new Set([...Object.values(TASKS), ...OTHER_PANELS].map((p) => p.form))];
 // A language-identification classifier's example: a message in one of its labels' languages.
 const LANGUAGE_EXAMPLES = {
@@ -123,7 +126,7 @@ async function selectModel(name) {
     $("cls-input").value = example;
     $("cls-output").replaceChildren();
   }
-  document.dispatchEvent(new CustomEvent("tserve:model", { detail: m }));  // rerank.js clears its results
+  document.dispatchEvent(new CustomEvent("tserve:model", { detail: m }));  // rerank.js, entities.js clear theirs
   const seq2seq = m.family === "seq2seq";
   $("attn-target-row").hidden = !seq2seq;
   $("attn-input-label").textContent = seq2seq ? "Source" : "Input";

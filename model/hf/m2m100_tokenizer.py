@@ -1,0 +1,127 @@
+"""M2M100's tokenizer files (sentencepiece.bpe.model, vocab.json) as `transformers`' M2M100Tokenizer reads them.
+
+M2M100Tokenizer is a Python (sentencepiece) class in transformers 5, with no tokenizer.json form: a text is split
+into pieces by the SentencePiece model, the pieces are looked up in vocab.json (``<unk>`` for a piece it lacks), and
+the language tokens ``__en__`` ... follow the vocabulary (ids ``len(vocab.json) + i`` in the order of its
+``language_codes`` set). ``tokenizer(text)`` gives ``__src_lang__ pieces </s>``. Decoding joins the pieces with
+SentencePiece and strips the result (then cleans it up where tokenizer_config.json asks: model.hf.cleanup); special
+tokens (the named ones and the language tokens) are dropped with ``skip_special_tokens``, as a hub directory's
+tokenizer_config.json (listing the language tokens as additional_special_tokens) makes transformers do. The files
+are a protobuf and JSON: nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import sentencepiece
+
+from model.hf.cleanup import clean_up_tokenization, cleans_up
+from model.hf.common import HFImportError, read_bytes, read_json
+from model.hf.languages import Languages, language_tokens, read_languages, token_text
+from model.tokenizer import MAX_PIECE_BYTES
+
+SPM, VOCAB = "sentencepiece.bpe.model", "vocab.json"
+M2M100_FILES = (SPM, VOCAB)
+MAX_FILE_BYTES = 32 << 20  # M2M100's vocab.json is ~2.7 MB, its SentencePiece model ~2.4 MB
+MAX_UNKNOWN_BYTES = 4  # a character the vocabulary lacks is one <unk>: at most 4 UTF-8 bytes
+SPIECE_UNDERLINE = "\u2581"
+ROLES = {"bos": "<s>", "eos": "</s>", "unk": "<unk>", "pad": "<pad>"}  # M2M100Tokenizer's defaults
+
+
+class M2M100SpmTokenizer:
+    """M2M100Tokenizer with our Tokenizer's interface (encodes and decodes: source and target share it)."""
+
+    uses_own_template = True  # inputs are __src__ pieces </s>, as tokenizer(text) gives them in transformers
+    cls_id = sep_id = mask_id = None
+    sentinels = 0  # no placeholder sentinels (model.placeholders)
+
+    def __init__(self, spm: sentencepiece.SentencePieceProcessor, vocab: dict[str, int], settings: dict[str, Any]
+                 ) -> None:
+        self._spm = spm
+        self._vocab = vocab
+        tokens = {role: token_text(settings.get(f"{role}_token")) or default for role, default in ROLES.items()}
+        for role, text in tokens.items():
+            if text not in vocab:
+                raise HFImportError(f"{VOCAB}: the {role} token {text!r} is not in the vocabulary")
+        self.bos_id, self.eos_id, self.unk_id, self.pad_id = (vocab[tokens[role]] for role in ROLES)
+        languages = language_tokens("M2M100Tokenizer", settings) or {}
+        self._pieces = {i: piece for piece, i in vocab.items()}
+        self._pieces |= {len(vocab) + i: token for i, token in enumerate(languages.values())}  # after vocab.json
+        self._ids = {token: i for i, token in self._pieces.items()}
+        self.languages: Languages = read_languages("M2M100Tokenizer", settings, self._ids.get, self.eos_id)
+        self._specials = frozenset({self.bos_id, self.eos_id, self.unk_id, self.pad_id, *self.languages.ids.values()})
+        self.max_token_bytes = max(MAX_UNKNOWN_BYTES, *(len(piece.encode("utf-8")) for piece in vocab))
+        self._clean_up = cleans_up(settings, bpe=False)  # a Python class: whatever the SentencePiece model
+
+    @property
+    def vocab_size(self) -> int:
+        return max(self._pieces) + 1
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a vocabulary piece or language token (None where neither)."""
+        return self._ids.get(token)
+
+    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        """Ids of ``text``'s pieces (optionally wrapped in ``<s>`` ... ``</s>``)."""
+        ids = [self._vocab.get(piece, self.unk_id) for piece in self._spm.encode(text, out_type=str)]
+        return [self.bos_id] * add_bos + ids + [self.eos_id] * add_eos
+
+    def encode_batch(self, texts: Sequence[str], add_bos: bool = False, add_eos: bool = False) -> list[list[int]]:
+        return [self.encode(t, add_bos, add_eos) for t in texts]
+
+    def encode_templated(self, texts: Sequence[str]) -> list[list[int]]:
+        """What M2M100Tokenizer's ``tokenizer(text)`` gives: ``__src_lang__`` (tokenizer_config.json's), the pieces'
+        ids, ``</s>``."""
+        return [self.languages.source_ids(self.encode(t)) for t in texts]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids`` as M2M100Tokenizer decodes it (ids outside the vocabulary are dropped)."""
+        out, run = "", []
+        for i in map(int, ids):
+            piece = self._pieces.get(i)
+            if piece is None or (skip_special_tokens and i in self._specials):
+                continue
+            if i in self._specials:
+                out += self._spm.decode(run) + piece
+                run = []
+            else:
+                run.append(piece)
+        text = (out + self._spm.decode(run)).strip()
+        return clean_up_tokenization(text) if self._clean_up else text
+
+    def decode_batch(self, seqs: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
+        return [self.decode(s, skip_special_tokens) for s in seqs]
+
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """Readable piece per id (the SentencePiece word mark shown as a space)."""
+        pieces = []
+        for i in map(int, ids):
+            if i not in self._pieces:
+                raise ValueError(f"token id {i} is outside the vocabulary (size {self.vocab_size})")
+            pieces.append(self._pieces[i].replace(SPIECE_UNDERLINE, " "))
+        return pieces
+
+
+def load_m2m100_tokenizer(directory: Path, settings: dict[str, Any]) -> M2M100SpmTokenizer:
+    """``directory``'s M2M100Tokenizer (``settings``: its tokenizer_config.json)."""
+    hint = f"an M2M100 directory needs {SPM} and {VOCAB}"
+    if settings.get("sp_model_kwargs"):  # sampling (enable_sampling, alpha): not what a served model should do
+        raise HFImportError(f"tokenizer_config.json: sp_model_kwargs={settings['sp_model_kwargs']!r} is not supported "
+                            "(only the SentencePiece model's own settings)")
+    processor = sentencepiece.SentencePieceProcessor()
+    try:
+        processor.LoadFromSerializedProto(read_bytes(directory / SPM, MAX_FILE_BYTES, hint))
+    except (RuntimeError, OSError, ValueError) as exc:
+        raise HFImportError(f"{SPM}: not a SentencePiece model: {str(exc)[:200]}") from None
+    vocab = read_json(directory / VOCAB, MAX_FILE_BYTES, hint=hint)
+    ids = list(vocab.values()) if isinstance(vocab, dict) else []
+    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids) \
+            or sorted(ids) != list(range(len(ids))):
+        raise HFImportError(f"{VOCAB}: expected the ids 0..n-1, each once (the language tokens follow them)")
+    longest = max(vocab, key=lambda piece: len(piece.encode("utf-8")))
+    if len(longest.encode("utf-8")) > MAX_PIECE_BYTES:
+        raise HFImportError(f"{VOCAB}: the piece {longest[:40]!r}... is over the limit of {MAX_PIECE_BYTES} bytes")
+    return M2M100SpmTokenizer(processor, vocab, settings)

@@ -1,0 +1,150 @@
+// Bidirectional self-attention of an encoder's rows (64 to a few hundred tokens), float32 on AVX-512: what
+// model/attention.py gives SDPA for a forward with a key-padding mask (a classifier, reranker or NER model).
+//
+// out[b, h, i] = softmax(q[b, h, i] . k[b, h, :] / sqrt(64), keys masked) @ v[b, h, :] for every query i of every
+// row and head, head dim 64. Per head: K transposed once into a scratch (64 x T, zero past T), then blocks of 4
+// queries: their scores against 64 keys at a time are 16 accumulators fed by one broadcast per query and dim (no
+// horizontal sums), the block's softmax in a row buffer, then p @ V as 4 x 4 accumulators over the keys. SDPA's CPU
+// (flash) kernel runs ~75 GFLOP/s on 8 x 12 heads x 128 tokens here; this one ~175 (2.3-2.4x), within 5e-7 of it.
+// The mask is bool over the keys, (B or 1, 1, 1, T) (True = attend); a query that may attend to nothing gets zeros
+// (SDPA gives NaN). The output is written (B, T, H, 64) and returned as its (B, H, T, 64) view, so merging the heads
+// afterwards (transpose + reshape) copies nothing.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include "kernels.h"
+#include "simd_math.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+#define UNROLL _Pragma("GCC unroll 16")
+
+namespace {
+
+constexpr int kDh = 64;          // the head dim this kernel computes (4 vectors)
+constexpr int kQueries = 4;      // queries per block
+constexpr int kKeyVectors = 4;   // 16-key vectors per score tile (64 keys)
+
+struct Head {
+  const float* q;  // first query; queries q_row apart
+  const float* k;  // first key; keys and values kv_row apart
+  const float* v;
+  const bool* keep;  // (T,) or null: every key
+  float* out;        // first query's output; out_row apart
+  int64_t q_row, kv_row, out_row, t;
+};
+
+// Scores of queries [i0, i0 + rows) against every key into p (kQueries x tp), scaled, masked keys at -inf.
+AVX512 void scores(const Head& h, const float* kt, const float* bias, int64_t tp, int64_t i0, int rows, float* p) {
+  const int64_t vectors = tp / 16;
+  const __m512 scale = _mm512_set1_ps(0.125f);  // 1 / sqrt(64)
+  for (int64_t c0 = 0; c0 < vectors; c0 += kKeyVectors) {
+    const int nc = static_cast<int>(std::min<int64_t>(kKeyVectors, vectors - c0));
+    __m512 acc[kQueries][kKeyVectors];
+    UNROLL for (int r = 0; r < kQueries; ++r) UNROLL for (int c = 0; c < kKeyVectors; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int d = 0; d < kDh; ++d) {
+      __m512 keys[kKeyVectors];
+      UNROLL for (int c = 0; c < kKeyVectors; ++c)
+        keys[c] = c < nc ? _mm512_loadu_ps(kt + d * tp + (c0 + c) * 16) : _mm512_setzero_ps();
+      UNROLL for (int r = 0; r < kQueries; ++r) {
+        const __m512 query = _mm512_set1_ps(r < rows ? h.q[(i0 + r) * h.q_row + d] : 0.f);
+        UNROLL for (int c = 0; c < kKeyVectors; ++c) acc[r][c] = _mm512_fmadd_ps(query, keys[c], acc[r][c]);
+      }
+    }
+    UNROLL for (int r = 0; r < kQueries; ++r) UNROLL for (int c = 0; c < kKeyVectors; ++c)
+      if (c < nc) _mm512_storeu_ps(p + r * tp + (c0 + c) * 16,
+                                   _mm512_fmadd_ps(acc[r][c], scale, _mm512_loadu_ps(bias + (c0 + c) * 16)));
+  }
+}
+
+// Each score row of p -> exp(score - max) in place; returns 1 / sum (0 for a row that sees no key: zeros out).
+AVX512 float softmax_row(float* p, int64_t tp) {
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  for (int64_t c = 0; c < tp; c += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(p + c));
+  const float largest = _mm512_reduce_max_ps(top);
+  if (largest == -INFINITY) {
+    std::fill(p, p + tp, 0.f);
+    return 0.f;
+  }
+  const __m512 shift = _mm512_set1_ps(largest);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t c = 0; c < tp; c += 16) {
+    const __m512 e = tserve::exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(p + c), shift));
+    _mm512_storeu_ps(p + c, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return 1.f / _mm512_reduce_add_ps(sum);
+}
+
+AVX512 void head_attention(const Head& h, float* kt, float* bias, float* p) {
+  const int64_t t = h.t, tp = (t + 15) / 16 * 16;
+  for (int64_t j = 0; j < tp; ++j) {
+    for (int d = 0; d < kDh; ++d) kt[d * tp + j] = j < t ? h.k[j * h.kv_row + d] : 0.f;
+    bias[j] = j < t && (h.keep == nullptr || h.keep[j]) ? 0.f : -INFINITY;
+  }
+  for (int64_t i0 = 0; i0 < t; i0 += kQueries) {
+    const int rows = static_cast<int>(std::min<int64_t>(kQueries, t - i0));
+    scores(h, kt, bias, tp, i0, rows, p);
+    float inverse[kQueries] = {0.f, 0.f, 0.f, 0.f};
+    for (int r = 0; r < rows; ++r) inverse[r] = softmax_row(p + r * tp, tp);
+    __m512 acc[kQueries][kDh / 16];
+    UNROLL for (int r = 0; r < kQueries; ++r) UNROLL for (int c = 0; c < kDh / 16; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < t; ++j) {
+      __m512 values[kDh / 16];
+      UNROLL for (int c = 0; c < kDh / 16; ++c) values[c] = _mm512_loadu_ps(h.v + j * h.kv_row + c * 16);
+      UNROLL for (int r = 0; r < kQueries; ++r) {
+        const __m512 weight = _mm512_set1_ps(r < rows ? p[r * tp + j] : 0.f);
+        UNROLL for (int c = 0; c < kDh / 16; ++c) acc[r][c] = _mm512_fmadd_ps(weight, values[c], acc[r][c]);
+      }
+    }
+    UNROLL for (int r = 0; r < kQueries; ++r) {
+      if (r >= rows) break;
+      const __m512 by = _mm512_set1_ps(inverse[r]);
+      UNROLL for (int c = 0; c < kDh / 16; ++c)
+        _mm512_storeu_ps(h.out + (i0 + r) * h.out_row + c * 16, _mm512_mul_ps(acc[r][c], by));
+    }
+  }
+}
+
+}  // namespace
+
+// q, k, v (B, H, T, 64) float32 with unit stride along the head dim (views of a fused q/k/v projection are fine),
+// k and v alike; mask bool (B or 1, 1, 1, T) or None. Returns (B, H, T, 64), a view of (B, T, H, 64) storage.
+torch::Tensor encoder_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                const c10::optional<torch::Tensor>& mask) {
+  TORCH_CHECK(has_avx512(), "encoder attention: this CPU has no AVX-512");
+  TORCH_CHECK(q.dim() == 4 && q.sizes() == k.sizes() && k.sizes() == v.sizes() && q.size(3) == kDh,
+              "encoder attention: q, k, v must be (B, H, T, ", kDh, ") alike");
+  for (const auto* t : {&q, &k, &v})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->stride(3) == 1,
+                "encoder attention: float32 CPU tensors with unit stride along the head dim");
+  TORCH_CHECK(k.strides() == v.strides(), "encoder attention: k and v must have the same strides");
+  const int64_t b = q.size(0), heads = q.size(1), t = q.size(2), tp = (t + 15) / 16 * 16;
+  at::Tensor keep;
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 4 && (mask->size(0) == b || mask->size(0) == 1) &&
+                mask->size(1) == 1 && mask->size(2) == 1 && mask->size(3) == t,
+                "encoder attention: mask must be bool (B or 1, 1, 1, T)");
+    keep = mask->reshape({mask->size(0), t}).contiguous();
+  }
+  torch::Tensor out = torch::empty({b, t, heads, kDh}, q.options());
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const bool* keep_p = keep.defined() ? keep.data_ptr<bool>() : nullptr;
+  const int64_t keep_row = keep.defined() && keep.size(0) == b ? t : 0;
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, b * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> kt(kDh * tp), bias(tp), p(kQueries * tp);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t row = i / heads, head = i % heads;
+      const Head h{qp + row * q.stride(0) + head * q.stride(1), kp + row * k.stride(0) + head * k.stride(1),
+                   vp + row * v.stride(0) + head * v.stride(1), keep_p ? keep_p + row * keep_row : nullptr,
+                   op + (row * t * heads + head) * kDh, q.stride(2), k.stride(2), heads * kDh, t};
+      head_attention(h, kt.data(), bias.data(), p.data());
+    }
+  });
+  return out.transpose(1, 2);
+}
