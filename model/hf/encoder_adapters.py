@@ -7,8 +7,10 @@ are our ``pooler`` and ``classifier`` (BERT's pooler.dense and classifier, RoBER
 classifier.out_proj, DistilBERT's pre_classifier and classifier). A LoRA on any of them maps onto ours, and so does
 an adapter's own copy of a head (PEFT's ``modules_to_save``: SEQ_CLS adapters copy ``classifier``, which is
 RoBERTa's whole head and, by PEFT's suffix match, DistilBERT's pre_classifier too). An adapter of the headless
-model (no prefix) loads on the head model's encoder as well; a token classification head's adapters are refused.
-:func:`adapter_layout` gives the AdapterLayout.
+model (no prefix) loads on the head model's encoder as well. A token classification head (*ForTokenClassification)
+is one Linear, ``classifier``, on every token's state (after ModernBERT's head.dense and head.norm, our pooler and
+head_norm): its LoRAs and a TOKEN_CLS adapter's copy of ``classifier`` map onto ours alike, the copy used for every
+token of the rows of its adapter. :func:`adapter_layout` gives the AdapterLayout.
 
 A fused Linear (ModernBERT's ``Wqkv``, ``Wi``: ``EncoderNames.fused``) is one LoRA whose B's rows split into our parts'
 (q, k, v; fc1, up), which share its A; ours go back as one LoRA of rank k r on the fused module and every other LoRA
@@ -28,7 +30,7 @@ import torch.nn.functional as F
 
 from model.config import TransformerConfig
 from model.hf.llama_adapters import fuse, split_b
-from model.lora_config import AdapterError, LoRAConfig
+from model.lora_config import LoRAConfig
 from model.lora_io import KEY_PREFIX, AdapterLayout, PeftFiles, peft_files, peft_targets, unmapped_tensor
 
 _LORA_KEY = re.compile(r"base_model\.model\.(.+)\.(lora_[AB]\.weight)")
@@ -56,8 +58,18 @@ def module_paths(names: EncoderNames, config: TransformerConfig) -> dict[str, st
     ``config``: the head model's with a classification head, else the headless model's (its pooler: pooler.dense)."""
     layers = _layers(names, config.n_layers)
     if getattr(config, "num_labels", 0):
-        return {names.prefix + path: ours for path, ours in layers.items()} | dict(names.heads)
+        return {names.prefix + path: ours for path, ours in layers.items()} | _heads(names, config)
     return layers | {"pooler.dense": "pooler"}
+
+
+def _heads(names: EncoderNames, config: TransformerConfig) -> dict[str, str]:
+    """The head model's Linears -> ours: ``names.heads``; a token head's are its ``classifier`` and, where ours has a
+    pooler, the head's dense (ModernBERT's head.dense)."""
+    if getattr(config, "head", "sequence") != "token":
+        return dict(names.heads)
+    pooled = getattr(config, "pooler", False)
+    return {theirs: ours for theirs, ours in names.heads.items() if ours == "pooler" and pooled} | {
+        "classifier": "classifier"}
 
 
 def _layers(names: EncoderNames, n_layers: int) -> dict[str, str | tuple[str, ...]]:
@@ -77,9 +89,6 @@ def _adapter_config(names: EncoderNames, d: dict[str, Any]) -> dict[str, Any]:
 
 def _adapter_tensors(names: EncoderNames, tensors: dict[str, torch.Tensor], model: TransformerConfig
                      ) -> dict[str, torch.Tensor]:
-    if getattr(model, "head", "sequence") == "token":
-        raise AdapterError(f"adapters of a {names.model} token classification head (*ForTokenClassification) are not "
-                           "supported (supported: the sequence classifiers and the headless model)")
     paths = module_paths(names, model)
     if getattr(model, "num_labels", 0):  # an adapter of the headless model: the same encoder layers
         paths |= _layers(names, model.n_layers)

@@ -12,8 +12,9 @@ the non-pad states (``classifier_pooling``), then ``classifier``; a token head a
 ``problem_type`` rules as BERT's (bert.py). Not imported: ModernBertForMaskedLM and the other heads (refused by
 their architecture name); our pre-training heads load as zeros. q and k are rotated through float32
 (``rotary_float32``), as transformers does. PEFT adapters (``Wqkv Wo Wi`` and ``head.dense``; ``classifier``, the
-SEQ_CLS head, in modules_to_save) map through model.hf.encoder_adapters (ADAPTER_LAYOUT), a fused module's LoRA split
-onto our parts; ``head`` in modules_to_save (its LayerNorm has no per-adapter copy here) is refused by name.
+SEQ_CLS / TOKEN_CLS head, in modules_to_save) map through model.hf.encoder_adapters (ADAPTER_LAYOUT), a fused
+module's LoRA split onto our parts; ``head`` in modules_to_save (its LayerNorm has no per-adapter copy here) is
+refused by name.
 """
 
 from __future__ import annotations

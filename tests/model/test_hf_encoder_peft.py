@@ -3,11 +3,13 @@
 Random models saved by transformers (tests/model/hf_encoders.py), adapters with random non-zero A and B (and, for
 SEQ_CLS ones, head copies moved off the base's) saved by peft: loaded onto our model from load_hf_checkpoint, each
 gives PeftModel's logits in float32, two mixed per batch row give each row its own adapter's, and ours saved back
-in the architecture's names load in PEFT with the same logits.
+in the architecture's names load in PEFT with the same logits. The token classification heads (BERT's among them)
+alike with TOKEN_CLS adapters (their own ``classifier``): every real token's logits, in float32 and float64.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -50,33 +52,37 @@ def hf_logits(directory: Path, adapter: Path | None) -> torch.Tensor:
         return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
 
 
-def adapters(directory: Path, root: Path, targets: tuple, **fields) -> dict[str, Path]:
-    """Adapters "a" and "b" on ``targets`` (PEFT LoraConfig ``fields`` besides), saved by peft."""
-    base = transformers.AutoModelForSequenceClassification.from_pretrained
+def adapters(directory: Path, root: Path, targets: tuple, auto: str = "AutoModelForSequenceClassification", **fields
+             ) -> dict[str, Path]:
+    """Adapters "a" and "b" on ``targets`` (PEFT LoraConfig ``fields`` besides) of ``auto``'s model, saved by peft."""
+    base = getattr(transformers, auto).from_pretrained
     return {name: peft_adapter(base(directory), root / name, seed=i, r=2 + i, lora_alpha=4, target_modules=t,
                                **fields)
             for i, (name, t) in enumerate(zip("ab", targets, strict=True))}
 
 
-def ours_with(directory: Path, paths: dict[str, Path]):
+def ours_with(directory: Path, paths: dict[str, Path], dtype: torch.dtype | None = None):
     """Our model of ``directory`` with the adapters loaded, its layout, and TEXTS4's ids as the service pads them."""
-    checkpoint = load_hf_checkpoint(directory, device="cpu")
+    checkpoint = load_hf_checkpoint(directory, device="cpu", dtype=dtype)
     for name, path in paths.items():
         load_adapter(checkpoint.model, path, name, layout=checkpoint.adapter_layout)
     ids = transformers.AutoTokenizer.from_pretrained(directory)(TEXTS4, padding=True, return_tensors="pt")["input_ids"]
     return checkpoint, ids
 
 
-def assert_alone_and_mixed(model, ids: torch.Tensor, expected: dict[str | None, torch.Tensor]) -> None:
+def assert_alone_and_mixed(model, ids: torch.Tensor, expected: dict[str | None, torch.Tensor], logits=None,
+                           tolerance: float = ATOL) -> None:
+    """``logits`` (default: ``model``) of ``ids`` with each adapter alone, and mixed per row, equal ``expected``."""
+    logits = logits or model
     with torch.no_grad():
         for name, want in expected.items():
             with use_adapters(model, name):
-                assert (model(ids) - want).abs().max() < ATOL, name
+                assert (logits(ids) - want).abs().max() < tolerance, name
         rows = ["a", "b", None, "a"]
         with use_adapters(model, rows):
-            mixed = model(ids)
+            mixed = logits(ids)
     for i, name in enumerate(rows):
-        assert (mixed[i] - expected[name][i]).abs().max() < ATOL, (i, name)
+        assert (mixed[i] - expected[name][i]).abs().max() < tolerance, (i, name)
 
 
 def test_lora_adapters_give_peft_logits_alone_and_mixed_and_save_back(encoder, tmp_path):
@@ -104,6 +110,57 @@ def test_seq_cls_adapters_carry_their_own_head(encoder, tmp_path):
     assert_alone_and_mixed(model, ids, {name: hf_logits(directory, paths.get(name)) for name in ("a", "b", None)})
     save_adapter(model, "a", tmp_path / "saved", layout=checkpoint.adapter_layout)
     assert (hf_logits(directory, tmp_path / "saved") - hf_logits(directory, paths["a"])).abs().max() < ATOL
+
+
+# architecture -> two adapters' PEFT targets on its token classification head
+TOKEN_TARGETS = {
+    "bert": (["query", "value", "dense"], r".*layer\.1\.(attention\.output\.dense|output\.dense)"),
+    "roberta": (["key", "dense"], ["attention.self.value"]),
+    "xlm-roberta": (["query", "value"], r".*layer\.0\.intermediate\.dense"),
+    "distilbert": (["q_lin", "out_lin", "lin2"], r".*layer\.1\.attention\.(k_lin|v_lin)"),
+}
+
+
+@pytest.fixture(scope="module", params=TOKEN_TARGETS)
+def token_encoder(request, tmp_path_factory) -> tuple[str, Path]:
+    """(architecture, directory of its random *ForTokenClassification with a tokenizer)."""
+    return request.param, encoder_directory(tmp_path_factory.mktemp(request.param), request.param, "token")
+
+
+def hf_token_logits(directory: Path, adapter: Path | None, dtype: torch.dtype, texts: list[str] = TEXTS4
+                    ) -> torch.Tensor:
+    """transformers' (with PeftModel's ``adapter``) token logits on ``texts`` in ``dtype``, padded, pad tokens' zero."""
+    model = transformers.AutoModelForTokenClassification.from_pretrained(directory)
+    if adapter is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter)
+    model = model.to(dtype).eval()
+    batch = transformers.AutoTokenizer.from_pretrained(directory)(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return logits.masked_fill(batch["attention_mask"].unsqueeze(-1) == 0, 0.0)
+
+
+def real_token_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """Our token logits of ``ids``, pad tokens' zero."""
+    return model.token_logits(ids).masked_fill((ids == model.config.pad_id).unsqueeze(-1), 0.0)
+
+
+def test_token_head_adapters_give_peft_token_logits_alone_and_mixed_and_save_back(token_encoder, tmp_path):
+    """TOKEN_CLS adapters (LoRAs and their own ``classifier``): each real token's logits are PeftModel's in float32
+    and float64, alone and mixed per row (the row's head copy on every token); ours saved back load in PEFT."""
+    architecture, directory = token_encoder
+    paths = adapters(directory, tmp_path, TOKEN_TARGETS[architecture], auto="AutoModelForTokenClassification",
+                     task_type="TOKEN_CLS")
+    for dtype, tolerance in ((torch.float32, ATOL), (torch.float64, 1e-9)):
+        checkpoint, ids = ours_with(directory, paths, dtype)
+        model = checkpoint.model
+        assert isinstance(model.classifier, HeadCopies) and list(model.classifier.copies) == ["a", "b"]
+        assert model.pooler is None
+        expected = {name: hf_token_logits(directory, paths.get(name), dtype) for name in ("a", "b", None)}
+        assert all((expected[n] - expected[None]).abs().max() > 1e-2 for n in "ab")
+        assert_alone_and_mixed(model, ids, expected, partial(real_token_logits, model), tolerance)
+    save_adapter(model, "b", tmp_path / "saved", layout=checkpoint.adapter_layout)
+    assert (hf_token_logits(directory, tmp_path / "saved", torch.float64) - expected["b"]).abs().max() < 1e-9
 
 
 @pytest.mark.parametrize(("architecture", "targets", "says"), [

@@ -18,15 +18,12 @@ import pytest
 import torch
 
 from model import native
-from model.checkpoint import load_hf_checkpoint
 from model.classifier import label_scores
 from model.fast_step import plan_for
 from model.hf import HFImportError, load_hf_model
-from model.lora_config import AdapterError
-from model.lora_io import load_adapter
 from model.quantize import quantize_int8
-from tests.hf_compare import ATOL, peft_adapter
-from tests.model.hf_encoders import ARCHITECTURES, ENCODERS, HEADS, TOKEN_HEADS, encoder_directory, save
+from tests.hf_compare import ATOL
+from tests.model.hf_encoders import ARCHITECTURES, ENCODERS, HEADS, TOKEN_HEADS, save
 
 transformers = pytest.importorskip("transformers")
 
@@ -95,17 +92,6 @@ def test_token_heads_equal_transformers_on_padded_batches(tmp_path, architecture
     sequence, _ = load_hf_model(tmp_path / "seq")
     with pytest.raises(ValueError, match="no token classification head"):
         sequence.token_logits(ids)
-
-
-def test_adapters_of_token_heads_are_refused_by_name(tmp_path):
-    pytest.importorskip("peft")
-    directory = encoder_directory(tmp_path / "hf", "distilbert", "token")
-    base = transformers.AutoModelForTokenClassification.from_pretrained(directory)
-    adapter = peft_adapter(base, tmp_path / "adapter", seed=0, r=2, lora_alpha=4, target_modules=["q_lin"],
-                           task_type="TOKEN_CLS")
-    checkpoint = load_hf_checkpoint(directory, device="cpu")
-    with pytest.raises(AdapterError, match="adapters of a DistilBERT token classification head"):
-        load_adapter(checkpoint.model, adapter, "a", layout=checkpoint.adapter_layout)
 
 
 def _embeddings_equal(ours, ids: torch.Tensor, pad: int, hidden: torch.Tensor) -> None:

@@ -7,12 +7,14 @@ blocks the C++ encoder does not implement send the model to the layers (model.na
 ModernBERT-shaped checkpoint round-trips; what the classifier config cannot run, and what the importer cannot
 express, is refused by name. The tokenizer.json encodes as transformers' ([CLS] a [SEP] (b [SEP])). PEFT adapters on
 ``Wqkv Wo Wi`` (fused: split onto our q/k/v and fc1/up) and the head give PeftModel's logits alone and mixed, and
-ours saved back load in PEFT with the same logits.
+ours saved back load in PEFT with the same logits; on the token head too (TOKEN_CLS: its own ``classifier``), each
+real token's logits in float32 and float64.
 """
 
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -22,7 +24,7 @@ from model.checkpoint import HF_DIR, load_checkpoint, load_hf_checkpoint, save_c
 from model.classifier import TransformerClassifier, label_scores
 from model.config import ClassifierConfig, ModelConfigError, Seq2SeqConfig
 from model.hf import HFImportError, companion_files, load_hf_model
-from model.lora import AdapterError, use_adapters
+from model.lora import AdapterError, layers_with, use_adapters
 from model.lora_io import check_adapter, load_adapter, save_adapter
 from model.lora_layers import HeadCopies
 from model.native_support import unsupported
@@ -195,10 +197,12 @@ def peft_directory(tmp_path_factory) -> Path:
     return modernbert_directory(tmp_path_factory.mktemp("modernbert-peft"), "cls")
 
 
-def adapters(directory: Path, root: Path, **fields) -> dict[str, Path]:
-    """Adapter "a" on Wqkv, Wo, Wi and the head's dense; "b" on Wqkv of layer 1 and Wi by a regex."""
+def adapters(directory: Path, root: Path, auto: str = "AutoModelForSequenceClassification", **fields
+             ) -> dict[str, Path]:
+    """Adapter "a" on Wqkv, Wo, Wi and the head's dense; "b" on Wqkv of layer 1 and Wi by a regex (of ``auto``'s
+    model)."""
     targets = (["Wqkv", "Wo", "Wi", "dense"], r".*layers\.1\.attn\.Wqkv|.*mlp\.Wi")
-    base = transformers.AutoModelForSequenceClassification.from_pretrained
+    base = getattr(transformers, auto).from_pretrained
     return {name: peft_adapter(base(directory), root / name, seed=i, r=2 + i, lora_alpha=4, target_modules=t,
                                **fields)
             for i, (name, t) in enumerate(zip("ab", targets, strict=True))}
@@ -240,3 +244,33 @@ def test_a_copy_of_the_head_with_its_norm_is_refused_by_name(peft_directory, tmp
     with pytest.raises(AdapterError, match=r"modules_to_save \['head'\] is not supported"):
         check_adapter(checkpoint.model, adapter, "a", checkpoint.adapter_layout)
 
+
+
+def test_token_head_adapters_give_peft_token_logits_alone_and_mixed_and_save_back(tmp_path):
+    """TOKEN_CLS adapters on the token head (LoRA on head.dense, our pooler; their own ``classifier``): each real
+    token's logits are PeftModel's in float32 and float64, alone and mixed per row; ours saved back load in PEFT; a
+    copy of ``head`` (its norm) stays refused by name."""
+    from tests.model.test_hf_encoder_peft import assert_alone_and_mixed, hf_token_logits, real_token_logits
+
+    pytest.importorskip("peft")
+    directory = modernbert_directory(tmp_path / "hf", "token")
+    paths = adapters(directory, tmp_path, auto="AutoModelForTokenClassification", task_type="TOKEN_CLS")
+    for dtype, tolerance in ((torch.float32, ATOL), (torch.float64, 1e-9)):
+        checkpoint = load_hf_checkpoint(directory, device="cpu", dtype=dtype)
+        model = checkpoint.model
+        for name, path in paths.items():
+            load_adapter(model, path, name, layout=checkpoint.adapter_layout)
+        assert isinstance(model.classifier, HeadCopies) and list(model.classifier.copies) == ["a", "b"]
+        assert "pooler" in layers_with(model, "a")
+        ids = transformers.AutoTokenizer.from_pretrained(directory)(TEXTS4, padding=True,
+                                                                    return_tensors="pt")["input_ids"]
+        expected = {name: hf_token_logits(directory, paths.get(name), dtype, TEXTS4) for name in ("a", "b", None)}
+        assert all((expected[n] - expected[None]).abs().max() > 1e-2 for n in "ab")
+        assert_alone_and_mixed(model, ids, expected, partial(real_token_logits, model), tolerance)
+    save_adapter(model, "a", tmp_path / "saved", layout=checkpoint.adapter_layout)
+    assert (hf_token_logits(directory, tmp_path / "saved", torch.float64, TEXTS4) - expected["a"]).abs().max() < 1e-9
+    base = transformers.AutoModelForTokenClassification.from_pretrained(directory)
+    head = peft_adapter(base, tmp_path / "head", seed=5, r=2, lora_alpha=4, target_modules=["Wqkv"],
+                        modules_to_save=["head"])
+    with pytest.raises(AdapterError, match=r"modules_to_save \['head'\] is not supported"):
+        check_adapter(model, head, "c", checkpoint.adapter_layout)

@@ -7,11 +7,13 @@ transformers' logit of each (query, document) pair through that activation, and 
 sentence-transformers' layout (max pooling): its scores are the cosine of transformers' pooled vectors, and of
 ``SentenceTransformer.encode``'s. GPT-2 stands for a model that cannot rerank. A one-label
 ModernBertForSequenceClassification reranks as the BERT cross-encoder does, and a ModernBertForTokenClassification
-serves /entities as transformers' token-classification pipeline finds them (tests/model/hf_modernbert.py).
+serves /entities as transformers' token-classification pipeline finds them (tests/model/hf_modernbert.py), with a
+TOKEN_CLS adapter as the pipeline over its PeftModel, also beside a base request.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -37,6 +39,7 @@ DOCUMENTS = ["jumps over the lazy dog", "print('hello')", "the fox", "for i in r
              "Élan vital, déjà vu"]
 LONG = "the quick brown fox jumps over the lazy dog " * 12  # over MAX_TOKENS tokens
 ADAPTER = "seq-cls"
+NER_ADAPTER = "token-cls"
 
 
 def cross_encoder_directory(directory: Path, activation: str | None) -> Path:
@@ -64,7 +67,10 @@ def served(tmp_path_factory):
                  lora_alpha=4, target_modules=["query", "value"])
     gpt2_directory(models / "gpt2")
     modernbert_directory(models / "ce-modernbert", "one-label", seed=3)
-    modernbert_directory(models / "ner-modernbert", "token", seed=4)
+    ner = modernbert_directory(models / "ner-modernbert", "token", seed=4)
+    peft_adapter(transformers.AutoModelForTokenClassification.from_pretrained(ner),
+                 root / "adapters" / "ner-modernbert" / NER_ADAPTER, 5, r=2, lora_alpha=4, task_type="TOKEN_CLS",
+                 target_modules=["Wqkv", "Wo", "dense"])
     env = dict(TSERVE_MAX_RERANK_DOCUMENTS=str(MAX_DOCUMENTS), TSERVE_WARMUP="false")
     with running_server(models, root / "adapters", **env) as server, server.client() as client:
         yield client, models, root / "adapters"
@@ -255,6 +261,38 @@ def test_a_modernbert_token_classifier_finds_the_entities_of_the_transformers_pi
         want = pipe(text)
         assert [{**e, "score": None} for e in got] == [{**w, "score": None} for w in want], text
         assert all(abs(e["score"] - float(w["score"])) < 1e-5 for e, w in zip(got, want, strict=True)), text
+
+
+def test_a_modernbert_token_classifier_adapter_finds_the_entities_of_its_peft_model(served):
+    """``adapter``: the pipeline's entities over the PeftModel (LoRAs and the adapter's own classifier); sent at
+    once with a base request, each gets its own."""
+    client, models, adapters = served
+    directory = models / "ner-modernbert"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    base = transformers.AutoModelForTokenClassification.from_pretrained(directory).eval()
+    peft_model = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForTokenClassification.from_pretrained(directory), adapters / "ner-modernbert" /
+        NER_ADAPTER).eval()
+    pipes = {adapter: transformers.pipeline("token-classification", model=model, tokenizer=tokenizer,
+                                            aggregation_strategy="simple")
+             for adapter, model in ((None, base), (NER_ADAPTER, peft_model))}
+    wanted = {adapter: [pipe(text) for text in TEXTS] for adapter, pipe in pipes.items()}
+    assert wanted[None] != wanted[NER_ADAPTER]  # the adapter changes the entities
+    assert all(sum(map(len, w)) >= len(TEXTS) for w in wanted.values())  # entities found, not all "O"
+
+    def entities(adapter: str | None) -> list[list[dict]]:
+        body = {"inputs": TEXTS, "aggregation_strategy": "simple", "adapter": adapter}
+        response = client.post("/v1/models/ner-modernbert/entities", json=body)
+        assert response.status_code == 200, response.text
+        return response.json()["outputs"]
+
+    sent = [NER_ADAPTER, None, NER_ADAPTER]
+    with ThreadPoolExecutor(len(sent)) as pool:
+        answers = list(pool.map(entities, sent))
+    for adapter, outputs in zip(sent, answers, strict=True):
+        for text, got, want in zip(TEXTS, outputs, wanted[adapter], strict=True):
+            assert [{**e, "score": None} for e in got] == [{**w, "score": None} for w in want], (adapter, text)
+            assert all(abs(e["score"] - float(w["score"])) < 1e-5 for e, w in zip(got, want, strict=True)), text
 
 
 @pytest.mark.parametrize("config, want", [
