@@ -146,10 +146,13 @@ def ort_scorer(engines: Engines, session) -> Scorer:
     return logits
 
 
-def scorers(engines: Engines, threads: int) -> dict[str, Scorer]:
-    """Every engine's pair logits at ``threads`` (ONNX Runtime: its session of that thread count)."""
-    out = {"ours": ours_scorer(engines, False), "ours int8": ours_scorer(engines, True), "HF": hf_scorer(engines)}
-    out |= {f"ORT {kind}": ort_scorer(engines, engines.ort[kind, threads]) for kind in ("fp32", "int8")
+def scorers(engines: Engines, threads: int, ours: Callable | None = None, hf: Callable | None = None,
+            ort: Callable | None = None) -> dict[str, Callable]:
+    """Every engine's scorer at ``threads`` (ONNX Runtime: its session of that thread count), built by ``ours(engines,
+    int8)``, ``hf(engines)``, ``ort(engines, session)``: this module's pair scorers unless given (NER's token ones)."""
+    ours, hf, ort = ours or ours_scorer, hf or hf_scorer, ort or ort_scorer
+    out = {"ours": ours(engines, False), "ours int8": ours(engines, True), "HF": hf(engines)}
+    out |= {f"ORT {kind}": ort(engines, engines.ort[kind, threads]) for kind in ("fp32", "int8")
             if (kind, threads) in engines.ort}
     return out
 

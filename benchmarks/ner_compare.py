@@ -139,10 +139,7 @@ def ort_scorer(engines: Engines, session) -> TokenScorer:
 
 def scorers(engines: Engines, threads: int) -> dict[str, TokenScorer]:
     """Every engine's token logits at ``threads`` (ONNX Runtime: its session of that thread count)."""
-    out = {"ours": ours_scorer(engines, False), "ours int8": ours_scorer(engines, True), "HF": hf_scorer(engines)}
-    out |= {f"ORT {kind}": ort_scorer(engines, engines.ort[kind, threads]) for kind in ("fp32", "int8")
-            if (kind, threads) in engines.ort}
-    return out
+    return encoder_compare.scorers(engines, threads, ours_scorer, hf_scorer, ort_scorer)
 
 
 def probabilities(scorer: TokenScorer, rows: Rows) -> Callable[[], list[int]]:

@@ -19,19 +19,18 @@ from typing import Any
 import sentencepiece
 
 from model.hf.cleanup import clean_up_tokenization, cleans_up
-from model.hf.common import HFImportError, read_bytes, read_json
+from model.hf.common import HFImportError
 from model.hf.languages import Languages, language_tokens, read_languages, token_text
-from model.tokenizer import MAX_PIECE_BYTES
+from model.hf.spm_vocab import PieceTable, read_spm, read_vocab
 
 SPM, VOCAB = "sentencepiece.bpe.model", "vocab.json"
 M2M100_FILES = (SPM, VOCAB)
 MAX_FILE_BYTES = 32 << 20  # M2M100's vocab.json is ~2.7 MB, its SentencePiece model ~2.4 MB
 MAX_UNKNOWN_BYTES = 4  # a character the vocabulary lacks is one <unk>: at most 4 UTF-8 bytes
-SPIECE_UNDERLINE = "\u2581"
 ROLES = {"bos": "<s>", "eos": "</s>", "unk": "<unk>", "pad": "<pad>"}  # M2M100Tokenizer's defaults
 
 
-class M2M100SpmTokenizer:
+class M2M100SpmTokenizer(PieceTable):
     """M2M100Tokenizer with our Tokenizer's interface (encodes and decodes: source and target share it)."""
 
     uses_own_template = True  # inputs are __src__ pieces </s>, as tokenizer(text) gives them in transformers
@@ -56,10 +55,6 @@ class M2M100SpmTokenizer:
         self.max_token_bytes = max(MAX_UNKNOWN_BYTES, *(len(piece.encode("utf-8")) for piece in vocab))
         self._clean_up = cleans_up(settings, bpe=False)  # a Python class: whatever the SentencePiece model
 
-    @property
-    def vocab_size(self) -> int:
-        return max(self._pieces) + 1
-
     def token_to_id(self, token: str) -> int | None:
         """The id of a vocabulary piece or language token (None where neither)."""
         return self._ids.get(token)
@@ -68,9 +63,6 @@ class M2M100SpmTokenizer:
         """Ids of ``text``'s pieces (optionally wrapped in ``<s>`` ... ``</s>``)."""
         ids = [self._vocab.get(piece, self.unk_id) for piece in self._spm.encode(text, out_type=str)]
         return [self.bos_id] * add_bos + ids + [self.eos_id] * add_eos
-
-    def encode_batch(self, texts: Sequence[str], add_bos: bool = False, add_eos: bool = False) -> list[list[int]]:
-        return [self.encode(t, add_bos, add_eos) for t in texts]
 
     def encode_templated(self, texts: Sequence[str]) -> list[list[int]]:
         """What M2M100Tokenizer's ``tokenizer(text)`` gives: ``__src_lang__`` (tokenizer_config.json's), the pieces'
@@ -92,18 +84,6 @@ class M2M100SpmTokenizer:
         text = (out + self._spm.decode(run)).strip()
         return clean_up_tokenization(text) if self._clean_up else text
 
-    def decode_batch(self, seqs: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
-        return [self.decode(s, skip_special_tokens) for s in seqs]
-
-    def token_strings(self, ids: Sequence[int]) -> list[str]:
-        """Readable piece per id (the SentencePiece word mark shown as a space)."""
-        pieces = []
-        for i in map(int, ids):
-            if i not in self._pieces:
-                raise ValueError(f"token id {i} is outside the vocabulary (size {self.vocab_size})")
-            pieces.append(self._pieces[i].replace(SPIECE_UNDERLINE, " "))
-        return pieces
-
 
 def load_m2m100_tokenizer(directory: Path, settings: dict[str, Any]) -> M2M100SpmTokenizer:
     """``directory``'s M2M100Tokenizer (``settings``: its tokenizer_config.json)."""
@@ -111,17 +91,7 @@ def load_m2m100_tokenizer(directory: Path, settings: dict[str, Any]) -> M2M100Sp
     if settings.get("sp_model_kwargs"):  # sampling (enable_sampling, alpha): not what a served model should do
         raise HFImportError(f"tokenizer_config.json: sp_model_kwargs={settings['sp_model_kwargs']!r} is not supported "
                             "(only the SentencePiece model's own settings)")
-    processor = sentencepiece.SentencePieceProcessor()
-    try:
-        processor.LoadFromSerializedProto(read_bytes(directory / SPM, MAX_FILE_BYTES, hint))
-    except (RuntimeError, OSError, ValueError) as exc:
-        raise HFImportError(f"{SPM}: not a SentencePiece model: {str(exc)[:200]}") from None
-    vocab = read_json(directory / VOCAB, MAX_FILE_BYTES, hint=hint)
-    ids = list(vocab.values()) if isinstance(vocab, dict) else []
-    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids) \
-            or sorted(ids) != list(range(len(ids))):
+    vocab = read_vocab(directory / VOCAB, MAX_FILE_BYTES, hint)
+    if sorted(vocab.values()) != list(range(len(vocab))):
         raise HFImportError(f"{VOCAB}: expected the ids 0..n-1, each once (the language tokens follow them)")
-    longest = max(vocab, key=lambda piece: len(piece.encode("utf-8")))
-    if len(longest.encode("utf-8")) > MAX_PIECE_BYTES:
-        raise HFImportError(f"{VOCAB}: the piece {longest[:40]!r}... is over the limit of {MAX_PIECE_BYTES} bytes")
-    return M2M100SpmTokenizer(processor, vocab, settings)
+    return M2M100SpmTokenizer(read_spm(directory / SPM, MAX_FILE_BYTES, hint), vocab, settings)

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import sentencepiece
 
-from model.hf.common import HFImportError, read_bytes, read_json
-from model.tokenizer import MAX_PIECE_BYTES
+from model.hf.common import HFImportError, read_json
+from model.hf.languages import token_text
+from model.hf.spm_vocab import SPIECE_UNDERLINE, PieceTable, read_spm, read_vocab
 
 SOURCE_SPM, TARGET_SPM, VOCAB, TARGET_VOCAB = "source.spm", "target.spm", "vocab.json", "target_vocab.json"
 CONFIG = "tokenizer_config.json"
@@ -24,10 +24,9 @@ MARIAN_FILES = (SOURCE_SPM, TARGET_SPM, VOCAB, TARGET_VOCAB, CONFIG)  # everythi
 MAX_FILE_BYTES = 16 << 20  # OPUS-MT's vocab.json is ~1.5 MB, each .spm ~0.8 MB; JSON parses to ~10x its size
 HINT = f"an OPUS-MT directory needs {SOURCE_SPM}, {TARGET_SPM} and {VOCAB}"
 MAX_UNKNOWN_BYTES = 4  # a character neither vocabulary knows is one <unk>: at most 4 UTF-8 bytes
-SPIECE_UNDERLINE = "\u2581"
 
 
-class MarianSideTokenizer:
+class MarianSideTokenizer(PieceTable):
     """One side of an OPUS-MT tokenizer (source: encodes; target: decodes), with our Tokenizer's interface."""
 
     uses_own_template = True  # inputs are pieces + </s>, as tokenizer(text) gives them in transformers
@@ -50,10 +49,6 @@ class MarianSideTokenizer:
             raise HFImportError(f"{VOCAB}: the {role} token {text!r} is not in the vocabulary")
         return vocab[text]
 
-    @property
-    def vocab_size(self) -> int:
-        return max(self._pieces) + 1
-
     def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
         """Ids of ``text``'s pieces (``add_eos``: then ``</s>``; there is no start token)."""
         if add_bos:
@@ -63,9 +58,6 @@ class MarianSideTokenizer:
             code, text = [self._vocab.get(text[: end + 2], self.unk_id)], text[end + 2 :]
         ids = code + [self._vocab.get(p, self.unk_id) for p in self._spm.encode(text, out_type=str)]
         return ids + [self.eos_id] * add_eos
-
-    def encode_batch(self, texts: Sequence[str], add_bos: bool = False, add_eos: bool = False) -> list[list[int]]:
-        return [self.encode(t, add_bos, add_eos) for t in texts]
 
     def encode_templated(self, texts: Sequence[str]) -> list[list[int]]:
         """What MarianTokenizer's ``tokenizer(text)`` gives: the pieces' ids, then ``</s>``."""
@@ -86,18 +78,6 @@ class MarianSideTokenizer:
         out += self._spm.decode_pieces(run)
         return out.replace(SPIECE_UNDERLINE, " ").strip()
 
-    def decode_batch(self, seqs: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
-        return [self.decode(s, skip_special_tokens) for s in seqs]
-
-    def token_strings(self, ids: Sequence[int]) -> list[str]:
-        """Readable piece per id (the SentencePiece word mark shown as a space)."""
-        pieces = []
-        for i in map(int, ids):
-            if i not in self._pieces:
-                raise ValueError(f"token id {i} is outside the vocabulary (size {self.vocab_size})")
-            pieces.append(self._pieces[i].replace(SPIECE_UNDERLINE, " "))
-        return pieces
-
 
 def is_marian_tokenizer(directory: Path) -> bool:
     return (directory / SOURCE_SPM).is_file()
@@ -106,36 +86,10 @@ def is_marian_tokenizer(directory: Path) -> bool:
 def load_marian_tokenizers(directory: Path) -> tuple[MarianSideTokenizer, MarianSideTokenizer]:
     """(source side, target side) of ``directory``'s OPUS-MT tokenizer."""
     config = read_json(directory / CONFIG, MAX_FILE_BYTES) if (directory / CONFIG).is_file() else {}
-    tokens = {role: _token(config.get(f"{role}_token"), default)
+    tokens = {role: token_text(config.get(f"{role}_token")) or default
               for role, default in (("unk", "<unk>"), ("eos", "</s>"), ("pad", "<pad>"))}
-    vocab = _vocab(directory / VOCAB)
-    target_vocab = _vocab(directory / TARGET_VOCAB) if config.get("separate_vocabs") else vocab
-    return (MarianSideTokenizer(_spm(directory / SOURCE_SPM), vocab, tokens),
-            MarianSideTokenizer(_spm(directory / TARGET_SPM), target_vocab, tokens))
-
-
-def _token(value: Any, default: str) -> str:
-    text = value.get("content") if isinstance(value, dict) else value  # an AddedToken's fields, or its text
-    return text if isinstance(text, str) else default
-
-
-def _spm(path: Path) -> sentencepiece.SentencePieceProcessor:
-    processor = sentencepiece.SentencePieceProcessor()
-    try:
-        processor.LoadFromSerializedProto(read_bytes(path, MAX_FILE_BYTES, HINT))
-    except (RuntimeError, OSError, ValueError) as exc:
-        raise HFImportError(f"{path.name}: not a SentencePiece model: {str(exc)[:200]}") from None
-    return processor
-
-
-def _vocab(path: Path) -> dict[str, int]:
-    vocab = read_json(path, MAX_FILE_BYTES, hint=HINT)
-    ids = list(vocab.values())
-    if not vocab or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids) \
-            or len(set(ids)) != len(ids):
-        raise HFImportError(f"{path.name}: expected distinct non-negative integer ids")
-    longest = max(vocab, key=lambda piece: len(piece.encode("utf-8")))
-    if len(longest.encode("utf-8")) > MAX_PIECE_BYTES:  # the service's byte bound before encoding would bound nothing
-        raise HFImportError(f"{path.name}: the piece {longest[:40]!r}... is {len(longest.encode('utf-8'))} bytes long, "
-                            f"over the limit of {MAX_PIECE_BYTES}")
-    return vocab
+    vocab = read_vocab(directory / VOCAB, MAX_FILE_BYTES, HINT)
+    separate = config.get("separate_vocabs")
+    target_vocab = read_vocab(directory / TARGET_VOCAB, MAX_FILE_BYTES, HINT) if separate else vocab
+    return (MarianSideTokenizer(read_spm(directory / SOURCE_SPM, MAX_FILE_BYTES, HINT), vocab, tokens),
+            MarianSideTokenizer(read_spm(directory / TARGET_SPM, MAX_FILE_BYTES, HINT), target_vocab, tokens))
