@@ -1,5 +1,6 @@
 """Vocabulary maps on the opus-mt shape: `python -m benchmarks.vmap [--threads 1 2] [--repeats 5] [--per-token 24]
-[--always 1000] [--quick] [--tiny]`.
+[--always 1000] [--quick] [--tiny]`; on a multilingual shape with a map per target language: `python -m
+benchmarks.vmap --shape nllb-200-distilled-600m [--always 2500] ...` (see :func:`run_language_shape`).
 
 The lever of issue 19 that CTranslate2 offers as ``use_vmap``: a translation scores only its source's candidate
 target tokens (model.vocab_map, model.restricted_vocab) instead of OPUS-MT's 58,101. The shape is
@@ -78,6 +79,8 @@ def ct2_runner(translator: peers.CT2Process, pieces: list[str], inputs: torch.Te
 
 
 def run(args: argparse.Namespace) -> str:
+    if args.shape != "opus-mt":
+        return run_language_shape(args)
     files = shapes.build("opus-mt", tiny=args.tiny)
     ours = load_checkpoint(files.hf, device="cpu")
     prepare_for_inference(ours.model, "none")
@@ -144,9 +147,158 @@ def report(args: argparse.Namespace, cells: list[Cell], candidates: list, with_c
     ])
 
 
+def run_language_shape(args: argparse.Namespace) -> str:
+    """A multilingual shape (nllb-200-distilled-600m: 256,206 tokens) translating into its target language with a
+    map for that language alone, as a directory's ``vmaps/<code>.txt`` (written into a copy of links, loaded by
+    load_checkpoint + checkpoint_vocabulary_map as the service does). The map is synthetic and of a real one's size:
+    ``--always`` random ids (specials added) plus ``--per-token`` per source token, a few thousand candidates per
+    source (a map built from a corpus keeps a few thousand of a language's tokens). Cells greedy and beam 4 at batch
+    1 (batch 16 without ``--quick``), 32-token sources, exactly 64 new tokens, the language token forced first; ours
+    fp32 and int8 (``--precision``: one alone holds less memory) with and without the map, timed alternately, each
+    with the floor of the cell without a map (benchmarks/shape_compare.py's, at the bandwidth read during the cell).
+    No HF or CTranslate2 in this process (NLLB's engines hold 13-17 GB together). Random weights: the map changes
+    the outputs, so their overlap with the unrestricted ones is reported, not their quality; each output is checked
+    to keep to its candidates."""
+    from benchmarks import floor, shape_compare
+    from benchmarks.shape_engines import forced_first_id
+    from model.checkpoint import checkpoint_vocabulary_map
+    from model.vocab_map import language_map_path
+
+    spec = shapes.shape(args.shape, args.tiny)
+    files = shapes.build(args.shape, tiny=args.tiny)
+    forced, code = forced_first_id(files), spec.forced_first
+    length, new_tokens = (TINY_SOURCE_TOKENS, TINY_NEW_TOKENS) if args.tiny else (SOURCE_TOKENS, NEW_TOKENS)
+    grid = QUICK if args.quick or args.tiny else GRID
+    inputs = {batch: random_ids(spec, batch, length, seed=batch) for _, batch in grid}
+    every_source = [s for batch in inputs.values() for s in batch.tolist()]
+    work = Path(tempfile.mkdtemp(prefix="bench-vmap-"))
+    try:
+        for item in files.hf.iterdir():
+            (work / item.name).symlink_to(item)
+        ours = {kind: load_checkpoint(work, device="cpu") for kind in args.precision}
+        for kind, checkpoint in ours.items():
+            prepare_for_inference(checkpoint.model, "none" if kind == "fp32" else kind)
+        maps_of = next(iter(ours.values()))  # the map is read as the service reads it, from the model's directory
+        config, tokenizer = maps_of.config, maps_of.tokenizer
+        specials = {i for i in (config.eos_id, config.pad_id, config.bos_id) if i is not None}
+        vmap = synthetic_map(spec.vocab, specials, every_source, args.per_token, min(args.always, spec.vocab // 2))
+        path = language_map_path(work, code)
+        path.parent.mkdir()
+        path.write_text(vmap.dump(tokenizer.backend.id_to_token, tokenizer.backend.id_to_token), encoding="utf-8")
+        maps = checkpoint_vocabulary_map(maps_of)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    rates = shape_compare.measure_rates(spec, args.threads)
+    probe = floor.BandwidthProbe(shape_compare.weight_bytes(spec), args.threads)
+    cells, rows = [], []
+    for beams, batch in grid:
+        label = "greedy" if beams == 1 else f"beam {beams}"
+        logger.info("vmap %s: %s batch %d (%s)", spec.name, label, batch, load())
+        sources = inputs[batch].tolist()
+        config, first = generation_config(maps_of, beams, new_tokens), [forced] * batch
+        allowed = [maps.candidates_in(s, forced) for s in sources]
+        outputs: dict[str, list[list[int]]] = {}
+
+        def runner(engine: str, vocab_map, checkpoint, config=config, first=first, sources=sources,
+                   allowed=allowed, outputs=outputs):
+            def go() -> list[int]:
+                best = [h[0].tokens for h in generate_seq2seq(checkpoint.model, sources, config, vocab_map=vocab_map,
+                                                              forced_first=first)]
+                if vocab_map is not None and any(not set(t) <= set(a) for t, a in zip(best, allowed, strict=True)):
+                    raise RuntimeError("a translation with the map used a token outside its candidates")
+                outputs[engine] = best
+                return [len(t) for t in best]
+            return go
+
+        variants = {}
+        for n in args.threads:
+            for kind, checkpoint in ours.items():
+                name = "ours" if kind == "fp32" else "ours int8"
+                variants[f"{name}@{n}"] = (n, runner(name, None, checkpoint))
+                variants[f"{name} vmap@{n}"] = (n, runner(f"{name} vmap", maps, checkpoint))
+        cell = alternate(Cell(spec.name, label, batch, beams, batch * new_tokens, length=length), variants,
+                         new_tokens, args.repeats, args.prune, probe)
+        cells.append(cell)
+        rows.append((sum(map(len, allowed)) / batch, len(set().union(*allowed)),
+                     {kind: overlap(outputs[f"{kind} vmap"], outputs[kind]) for kind in ("ours", "ours int8")
+                      if kind in outputs}))
+    rates = rates.best_with(shape_compare.measure_rates(spec, args.threads))
+    slicing = {kind: head_slicing_ms(checkpoint, allowed) for kind, checkpoint in ours.items()}
+    report = language_report(args, spec, cells, rows, shape_compare.floors(cells, spec, rates, new_tokens), code)
+    return report + "\n\nSlicing the head to a restriction's rows (its first step, once per restriction: each new " \
+        "batch): " + ", ".join(f"{kind} {ms:,.0f} ms" for kind, ms in slicing.items())
+
+
+def head_slicing_ms(checkpoint: Checkpoint, allowed: list[list[int]]) -> float:
+    """Milliseconds a new restriction's first head call takes beyond a later one's: slicing the head's rows (the
+    median of 3 restrictions)."""
+    import statistics
+    import time
+
+    from model.restricted_vocab import VocabularyRestriction
+
+    head, hidden = checkpoint.model.lm_head, torch.randn(len(allowed), checkpoint.config.d_model)
+    extra = []
+    with torch.inference_mode():
+        for _ in range(3):
+            restriction = VocabularyRestriction.of_rows(allowed, checkpoint.config.vocab_size, "cpu")
+            times = []
+            for _ in range(2):
+                start = time.perf_counter()
+                restriction.logits(head, hidden)
+                times.append(time.perf_counter() - start)
+            extra.append(times[0] - times[1])
+    return 1e3 * statistics.median(extra)
+
+
+def overlap(mapped: list[list[int]], full: list[list[int]]) -> tuple[float, float]:
+    """(share of positions where the two outputs hold the same token, share of the full outputs' distinct tokens
+    that the mapped ones hold too), over the rows."""
+    same = sum(a == b for m, f in zip(mapped, full, strict=True) for a, b in zip(m, f, strict=False))
+    kept = sum(len(set(m) & set(f)) for m, f in zip(mapped, full, strict=True))
+    return same / sum(map(len, full)), kept / sum(len(set(f)) for f in full)
+
+
+def language_report(args: argparse.Namespace, spec: shapes.Shape, cells: list[Cell], rows: list, limits: dict,
+                    code: str) -> str:
+    from benchmarks import shape_compare
+
+    fp32_bytes = shape_compare.weight_bytes(spec)[0]
+    engines = ["ours", "ours vmap", "ours int8", "ours int8 vmap"]
+    table = []
+    for cell, (mean, union, overlaps) in zip(cells, rows, strict=True):
+        fp32, int8 = limits[cell.family, cell.batch, cell.label]
+        shares = []
+        for engine in engines:
+            best = cell.best(engine)
+            shares.append(f"{best[0] * (int8 if 'int8' in engine else fp32) / cell.items:.0%}" if best else "-")
+        read = cell.read_bandwidth().get(fp32_bytes)
+        table.append([f"{cell.label} b{cell.batch}", f"{mean:,.0f} / {union:,}", *[rate(cell, e) for e in engines],
+                      *[ratio_text(cell.ratio(f"{e} vmap", e)) for e in ("ours", "ours int8")],
+                      *shares, f"{read / 1e9:.1f}" if read else "-",
+                      *[f"{overlaps[e][0]:.0%} / {overlaps[e][1]:.0%}" if e in overlaps else "-"
+                        for e in ("ours", "ours int8")]])
+    headers = ["cell", "candidates per row / batch union", *[f"{e} tok/s" for e in engines], "fp32: vmap / plain",
+               "int8: vmap / plain", *[f"{e} % of the no-map floor" for e in engines], "read GB/s",
+               "fp32 overlap (positions / tokens)", "int8 overlap"]
+    return "\n".join([
+        f"Machine: {machine_line()}",
+        f"Shape: {spec.name}{' (tiny)' if args.tiny else ''} (random weights, vocabulary {spec.vocab:,}), target "
+        f"{code} forced first; map vmaps/{code}.txt: {args.always} tokens always + {args.per_token} per source token "
+        f"(synthetic); threads {', '.join(map(str, args.threads))}, medians of {args.repeats}",
+        "",
+        markdown_table(headers, table),
+    ])
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=["opus-mt", "nllb-200-distilled-600m"], default="opus-mt",
+                        help="opus-mt (one map, CTranslate2 beside ours) or a multilingual shape (a map per target "
+                        "language, ours fp32 and int8 only)")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="thread counts tried per engine")
+    parser.add_argument("--precision", nargs="+", choices=["fp32", "int8"], default=["fp32", "int8"],
+                        help="a multilingual shape's engines (one alone holds less memory: NLLB fp32 ~7 GB)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per variant (median)")
     parser.add_argument("--per-token", type=int, default=24, help="map candidates per source token")
     parser.add_argument("--always", type=int, default=1000, help="map tokens every source may use")

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from model.generation_config import GenerationConfig
-from model.logits import NEG_INF, log_probs, mask_banned, top_k
+from model.logits import NEG_INF, banned_ids, forces_eos, fused_beam_top_k, log_probs, mask_banned, top_k
 from model.search import Hypothesis, Search
 
 
@@ -71,18 +71,11 @@ class BeamSearch(Search):
             if self.config.logprobs is not None:
                 self._alternatives = _BeamAlternatives(self.num_inputs, min(self.config.logprobs, vocab), device)
         sentences, width = self._scores.shape
-        logprobs = log_probs(logits)
-        if self._alternatives is not None:
-            self._alternatives.observe(logprobs)  # before the bans below change it in place
-        if self.config.reads_history:  # before mask_banned: a forced EOS wins over a repeat
-            self._history_rules(logprobs, self._sentences.repeat_interleave(width).tolist(), self._history.tolist())
-        logprobs = mask_banned(logprobs, self.step, self.config, inplace=True)
-        if self.config.renormalize:
-            logprobs = torch.log_softmax(logprobs, dim=-1)
-        flat = logprobs.view(sentences, width, vocab).add_(self._scores[:, :, None]).view(sentences, -1)
         # Enough candidates that `beams` live ones remain even if every beam's EOS/stop tokens rank first.
         count = min(beams * (1 + len(self.config.finish_token_ids)), width * vocab)
-        cand_scores, cand_ids = top_k(flat, count)  # (S, count), best first
+        fused = None if self._needs_distribution() else \
+            fused_beam_top_k(logits, self._scores, count, banned_ids(self.step, self.config))
+        cand_scores, cand_ids = fused if fused is not None else self._candidates(logits, count)  # (S, count)
         cand_tokens = cand_ids % vocab
         cand_rows = cand_ids // vocab + torch.arange(sentences, device=device)[:, None] * width
         finishing = torch.isin(cand_tokens, self._finish_ids)
@@ -112,6 +105,28 @@ class BeamSearch(Search):
         if self._alternatives is not None:
             self._alternatives.extend(parents, tokens)
         return tokens, parents
+
+    def _needs_distribution(self) -> bool:
+        """Whether this step needs every row's full log-probs (the rules that read or rewrite them: the history
+        rules, renormalize, a forced EOS, logprobs); else the fused top-k (model.logits.fused_beam_top_k) serves."""
+        config = self.config
+        return (config.reads_history or config.renormalize or config.logprobs is not None
+                or forces_eos(self.step, config))
+
+    def _candidates(self, logits: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The best ``count`` of every sentence's log-probs plus beam scores over the full distribution (S, count):
+        (values, ids of row-in-sentence * V + column), best first."""
+        (sentences, width), vocab = self._scores.shape, logits.size(1)
+        logprobs = log_probs(logits)
+        if self._alternatives is not None:
+            self._alternatives.observe(logprobs)  # before the bans below change it in place
+        if self.config.reads_history:  # before mask_banned: a forced EOS wins over a repeat
+            self._history_rules(logprobs, self._sentences.repeat_interleave(width).tolist(), self._history.tolist())
+        logprobs = mask_banned(logprobs, self.step, self.config, inplace=True)
+        if self.config.renormalize:
+            logprobs = torch.log_softmax(logprobs, dim=-1)
+        flat = logprobs.view(sentences, width, vocab).add_(self._scores[:, :, None]).view(sentences, -1)
+        return top_k(flat, count)
 
     def _finalize(self, scores: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, select: torch.Tensor) -> None:
         """Add the selected candidates (S, n) as finished hypotheses of their sentences: ended by their EOS or

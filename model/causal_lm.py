@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from model.config import CausalLMConfig
-from model.fast_step import run_decoder
+from model.fast_step import run_decoder, run_prefill
 from model.kernel_layers import Linear
 from model.kv_cache import KVCache
 from model.layers import Embeddings, LayerStack, causal_mask, init_weights
@@ -47,7 +47,7 @@ class CausalLM(nn.Module):
     def prefill(self, ids: torch.Tensor, lengths: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Run right-padded prompts ``ids`` (B, T) into ``cache``; return the logits (B, V) after each prompt."""
         positions, mask = cache.begin_step(ids.shape[1])
-        x, _ = self.decoder(self.embed(ids, positions), mask, cache=cache)
+        x = run_prefill(self.decoder, self.embed(ids, positions), mask, cache)
         cache.end_step(lengths, max_advance=ids.shape[1])
         last = x[torch.arange(ids.shape[0], device=ids.device), lengths - 1]  # (B, D)
         return self.lm_head(last)

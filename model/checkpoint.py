@@ -39,7 +39,14 @@ from model.hf.sentence import EmbeddingDefaults
 from model.lora_io import AdapterLayout
 from model.placeholders import MAX_SENTINELS, sentinel
 from model.tokenizer import Tokenizer, TokenizerError, file_limit
-from model.vocab_map import VMAP_FILE, VocabularyMap, VocabularyMapError, load_vocabulary_map
+from model.vocab_map import (
+    VMAP_FILE,
+    VMAPS_DIR,
+    AnyVocabularyMap,
+    VocabularyMapError,
+    load_language_maps,
+    load_vocabulary_map,
+)
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
@@ -280,22 +287,35 @@ def parameter_count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def checkpoint_vocabulary_map(checkpoint: Checkpoint) -> VocabularyMap | None:
-    """The vocabulary map of a seq2seq checkpoint (its directory's vmap.txt, in its vocabularies' tokens), or None
-    without one. Every special token and placeholder sentinel (model.placeholders) of the target side is always a
-    candidate; the source's own tokens are where the model shares one vocabulary. Raises VocabularyMapError."""
-    if checkpoint.family != "seq2seq" or checkpoint.path is None or not (checkpoint.path / VMAP_FILE).is_file():
+def checkpoint_vocabulary_map(checkpoint: Checkpoint) -> AnyVocabularyMap | None:
+    """The vocabulary map of a seq2seq checkpoint (its directory's vmap.txt, in its vocabularies' tokens; a
+    multilingual model's vmaps/<code>.txt, one per target language: model.vocab_map), or None without one. Every
+    special token and placeholder sentinel (model.placeholders) of the target side is always a candidate; the
+    source's own tokens are where the model shares one vocabulary. Raises VocabularyMapError."""
+    if checkpoint.family != "seq2seq" or checkpoint.path is None:
         return None
+    single, per_language = checkpoint.path / VMAP_FILE, checkpoint.path / VMAPS_DIR
+    if not single.is_file() and not per_language.exists():
+        return None
+    if single.is_file() and per_language.exists():
+        raise VocabularyMapError(f"{checkpoint.path}: holds both {VMAP_FILE} and {VMAPS_DIR}/; keep one (a "
+                                 f"multilingual model: {VMAPS_DIR}/<code>.txt per target language)")
     target, config = checkpoint.tokenizer, checkpoint.config
     always = {i for i in (target.pad_id, target.bos_id, target.eos_id, target.unk_id, config.pad_id, config.bos_id,
                           config.eos_id) if i is not None}
     for n in range(MAX_SENTINELS):
         always.update(target.encode(sentinel(n)))
+    lookups = (checkpoint.src_tokenizer.backend.token_to_id, target.backend.token_to_id)
+    if per_language.exists():
+        if checkpoint.languages is None or not per_language.is_dir():
+            raise VocabularyMapError(f"{per_language}: maps per target language are for a multilingual model's "
+                                     "directory (NLLB-200, M2M100, mBART-50); this model has no language codes")
+        return load_language_maps(per_language, checkpoint.languages.ids, *lookups, always,
+                                  copy_source=config.src_vocab_size is None)
     try:
-        return load_vocabulary_map(checkpoint.path / VMAP_FILE, checkpoint.src_tokenizer.backend.token_to_id,
-                                   target.backend.token_to_id, always, copy_source=config.src_vocab_size is None)
+        return load_vocabulary_map(single, *lookups, always, copy_source=config.src_vocab_size is None)
     except VocabularyMapError as exc:
-        raise VocabularyMapError(f"{checkpoint.path / VMAP_FILE}: {exc}") from None
+        raise VocabularyMapError(f"{single}: {exc}") from None
 
 
 def _load_tokenizer(path: Path, vocab_size: int) -> Tokenizer:

@@ -7,14 +7,17 @@ state.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from model.config import ClassifierConfig
-from model.fast_step import run_encoder
+from model.fast_step import ENCODER_CHUNK_TOKENS, run_encoder
 from model.kernel_layers import LayerNorm, Linear, activate
 from model.layers import Embeddings, LayerStack, init_weights, padding_mask
+from model.lora_layers import HeadCopies, LoRALinear
 
 POOLINGS = ("cls", "mean", "max")
 
@@ -111,8 +114,30 @@ class TransformerClassifier(nn.Module):
         if self.config.head != "sequence":
             raise ValueError("this model has a token classification head: it computes token_logits, not one "
                              "row of logits per text")
+        return self._by_length(ids, segments, self._logits)
+
+    def _logits(self, ids: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
         hidden, _ = self.encode(ids, segments, cls_only=True)
         return self.classifier(self.dropout(self.pool(hidden, ids)))
+
+    def _by_length(self, ids: torch.Tensor, segments: torch.Tensor | None,
+                   rows_out: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]) -> torch.Tensor:
+        """``rows_out(ids, segments)`` (one output row per input row) of an inference batch, computed over
+        :func:`length_groups`' groups (no per-row adapters: their routing follows the batch's rows) and put back
+        in order: each group's forward skips the padding its rows share (every row's output is its own)."""
+        if (self.training or torch.is_grad_enabled() or ids.shape[0] < 2 or not ids.shape[1]
+                or any(isinstance(m, (LoRALinear, HeadCopies)) and m.routing.groups is not None
+                       for m in self.modules())):
+            return rows_out(ids, segments)
+        groups = length_groups(ids, self.config.pad_id, ENCODER_CHUNK_TOKENS)
+        if len(groups) == 1 and groups[0][1] == ids.shape[1]:
+            return rows_out(ids, segments)
+        parts = [rows_out(ids[rows, :width], segments[rows, :width] if segments is not None else None)
+                 for rows, width in groups]
+        out = parts[0].new_empty(ids.shape[0], *parts[0].shape[1:])
+        for (rows, _), part in zip(groups, parts, strict=True):
+            out[rows] = part
+        return out
 
     def token_logits(self, ids: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
         """Each token's class logits (B, T, num_labels) of a token classification head (pad rows included: the
@@ -136,6 +161,9 @@ class TransformerClassifier(nn.Module):
         """Sentence embeddings (B, D): the [CLS] hidden state, or the mean or max over non-pad tokens."""
         if pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+        return self._by_length(ids, segments, lambda i, s: self._pooled(i, s, pooling))
+
+    def _pooled(self, ids: torch.Tensor, segments: torch.Tensor | None, pooling: str) -> torch.Tensor:
         hidden, _ = self.encode(ids, segments)
         if pooling == "cls":
             return hidden[:, 0]
@@ -143,6 +171,22 @@ class TransformerClassifier(nn.Module):
             keep = (ids != self.config.pad_id).unsqueeze(-1)
             return hidden.masked_fill(~keep, float("-inf")).amax(1)
         return _mean(hidden, ids, self.config.pad_id)
+
+
+def length_groups(ids: torch.Tensor, pad_id: int, tokens: int) -> list[tuple[torch.Tensor, int]]:
+    """The rows of ``ids`` (B, T) by length, in groups of about ``tokens`` positions (one row at least): (row indices,
+    width) per group, the width its longest row's (up to its last non-pad token), so the columns a group drops are
+    padding in each of its rows. A batch padded to its longest row (32 reranked pairs of 112-128 tokens) then
+    computes ~1% padding instead of ~6%."""
+    real = ids != pad_id
+    widths = (real * torch.arange(1, ids.shape[1] + 1, device=ids.device)).amax(1).clamp(min=1).tolist()
+    order = sorted(range(len(widths)), key=widths.__getitem__)
+    groups, start = [], 0
+    for end in range(1, len(order) + 1):
+        if end == len(order) or (end + 1 - start) * widths[order[end]] > tokens:
+            groups.append((torch.tensor(order[start:end], device=ids.device), widths[order[end - 1]]))
+            start = end
+    return groups
 
 
 def _mean(hidden: torch.Tensor, ids: torch.Tensor, pad_id: int) -> torch.Tensor:

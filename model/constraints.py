@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,7 +102,7 @@ def grammar_tokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
     """The library's view of ``tokenizer`` (built once per tokenizer)."""
     found = _TOKENIZERS.get(tokenizer)
     if found is None:
-        if not tokenizer.byte_level:
+        if not getattr(tokenizer, "byte_level", False):  # SentencePiece tokenizers have no such property
             raise ConstraintError("constrained decoding needs a byte-level BPE tokenizer (this model's is not)")
         found = llguidance.LLTokenizer(tokenizer.backend_json(), n_vocab=tokenizer.vocab_size,
                                        eos_token=tokenizer.eos_id)
@@ -157,30 +158,36 @@ class RowMatchers:
         self._words = (compiled.vocabulary.vocab_size + 31) // 32  # the library's mask: one bit per token
         self._bits = torch.arange(32, dtype=torch.int32)
 
-    def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits`` (rows, V) with -inf for every token that would leave its row's grammar (a new tensor)."""
+    def mask(self, logits: torch.Tensor, held: Sequence[bool] | None = None) -> torch.Tensor:
+        """``logits`` (rows, V) with -inf for every token that would leave its row's grammar (a new tensor). Rows
+        ``held`` (a translation's forced first token: a target language's, BART's ``<s>``, outside the text the
+        grammar reads) keep their logits."""
         bitmask = torch.empty(len(self.matchers), self._words, dtype=torch.int32)
         for row, matcher in enumerate(self.matchers):
             matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), self._words * 4)
         allowed = ((bitmask[:, :, None] >> self._bits) & 1).reshape(len(self.matchers), -1).bool()
+        if held is not None:
+            allowed[torch.tensor(held, dtype=torch.bool)] = True
         vocab = min(logits.shape[1], allowed.shape[1])
         masked = torch.full(logits.shape, float("-inf"), dtype=torch.float32, device=logits.device)
         keep = allowed[:, :vocab].to(logits.device)
         masked[:, :vocab] = logits[:, :vocab].float().masked_fill(~keep, float("-inf"))
         return masked
 
-    def advance(self, tokens: torch.Tensor, parents: torch.Tensor) -> None:
+    def advance(self, tokens: torch.Tensor, parents: torch.Tensor, held: Sequence[bool] | None = None) -> None:
         """Rows continue rows ``parents`` with ``tokens``: each takes its parent's matcher (a copy when a parent
-        has several children) and consumes its token. A row whose token was outside its grammar (beam search's
-        filler of an empty beam, scored -inf) keeps a matcher in error, which allows no token: the row stays dead."""
+        has several children) and consumes its token, but for children of rows ``held`` (see :meth:`mask`), whose
+        token is not text. A row whose token was outside its grammar (beam search's filler of an empty beam, scored
+        -inf) keeps a matcher in error, which allows no token: the row stays dead."""
         parents_list = parents.tolist()
         seen: set[int] = set()
         matchers = []
         for parent in parents_list:  # copies before any consumption: siblings start from their parent's state
             matchers.append(self.matchers[parent] if parent not in seen else self.matchers[parent].deep_copy())
             seen.add(parent)
-        for matcher, token in zip(matchers, tokens.tolist(), strict=True):
-            matcher.consume_token(token)  # an empty beam's filler token leaves its matcher in error: no token allowed
+        for matcher, token, parent in zip(matchers, tokens.tolist(), parents_list, strict=True):
+            if held is None or not held[parent]:
+                matcher.consume_token(token)  # an empty beam's filler leaves its matcher in error: no token allowed
         if matchers and all(m.is_error() for m in matchers):
             reason = matchers[0].get_error().strip().splitlines()[0]
             raise ConstraintError(f"no output can continue within the grammar: {reason}")

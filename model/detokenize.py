@@ -10,8 +10,10 @@ special token alone would let the decoder strip the first new token's space).
 Held back: text ending in an incomplete UTF-8 character ("\ufffd"), and every token of ``held`` (with a
 ByteFallback decoder: the <0xXX> byte pieces, and the special tokens decode skips, across which a run of byte
 pieces joins): a run of byte pieces decodes as a whole, one character, or one "\ufffd" per byte if any byte is
-wrong, so its text is known only when the run ends. The pieces joined equal ``decode(context + tokens)`` after
-``decode(context)``; the caller decodes the finished sequence once to flush what is still held.
+wrong, so its text is known only when the run ends; where decoded text is cleaned up (model.hf.cleanup), the tokens
+after which it may end in what a later token's clean-up changes (" n" of " n't"). The pieces joined equal
+``decode(context + tokens)`` after ``decode(context)``; the caller decodes the finished sequence once to flush what is
+still held.
 """
 
 from __future__ import annotations

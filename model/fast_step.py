@@ -36,7 +36,7 @@ from torch import nn
 
 from model import native
 from model.attention import MultiHeadAttention, decode_attention
-from model.kernel_layers import is_layer_norm, is_plain, linear
+from model.kernel_layers import is_layer_norm, is_plain, kernels_for, linear
 from model.kv_cache import KVCache, within_window
 from model.layers import LayerStack, TransformerLayer
 from model.lora_layers import LoRALinear
@@ -54,6 +54,20 @@ def _op(module: nn.Module) -> Op:
         shape, weight, bias, eps = module.normalized_shape, module.weight, module.bias, module.eps
         return lambda x: torch.layer_norm(x, shape, weight, bias, eps)
     return module.forward if not module._forward_hooks and not module._forward_pre_hooks else module
+
+
+def _final_norm(module: nn.Module) -> Op:
+    """The stack's final norm as :func:`_op` binds it; an RMSNorm on the kernels' row norm where they compute (1 us
+    where the module's four tensor ops took 23 us of each batch-1 step)."""
+    if not is_rms_norm(module) or module._forward_hooks or module._forward_pre_hooks:
+        return _op(module)
+    weight, eps, offset = module.weight, module.eps, module.offset
+
+    def norm(x: torch.Tensor) -> torch.Tensor:
+        kernels = kernels_for(x)
+        return module.forward(x) if kernels is None else kernels.rows_rms_norm(x, weight, eps, offset)
+
+    return norm
 
 
 @dataclass
@@ -213,7 +227,7 @@ class DecodePlan:
 
     def __init__(self, stack: LayerStack) -> None:
         self.layers = [_Layer.of(layer) for layer in stack.layers]
-        self.final_norm = _op(stack.final_norm) if stack.final_norm is not None else None
+        self.final_norm = _final_norm(stack.final_norm) if stack.final_norm is not None else None
         self.kernels = native.kernels()  # the process's kernels when the plan was built (plan_for compares)
         self.native = NativeStep.of(stack, self.kernels) if self.kernels is not None else None
         self.rotaries, self.rotary_of = rotary_kinds(stack)  # the distinct rotaries, each layer's among them
@@ -228,8 +242,10 @@ class DecodePlan:
         return all(map(operator.is_, map(dict.get, self._parents, self._names), self._children))
 
     def __call__(
-        self, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache, memory_mask: torch.Tensor | None = None
+        self, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache, memory_mask: torch.Tensor | None = None,
+        prefill: bool = False,
     ) -> torch.Tensor:
+        """One step of x (B, t, D) into ``cache``; ``prefill``: a prompt's tokens (NativeStep.prefill)."""
         kernels = self.kernels if self.native is not None else None
         deltas = (
             self.native.deltas(x.shape[0], x.shape[1])
@@ -246,7 +262,8 @@ class DecodePlan:
         if deltas is not None:
             window = None if self.window is None else _window_mask(mask, cache, x.shape[1], self.window)
             masks: Masks = (mask, window)
-            x = self.native(kernels, x, masks, cache, memory_mask, deltas, angles)
+            native_step = self.native.prefill if prefill else self.native
+            x = native_step(kernels, x, masks, cache, memory_mask, deltas, angles)
         else:
             by_window = {w: _window_mask(mask, cache, x.shape[1], w) for w in set(self.windows) - {None}}
             for i, layer in enumerate(self.layers):
@@ -300,6 +317,18 @@ def run_decoder(
     return plan_for(stack)(x, mask, cache, memory_mask)
 
 
+def run_prefill(stack: LayerStack, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache) -> torch.Tensor:
+    """A causal prompt's forward into ``cache`` (``stack(x, mask, cache=cache)[0]``): through the stack's plan, and
+    so the C++ step, while it takes the prompt in one step (``MAX_STEP_TOKENS`` tokens a row); LayerStack.forward
+    beyond: the interpreter's time per layer is then saved on the prompt too (32-token prompts: 1.2-1.5x faster on
+    SmolLM2 and Qwen2.5, fp32 and int8; docs/benchmarks.md, "Batch-1 decoding near the weight-read floor")."""
+    kernels = native.kernels()
+    if (kernels is None or x.shape[1] > kernels.MAX_STEP_TOKENS or x.device.type != "cpu" or stack.training
+            or not stack.native):
+        return stack(x, mask, cache=cache)[0]
+    return plan_for(stack)(x, mask, cache, None, prefill=True)
+
+
 # An encoder's inference forward over more tokens than this runs its rows in chunks of at most this many tokens
 # (one row at least), so that a chunk's activations stay in the caches: BERT-base at 64 rows x 256 tokens took
 # 1.17x (fp32) and 1.45x (int8) as long in one forward as in chunks of 1,024 tokens, whose speed held from
@@ -332,7 +361,7 @@ def run_encoder(
 def _encode(
     stack: LayerStack, x: torch.Tensor, mask: torch.Tensor | None, attention_weights: bool, keep_last: slice | None
 ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
-    """One forward of the stack. Rows of up to ``MAX_STEP_TOKENS`` positions in float32 CPU inference without
+    """One forward of the stack. Rows of up to ``MAX_ENCODE_TOKENS`` positions in float32 CPU inference without
     active adapters take the C++ stack (``DecoderStack.encode``), which saves the interpreter's time per layer
     (about 0.1 ms, a tenth of BERT-base's forward over 16 tokens); ``keep_last`` may then be None or the first
     position alone."""
@@ -345,7 +374,7 @@ def _encode(
         or plan.window is not None
         or x.device.type != "cpu"
         or torch.is_grad_enabled()
-        or x.shape[1] > plan.kernels.MAX_STEP_TOKENS
+        or x.shape[1] > plan.kernels.MAX_ENCODE_TOKENS
         or keep_last not in (None, slice(0, 1))
         or (mask is not None and mask.dtype != torch.bool)
         or (plan.relative_bias is not None and keep_last is not None)  # which LayerStack.forward refuses

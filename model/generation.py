@@ -20,7 +20,7 @@ from model.search import Hypothesis, Search, StopFn, force_first_tokens, run_sea
 from model.seq2seq import Seq2SeqTransformer
 from model.speculative import Drafter, SpeculativeConfig, make_drafter, next_draft, verify
 from model.tokenizer import Tokenizer, pad_batch
-from model.vocab_map import VocabularyMap
+from model.vocab_map import AnyVocabularyMap, target_languages
 
 
 class InputTooLongError(ValueError):
@@ -81,12 +81,13 @@ def generate_seq2seq(
     config: GenerationConfig,
     adapters: AdapterSelection = None,
     targets: Sequence[Sequence[int]] | None = None,
-    vocab_map: VocabularyMap | None = None,
+    vocab_map: AnyVocabularyMap | None = None,
     forced_first: Sequence[int | None] | None = None,
 ) -> list[list[Hypothesis]]:
     """Translate each source; returns per source the hypotheses of ``config`` (best first). ``targets``: per source,
     the start of its translation (target tokens) to continue; the hypotheses hold what follows it. ``vocab_map``:
-    each translation uses only its source's candidate tokens (model.vocab_map, CTranslate2's use_vmap).
+    each translation uses only its source's candidate tokens (model.vocab_map, CTranslate2's use_vmap; per-language
+    maps: its target language's, the language being its forced first token or its prefix's first token).
     ``forced_first``: per source, the token its translation must start with (a target language's, or None), generated
     as generate()'s forced_bos_token_id is (model.search.force_first_tokens); a source with a target prefix is
     continued from it instead, which must then start with that token."""
@@ -100,7 +101,9 @@ def generate_seq2seq(
     with torch.inference_mode(), _AdapterRows(model, adapters, len(sources)) as rows:
         capacity = config.max_new_tokens + 1 + max(map(len, targets))
         if vocab_map is not None:
-            search.vocabulary = VocabularyRestriction.of_sources(vocab_map, sources, model.config.vocab_size, device)
+            search.vocabulary = VocabularyRestriction.of_sources(
+                vocab_map, sources, model.config.vocab_size, device,
+                languages=target_languages(forced_first, targets, len(sources)))
         first, cache = model.start(src.to(device), capacity=capacity, targets=targets, vocabulary=search.vocabulary)
         if forced is not None:
             first = force_first_tokens(first, forced)

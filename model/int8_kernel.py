@@ -70,3 +70,9 @@ def unpack(packed: torch.Tensor, out: int, inp: int) -> torch.Tensor:
     """The inverse of :func:`pack`: int8 weights (out, in)."""
     blocks, steps = packed.shape[:2]
     return packed.permute(0, 2, 1, 3).reshape(blocks * 16, steps * 4)[:out, :inp]
+
+
+def unpack_rows(packed: torch.Tensor, ids: torch.Tensor, inp: int) -> torch.Tensor:
+    """Rows ``ids`` of :func:`unpack`'s weights (len(ids), in), read straight from the packed layout (a restricted
+    vocabulary's head: a few thousand of 256k rows without unpacking the rest)."""
+    return packed[ids // 16, :, ids % 16, :].reshape(ids.shape[0], -1)[:, :inp]

@@ -9,7 +9,11 @@ quantises its activations on the fly and runs an int8 GEMM. Two GEMMs (``model.i
 - fbgemm's ``quantized::linear_dynamic`` elsewhere: activations per tensor on 7 bits
   (``reduce_range=True``, PyTorch's default: CPUs without VNNI can saturate 16-bit sums otherwise).
 
-A leaf of the model package (model.quantize, model.lora and model.fast_step all import it).
+A FeedForward's fc1 may ask for its activation with the product (:meth:`Int8Linear.activated`): ours applies it to
+each output vector before storing it, so no pass over the (rows, d_ff) output follows.
+
+Near a leaf of the model package: it imports model.int8_kernel and model.kernel_layers only (model.layers,
+model.quantize, model.lora and model.fast_step import it).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 from torch import nn
 
 from model import int8_kernel
+from model.kernel_layers import activate
 
 # The overload's C++ entry point: skips per-call overload resolution and OpOverload.__call__'s Python-side
 # dispatch checks (4-7% of an int8 decode at batch 1-4 on this machine); the overload where it is absent.
@@ -41,7 +46,9 @@ class Int8Linear(nn.Module):
         if kernel is not None:
             q = (w / scales[:, None]).round_().clamp_(-127, 127).to(torch.int8)  # one float temporary, not three
             self.backend = "vnni"
-            self._kernel_linear = kernel.int8_linear
+            # the kernels' functions and enum, not their module: a deepcopy of the model copies neither
+            self._kernel_linear, self._kernel_activated = kernel.int8_linear, kernel.int8_linear_activated
+            self._activations = kernel.Activation
             self._packed = int8_kernel.pack(q)
             self._scales, self._sums, self._bias = scales, q.sum(dim=1, dtype=torch.int32), bias
             return
@@ -64,9 +71,10 @@ class Int8Linear(nn.Module):
             return Int8Linear(self.weight.index_select(0, ids), bias, self.reduce_range)
         layer = Int8Linear.__new__(Int8Linear)
         nn.Module.__init__(layer)
-        q = int8_kernel.unpack(self._packed, self.out_features, self.in_features).index_select(0, ids)
+        q = int8_kernel.unpack_rows(self._packed, ids, self.in_features)
         layer.out_features, layer.in_features, layer.reduce_range = ids.shape[0], self.in_features, self.reduce_range
         layer.backend, layer._kernel_linear, layer._packed = "vnni", self._kernel_linear, int8_kernel.pack(q)
+        layer._kernel_activated, layer._activations = self._kernel_activated, self._activations
         layer._scales, layer._sums = self._scales.index_select(0, ids), self._sums.index_select(0, ids)
         layer._bias = self._bias.index_select(0, ids) if self._bias is not None else None
         return layer
@@ -90,6 +98,15 @@ class Int8Linear(nn.Module):
         if self.backend == "vnni":
             return self._kernel_linear(x, self._packed, self._scales, self._sums, self._bias)
         return _LINEAR_DYNAMIC(x, self._packed, self.reduce_range)
+
+    def activated(self, x: torch.Tensor, activation: str) -> torch.Tensor:
+        """``activation`` (a FeedForward's config name: relu, gelu, gelu_tanh, silu) of this layer's output; ours
+        applies it to each output vector in registers before storing it (the same float operations as
+        model.kernel_layers.activate, so the same values), instead of a pass over the whole output."""
+        if self.backend == "vnni":
+            return self._kernel_activated(x, self._packed, self._scales, self._sums, self._bias,
+                                          self._activations.__members__[activation])
+        return activate(self(x), activation)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel, {self.backend}"

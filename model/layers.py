@@ -9,6 +9,7 @@ from torch import nn
 
 from model.attention import MultiHeadAttention
 from model.config import TransformerConfig
+from model.int8_linear import Int8Linear
 from model.kernel_layers import LayerNorm, Linear, activate, kernels_for
 from model.kv_cache import KVCache
 from model.native_support import unsupported
@@ -140,7 +141,8 @@ class FeedForward(nn.Module):
         return activate(h, self.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.activate(self.fc1(x))
+        # an int8 fc1 applies the activation inside its GEMM (Int8Linear.activated): no pass over (rows, d_ff)
+        h = self.fc1.activated(x, self.activation) if type(self.fc1) is Int8Linear else self.activate(self.fc1(x))
         if self.up is not None:
             h = h * self.up(x)
         return self.fc2(self.dropout(h) if self.training else h)

@@ -83,6 +83,21 @@ def top_k(scores: torch.Tensor, k: int, chunk: int = 64) -> tuple[torch.Tensor, 
     return values, columns.gather(1, pick)
 
 
+def fused_beam_top_k(logits: torch.Tensor, scores: torch.Tensor, k: int, banned: tuple[int, ...]
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per sentence, the best ``k`` of log_softmax(logits) + its beam scores outside ``banned``: logits (S * W, V),
+    scores (S, W) -> (values, ids (S, k): row-in-sentence * V + column), best first, equal values in id order.
+
+    One C++ pass per row (model/kernels/beam_topk.cpp) where it applies (float32 CPU logits, unit stride along V):
+    no (rows, V) tensor of log-probs is made. None where it does not: torch's log_softmax, the bans, the add and
+    ``top_k`` give the same candidates (equal values aside) and the same values to float rounding.
+    """
+    kernels = native.kernels()
+    if kernels is None or logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.stride(1) != 1:
+        return None
+    return kernels.beam_topk(logits, scores.flatten().float(), scores.size(1), k, list(banned))
+
+
 def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
     """Keep the k highest logits per row (ties with the k-th survive); k = 0 keeps all."""
     if k <= 0 or k >= logits.size(-1):

@@ -61,17 +61,18 @@ def check_new_name(model: nn.Module, name: str) -> None:
 
 
 def find_targets(model: nn.Module, targets: Sequence[str]) -> dict[str, nn.Module]:
-    """Plain nn.Linear (float or model.int8_linear.Int8Linear) or LoRALinear modules named in `targets`."""
+    """Plain nn.Linear (float or model.int8_linear.Int8Linear) or LoRALinear modules named in `targets`; a head with
+    adapters' copies (HeadCopies) gives the Linear it wraps, under its own path (see :func:`public_path`)."""
     found: dict[str, nn.Module] = {}
     for path, module in model.named_modules():
         parent, _, leaf = path.rpartition(".")
         if leaf not in targets:
             continue
-        # A LoRALinear's own base is not a target; nn.MultiheadAttention reads out_proj.weight directly.
-        plain = isinstance(module, nn.Linear | Int8Linear) and not isinstance(
-            model.get_submodule(parent), LoRALinear | nn.MultiheadAttention
-        )
-        if plain or isinstance(module, LoRALinear):
+        if isinstance(module, HeadCopies):  # its LoRAs go inside the copies (see _wrap)
+            module = module.base
+        elif isinstance(model.get_submodule(parent), LoRALinear | nn.MultiheadAttention):
+            continue  # a LoRALinear's own base is not a target; nn.MultiheadAttention reads out_proj.weight directly
+        if isinstance(module, nn.Linear | Int8Linear | LoRALinear):
             found[path] = module
     return found
 
@@ -87,6 +88,13 @@ def _weight_holders(model: nn.Module) -> dict[int, list[str]]:
 def _set_module(model: nn.Module, path: str, module: nn.Module) -> None:
     parent, _, leaf = path.rpartition(".")
     setattr(model.get_submodule(parent), leaf, module)
+
+
+def public_path(model: nn.Module, path: str) -> str:
+    """The path PEFT names the module at ``path`` by: a LoRALinear inside a HeadCopies (``<head>.base``) is the
+    head's."""
+    parent, _, leaf = path.rpartition(".")
+    return parent if leaf == "base" and isinstance(model.get_submodule(parent), HeadCopies) else path
 
 
 def wrap_targets(model: nn.Module, found: dict[str, nn.Module]) -> dict[str, LoRALinear]:
@@ -107,7 +115,10 @@ def _wrap(model: nn.Module, found: dict[str, nn.Module], kind: type) -> dict[str
         if not isinstance(module, kind):
             module = kind(module)
             module.routing = current
-            _set_module(model, path, module)
+            outer = model.get_submodule(path)
+            # a LoRALinear goes inside a head's copies (which replace the whole module for their rows)
+            outer_copies = kind is LoRALinear and isinstance(outer, HeadCopies)
+            _set_module(model, f"{path}.base" if outer_copies else path, module)
         wrapped[path] = module
     return wrapped
 

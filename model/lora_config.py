@@ -21,7 +21,8 @@ _UNSUPPORTED = ("fan_in_fan_out", "use_dora", "lora_bias", "rank_pattern", "alph
 # modules_to_save names we take: a classifier's head (PEFT's SEQ_CLS task type lists both; a model has one at most),
 # a language model's head and its token embeddings (our Embeddings' ``tokens``)
 CLASSIFIER_HEADS = ("classifier", "score", "pooler")  # the head, its dense (BERT's pooler, RoBERTa's dense)
-HEADS = (*CLASSIFIER_HEADS, "lm_head", "tokens")
+HEAD_NORM = "head_norm"  # the LayerNorm after a classifier head's dense (ModernBERT's head.norm)
+HEADS = (*CLASSIFIER_HEADS, HEAD_NORM, "lm_head", "tokens")
 # Bounds on an adapter_config.json, checked before its contents are used. PEFT writes ~1 KB, nested 2 deep.
 MAX_CONFIG_BYTES = 64 * 1024
 MAX_CONFIG_DEPTH = 16  # objects/arrays within each other (a deeper file is refused before anything recurses on it)
@@ -105,8 +106,8 @@ class LoRAConfig:
         others = [m for m in self.modules_to_save or () if m not in HEADS]
         if others:
             raise AdapterError(f"modules_to_save {quote(others)} is not supported: only a classifier's head "
-                               f"({', '.join(CLASSIFIER_HEADS)}), a language model's lm_head or its token embeddings "
-                               "(tokens)")
+                               f"({', '.join(CLASSIFIER_HEADS)}) and its norm ({HEAD_NORM}), a language model's "
+                               "lm_head or its token embeddings (tokens)")
         self.lora_alpha = float(self.lora_alpha)
         self.lora_dropout = float(self.lora_dropout)
 

@@ -27,17 +27,19 @@ from torch import nn
 
 from model.config import TransformerConfig
 from model.files import make_shareable
+from model.int8_linear import Int8Linear
 from model.lora import (
     check_new_name,
     find_targets,
     get_adapter_config,
     head_copies,
     layers_with,
+    public_path,
     wrap_heads,
     wrap_targets,
 )
 from model.lora_config import CONFIG_FILE, MAX_CONFIG_BYTES, WEIGHTS_FILE, AdapterError, LoRAConfig, quote
-from model.lora_layers import HeadCopies, LoRALinear
+from model.lora_layers import HeadCopies, HeadModule, LoRALinear, plain_module
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +61,7 @@ def lora_state_dict(model: nn.Module, name: str) -> dict[str, torch.Tensor]:
     base_model.model.<head path>.{weight,bias} for its head copies."""
     out = {}
     for path, layer in layers_with(model, name).items():
+        path = public_path(model, path)
         out[f"{KEY_PREFIX}{path}.lora_A.weight"] = layer.lora_A[name].weight.detach()
         out[f"{KEY_PREFIX}{path}.lora_B.weight"] = layer.lora_B[name].weight.detach()
     for path, heads in head_copies(model).items():
@@ -219,15 +222,17 @@ def _validate(
 
 def _validate_copies(where: str, config: LoRAConfig, model: nn.Module, tensors: dict[str, torch.Tensor]) -> Copies:
     """Check the head copies' tensors (``tensors``: the keys of no LoRA tensor) against the model's heads named in
-    modules_to_save; returns head path -> (weight, bias)."""
+    modules_to_save; returns head path -> (weight, bias). A copy may lack the bias of a head whose bias is zero (a
+    Hugging Face head without one, which ours holds as zeros): its copy has none either, the same outputs."""
     heads = {}
     for path, module in model.named_modules():
         parent, _, leaf = path.rpartition(".")
         # not a wrapper's base, nor an adapter's copy or LoRA matrix (kept in ModuleDicts by adapter name)
         inner = isinstance(model.get_submodule(parent), HeadCopies | LoRALinear | nn.ModuleDict)
-        if leaf in (config.modules_to_save or ()) and isinstance(module, nn.Linear | nn.Embedding | HeadCopies) \
-                and not inner:
-            heads[path] = module.base if isinstance(module, HeadCopies) else module
+        # a head another adapter's LoRA wraps, or one quantised (its copies stay float), too
+        if leaf in (config.modules_to_save or ()) and not inner and isinstance(
+                module, HeadModule | Int8Linear | HeadCopies | LoRALinear):
+            heads[path] = plain_module(module)
     for key in tensors:
         match = _COPY_RE.fullmatch(key)
         if match is None or match[1] not in heads:
@@ -244,6 +249,8 @@ def _validate_copies(where: str, config: LoRAConfig, model: nn.Module, tensors: 
             if shape is None:
                 if t is not None:
                     raise AdapterError(f"{where}: unexpected tensor {key!r}: the model's {path!r} has no bias")
+            elif t is None and kind == "bias" and not bias.detach().any():
+                pass  # a copy without a bias (see above)
             elif t is None:
                 raise AdapterError(f"{where}: missing tensor {key!r} (modules_to_save {quote(config.modules_to_save)})")
             elif tuple(t.shape) != shape or not t.is_floating_point() or not torch.isfinite(t).all():
@@ -278,7 +285,7 @@ def _without_base_layers(where: str, model: nn.Module, tensors: dict[str, torch.
         except AttributeError:
             raise AdapterError(f"{where}: tensor {quote(key)} names module {quote(match[1])}, not one of this model") \
                 from None
-        base = module.base if isinstance(module, LoRALinear | HeadCopies) else module
+        base = plain_module(module)
         weight = getattr(base, "weight", None)  # an int8 base's is dequantised: its shape is checked, not its values
         same = weight is not None and tuple(t.shape) == tuple(weight.shape) and (
             not isinstance(base, nn.Linear | nn.Embedding) or torch.equal(t.to(weight.device, weight.dtype), weight))

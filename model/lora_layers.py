@@ -1,10 +1,11 @@
 """LoRA layers: an nn.Linear with named low-rank adapters (:class:`LoRALinear`), several resident at once and
-selected per batch row (:class:`Routing`), and a head with adapters' own full copies (:class:`HeadCopies`).
+selected per batch row (:class:`Routing`), and a head's module with adapters' own full copies (:class:`HeadCopies`).
 
 Each targeted ``nn.Linear`` is wrapped in a :class:`LoRALinear` computing
 ``y = W x + b + (alpha / r) * B(A(dropout(x)))`` for the adapter its batch row selects. An adapter may also carry
-its own full copy of a head (PEFT's ``modules_to_save``: a classifier's head, a language model's lm_head, or its
-token embeddings): the module is wrapped in a :class:`HeadCopies`, routed per row like the LoRALinears.
+its own full copy of a head (PEFT's ``modules_to_save``: a classifier's head, its Linears and LayerNorm each, a
+language model's lm_head, or its token embeddings): each module is wrapped in a :class:`HeadCopies`, routed per row
+like the LoRALinears.
 model.lora attaches, selects and merges adapters across a whole model.
 
 Merging is an optimisation, never a change of meaning: with adapter ``m`` merged into W, rows that
@@ -273,30 +274,40 @@ class LoRALinear(nn.Module):
         return f"adapters={list(self.configs)}, merged={self.merged!r}"
 
 
-class HeadCopies(nn.Module):
-    """A head (an nn.Linear, or token embeddings: an nn.Embedding) plus adapters' own full copies of it (PEFT's
-    ``modules_to_save``): each row gets its adapter's copy, or the base where its adapter has none. Routed like
-    :class:`LoRALinear`."""
+HeadModule = nn.Linear | nn.Embedding | nn.LayerNorm  # what HeadCopies copies
 
-    def __init__(self, base: nn.Linear | nn.Embedding) -> None:
+
+class HeadCopies(nn.Module):
+    """A head's module (an nn.Linear, a LayerNorm over the last dimension, or token embeddings: an nn.Embedding) plus
+    adapters' own full copies of it (PEFT's ``modules_to_save``): each row gets its adapter's copy, or the base where
+    its adapter has none. Routed like :class:`LoRALinear`. The base may be a LoRALinear (other adapters' LoRAs on the
+    head, for the rows without a copy: a copy replaces the whole module for its rows) or quantised (model.quantize:
+    the copies stay in its float dtype)."""
+
+    def __init__(self, base: HeadModule | LoRALinear) -> None:
         super().__init__()
         self.base = base
-        self.copies = _AdapterDict()  # name -> a module like base (nn.Linear or nn.Embedding)
+        self.copies = _AdapterDict()  # name -> a module like base (nn.Linear, nn.LayerNorm or nn.Embedding)
         self.routing = Routing()
         self.train(base.training)
 
     @property
     def weight(self) -> torch.Tensor:
         """The base's weight: what the model reads of the wrapped module (its dtype and device, a tied head)."""
-        return self.base.weight
+        return plain_module(self.base).weight
 
     def add(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        """Attach adapter `name`'s copy (weight shaped like the base's, bias (out,)) on the base's device and dtype."""
-        w = self.base.weight
+        """Attach adapter `name`'s copy (weight shaped like the base's, bias (out,) or None: a copy without one) on
+        the base's device and dtype."""
+        base = plain_module(self.base)
+        w = base.weight
         with torch.inference_mode(False):
             weight = weight.detach().to(w.device, w.dtype, copy=True)
-            if isinstance(self.base, nn.Embedding):
-                layer = nn.Embedding.from_pretrained(weight, freeze=False, padding_idx=self.base.padding_idx)
+            if isinstance(base, nn.Embedding):
+                layer = nn.Embedding.from_pretrained(weight, freeze=False, padding_idx=base.padding_idx)
+            elif isinstance(base, nn.LayerNorm):  # the base's class: ours runs on the kernels where it has a bias
+                layer = type(base)(base.normalized_shape, base.eps, bias=bias is not None, device="meta")
+                layer.weight = nn.Parameter(weight)
             else:
                 layer = _linear_from(weight)
             if bias is not None:
@@ -320,3 +331,10 @@ class HeadCopies(nn.Module):
 
     def extra_repr(self) -> str:
         return f"copies={list(self.copies)}"
+
+
+def plain_module(module: nn.Module) -> nn.Module:
+    """The module ``module`` wraps (through a LoRALinear and a HeadCopies around it), or ``module`` itself."""
+    while isinstance(module, LoRALinear | HeadCopies):
+        module = module.base
+    return module

@@ -1,11 +1,12 @@
 """Decoding over restricted target vocabularies (model.vocab_map): the output projection for candidates only.
 
-Each row of a batch is restricted to its own candidate ids (a vocabulary map's candidates for its source) or not
-(None). When every row is restricted the output projection runs over the union of the candidates alone: one
-(U, D) slice of the head's weight, gathered once per batch and kept while rows leave (a superset stays right).
-Otherwise it runs over the whole vocabulary. Either way a row's logits outside its own candidates are -inf, so
-what a row produces depends on its source alone, never on the rows it shares a batch with. The logits keep the
-vocabulary's full width (-inf elsewhere): searches, constraints and log-probabilities work unchanged.
+Each row of a batch is restricted to its own candidate ids (a vocabulary map's candidates for its source; a
+multilingual model's: its target language's map's) or not (None: no map, or no map for its language). When every
+row is restricted the output projection runs over the union of the candidates alone: one (U, D) slice of the
+head's weight, gathered once per batch and kept while rows leave (a superset stays right). Otherwise (one rule, no
+split batches) it runs over the whole vocabulary. Either way a row's logits outside its own candidates are -inf, so
+what a row produces depends on its source (and language) alone, never on the rows it shares a batch with. The
+logits keep the vocabulary's full width (-inf elsewhere): searches, constraints and log-probabilities work unchanged.
 
 A float or int8 linear head is sliced; another one (an adapter's) computes every logit, then masks: the same
 output, without the speed-up.
@@ -23,7 +24,7 @@ from torch import nn
 from model.int8_linear import Int8Linear
 from model.kernel_layers import is_plain, linear
 from model.layout import input_major
-from model.vocab_map import VocabularyMap
+from model.vocab_map import AnyVocabularyMap
 
 Head = Callable[[torch.Tensor], torch.Tensor]
 
@@ -63,13 +64,17 @@ class VocabularyRestriction:
         return cls(rows, vocab_size, ids, mask)
 
     @classmethod
-    def of_sources(cls, vocab_map: VocabularyMap, sources: Sequence[Sequence[int]], vocab_size: int,
-                   device: torch.device | str, restricted: Sequence[bool] | None = None) -> VocabularyRestriction:
-        """Each source's candidates under ``vocab_map`` (``restricted``: per row whether it keeps to them; all by
-        default)."""
+    def of_sources(cls, vocab_map: AnyVocabularyMap, sources: Sequence[Sequence[int]], vocab_size: int,
+                   device: torch.device | str, restricted: Sequence[bool] | None = None,
+                   languages: Sequence[int | None] | None = None) -> VocabularyRestriction | None:
+        """Each source's candidates under ``vocab_map`` (``restricted``: per row whether it keeps to them, all by
+        default; ``languages``: per row its target language's token, model.vocab_map.target_languages, which picks
+        a LanguageMaps' map). None when no row ends up restricted (no row opted in, or none has a map)."""
         restricted = restricted if restricted is not None else [True] * len(sources)
-        return cls.of_rows([vocab_map.candidates(s) if r else None for s, r in zip(sources, restricted, strict=True)],
-                           vocab_size, device)
+        languages = languages if languages is not None else [None] * len(sources)
+        rows = [vocab_map.candidates_in(s, language) if r else None
+                for s, r, language in zip(sources, restricted, languages, strict=True)]
+        return cls.of_rows(rows, vocab_size, device) if any(r is not None for r in rows) else None
 
     @property
     def batch_size(self) -> int:

@@ -16,7 +16,7 @@ from model.checkpoint import Checkpoint, CheckpointError, checkpoint_vocabulary_
 from model.lora import AdapterError
 from model.lora_io import load_adapter
 from model.quantize import QuantizeError, prepare_for_inference
-from model.vocab_map import VMAP_FILE, VocabularyMap, VocabularyMapError
+from model.vocab_map import VMAP_FILE, VMAPS_DIR, LanguageMaps, VocabularyMap, VocabularyMapError
 from training.distributed import user_device
 from training.errors import UserError
 from training.runs import DEVICE, EvalRun
@@ -93,4 +93,7 @@ def _vocab_map(ckpt: Checkpoint) -> VocabularyMap:
     if found is None:
         raise UserError(f"--vmap: {ckpt.path} has no {VMAP_FILE} (a seq2seq model's map: python -m training "
                         "build-vmap)")
+    if isinstance(found, LanguageMaps):  # a row picks its map by its target language, which evaluate does not force
+        raise UserError(f"--vmap: {ckpt.path} keeps maps per target language ({VMAPS_DIR}/<code>.txt); evaluate "
+                        "decodes without a target language, so it would use none of them")
     return found

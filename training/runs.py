@@ -257,6 +257,7 @@ class BuildVmapRun:
     train: Path  # the parallel file the map counts co-occurrences in
     per_token: int = 24  # candidate target tokens per source token
     always: int = 1000  # target tokens (the most frequent) every source may use
+    target_lang: str | None = None  # a multilingual model's target language: its map goes to vmaps/<code>.txt
     skip_malformed: bool = False
 
 

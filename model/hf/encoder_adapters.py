@@ -6,11 +6,14 @@ attribute under a head model (``bert.``, ``roberta.``, ``distilbert.``), and the
 are our ``pooler`` and ``classifier`` (BERT's pooler.dense and classifier, RoBERTa's classifier.dense and
 classifier.out_proj, DistilBERT's pre_classifier and classifier). A LoRA on any of them maps onto ours, and so does
 an adapter's own copy of a head (PEFT's ``modules_to_save``: SEQ_CLS adapters copy ``classifier``, which is
-RoBERTa's whole head and, by PEFT's suffix match, DistilBERT's pre_classifier too). An adapter of the headless
-model (no prefix) loads on the head model's encoder as well. A token classification head (*ForTokenClassification)
-is one Linear, ``classifier``, on every token's state (after ModernBERT's head.dense and head.norm, our pooler and
-head_norm): its LoRAs and a TOKEN_CLS adapter's copy of ``classifier`` map onto ours alike, the copy used for every
-token of the rows of its adapter. :func:`adapter_layout` gives the AdapterLayout.
+RoBERTa's whole head and, by PEFT's suffix match, DistilBERT's pre_classifier too; ModernBERT's ``head`` is its dense
+and LayerNorm, our pooler and head_norm): a copy of each of our modules it holds, norms included, used for the rows of
+its adapter (model.lora_layers.HeadCopies), beside other adapters' LoRAs on the same module. An adapter of the
+headless model (no prefix) loads on the head model's encoder as well. A token classification head
+(*ForTokenClassification) is one Linear, ``classifier``, on every token's state (after ModernBERT's head.dense and
+head.norm, our pooler and head_norm): its LoRAs and a TOKEN_CLS adapter's copy of ``classifier`` (and of ModernBERT's
+``head``) map onto ours alike, the copy used for every token of the rows of its adapter. :func:`adapter_layout` gives
+the AdapterLayout.
 
 A fused Linear (ModernBERT's ``Wqkv``, ``Wi``: ``EncoderNames.fused``) is one LoRA whose B's rows split into our parts'
 (q, k, v; fc1, up), which share its A; ours go back as one LoRA of rank k r on the fused module and every other LoRA
@@ -46,7 +49,7 @@ class EncoderNames:
     layers: str  # the layer list under the encoder ("encoder.layer")
     linears: Mapping[str, str]  # a layer's Linears: ours -> theirs
     targets: Mapping[str, tuple[str, ...]]  # PEFT target names (a module name or a path suffix) -> our last names
-    heads: Mapping[str, str]  # the head model's Linears outside the layers (paths from its root) -> ours
+    heads: Mapping[str, str]  # the head model's modules outside the layers (paths from its root) -> ours
     # PEFT modules_to_save names -> the heads of ours they copy (a name not here: ours alike)
     saves: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     # a layer's fused Linears: theirs -> our parts in its row order (ModernBERT's attn.Wqkv -> q, k, v)
@@ -63,12 +66,12 @@ def module_paths(names: EncoderNames, config: TransformerConfig) -> dict[str, st
 
 
 def _heads(names: EncoderNames, config: TransformerConfig) -> dict[str, str]:
-    """The head model's Linears -> ours: ``names.heads``; a token head's are its ``classifier`` and, where ours has a
-    pooler, the head's dense (ModernBERT's head.dense)."""
+    """The head model's modules -> ours: ``names.heads``; a token head's are its ``classifier`` and, where ours has a
+    pooler, the head's dense and norm (ModernBERT's head.dense, head.norm)."""
     if getattr(config, "head", "sequence") != "token":
         return dict(names.heads)
     pooled = getattr(config, "pooler", False)
-    return {theirs: ours for theirs, ours in names.heads.items() if ours == "pooler" and pooled} | {
+    return {theirs: ours for theirs, ours in names.heads.items() if ours in ("pooler", "head_norm") and pooled} | {
         "classifier": "classifier"}
 
 
@@ -104,7 +107,7 @@ def _adapter_tensors(names: EncoderNames, tensors: dict[str, torch.Tensor], mode
             pieces = [t] * len(path) if match[2] == "lora_A.weight" else split_b(key, t, path, model)
             ours |= {f"{KEY_PREFIX}{part}.{match[2]}": piece for part, piece in zip(path, pieces, strict=True)}
             continue
-        # a copy is of a head (ours: pooler, classifier), never of a layer's Linear
+        # a copy is of a head (ours: pooler, head_norm, classifier), never of a layer's Linear
         if not isinstance(path, str) or not path or (path.rpartition(".")[2] not in adapted if lora else "." in path):
             raise unmapped_tensor(key, names.model, names.targets)
         ours[f"{KEY_PREFIX}{path}.{match[2]}"] = t

@@ -12,9 +12,9 @@ the non-pad states (``classifier_pooling``), then ``classifier``; a token head a
 ``problem_type`` rules as BERT's (bert.py). Not imported: ModernBertForMaskedLM and the other heads (refused by
 their architecture name); our pre-training heads load as zeros. q and k are rotated through float32
 (``rotary_float32``), as transformers does. PEFT adapters (``Wqkv Wo Wi`` and ``head.dense``; ``classifier``, the
-SEQ_CLS / TOKEN_CLS head, in modules_to_save) map through model.hf.encoder_adapters (ADAPTER_LAYOUT), a fused
-module's LoRA split onto our parts; ``head`` in modules_to_save (its LayerNorm has no per-adapter copy here) is
-refused by name.
+SEQ_CLS / TOKEN_CLS head, and ``head``, its dense and norm, in modules_to_save) map through
+model.hf.encoder_adapters (ADAPTER_LAYOUT), a fused module's LoRA split onto our parts; a copy of ``head`` is one of
+our pooler and one of head_norm (without a bias where ``classifier_bias`` / ``norm_bias`` is False, as theirs).
 """
 
 from __future__ import annotations
@@ -46,7 +46,9 @@ ADAPTER_TARGETS = {"Wqkv": ("q_proj", "k_proj", "v_proj"), "Wi": ("fc1", "up"), 
                    "mlp.Wo": ("fc2",), "dense": ("pooler",), "head.dense": ("pooler",)}
 ADAPTER_NAMES = EncoderNames("ModernBERT", "model.", "layers",
                              {ours: theirs for theirs, ours in LINEARS.items() if isinstance(ours, str)},
-                             ADAPTER_TARGETS, heads={"head.dense": "pooler", "classifier": "classifier"},
+                             ADAPTER_TARGETS,
+                             heads={"head.dense": "pooler", "head.norm": "head_norm", "classifier": "classifier"},
+                             saves={"head": ("pooler", "head_norm")},
                              fused={theirs: ours for theirs, ours in LINEARS.items() if not isinstance(ours, str)})
 ADAPTER_LAYOUT = adapter_layout(ADAPTER_NAMES)
 

@@ -9,8 +9,8 @@ the pieces as they are, then the sentinels ``<extra_id_N>`` from the last down t
 order transformers adds them: tokenizer_config.json's added_tokens_decoder by id, the named special tokens, then the
 extra ones (NLLB's language codes). The .model files are protobufs read by :func:`read_spm` (nothing unpickled).
 :func:`load_languages` gives the language codes of NLLB's, M2M100's and mBART-50's (model.hf.languages); where
-tokenizer_config.json asks for clean_up_tokenization_spaces, T5's and mBART-50's decoded text is cleaned up as
-transformers does (model.hf.cleanup).
+tokenizer_config.json asks for clean_up_tokenization_spaces, decoded text is cleaned up as transformers does
+(model.hf.cleanup: T5's and mBART-50's Unigram, not NLLB's BPE).
 """
 
 from __future__ import annotations
@@ -18,22 +18,20 @@ from __future__ import annotations
 import base64
 import json
 import struct
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import sentencepiece
 import tokenizers
-from tokenizers import models
 
 from model.config import TransformerConfig
-from model.hf.cleanup import clean_up_tokenization, cleans_up
+from model.hf.cleanup import tokenizer_class
 from model.hf.common import HFImportError, read_bytes, read_config, read_json
 from model.hf.languages import MBART50_CODES, NAMED_TOKENS, Languages, read_languages, token_text
 from model.hf.m2m100_tokenizer import M2M100_FILES, M2M100SpmTokenizer, load_m2m100_tokenizer
 from model.hf.tokenizer import MAX_TOKEN_FILE_BYTES, TOKENIZER_FILE, _special_ids, load_tokenizer
 from model.hf.tokenizer_classes import pipeline
-from model.tokenizer import SpecialIds, Tokenizer, TokenizerError, file_limit
+from model.tokenizer import Tokenizer, TokenizerError, file_limit
 
 CONFIG = "tokenizer_config.json"
 SPM_FILES = {"NllbTokenizer": "sentencepiece.bpe.model", "MBart50Tokenizer": "sentencepiece.bpe.model",
@@ -70,33 +68,14 @@ def load_seq2seq_tokenizer(directory: Path, config: TransformerConfig) -> Tokeni
     if cls is None:
         return None
     if (directory / TOKENIZER_FILE).is_file() or not (directory / SPM_FILES[cls]).is_file():
-        return _cleaned_up(load_tokenizer(directory, config), settings)
+        return load_tokenizer(directory, config)
     proto = read_bytes(directory / SPM_FILES[cls], file_limit(config.vocab_size), f"{cls} reads {SPM_FILES[cls]}")
     data = pipeline(spm_tokenizer_json(cls, read_spm(proto, SPM_FILES[cls]), settings), cls, settings)
     backend = tokenizers.Tokenizer.from_str(json.dumps(data))
     try:
-        return _cleaned_up(Tokenizer(backend, _special_ids(directory, backend, config)), settings)
+        return tokenizer_class(settings, backend)(backend, _special_ids(directory, backend, config))
     except TokenizerError as exc:
         raise HFImportError(f"{SPM_FILES[cls]}: {exc}") from None
-
-
-class CleanedUpTokenizer(Tokenizer):
-    """A Tokenizer whose decoded text transformers cleans up (tokenizer_config.json's clean_up_tokenization_spaces
-    over a Unigram: T5's, mBART-50's; model.hf.cleanup)."""
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return clean_up_tokenization(super().decode(ids, skip_special_tokens))
-
-    def decode_batch(self, seqs: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
-        return [clean_up_tokenization(text) for text in super().decode_batch(seqs, skip_special_tokens)]
-
-
-def _cleaned_up(tokenizer: Tokenizer, settings: dict[str, Any]) -> Tokenizer:
-    """``tokenizer``, as a CleanedUpTokenizer where transformers would clean its decoded text up."""
-    if not cleans_up(settings, bpe=isinstance(tokenizer.backend.model, models.BPE)):
-        return tokenizer
-    ids = {role: getattr(tokenizer, f"{role}_id") for role in SpecialIds.__dataclass_fields__}
-    return CleanedUpTokenizer(tokenizer.backend, SpecialIds(**ids))
 
 
 def load_languages(directory: Path, tokenizer: Tokenizer | M2M100SpmTokenizer) -> Languages | None:

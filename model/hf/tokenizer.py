@@ -5,7 +5,8 @@ BPE with byte fallback, BERT's WordPiece, Unigram), with the pipeline of the cla
 would pick for the directory (model.hf.tokenizer_classes: LlamaTokenizer, for one, replaces the file's normalizer
 and pre-tokenizer by its own). It encodes inputs by the file's own template (post-processor), as ``tokenizer(text)``
 does in `transformers` 5, which ignores tokenizer_config.json's add_bos_token / add_eos_token beside a
-tokenizer.json. Special tokens: the ids config.json names (pad, bos, eos) win; the others come from
+tokenizer.json. Decoded text is cleaned up where tokenizer_config.json's clean_up_tokenization_spaces asks, as the
+class does (model.hf.cleanup). Special tokens: the ids config.json names (pad, bos, eos) win; the others come from
 tokenizer_config.json / special_tokens_map.json by their text. Only JSON is read (no pickle, no sentencepiece
 model files).
 """
@@ -19,6 +20,7 @@ from typing import Any
 import tokenizers
 
 from model.config import TransformerConfig
+from model.hf.cleanup import tokenizer_class
 from model.hf.common import HFImportError, read_bytes, read_config, read_json
 from model.hf.tokenizer_classes import picked_class, pipeline
 from model.tokenizer import SpecialIds, Tokenizer, TokenizerError, file_limit
@@ -53,7 +55,7 @@ def load_tokenizer(directory: Path, config: TransformerConfig) -> Tokenizer:
     backend.no_truncation()  # the file's truncation / padding sections: transformers sets both per call instead
     backend.no_padding()
     try:
-        tokenizer = Tokenizer(backend, _special_ids(directory, backend, config))
+        tokenizer = tokenizer_class(settings, backend)(backend, _special_ids(directory, backend, config))
     except TokenizerError as exc:
         raise HFImportError(f"{TOKENIZER_FILE}: {exc}") from None
     return tokenizer

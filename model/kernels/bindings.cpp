@@ -9,6 +9,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
   module.def("has_vnni", &has_vnni, "whether this CPU has AVX512-VNNI (int8_linear)");
   module.def("int8_linear", &int8_linear, "int8 linear: x float32 (..., in) -> (..., out) float32", release());
+  module.def("int8_linear_activated", &int8_linear_activated,
+             "an Activation of int8_linear, applied to each output tile in the GEMM", release());
   module.def("has_avx512", &has_avx512, "whether this CPU has AVX-512 F/BW/VL/DQ (decode_attention)");
   module.def("decode_attention", &decode_attention,
              "attention of a few queries per head over a KV cache (and a shared prefix's blocks), float32",
@@ -26,6 +28,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("set_panel_tuning", &set_panel_tuning, "packed_linear's blocking and prefetch rule (model/cpu.py)");
   module.def("panel_tuning", &panel_tuning, "packed_linear's blocking and prefetch rule in force");
   module.def("greedy_pick", &greedy_pick, "greedy choice per row: (first argmax outside banned, its log-prob)", release());
+  module.def("beam_topk", &beam_topk,
+             "per sentence of width rows: the best k of log_softmax(logits) + scores outside banned (values, ids)",
+             release());
   module.def("rows_layer_norm", &rows_layer_norm, "LayerNorm over the last dim (the native step's)", release());
   module.def("rows_rms_norm", &rows_rms_norm, "RMSNorm over the last dim (model.layers.RMSNorm; offset: by 1 + weight)",
              pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("offset") = false, release());
@@ -48,6 +53,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   // The native step's contract (kernels.h), by name: model/fast_step.py reads the values from here.
   using pybind11::arg;
   module.attr("MAX_STEP_TOKENS") = kMaxStepTokens;
+  module.attr("MAX_ENCODE_TOKENS") = kMaxEncodeTokens;
   pybind11::enum_<Activation>(module, "Activation", "FeedForward's activations, by their config names")
       .value("relu", kRelu)
       .value("gelu", kGelu)

@@ -244,8 +244,8 @@ torch::Tensor DecoderStack::step(torch::Tensor x, const StepCache& cache, const 
 torch::Tensor DecoderStack::encode(torch::Tensor x, const optional<torch::Tensor>& mask, const Tensors& panels,
                                    bool keep_first) const {
   const int64_t count = layers();
-  TORCH_CHECK(x.dim() == 3 && x.size(1) >= 1 && x.size(1) <= kMaxStepTokens, "encode: x must be (B, T, D), T <= ",
-              kMaxStepTokens);
+  TORCH_CHECK(x.dim() == 3 && x.size(1) >= 1 && x.size(1) <= kMaxEncodeTokens, "encode: x must be (B, T, D), T <= ",
+              kMaxEncodeTokens);
   TORCH_CHECK(panels.empty() || panels.size() == projections.size(), "encode: one panel entry per projection");
   for (int64_t l = 0; l < count; ++l)
     TORCH_CHECK(projections[l * kSlots + kCrossQ].empty(), "encode: an encoder layer has no cross-attention");

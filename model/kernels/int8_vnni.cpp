@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "activation_math.h"
 #include "kernels.h"
 
 #include <algorithm>
@@ -53,7 +54,10 @@ struct Problem {
   const float* bias;   // (n,) or null
   float* out;          // (m, n)
   int64_t m, n, k_padded, blocks;
+  int64_t activation;  // an Activation of each output vector before it is stored, or kNoActivation
 };
+
+constexpr int64_t kNoActivation = -1;
 
 // Rows [m0, m0 + MR) against output blocks [blk, blk + NB). Every loop over rows and blocks is unrolled by force:
 // GCC 12 -O3 leaves some of them rolled, so the MR x NB accumulators live on the stack and the tile runs at half
@@ -84,7 +88,8 @@ VNNI void tile(const Problem& p, int64_t blk, int64_t m0) {
     const __m512 bias = p.bias ? _mm512_maskz_loadu_ps(mask, p.bias + n0) : _mm512_setzero_ps();
     UNROLL for (int r = 0; r < MR; ++r) {
       const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][c], offset));
-      const __m512 y = _mm512_fmadd_ps(dot, _mm512_mul_ps(sw, _mm512_set1_ps(p.sx[m0 + r])), bias);
+      __m512 y = _mm512_fmadd_ps(dot, _mm512_mul_ps(sw, _mm512_set1_ps(p.sx[m0 + r])), bias);
+      if (p.activation != kNoActivation) y = tserve::activate(y, static_cast<Activation>(p.activation));
       _mm512_mask_storeu_ps(p.out + (m0 + r) * p.n + n0, mask, y);
     }
   }
@@ -116,8 +121,10 @@ void rows(const Problem& p, int64_t blk, int64_t begin, int64_t end) {
 bool has_vnni() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"); }
 
-torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale,
-                     const torch::Tensor& w_sum, const c10::optional<torch::Tensor>& bias) {
+namespace {
+
+torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale,
+                        const torch::Tensor& w_sum, const c10::optional<torch::Tensor>& bias, int64_t activation) {
   TORCH_CHECK(has_vnni(), "int8 kernel: this CPU has no AVX512-VNNI");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, "int8 kernel: x must be float32 on the CPU");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 4 && packed.is_contiguous() &&
@@ -142,7 +149,8 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, c
     for (int64_t r = begin; r < end; ++r) quantize_row(xp + r * k, k, k_padded, xqp + r * k_padded, sxp + r);
   });
   const Problem p{xqp, sxp, packed.data_ptr<int8_t>(), w_scale.data_ptr<float>(), w_sum.data_ptr<int32_t>(),
-                  bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), m, n, k_padded, blocks};
+                  bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), m, n, k_padded, blocks,
+                  activation};
   const int64_t groups = (blocks + 3) / 4, chunks = (m + kRowChunk - 1) / kRowChunk;
   at::parallel_for(0, groups * chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
@@ -153,4 +161,19 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = n;
   return out.view(sizes);
+}
+
+}  // namespace
+
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale,
+                          const torch::Tensor& w_sum, const c10::optional<torch::Tensor>& bias) {
+  return int8_gemm(x, packed, w_scale, w_sum, bias, kNoActivation);
+}
+
+// activation(int8_linear(...)), applied to each output vector in registers before it is stored: a FeedForward's fc1
+// without the separate pass over its (rows, d_ff) output (the same float operations, so the same values).
+torch::Tensor int8_linear_activated(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale,
+                                    const torch::Tensor& w_sum, const c10::optional<torch::Tensor>& bias,
+                                    Activation activation) {
+  return int8_gemm(x, packed, w_scale, w_sum, bias, activation);
 }

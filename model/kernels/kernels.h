@@ -33,6 +33,8 @@ struct PanelTuning {
 void set_panel_tuning(const PanelTuning& chosen);
 PanelTuning panel_tuning();
 std::tuple<torch::Tensor, torch::Tensor> greedy_pick(const torch::Tensor& logits, const std::vector<int64_t>& banned);
+std::tuple<torch::Tensor, torch::Tensor> beam_topk(const torch::Tensor& logits, const torch::Tensor& scores,
+                                                   int64_t width, int64_t k, const std::vector<int64_t>& banned);
 torch::Tensor rows_layer_norm(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias, double eps);
 torch::Tensor rows_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, bool offset = false);
 
@@ -45,6 +47,9 @@ enum Slot : int64_t { kQ, kK, kV, kOut, kCrossQ, kCrossOut, kFc1, kFc2, kQkv, kU
 enum Norm : int64_t { kSelfAttnNorm, kCrossAttnNorm, kFfnNorm, kSelfAttnPostNorm, kFfnPostNorm, kQNorm, kKNorm, kNorms };
 
 torch::Tensor rows_activate_(torch::Tensor h, Activation activation);
+torch::Tensor int8_linear_activated(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale,
+                                    const torch::Tensor& w_sum, const c10::optional<torch::Tensor>& bias,
+                                    Activation activation);
 torch::Tensor rows_add_(torch::Tensor y, const torch::Tensor& x);
 torch::Tensor rows_mul_(torch::Tensor y, const torch::Tensor& x);
 void rows_rotate_(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, double scale = 1.0);
@@ -58,9 +63,12 @@ void lora_delta_add_(const torch::Tensor& y, const torch::Tensor& x, const torch
 using Tensors = std::vector<torch::Tensor>;
 
 // One step's KV cache and masks (model.kv_cache.KVCache after begin_step), built per step.
-// Most tokens per row one native step takes (a speculative draft plus the fed token; the attention kernel's own
-// limit is 16 queries per head).
-constexpr int64_t kMaxStepTokens = 16;
+// Most tokens per row one native step takes: a short prompt's prefill (model/fast_step.py's run_prefill: at 32-64
+// tokens the step took SmolLM2's and Qwen2.5's prefill in 0.65-0.87 of the PyTorch layer path's time), or a
+// speculative draft plus the fed token. An encoder's forward (DecoderStack::encode) takes rows of up to
+// kMaxEncodeTokens.
+constexpr int64_t kMaxStepTokens = 64;
+constexpr int64_t kMaxEncodeTokens = 16;
 
 struct StepCache {
   Tensors keys, values;              // per layer: the cache buffers (B, H_kv, capacity, Dh)
@@ -109,7 +117,7 @@ struct DecoderStack {
   // model/packed_weights.py).
   torch::Tensor step(torch::Tensor x, const StepCache& cache, const std::vector<Tensors>& deltas,
                      const Tensors& panels) const;
-  // An encoder's forward (no cache, no cross-attention, no adapters) of x (B, T, D), T <= kMaxStepTokens: each
+  // An encoder's forward (no cache, no cross-attention, no adapters) of x (B, T, D), T <= kMaxEncodeTokens: each
   // layer's queries attend to the rows' own keys under `mask` (the padding). keep_first: the last layer computes
   // the first position alone, attending to all (a [CLS] head): (B, 1, D).
   torch::Tensor encode(torch::Tensor x, const c10::optional<torch::Tensor>& mask, const Tensors& panels,

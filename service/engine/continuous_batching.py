@@ -190,8 +190,9 @@ class GenerationScheduler(Scheduler):
         targets = [t for job in jobs for t in job.targets]
         rows = [a for job in jobs for a in [internal_name(job)] * len(job.prompts)]
         restricted = [job.use_vmap for job in jobs for _ in job.prompts]
+        forced = [token for job in jobs for token in job.forced]  # a target language's token, BART's <s>
         try:
-            vocabulary = self.runner.vocabulary(prompts, restricted)
+            vocabulary = self.runner.vocabulary(prompts, restricted, targets, forced)
             logits, cache = self._call_model(jobs, rows, self.runner.prefill, prompts, rows, targets, vocabulary)
         except Exception as exc:
             if len(jobs) == 1:
@@ -203,7 +204,6 @@ class GenerationScheduler(Scheduler):
             return RunningBatch.concatenate([b for b, _ in parts]), [o for _, out in parts for o in out]
         self.metrics.batch_size.labels(self.name).observe(len(prompts))
         self._prefix_cache_metrics()
-        forced = [token for job in jobs for token in job.forced]  # a target language's token, BART's <s>
         return RunningBatch(jobs, cache, vocabulary=vocabulary), self._split(jobs, logits, forced=forced)
 
     def _prefix_cache_metrics(self) -> None:
@@ -254,11 +254,13 @@ class GenerationScheduler(Scheduler):
                     self._speculation_metrics(len(draft), accepted)
                 else:
                     step_logits = logits[:, 0] if verified else logits
+                    # A translation's forced first token (prefill forced it) is not text: its rows' grammars wait.
+                    held = [t is not None for t in job.forced] if step == 0 else None
                     if job.matchers is not None:
-                        step_logits = job.matchers.mask(step_logits)
+                        step_logits = job.matchers.mask(step_logits, held)
                     next_tokens, parents = job.search.advance(step_logits)
                     if job.matchers is not None and not job.search.done:
-                        job.matchers.advance(next_tokens, parents)
+                        job.matchers.advance(next_tokens, parents, held)
                     accepted = 0
                     # Read back (a device sync) only for a stream or a drafter: one input, one row.
                     picked = next_tokens[:1].tolist() if job.stream is not None or job.drafter is not None else []
@@ -324,10 +326,11 @@ class GenerationScheduler(Scheduler):
     def _complete(self, job: GenerationJob) -> None:
         results = job.search.results()
         if job.stream is not None:
-            job.emit(final_stream_event(results, job.stream, job.config.strategy == Strategy.BEAM, job.constraint))
+            job.emit(final_stream_event(results, job.stream, job.config.strategy == Strategy.BEAM, job.constraint,
+                                        job.forced[0]))
         self._finish(job, generate_outputs(results, self.tokenizer.decode, job.stops,
                                            many=job.config.num_return_sequences > 1, targets=job.targets,
-                                           protected=job.protected, constraint=job.constraint))
+                                           protected=job.protected, constraint=job.constraint, forced=job.forced))
 
 
 def _tails(tails: list[torch.Tensor | None], parts: list[torch.Tensor], everything: int) -> torch.Tensor:

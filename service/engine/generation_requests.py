@@ -15,6 +15,7 @@ from model.decoding import ConfigError, GenerationConfig, Strategy
 from model.hf.generation import GenerationRules
 from model.placeholders import Protected, protect, sentinels_for
 from model.speculative import SpeculativeConfig
+from model.vocab_map import LanguageMaps, target_languages
 from service.engine.errors import InvalidRequest
 from service.engine.inputs import InputChecks
 from service.engine.jobs import GenerationJob, StreamText
@@ -149,15 +150,28 @@ class GenerationPlanner:
         return GenerationJob(request_id, self.settings.request_timeout_s, prompts, config, stops,
                              stream=text_stream, targets=targets,
                              speculative=speculative, constraint=constraint, protected=protected,
-                             use_vmap=self._use_vmap(req), forced=forced if languages.any_forced else None)
+                             use_vmap=self._use_vmap(req, target_languages(forced, targets, len(prompts))),
+                             forced=forced if languages.any_forced else None)
 
-    def _use_vmap(self, req: GenerationRequest) -> bool:
-        """Whether ``req``'s outputs keep to the model's vocabulary map: its ``use_vmap``, else whether there is one."""
-        has_map = self.runner.vocab_map is not None
-        if req.use_vmap and not has_map:
-            where = " (vmap.txt in its directory)" if self.family == "seq2seq" else f": {self.family} models take none"
+    def _use_vmap(self, req: GenerationRequest, languages: list[int | None]) -> bool:
+        """Whether ``req``'s outputs keep to the model's vocabulary map: its ``use_vmap``, else whether there is one.
+        With maps per target language (``languages``: each row's language token), ``use_vmap: true`` needs a map for
+        every row's language; left unset, a row whose language has none uses the whole vocabulary."""
+        vmap = self.runner.vocab_map
+        if req.use_vmap and vmap is None:
+            where = (" (vmap.txt, or vmaps/<code>.txt per target language, in its directory)"
+                     if self.family == "seq2seq" else f": {self.family} models take none")
             raise InvalidRequest("use_vmap", f"model {self.name!r} has no vocabulary map{where}")
-        return has_map if req.use_vmap is None else req.use_vmap
+        if req.use_vmap and isinstance(vmap, LanguageMaps):
+            missing = next((i for i, language in enumerate(languages) if not vmap.has(language)), None)
+            if missing is not None:
+                per_row = req.target_lang is not None and not isinstance(req.target_lang, str)
+                code = req.target_lang[missing] if per_row else req.target_lang
+                what = f"target language {code!r}" if code is not None else "an input without a target_lang"
+                raise InvalidRequest(f"target_lang[{missing}]" if per_row else "target_lang",
+                                     f"use_vmap: model {self.name!r} has no vocabulary map for {what} (maps: "
+                                     f"{', '.join(sorted(vmap.codes.values()))})")
+        return vmap is not None if req.use_vmap is None else req.use_vmap
 
     def _protected(self, req: GenerationRequest, texts: list[str]) -> list[Protected] | None:
         """Each input with its placeholders swapped for the sentinels the model's tokenizers have (model.placeholders;
@@ -173,10 +187,7 @@ class GenerationPlanner:
         """``req.constraint`` checked against this model's vocabulary (compiled off the event loop)."""
         if req.constraint is None:
             return None
-        if self.family != "causal_lm":
-            raise InvalidRequest("constraint", f"constrained decoding is for causal_lm models; {self.name!r} is a "
-                                 f"{self.family} model")
-        constraint = req.constraint
+        constraint = req.constraint  # a translator's too: its grammar starts after a forced first token
         try:
             return await self.inputs.run(lambda: compile_constraint(constraint, self.checkpoint.tokenizer))
         except ConstraintError as exc:

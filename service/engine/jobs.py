@@ -324,13 +324,13 @@ def continuation(decode: Callable[[Sequence[int]], str], prefix: Sequence[int]) 
 
 def generate_outputs(results: list[list[Hypothesis]], decode: Callable[[Sequence[int]], str],
                      stops: list[str], many: bool, targets: list[list[int]] | None = None,
-                     protected: list[Protected] | None = None, constraint: CompiledConstraint | None = None
-                     ) -> list[GenerationOutput]:
+                     protected: list[Protected] | None = None, constraint: CompiledConstraint | None = None,
+                     forced: list[int | None] | None = None) -> list[GenerationOutput]:
     """One GenerationOutput per input from a finished search's hypotheses (best first); with ``many`` (several
     sequences asked for) every candidate too, else None (as logprobs and placeholders_ok are unless asked for).
     ``targets``: per input, the target prefix its tokens follow (the text is decoded after it); ``protected``: per
     input, its placeholders (restored in each text); ``constraint``: the grammar, to say whether each output completed
-    it."""
+    it; ``forced``: per input, the token its output was forced to start with (not text: the grammar starts after it)."""
     outputs = []
     for i, hyps in enumerate(results):
         text_of = continuation(decode, targets[i]) if targets is not None else decode
@@ -340,20 +340,24 @@ def generate_outputs(results: list[list[Hypothesis]], decode: Callable[[Sequence
             candidates.append(GeneratedSequence(text=text, tokens=list(h.tokens), score=float(h.score),
                                                 finish_reason=h.finish_reason, logprobs=token_logprobs(h, decode),
                                                 placeholders_ok=placeholders_ok,
-                                                constraint_satisfied=satisfied(constraint, h.tokens)))
+                                                constraint_satisfied=satisfied(constraint, h.tokens,
+                                                                               forced[i] if forced else None)))
         best = {f.name: getattr(candidates[0], f.name) for f in dataclasses.fields(GeneratedSequence)}
         outputs.append(GenerationOutput(**best, candidates=candidates if many else None))
     return outputs
 
 
-def satisfied(constraint: CompiledConstraint | None, tokens: Sequence[int]) -> bool | None:
+def satisfied(constraint: CompiledConstraint | None, tokens: Sequence[int], forced: int | None = None) -> bool | None:
     """Whether ``tokens`` complete ``constraint``'s grammar (None without one): false for an output a length limit
-    cut, so a client never parses half a JSON by surprise."""
-    return None if constraint is None else constraint.accepts(list(tokens))
+    cut, so a client never parses half a JSON by surprise. A ``forced`` first token (a target language's) is not
+    text: the grammar reads what follows it."""
+    if constraint is None:
+        return None
+    return constraint.accepts(list(tokens[1:] if forced is not None else tokens))
 
 
 def final_stream_event(results: list[list[Hypothesis]], stream: StreamText, beam: bool,
-                       constraint: CompiledConstraint | None = None) -> StreamEvent:
+                       constraint: CompiledConstraint | None = None, forced: int | None = None) -> StreamEvent:
     """The last event: beam search streams its best sequence whole, as one event at the end."""
     best = results[0][0]
     if beam:
@@ -362,5 +366,5 @@ def final_stream_event(results: list[list[Hypothesis]], stream: StreamText, beam
                             logprobs=token_logprobs(best, stream.decode), placeholders_ok=placeholders_ok)
     else:
         event = stream.finish(best)
-    event.constraint_satisfied = satisfied(constraint, best.tokens)
+    event.constraint_satisfied = satisfied(constraint, best.tokens, forced)
     return event

@@ -26,7 +26,7 @@ from model.restricted_vocab import VocabularyRestriction
 from model.seq2seq import Seq2SeqTransformer
 from model.shared_prefix import SharedPrefix
 from model.tokenizer import pad_batch
-from model.vocab_map import VocabularyMap
+from model.vocab_map import AnyVocabularyMap, target_languages
 
 # Cache positions a prefill reserves for new tokens; the cache grows by itself beyond them (KVCache.begin_step).
 DECODE_HEADROOM = 16
@@ -38,13 +38,13 @@ class GenerationRunner(ABC):
     family: str
 
     def __init__(self, model: CausalLM | Seq2SeqTransformer, prefix_cache: PrefixCache | None = None,
-                 draft_model: CausalLM | None = None, vocab_map: VocabularyMap | None = None) -> None:
+                 draft_model: CausalLM | None = None, vocab_map: AnyVocabularyMap | None = None) -> None:
         self.model = model
         self.config = model.config
         self.device = next(model.parameters()).device
         self.prefix_cache = prefix_cache
         self.draft_model = draft_model  # drafts for speculative method draft_model (model.speculative)
-        self.vocab_map = vocab_map  # a translator's candidate target tokens per source (model.vocab_map)
+        self.vocab_map = vocab_map  # a translator's candidate target tokens per source (per language: model.vocab_map)
 
     @property
     @abstractmethod
@@ -67,14 +67,17 @@ class GenerationRunner(ABC):
         ``targets``: per row, a translation's target prefix to continue (empty lists for a causal LM).
         ``vocabulary``: the rows' target vocabularies (:meth:`vocabulary`), or None."""
 
-    def vocabulary(self, inputs: list[list[int]], restricted: Sequence[bool]) -> VocabularyRestriction | None:
-        """The rows' target vocabularies: the map's candidates of each restricted row's source; None if none is."""
+    def vocabulary(self, inputs: list[list[int]], restricted: Sequence[bool], targets: Sequence[Sequence[int]] | None
+                   = None, forced: Sequence[int | None] | None = None) -> VocabularyRestriction | None:
+        """The rows' target vocabularies: the map's candidates of each restricted row's source; None if no row is.
+        Per-language maps pick each row's by the token its translation starts with (model.vocab_map.target_languages:
+        its ``forced`` first token, else its target prefix's first, from ``targets``)."""
         if not any(restricted):
             return None
         if self.vocab_map is None:
             raise ValueError("this model has no vocabulary map")
         return VocabularyRestriction.of_sources(self.vocab_map, inputs, self.config.vocab_size, self.device,
-                                                restricted)
+                                                restricted, target_languages(forced, targets, len(inputs)))
 
     def decode(self, tokens: torch.Tensor, cache: KVCache, vocabulary: VocabularyRestriction | None = None
                ) -> torch.Tensor:

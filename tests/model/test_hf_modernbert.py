@@ -8,7 +8,7 @@ ModernBERT-shaped checkpoint round-trips; what the classifier config cannot run,
 express, is refused by name. The tokenizer.json encodes as transformers' ([CLS] a [SEP] (b [SEP])). PEFT adapters on
 ``Wqkv Wo Wi`` (fused: split onto our q/k/v and fc1/up) and the head give PeftModel's logits alone and mixed, and
 ours saved back load in PEFT with the same logits; on the token head too (TOKEN_CLS: its own ``classifier``), each
-real token's logits in float32 and float64.
+real token's logits in float32 and float64 (copies of ``head`` with its norm: test_hf_modernbert_head_copies.py).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from model.checkpoint import HF_DIR, load_checkpoint, load_hf_checkpoint, save_c
 from model.classifier import TransformerClassifier, label_scores
 from model.config import ClassifierConfig, ModelConfigError, Seq2SeqConfig
 from model.hf import HFImportError, companion_files, load_hf_model
-from model.lora import AdapterError, layers_with, use_adapters
-from model.lora_io import check_adapter, load_adapter, save_adapter
+from model.lora import layers_with, use_adapters
+from model.lora_io import load_adapter, save_adapter
 from model.lora_layers import HeadCopies
 from model.native_support import unsupported
 from tests.hf_compare import ATOL, peft_adapter
@@ -235,21 +235,9 @@ def test_lora_adapters_give_peft_logits_alone_and_mixed_and_save_back(peft_direc
     assert (hf_logits(peft_directory, tmp_path / "saved") - expected["a"]).abs().max() < ATOL
 
 
-def test_a_copy_of_the_head_with_its_norm_is_refused_by_name(peft_directory, tmp_path):
-    """modules_to_save ``head`` (dense -> act -> LayerNorm): our head copies hold Linears, not its norm."""
-    base = transformers.AutoModelForSequenceClassification.from_pretrained(peft_directory)
-    adapter = peft_adapter(base, tmp_path / "adapter", seed=5, r=2, lora_alpha=4, target_modules=["Wqkv"],
-                           modules_to_save=["head"])
-    checkpoint = load_hf_checkpoint(peft_directory, device="cpu")
-    with pytest.raises(AdapterError, match=r"modules_to_save \['head'\] is not supported"):
-        check_adapter(checkpoint.model, adapter, "a", checkpoint.adapter_layout)
-
-
-
 def test_token_head_adapters_give_peft_token_logits_alone_and_mixed_and_save_back(tmp_path):
     """TOKEN_CLS adapters on the token head (LoRA on head.dense, our pooler; their own ``classifier``): each real
-    token's logits are PeftModel's in float32 and float64, alone and mixed per row; ours saved back load in PEFT; a
-    copy of ``head`` (its norm) stays refused by name."""
+    token's logits are PeftModel's in float32 and float64, alone and mixed per row; ours saved back load in PEFT."""
     from tests.model.test_hf_encoder_peft import assert_alone_and_mixed, hf_token_logits, real_token_logits
 
     pytest.importorskip("peft")
@@ -269,8 +257,3 @@ def test_token_head_adapters_give_peft_token_logits_alone_and_mixed_and_save_bac
         assert_alone_and_mixed(model, ids, expected, partial(real_token_logits, model), tolerance)
     save_adapter(model, "a", tmp_path / "saved", layout=checkpoint.adapter_layout)
     assert (hf_token_logits(directory, tmp_path / "saved", torch.float64, TEXTS4) - expected["a"]).abs().max() < 1e-9
-    base = transformers.AutoModelForTokenClassification.from_pretrained(directory)
-    head = peft_adapter(base, tmp_path / "head", seed=5, r=2, lora_alpha=4, target_modules=["Wqkv"],
-                        modules_to_save=["head"])
-    with pytest.raises(AdapterError, match=r"modules_to_save \['head'\] is not supported"):
-        check_adapter(model, head, "c", checkpoint.adapter_layout)

@@ -70,6 +70,8 @@ def test_pack_round_trips_and_the_module_dequantises():
     packed = int8_kernel.pack(q)
     assert packed.shape == (3, 18, 16, 4)  # 37 -> 48 outputs, 70 -> 72 inputs, zero-padded
     assert torch.equal(int8_kernel.unpack(packed, 37, 70), q)
+    ids = torch.tensor([36, 0, 17, 16, 15, 17])  # any order, repeats, across the blocks of 16
+    assert torch.equal(int8_kernel.unpack_rows(packed, ids, 70), q.index_select(0, ids))
     layer = torch.nn.Linear(70, 37)
     int8 = _with_kernel(layer, "vnni")
     assert int8.backend == "vnni" and torch.equal(int8.bias, layer.bias.detach())

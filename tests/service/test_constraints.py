@@ -1,6 +1,7 @@
 """Constrained decoding in the engine: every output of the tiny random-ish LM parses and validates against its
 JSON schema, matches its regex or is one of its choices, for greedy, sampling and beam search, in a batch with
-unconstrained rows and adapters (which decode as alone); a constraint that cannot be used is a 422 first."""
+unconstrained rows and adapters (which decode as alone), and the translator's outputs keep to theirs; a constraint that
+cannot be used is a 422 first."""
 
 from __future__ import annotations
 
@@ -72,6 +73,18 @@ def test_every_output_matches_its_constraint(models_dir, strategy):
                for seq in sequences(out))
 
 
+@pytest.mark.parametrize("strategy", [STRATEGIES[0], STRATEGIES[2]], ids=["greedy", "beam"])
+def test_a_translators_outputs_keep_to_its_constraint(models_dir, strategy):
+    """Our own translator (byte-level BPE) decodes within the grammar too: each output one of the choices."""
+    async def main():
+        async with running_engine(models_dir, None) as engine:
+            return await engine.get(MT).generate(ask(*PROMPTS, constraint={"choice": CHOICES}, **strategy), "mt")
+
+    for output in asyncio.run(main()):
+        for seq in sequences(output):
+            assert seq.text in CHOICES and seq.finish_reason == "eos" and seq.constraint_satisfied is True, seq
+
+
 def test_an_output_cut_short_says_it_does_not_satisfy_its_constraint(models_dir):
     """max_new_tokens ends a JSON object before it closes: the answer says constraint_satisfied false (the README's
     example parsed half a JSON by surprise), streamed too; an unconstrained output has no such field."""
@@ -120,7 +133,6 @@ def test_constrained_rows_leave_the_other_rows_of_their_batch_alone(models_dir, 
                                                                           for i in range(4000)}}}),
      "constraint.json_schema", "allowed"),
     (LM, dict(constraint={"choice": CHOICES}, speculative={"method": "ngram"}), "speculative", "constraint"),
-    (MT, dict(constraint={"choice": CHOICES}), "constraint", "causal_lm"),
 ])
 def test_a_constraint_that_cannot_be_used_is_refused_before_decoding(models_dir, model, fields, field, message):
     async def main():
