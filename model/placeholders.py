@@ -104,6 +104,23 @@ class Protected:
         return self.text, PATTERN.sub(lambda m: sentinel(index[m.group(0)]) if m.group(0) in index else m.group(0),
                                       target)
 
+    def after(self, prefix: str) -> Protected:
+        """What a continuation of ``prefix`` (the start of the output, given as text: a target prefix) must hold: the
+        source's placeholders less the ones ``prefix`` already has (positional ones from the front), so restoring
+        the continuation neither flags nor appends what the prefix holds."""
+        source, counts, order = self.source, list(self.counts), list(self.order)
+        index = {p: i for i, p in enumerate(self.originals)}
+        for placeholder in find(prefix):
+            match = next((m for m in PATTERN.finditer(source) if m.group(0) == placeholder), None)
+            if match is None:
+                continue  # not the source's, or the prefix repeats it more often than the source has it
+            source = source[:match.start()] + source[match.end():]
+            if placeholder in index:
+                counts[index[placeholder]] -= 1
+            if placeholder in order:
+                order.remove(placeholder)
+        return Protected(source, self.text, self.originals, tuple(counts), tuple(order))
+
     def restore(self, output: str, repair: bool = True) -> Restored:
         """``output`` with each sentinel replaced by its original (positional ones in the source's order).
 

@@ -140,6 +140,8 @@ class GenerationPlanner:
             prompts.append(ids)
         forced = list(languages.forced)
         targets = await self._target_prefixes(req, config, forced)
+        if protected is not None and req.target_prefix is not None:  # the prefix already holds some placeholders
+            protected = [p.after(prefix) for p, prefix in zip(protected, req.target_prefix, strict=True)]
         constraint = await self._constraint(req)
         speculative = self._speculative(req, config, constrained=constraint is not None)
         stops = [s for s in req.stop if s]

@@ -79,6 +79,19 @@ def test_repair_appends_what_is_missing_and_drops_extra_or_unknown_copies():
     assert partial.text == "Mover %s"
 
 
+def test_a_target_prefix_leaves_its_continuation_the_placeholders_it_does_not_hold():
+    protected = protect("Move %s to %s, keep {name}")
+    rest = protected.after("Mover %s a")  # the prefix holds the first positional %s
+    assert rest.counts == (1, 1) and rest.order == ("%s",) and rest.text == protected.text
+    kept = rest.restore(f" {sentinel(0)}, mantener {sentinel(1)}")
+    assert kept.ok and kept.text == " %s, mantener {name}"
+    again = rest.restore(f" {sentinel(0)} {sentinel(0)} {sentinel(1)}")  # a copy beyond the rest: dropped, flagged
+    assert not again.ok and Counter(find("Mover %s a" + again.text)) == Counter(find(protected.source))
+    assert Counter(find("Mover %s a" + rest.restore("").text)) == Counter(find(protected.source))  # repaired once
+    assert protected.after("{name} {name} {other} --force").counts == (2, 0)  # only the source's, at most its count
+    assert protected.after("no placeholders") == protected
+
+
 def test_a_text_without_placeholders_is_checked_for_invented_ones():
     protected = protect("Nothing to see")
     assert protected.text == "Nothing to see" and protected.restore("Nada que ver").ok

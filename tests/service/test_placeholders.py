@@ -74,6 +74,20 @@ def test_every_translation_keeps_its_inputs_placeholders_streamed_or_not(models)
         assert out.placeholders_ok is None and "placeholders_ok" not in generate_output(out).model_fields_set
 
 
+def test_a_target_prefix_holding_a_placeholder_is_not_given_it_again(models):
+    """The continuation of a prefix that already holds one of the source's placeholders carries only the rest: the
+    whole translation (prefix + output) holds each exactly as often as the source."""
+    texts = ["copy the file {count} to https://example.org/a", "open the folder %(datestr)s -n"]
+    prefixes = ["{count}", "-n"]
+
+    async def main():
+        async with running_engine(models, None) as engine:
+            return await engine.get(MT_PH).generate(ask(*texts, target_prefix=prefixes, max_new_tokens=24), "p")
+
+    for text, prefix, out in zip(texts, prefixes, asyncio.run(main()), strict=True):
+        assert Counter(find(prefix + " " + out.text)) == Counter(find(text)), (prefix, out.text)
+
+
 def test_protect_placeholders_is_for_translation_models_only(models):
     async def main():
         async with running_engine(models, None) as engine:
