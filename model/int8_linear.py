@@ -10,7 +10,8 @@ quantises its activations on the fly and runs an int8 GEMM. Two GEMMs (``model.i
   (``reduce_range=True``, PyTorch's default: CPUs without VNNI can saturate 16-bit sums otherwise).
 
 A FeedForward's fc1 may ask for its activation with the product (:meth:`Int8Linear.activated`): ours applies it to
-each output vector before storing it, so no pass over the (rows, d_ff) output follows.
+each output vector before storing it, so no pass over the (rows, d_ff) output follows; and with ours on both, fc2 may
+take that output already quantised (:meth:`Int8Linear.activated_into`: quantised in fc1's GEMM while in L2).
 
 Near a leaf of the model package: it imports model.int8_kernel and model.kernel_layers only (model.layers,
 model.quantize, model.lora and model.fast_step import it).
@@ -48,6 +49,8 @@ class Int8Linear(nn.Module):
             self.backend = "vnni"
             # the kernels' functions and enum, not their module: a deepcopy of the model copies neither
             self._kernel_linear, self._kernel_activated = kernel.int8_linear, kernel.int8_linear_activated
+            self._kernel_into = kernel.int8_linear_activated_quantized
+            self._kernel_quantized = kernel.int8_linear_quantized
             self._activations = kernel.Activation
             self._packed = int8_kernel.pack(q)
             self._scales, self._sums, self._bias = scales, q.sum(dim=1, dtype=torch.int32), bias
@@ -75,6 +78,7 @@ class Int8Linear(nn.Module):
         layer.out_features, layer.in_features, layer.reduce_range = ids.shape[0], self.in_features, self.reduce_range
         layer.backend, layer._kernel_linear, layer._packed = "vnni", self._kernel_linear, int8_kernel.pack(q)
         layer._kernel_activated, layer._activations = self._kernel_activated, self._activations
+        layer._kernel_into, layer._kernel_quantized = self._kernel_into, self._kernel_quantized
         layer._scales, layer._sums = self._scales.index_select(0, ids), self._sums.index_select(0, ids)
         layer._bias = self._bias.index_select(0, ids) if self._bias is not None else None
         return layer
@@ -107,6 +111,17 @@ class Int8Linear(nn.Module):
             return self._kernel_activated(x, self._packed, self._scales, self._sums, self._bias,
                                           self._activations.__members__[activation])
         return activate(self(x), activation)
+
+    def activated_into(self, x: torch.Tensor, activation: str, fc2: Int8Linear) -> torch.Tensor:
+        """``fc2(self.activated(x, activation))``; when both run ours, this GEMM's rows are quantised for fc2 as
+        they are computed (a 64-row tile of the float output quantised while it is in L2) instead of the float
+        output going to memory and fc2 reading it back: the same bytes as fc2 quantising that output."""
+        if self.backend != "vnni" or fc2.backend != "vnni":
+            return fc2(self.activated(x, activation))
+        hq, hs = self._kernel_into(x.reshape(-1, x.shape[-1]), self._packed, self._scales, self._sums, self._bias,
+                                   self._activations.__members__[activation])
+        return self._kernel_quantized(hq, hs, fc2._packed, fc2._scales, fc2._sums, fc2._bias).view(
+            *x.shape[:-1], fc2.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel, {self.backend}"

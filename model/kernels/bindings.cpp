@@ -11,6 +11,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("int8_linear", &int8_linear, "int8 linear: x float32 (..., in) -> (..., out) float32", release());
   module.def("int8_linear_activated", &int8_linear_activated,
              "an Activation of int8_linear, applied to each output tile in the GEMM", release());
+  module.def("int8_linear_activated_quantized", &int8_linear_activated_quantized,
+             "int8_linear_activated's rows quantised for the next int8 GEMM: (uint8 rows, scales)", release());
+  module.def("int8_linear_quantized", &int8_linear_quantized,
+             "int8_linear of rows already quantised (uint8 rows, scales)", release());
   module.def("has_avx512", &has_avx512, "whether this CPU has AVX-512 F/BW/VL/DQ (decode_attention)");
   module.def("decode_attention", &decode_attention,
              "attention of a few queries per head over a KV cache (and a shared prefix's blocks), float32",

@@ -2,10 +2,12 @@
 // model/attention.py gives SDPA for a forward with a key-padding mask (a classifier, reranker or NER model).
 //
 // out[b, h, i] = softmax(q[b, h, i] . k[b, h, :] / sqrt(64), keys masked) @ v[b, h, :] for every query i of every
-// row and head, head dim 64. Per head: K transposed once into a scratch (64 x T, zero past T), then blocks of 4
-// queries: their scores against 64 keys at a time are 16 accumulators fed by one broadcast per query and dim (no
-// horizontal sums), the block's softmax in a row buffer, then p @ V as 4 x 4 accumulators over the keys. SDPA's CPU
-// (flash) kernel runs ~75 GFLOP/s on 8 x 12 heads x 128 tokens here; this one ~175 (2.3-2.4x), within 5e-7 of it.
+// row and head, head dim 64. Per head: K transposed once into a scratch (64 x T, zero past T; 16 x 16 blocks at a
+// time in registers), then blocks of 4 queries: their scores against 64 keys at a time are 16 accumulators fed
+// by one broadcast per query and dim (no horizontal sums), the block's softmax in a row buffer, then p @ V as 4 x 4
+// accumulators over the keys. SDPA's CPU (flash) kernel runs ~75 GFLOP/s on 8 x 12 heads x 128 tokens here; this
+// one ~175 (2.3-2.4x), within 5e-7 of it (1.4x that since the K transpose went from scalar to 16 x 16 register
+// blocks; a 6-query block was slower).
 // The mask is bool over the keys, (B or 1, 1, 1, T) (True = attend); a query that may attend to nothing gets zeros
 // (SDPA gives NaN). The output is written (B, T, H, 64) and returned as its (B, H, T, 64) view, so merging the heads
 // afterwards (transpose + reshape) copies nothing.
@@ -80,12 +82,39 @@ AVX512 float softmax_row(float* p, int64_t tp) {
   return 1.f / _mm512_reduce_add_ps(sum);
 }
 
+// kt (64 x tp) = the head's keys transposed, zero past t: 16 keys x 16 dims at a time, transposed in registers.
+AVX512 void transpose_keys(const Head& h, int64_t tp, float* kt) {
+  for (int64_t j0 = 0; j0 < tp; j0 += 16) {
+    for (int d0 = 0; d0 < kDh; d0 += 16) {
+      __m512 a[16], b[16];
+      UNROLL for (int r = 0; r < 16; ++r)
+        a[r] = j0 + r < h.t ? _mm512_loadu_ps(h.k + (j0 + r) * h.kv_row + d0) : _mm512_setzero_ps();
+      UNROLL for (int r = 0; r < 16; r += 2) {  // lane L: a[r][4L + 0..1] / a[r][4L + 2..3] interleaved with a[r + 1]
+        b[r] = _mm512_unpacklo_ps(a[r], a[r + 1]);
+        b[r + 1] = _mm512_unpackhi_ps(a[r], a[r + 1]);
+      }
+      UNROLL for (int r = 0; r < 16; r += 4) {  // a[r + c]: lane L holds dim 4L + c of keys r .. r + 3
+        a[r] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(b[r]), _mm512_castps_pd(b[r + 2])));
+        a[r + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(b[r]), _mm512_castps_pd(b[r + 2])));
+        a[r + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(b[r + 1]), _mm512_castps_pd(b[r + 3])));
+        a[r + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(b[r + 1]), _mm512_castps_pd(b[r + 3])));
+      }
+      UNROLL for (int g = 0; g < 16; g += 8) UNROLL for (int c = 0; c < 4; ++c) {  // b[g + c]: dims c and c + 8;
+        b[g + c] = _mm512_shuffle_f32x4(a[g + c], a[g + c + 4], 0x88);             // b[g + c + 4]: c + 4, c + 12
+        b[g + c + 4] = _mm512_shuffle_f32x4(a[g + c], a[g + c + 4], 0xdd);
+      }
+      UNROLL for (int c = 0; c < 8; ++c) {
+        _mm512_storeu_ps(kt + (d0 + c) * tp + j0, _mm512_shuffle_f32x4(b[c], b[c + 8], 0x88));
+        _mm512_storeu_ps(kt + (d0 + c + 8) * tp + j0, _mm512_shuffle_f32x4(b[c], b[c + 8], 0xdd));
+      }
+    }
+  }
+}
+
 AVX512 void head_attention(const Head& h, float* kt, float* bias, float* p) {
   const int64_t t = h.t, tp = (t + 15) / 16 * 16;
-  for (int64_t j = 0; j < tp; ++j) {
-    for (int d = 0; d < kDh; ++d) kt[d * tp + j] = j < t ? h.k[j * h.kv_row + d] : 0.f;
-    bias[j] = j < t && (h.keep == nullptr || h.keep[j]) ? 0.f : -INFINITY;
-  }
+  transpose_keys(h, tp, kt);
+  for (int64_t j = 0; j < tp; ++j) bias[j] = j < t && (h.keep == nullptr || h.keep[j]) ? 0.f : -INFINITY;
   for (int64_t i0 = 0; i0 < t; i0 += kQueries) {
     const int rows = static_cast<int>(std::min<int64_t>(kQueries, t - i0));
     scores(h, kt, bias, tp, i0, rows, p);

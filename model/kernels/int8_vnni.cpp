@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 #define UNROLL _Pragma("GCC unroll 16")
@@ -52,7 +53,8 @@ struct Problem {
   const float* sw;     // (n,)
   const int32_t* w_sum;
   const float* bias;   // (n,) or null
-  float* out;          // (m, n)
+  float* out;          // rows [out_row0, ...) of the (m, n) result, n floats apart
+  int64_t out_row0;
   int64_t m, n, k_padded, blocks;
   int64_t activation;  // an Activation of each output vector before it is stored, or kNoActivation
 };
@@ -90,7 +92,7 @@ VNNI void tile(const Problem& p, int64_t blk, int64_t m0) {
       const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][c], offset));
       __m512 y = _mm512_fmadd_ps(dot, _mm512_mul_ps(sw, _mm512_set1_ps(p.sx[m0 + r])), bias);
       if (p.activation != kNoActivation) y = tserve::activate(y, static_cast<Activation>(p.activation));
-      _mm512_mask_storeu_ps(p.out + (m0 + r) * p.n + n0, mask, y);
+      _mm512_mask_storeu_ps(p.out + (m0 + r - p.out_row0) * p.n + n0, mask, y);
     }
   }
 }
@@ -123,43 +125,71 @@ bool has_vnni() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supp
 
 namespace {
 
-torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale,
-                        const torch::Tensor& w_sum, const c10::optional<torch::Tensor>& bias, int64_t activation) {
+void check_weights(const torch::Tensor& packed, const torch::Tensor& w_scale, const torch::Tensor& w_sum,
+                   const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(has_vnni(), "int8 kernel: this CPU has no AVX512-VNNI");
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, "int8 kernel: x must be float32 on the CPU");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 4 && packed.is_contiguous() &&
               packed.scalar_type() == at::kChar, "int8 kernel: packed weights must be int8 [out/16][in/4][16][4]");
-  const int64_t n = w_scale.size(0), blocks = packed.size(0), k_padded = packed.size(1) * 4;
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) <= k_padded && x.size(-1) > k_padded - 4,
-              "int8 kernel: x has ", x.size(-1), " features, the weights ", k_padded, " (padded)");
+  const int64_t n = w_scale.size(0), blocks = packed.size(0);
   TORCH_CHECK(n <= blocks * 16 && n > blocks * 16 - 16 && w_sum.size(0) == n, "int8 kernel: scale/sum sizes");
   TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_sum.scalar_type() == at::kInt && w_scale.is_contiguous() &&
               w_sum.is_contiguous(), "int8 kernel: w_scale float32, w_sum int32, contiguous");
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->size(0) == n),
               "int8 kernel: bias must be float32 (out,)");
-  const torch::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
+}
+
+// x (m, k) float32 -> its rows quantised (m, k_padded) uint8 around 128 and their scales (m,).
+std::tuple<torch::Tensor, torch::Tensor> quantize_rows(const torch::Tensor& x2, int64_t k_padded) {
   const int64_t m = x2.size(0), k = x2.size(1);
-  torch::Tensor xq = torch::empty({m, k_padded}, x.options().dtype(at::kByte));
-  torch::Tensor sx = torch::empty({m}, x.options());
-  torch::Tensor out = torch::empty({m, n}, x.options());
+  torch::Tensor xq = torch::empty({m, k_padded}, x2.options().dtype(at::kByte));
+  torch::Tensor sx = torch::empty({m}, x2.options());
   const float* xp = x2.data_ptr<float>();
   uint8_t* xqp = xq.data_ptr<uint8_t>();
   float* sxp = sx.data_ptr<float>();
   at::parallel_for(0, m, kRowChunk, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) quantize_row(xp + r * k, k, k_padded, xqp + r * k_padded, sxp + r);
   });
-  const Problem p{xqp, sxp, packed.data_ptr<int8_t>(), w_scale.data_ptr<float>(), w_sum.data_ptr<int32_t>(),
-                  bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), m, n, k_padded, blocks,
-                  activation};
-  const int64_t groups = (blocks + 3) / 4, chunks = (m + kRowChunk - 1) / kRowChunk;
+  return {xq, sx};
+}
+
+Problem problem(const torch::Tensor& xq, const torch::Tensor& sx, const torch::Tensor& packed,
+                const torch::Tensor& w_scale, const torch::Tensor& w_sum, const c10::optional<torch::Tensor>& bias,
+                float* out, int64_t activation) {
+  return Problem{xq.data_ptr<uint8_t>(), sx.data_ptr<float>(), packed.data_ptr<int8_t>(), w_scale.data_ptr<float>(),
+                 w_sum.data_ptr<int32_t>(), bias.has_value() ? bias->data_ptr<float>() : nullptr, out, 0,
+                 xq.size(0), w_scale.size(0), packed.size(1) * 4, packed.size(0), activation};
+}
+
+// The whole (m, n) product into p.out: tasks of (row chunk, group of 4 blocks) over the intra-op threads.
+void gemm(const Problem& p) {
+  const int64_t groups = (p.blocks + 3) / 4, chunks = (p.m + kRowChunk - 1) / kRowChunk;
   at::parallel_for(0, groups * chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t row = (i / groups) * kRowChunk;
-      rows(p, (i % groups) * 4, row, std::min(m, row + kRowChunk));
+      rows(p, (i % groups) * 4, row, std::min(p.m, row + kRowChunk));
     }
   });
+}
+
+torch::Tensor gemm_float(const torch::Tensor& xq, const torch::Tensor& sx, const torch::Tensor& packed,
+                         const torch::Tensor& w_scale, const torch::Tensor& w_sum,
+                         const c10::optional<torch::Tensor>& bias, int64_t activation) {
+  torch::Tensor out = torch::empty({xq.size(0), w_scale.size(0)}, sx.options());
+  gemm(problem(xq, sx, packed, w_scale, w_sum, bias, out.data_ptr<float>(), activation));
+  return out;
+}
+
+torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale,
+                        const torch::Tensor& w_sum, const c10::optional<torch::Tensor>& bias, int64_t activation) {
+  check_weights(packed, w_scale, w_sum, bias);
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, "int8 kernel: x must be float32 on the CPU");
+  const int64_t k_padded = packed.size(1) * 4;
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) <= k_padded && x.size(-1) > k_padded - 4,
+              "int8 kernel: x has ", x.size(-1), " features, the weights ", k_padded, " (padded)");
+  auto [xq, sx] = quantize_rows(x.reshape({-1, x.size(-1)}).contiguous(), k_padded);
+  torch::Tensor out = gemm_float(xq, sx, packed, w_scale, w_sum, bias, activation);
   std::vector<int64_t> sizes = x.sizes().vec();
-  sizes.back() = n;
+  sizes.back() = w_scale.size(0);
   return out.view(sizes);
 }
 
@@ -176,4 +206,55 @@ torch::Tensor int8_linear_activated(const torch::Tensor& x, const torch::Tensor&
                                     const torch::Tensor& w_sum, const c10::optional<torch::Tensor>& bias,
                                     Activation activation) {
   return int8_gemm(x, packed, w_scale, w_sum, bias, activation);
+}
+
+// int8_linear_activated's output as the next int8 GEMM's input: its rows quantised (m, round_up(out, 4)) uint8 and
+// their scales (m,), the same bytes as quantising the float output. With as many row chunks as threads, each task
+// computes one chunk's (64, out) floats into a scratch that stays in L2 and quantises them there, so the float
+// output never goes to memory (a FeedForward's (rows, d_ff) hidden state: written once, read back once before).
+std::tuple<torch::Tensor, torch::Tensor> int8_linear_activated_quantized(
+    const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale, const torch::Tensor& w_sum,
+    const c10::optional<torch::Tensor>& bias, Activation activation) {
+  check_weights(packed, w_scale, w_sum, bias);
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
+              "int8 kernel: x must be float32 (rows, in) on the CPU");
+  const int64_t k_padded = packed.size(1) * 4, n = w_scale.size(0), n_padded = (n + 3) / 4 * 4;
+  TORCH_CHECK(x.size(-1) <= k_padded && x.size(-1) > k_padded - 4,
+              "int8 kernel: x has ", x.size(-1), " features, the weights ", k_padded, " (padded)");
+  auto [xq, sx] = quantize_rows(x.contiguous(), k_padded);
+  const int64_t m = xq.size(0), chunks = (m + kRowChunk - 1) / kRowChunk;
+  if (chunks < at::get_num_threads()) return quantize_rows(gemm_float(xq, sx, packed, w_scale, w_sum, bias, activation),
+                                                           n_padded);
+  torch::Tensor hq = torch::empty({m, n_padded}, x.options().dtype(at::kByte));
+  torch::Tensor hs = torch::empty({m}, x.options());
+  const Problem whole = problem(xq, sx, packed, w_scale, w_sum, bias, nullptr, activation);
+  const int64_t groups = (whole.blocks + 3) / 4;
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> scratch;  // the pool's threads persist: allocated (and zeroed) once per size
+    if (scratch.size() < static_cast<size_t>(kRowChunk * n)) scratch.resize(kRowChunk * n);
+    Problem p = whole;
+    p.out = scratch.data();
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t row = c * kRowChunk, row_end = std::min(m, row + kRowChunk);
+      p.out_row0 = row;
+      for (int64_t g = 0; g < groups; ++g) rows(p, g * 4, row, row_end);
+      for (int64_t r = row; r < row_end; ++r)
+        quantize_row(scratch.data() + (r - row) * n, n, n_padded, hq.data_ptr<uint8_t>() + r * n_padded,
+                     hs.data_ptr<float>() + r);
+    }
+  });
+  return {hq, hs};
+}
+
+// int8_linear of rows already quantised: xq (rows, in padded to 4) uint8 and sx (rows,) float32, as
+// int8_linear_activated_quantized returns them -> (rows, out) float32.
+torch::Tensor int8_linear_quantized(const torch::Tensor& xq, const torch::Tensor& sx, const torch::Tensor& packed,
+                                    const torch::Tensor& w_scale, const torch::Tensor& w_sum,
+                                    const c10::optional<torch::Tensor>& bias) {
+  check_weights(packed, w_scale, w_sum, bias);
+  TORCH_CHECK(xq.scalar_type() == at::kByte && xq.dim() == 2 && xq.is_contiguous() && xq.size(1) == packed.size(1) * 4,
+              "int8 kernel: xq must be contiguous uint8 (rows, in padded to 4)");
+  TORCH_CHECK(sx.scalar_type() == at::kFloat && sx.is_contiguous() && sx.dim() == 1 && sx.size(0) == xq.size(0),
+              "int8 kernel: sx must be float32 (rows,)");
+  return gemm_float(xq, sx, packed, w_scale, w_sum, bias, kNoActivation);
 }

@@ -50,6 +50,12 @@ torch::Tensor rows_activate_(torch::Tensor h, Activation activation);
 torch::Tensor int8_linear_activated(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale,
                                     const torch::Tensor& w_sum, const c10::optional<torch::Tensor>& bias,
                                     Activation activation);
+std::tuple<torch::Tensor, torch::Tensor> int8_linear_activated_quantized(
+    const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale, const torch::Tensor& w_sum,
+    const c10::optional<torch::Tensor>& bias, Activation activation);
+torch::Tensor int8_linear_quantized(const torch::Tensor& xq, const torch::Tensor& sx, const torch::Tensor& packed,
+                                    const torch::Tensor& w_scale, const torch::Tensor& w_sum,
+                                    const c10::optional<torch::Tensor>& bias);
 torch::Tensor rows_add_(torch::Tensor y, const torch::Tensor& x);
 torch::Tensor rows_mul_(torch::Tensor y, const torch::Tensor& x);
 void rows_rotate_(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, double scale = 1.0);
