@@ -156,13 +156,14 @@ def versions() -> str:
 
 def kernels() -> str:
     """Which of our C++ kernels run here (model/native.py), or why none does."""
-    from model import int8_kernel, native, packed_weights
+    from model import bf16_linear, int8_kernel, native, packed_weights
 
     module, why = int8_kernel.available()
     int8 = "AVX512-VNNI kernel" if module is not None and int8_kernel.kernel_choice() != "fbgemm" else \
         f"fbgemm ({why or 'TSERVE_INT8_KERNEL=fbgemm'})"
+    gemms = f"int8 GEMM {int8}; bf16 GEMM {'AVX512-BF16 kernel' if bf16_linear.kernel() else 'torch (float32 upcast)'}"
     if native.kernels() is None:
-        return f"int8 GEMM {int8}; decoding step: Python replay, MKL, SDPA"
+        return f"{gemms}; decoding step: Python replay, MKL, SDPA"
     packed = "panel GEMM over packed weights" if packed_weights.enabled() else "MKL (TSERVE_PACKED_WEIGHTS=off)"
-    return (f"int8 GEMM {int8}; decoding step (AVX-512): native layers, few-rows GEMV, beyond 4 rows {packed}, "
+    return (f"{gemms}; decoding step (AVX-512): native layers, few-rows GEMV, beyond 4 rows {packed}, "
             "attention, LayerNorm/activations/cache writes, greedy choice")

@@ -6,7 +6,7 @@ vocabulary 49,152, tied) and ``qwen2.5-0.5b`` (Qwen2ForCausalLM: 24 layers, d 89
 vocabulary 151,936, tied, q/k/v biases); random weights saved by ``save_pretrained``. Every engine reads those
 files and gets the same token ids (random, not the EOS id):
 
-- ours fp32 and int8: ``load_checkpoint`` of the directory (model.hf), ``prepare_for_inference`` as the service
+- ours fp32, int8 and bf16: ``load_checkpoint`` of the directory (model.hf), ``prepare_for_inference`` as the service
   loads it (benchmarks/shape_engines.py); HF ``generate()``;
 - CTranslate2 fp32 and int8: its ``TransformersConverter`` of the directory, a ``Generator`` per compute type and
   thread count in a process of its own (``peers.CT2Process``), the prompt forwarded at once;
@@ -18,7 +18,7 @@ Cells: greedy at batch 1, 8, 32 and beam 4 at batch 1, each with 32-token and 51
 tokens/s). ``--quick``: greedy b1, b8 and beam 4 b1 on 32-token prompts and greedy b1 on 512-token ones, 32 new
 tokens, one timed round, and the prefill. Before any timing the greedy tokens of each engine are compared with
 HF's on three 32-token prompts (a divergence where HF's two candidates tie is a tie); a fp32 engine that differs is
-not timed; the quantized ones (ours int8, CT2 int8, llama.cpp Q8_0) report where they part from fp32 HF. Timing
+not timed; the quantized ones (ours int8 and bf16, CT2 int8, llama.cpp Q8_0) report where they part from fp32 HF. Timing
 as for the other shapes (benchmarks/cells.py); the floor from benchmarks/floor.py with the shape's sizes (grouped
 K/V, gated FFN). Peak RSS per engine: each engine loaded in a fresh process of its own and run on one greedy
 batch-1 cell (512-token prompt), its VmHWM.
@@ -38,13 +38,16 @@ from benchmarks.cells import Cell, alternate, kernels, load, rate, ratio_text, v
 from benchmarks.common import machine_line, markdown_table
 from benchmarks.peak_rss import peak_rss_rows
 from benchmarks.shape_engines import (
+    OURS_QUANTIZED,
     Engines,
     divergence,
+    floor_seconds,
     hf_decode,
     hf_greedy_reference,
     load_engines,
     ours_decode,
     ours_tokens,
+    quantized,
     random_ids,
     verdict,
 )
@@ -52,8 +55,7 @@ from model.native_support import unsupported
 
 logger = logging.getLogger("benchmarks.decoder_compare")
 
-ENGINES = ("ours", "ours int8", "HF", "CT2 fp32", "CT2 int8", "llama.cpp F32", "llama.cpp Q8_0")
-QUANTIZED = ("ours int8", "CT2 int8", "llama.cpp Q8_0")
+ENGINES = ("ours", *OURS_QUANTIZED, "HF", "CT2 fp32", "CT2 int8", "llama.cpp F32", "llama.cpp Q8_0")
 PEERS = (("ours", "HF"), ("ours", "CT2 fp32"), ("ours int8", "CT2 int8"), ("ours", "llama.cpp F32"),
          ("ours int8", "llama.cpp Q8_0"))
 TIE = 1e-4  # as benchmarks/shape_engines.py: HF logits closer than this (relative) are a tie
@@ -134,9 +136,8 @@ def check_outputs(engines: Engines, started: Peers, new_tokens: int) -> list[lis
     differs beyond a tie goes into ``engines.excluded``; a quantized one reports where it parts from fp32 HF."""
     inputs = random_ids(engines.files.shape, 3, CHECK_PROMPT, seed=1234)
     reference, scores = hf_greedy_reference(engines.hf, inputs, new_tokens)
-    candidates = {"ours": ours_tokens(engines.ours, inputs, 1, new_tokens)}
-    if "ours int8" not in engines.excluded:
-        candidates["ours int8"] = ours_tokens(engines.ours_int8, inputs, 1, new_tokens)
+    candidates = {engine: ours_tokens(checkpoint, inputs, 1, new_tokens)
+                  for engine, checkpoint in engines.ours_engines.items() if engine not in engines.excluded}
     index = {piece: i for i, piece in enumerate(started.vocabulary)}
     pieces = [[started.vocabulary[i] for i in row] for row in inputs.tolist()]
     for (engine, n), process in sorted(started.ct2.items()):
@@ -149,7 +150,7 @@ def check_outputs(engines: Engines, started: Peers, new_tokens: int) -> list[lis
     for engine, tokens in candidates.items():
         found = [(i, *d) for i, (mine, theirs) in enumerate(zip(tokens, reference, strict=True))
                  if (d := divergence(mine, theirs, scores[i], TIE)) is not None]
-        if engine in QUANTIZED:
+        if quantized(engine):
             parts = [next((d[1] for d in found if d[0] == i), new_tokens) for i in range(len(reference))]
             text = (f"equal to fp32 HF for the first {parts} of {new_tokens} tokens of {len(reference)} prompts "
                     f"({sum(parts) / (new_tokens * len(reference)):.0%}; quantized: reported, not required)")
@@ -175,8 +176,8 @@ def decode_cells(engines: Engines, started: Peers, grid: list[Workload], args: a
         cell = Cell(name, w.label, w.batch, w.beams, w.items, length=w.prompt)
         variants = {}
         for n in args.threads:
-            variants[f"ours@{n}"] = (n, ours_decode(engines.ours, inputs, w.beams, w.new_tokens))
-            variants[f"ours int8@{n}"] = (n, ours_decode(engines.ours_int8, inputs, w.beams, w.new_tokens))
+            for engine, checkpoint in engines.ours_engines.items():
+                variants[f"{engine}@{n}"] = (n, ours_decode(checkpoint, inputs, w.beams, w.new_tokens))
             variants[f"HF@{n}"] = (n, hf_decode(engines.hf, inputs, w.beams, w.new_tokens))
         for (engine, n), process in started.ct2.items():
             variants[f"{engine}@{n}"] = (1, _bind(process.translate, pieces, w.beams, w.new_tokens))
@@ -215,13 +216,13 @@ def results_table(cells: list[Cell], excluded: dict[str, str]) -> str:
 
 
 def shares(cells: list[Cell], limits: dict) -> dict[tuple[str, int, str], float]:
-    """(label, batch, engine) -> the engine's best rate over the cell's floor rate (its int8 floor if quantized)."""
+    """(label, batch, engine) -> the engine's best rate over the cell's floor rate (shape_engines.floor_seconds)."""
     out = {}
     for c in cells:
         fp32, int8 = limits[c.family, c.batch, c.label]
         for engine in ENGINES:
-            if best := c.best(engine):
-                out[c.label, c.batch, engine] = best[0] * (int8 if engine in QUANTIZED else fp32) / c.items
+            if (best := c.best(engine)) and (limit := floor_seconds(engine, fp32, int8)) is not None:
+                out[c.label, c.batch, engine] = best[0] * limit / c.items
     return out
 
 

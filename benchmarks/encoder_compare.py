@@ -9,7 +9,7 @@ Rerank cells: a query of 16 tokens and 16 or 64 documents, each pair ``<s> query
 112-128 tokens (random ids, no special ones; the longest 128), scored in chunks of the service's default
 ``max_batch_size`` (32 pairs: also CrossEncoder.predict's default batch size), each chunk padded to its longest pair:
 
-- ours fp32 / int8: ``load_checkpoint`` + ``prepare_for_inference`` as the service loads a model
+- ours fp32 / int8 / bf16: ``load_checkpoint`` + ``prepare_for_inference`` as the service loads a model
   (benchmarks/shape_engines.py), then what ``ModelWorker.rerank``'s PoolingJob "logits" computes: ``pad_batch`` of
   the chunk's ids and segment ids, the classifier's forward, the one-label logit through sigmoid
   (service.engine.rerank's default activation);
@@ -19,10 +19,11 @@ Rerank cells: a query of 16 tokens and 16 or 64 documents, each pair ``<s> query
   input_ids, attention_mask), one session per thread count.
 
 Before any timing each engine's logits of every cell's pairs are compared with HF's: a fp32 engine more than
-:data:`FP32_ATOL` away is reported as MISMATCH and not timed; int8's difference, correlation and HF's order kept are
-reported. Timing, tables and the floor as for the other shapes (benchmarks/cells.py, benchmarks/shape_compare.py):
-pairs/s, variants alternating after a warm-up, medians, each engine at its best thread count; the floor is
-benchmarks/floor.py's ``encoder_floor`` over each pair's own tokens (padding excluded), weights read once per cell.
+:data:`FP32_ATOL` away is reported as MISMATCH and not timed; int8's and bf16's difference, correlation and HF's
+order kept are reported. Timing, tables and the floor as for the other shapes (benchmarks/cells.py,
+benchmarks/shape_compare.py): pairs/s, variants alternating after a warm-up, medians, each engine at its best thread
+count; the floor is benchmarks/floor.py's ``encoder_floor`` over each pair's own tokens (padding excluded), weights
+read once per cell (none for bf16 yet).
 ``--quick``: one timed round of the same cells.
 """
 
@@ -40,7 +41,8 @@ from benchmarks import floor, shapes
 from benchmarks.cells import Cell, alternate, kernels, load, ratio_text, versions
 from benchmarks.common import machine_line, markdown_table
 from benchmarks.shape_compare import ENGINES, PEERS, measure_rates, weight_bytes
-from benchmarks.shape_engines import Engines, load_engines
+from benchmarks.shape_engines import Engines, floor_seconds, load_engines, quantized
+from model.checkpoint import Checkpoint
 from model.tokenizer import pad_batch
 from service.engine.rerank import ACTIVATIONS, DEFAULT_ACTIVATION
 from service.engine.types import EngineSettings
@@ -103,8 +105,8 @@ def padded(chunk: Pairs, pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return ids, segments, mask
 
 
-def ours_scorer(engines: Engines, int8: bool) -> Scorer:
-    model = (engines.ours_int8 if int8 else engines.ours).model
+def ours_scorer(checkpoint: Checkpoint) -> Scorer:
+    model = checkpoint.model
     pad = model.config.pad_id
 
     def logits(pairs: Pairs) -> torch.Tensor:
@@ -148,10 +150,11 @@ def ort_scorer(engines: Engines, session) -> Scorer:
 
 def scorers(engines: Engines, threads: int, ours: Callable | None = None, hf: Callable | None = None,
             ort: Callable | None = None) -> dict[str, Callable]:
-    """Every engine's scorer at ``threads`` (ONNX Runtime: its session of that thread count), built by ``ours(engines,
-    int8)``, ``hf(engines)``, ``ort(engines, session)``: this module's pair scorers unless given (NER's token ones)."""
+    """Every engine's scorer at ``threads`` (ONNX Runtime: its session of that thread count), built by
+    ``ours(checkpoint)`` (each of ``engines.ours_engines``), ``hf(engines)``, ``ort(engines, session)``: this module's
+    pair scorers unless given (NER's token ones)."""
     ours, hf, ort = ours or ours_scorer, hf or hf_scorer, ort or ort_scorer
-    out = {"ours": ours(engines, False), "ours int8": ours(engines, True), "HF": hf(engines)}
+    out = {engine: ours(checkpoint) for engine, checkpoint in engines.ours_engines.items()} | {"HF": hf(engines)}
     out |= {f"ORT {kind}": ort(engines, engines.ort[kind, threads]) for kind in ("fp32", "int8")
             if (kind, threads) in engines.ort}
     return out
@@ -180,8 +183,8 @@ def check_outputs(engines: Engines, cells_pairs: dict[int, Pairs], threads: int)
         pairs = sum(map(len, cells_pairs.values()))
         text = f"max abs difference from HF's logits {error:.1e} over {pairs} pairs, correlation {correlation:.4f}, " \
             f"HF's order {'kept' if same_order else 'not kept'}"
-        if "int8" in engine:
-            text += " (int8: reported, not required)"
+        if quantized(engine):
+            text += " (quantized: reported, not required)"
         elif error > FP32_ATOL:
             engines.excluded[engine] = text
             logger.error("%s %s: %s", engines.files.shape.name, engine, text)
@@ -246,10 +249,10 @@ def floor_table(cells: list[Cell], limits: dict, fp32_weights: int, unit: str = 
         read = c.read_bandwidth().get(fp32_weights)
         row = [c.label, f"{read / 1e9:.1f}" if read else "-", f"{c.items / fp32:,.1f}", f"{c.items / int8:,.1f}"]
         for engine in engines:
-            best = c.best(engine)
-            if best:
-                shares[c.family, c.batch, c.label, engine] = best[0] * (int8 if "int8" in engine else fp32) / c.items
-            row.append(f"{shares[c.family, c.batch, c.label, engine]:.0%}" if best else "-")
+            best, limit = c.best(engine), floor_seconds(engine, fp32, int8)
+            if best and limit is not None:
+                shares[c.family, c.batch, c.label, engine] = best[0] * limit / c.items
+            row.append(f"{shares[c.family, c.batch, c.label, engine]:.0%}" if best and limit is not None else "-")
         rows.append(row)
     headers = ["cell", "read GB/s", f"floor fp32 {unit}/s", f"floor int8 {unit}/s",
                *[f"{e} % of floor" for e in engines]]

@@ -87,6 +87,18 @@ def check(weight: torch.Tensor, bias: torch.Tensor, x: torch.Tensor, calls: dict
         assert error < (5e-2 if "int8" in name else 1e-5), f"{name}: relative error {error:.1e}"
 
 
+def random_layer(in_features: int, out_features: int) -> tuple[torch.Generator, torch.Tensor, torch.Tensor]:
+    """(a generator seeded by the shape, for the inputs; a weight (out, in) of unit-variance outputs; a bias)."""
+    generator = torch.Generator().manual_seed(in_features * 7 + out_features)
+    weight = torch.randn(out_features, in_features, generator=generator) / in_features**0.5
+    return generator, weight, torch.randn(out_features, generator=generator)
+
+
+def rated_cells(us: dict[str, float], base: float, names: list[str]) -> list[str]:
+    """Each engine's microseconds and its rate against ``base`` (the first column's), "-" where it did not run."""
+    return [f"{us[name]:.0f} ({base / us[name]:.2f}x)" if name in us else "-" for name in names]
+
+
 def measure(calls: dict[str, Call], rounds: int, repeats: int) -> dict[str, float]:
     """Median microseconds per call of each engine, the engines alternating in rotating order."""
     names = list(calls)
@@ -117,9 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as folder, torch.no_grad():  # not inference_mode: packed copies need
         # weights whose changes can be seen (model/packed_weights.py)
         for in_features, out_features in (map(int, shape.split(":")) for shape in args.weights):
-            generator = torch.Generator().manual_seed(in_features * 7 + out_features)
-            weight = torch.randn(out_features, in_features, generator=generator) / in_features**0.5
-            bias = torch.randn(out_features, generator=generator)
+            generator, weight, bias = random_layer(in_features, out_features)
             sessions = {kind: ort_matmul(weight, bias, args.threads, kind == "int8", Path(folder))
                         for kind in ("fp32", "int8")}
             sessions["int8 ours"] = Int8Linear(weight, bias)
@@ -129,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
                 check(weight, bias, x, calls)
                 us = measure(calls, args.rounds, repeats=max(1, 2000 // rows))
                 mkl = us["MKL fp32"]
-                cells = [f"{us[name]:.0f} ({mkl / us[name]:.2f}x)" if name in us else "-" for name in headers[3:]]
+                cells = rated_cells(us, mkl, headers[3:])
                 table.append([f"{in_features} -> {out_features}", rows, f"{mkl:.0f}", *cells])
                 print(" | ".join(str(c) for c in table[-1]), flush=True)
     print()

@@ -8,7 +8,7 @@ Cells: batches of 1, 8 and 32 texts of 128 tokens each, in chunks of the service
 every engine computes in a timed run, like for like: each text's per-token label probabilities (softmax of the
 token logits, trimmed to the text's tokens: what ``model.token_entities.probabilities`` hands the aggregation):
 
-- ours fp32 / int8: ``load_checkpoint`` + ``prepare_for_inference`` (benchmarks/shape_engines.py), then what the
+- ours fp32 / int8 / bf16: ``load_checkpoint`` + ``prepare_for_inference`` (benchmarks/shape_engines.py), then what the
   service's "tokens" PoolingJob computes: ``pad_batch``, ``TransformerClassifier.token_logits``;
 - HF: DistilBertForTokenClassification's forward with the attention mask (the token-classification pipeline's
   model call; the pipeline itself tokenizes text one input at a time, so it is not the like-for-like peer);
@@ -21,8 +21,8 @@ gives its milliseconds per cell and its share of ours' time (add it to every eng
 
 Before timing, every engine's logits (the cells' texts and a padded batch of texts of different lengths) are
 compared with HF's: a fp32 engine more than ``encoder_compare.FP32_ATOL`` away is reported as MISMATCH and not
-timed; int8's largest difference and how many tokens keep HF's label are reported. Timing, floor and tables as the
-rerank cells (benchmarks/encoder_compare.py, benchmarks/cells.py). ``--quick``: one timed round.
+timed; int8's and bf16's largest difference and how many tokens keep HF's label are reported. Timing, floor and
+tables as the rerank cells (benchmarks/encoder_compare.py, benchmarks/cells.py). ``--quick``: one timed round.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ from benchmarks import encoder_compare, floor, shapes
 from benchmarks.cells import Cell, alternate, kernels, load, versions
 from benchmarks.common import machine_line, markdown_table
 from benchmarks.shape_compare import measure_rates, weight_bytes
-from benchmarks.shape_engines import Engines, load_engines
+from benchmarks.shape_engines import Engines, load_engines, quantized
+from model.checkpoint import Checkpoint
 from model.tokenizer import TokenSpans, pad_batch
 from service.engine.entities import found
 
@@ -107,8 +108,8 @@ def chunked(rows: Rows, pad: int, forward: Callable[[torch.Tensor, torch.Tensor]
     return out
 
 
-def ours_scorer(engines: Engines, int8: bool) -> TokenScorer:
-    model = (engines.ours_int8 if int8 else engines.ours).model
+def ours_scorer(checkpoint: Checkpoint) -> TokenScorer:
+    model = checkpoint.model
 
     def logits(rows: Rows) -> list[torch.Tensor]:
         with torch.inference_mode():
@@ -165,8 +166,8 @@ def check_outputs(engines: Engines, inputs: dict[str, Rows], threads: int) -> li
             error = max(error, (got - reference[name]).abs().max().item())
             same += int((got.argmax(-1) == reference[name].argmax(-1)).sum())
         text = f"max abs difference from HF's logits {error:.1e} over {tokens} tokens, HF's label on {same}/{tokens}"
-        if "int8" in engine:
-            text += " (int8: reported, not required)"
+        if quantized(engine):
+            text += " (quantized: reported, not required)"
         elif error > encoder_compare.FP32_ATOL:
             engines.excluded[engine] = text
             logger.error("%s %s: %s", engines.files.shape.name, engine, text)
@@ -179,7 +180,7 @@ def aggregation_seconds(engines: Engines, texts: Texts, repeats: int) -> float:
     """The best time of the service's entity aggregation (strategy :data:`STRATEGY`) over ours' logits of
     ``texts``: the same code after every engine."""
     checkpoint = engines.ours
-    logits = ours_scorer(engines, False)(texts.rows)
+    logits = ours_scorer(engines.ours)(texts.rows)
     id2label = {int(k): v for k, v in engines.files.shape.config["id2label"].items()}
     best = float("inf")
     for _ in range(max(repeats, 3)):

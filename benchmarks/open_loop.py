@@ -70,6 +70,7 @@ from benchmarks.open_loop_load import (
 from benchmarks.open_loop_plot import plot_svg
 from benchmarks.serve_setup import build_models
 from benchmarks.shapes import DEFAULT_CACHE, build
+from model.quantize import QUANTIZE_MODES
 from service.local_server import running_server
 
 logger = logging.getLogger("benchmarks.open_loop")
@@ -292,7 +293,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output-tokens", type=int, nargs=2, default=[16, 128], metavar=("LOW", "HIGH"))
     parser.add_argument("--system-words", type=int, default=0,
                         help="open every prompt with the same passage of this many words (a shared system prompt)")
-    parser.add_argument("--quantize", choices=["none", "int8"], help="the server's TSERVE_QUANTIZE (default: its own)")
+    parser.add_argument("--quantize", choices=QUANTIZE_MODES, help="the server's TSERVE_QUANTIZE (default: its own)")
     parser.add_argument("--prefix-cache-mb", type=float,
                         help="the server's TSERVE_PREFIX_CACHE_MB, 0 = off (default: its own)")
     parser.add_argument("--max-in-flight", type=int, default=256, help="arrivals beyond it are shed (reported)")

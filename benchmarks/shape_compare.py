@@ -6,13 +6,14 @@ d 512, 6+6 layers, vocabulary 58,101), ``bert-base`` (BertForSequenceClassificat
 token ids (random, no special ids): the benchmark measures model compute, not tokenization.
 
 - opus-mt: greedy and beam 4 at batch 1 and 16, beam 4 at batch 32 (32-token sources, 64 new tokens); ours
-  fp32 / int8, HF ``generate()``, CTranslate2 fp32 / int8 (``translate_batch`` on the ids' token strings, each
+  fp32 / int8 / bf16, HF ``generate()``, CTranslate2 fp32 / int8 (``translate_batch`` on the ids' token strings, each
   translator in a process of its own), beside CTranslate2's published OPUS-MT table (beam 4, batch 32);
 - bert-base: one forward at lengths 16, 64, 256 and batch 1, 8, 64 (tokens/s: sequences x length; a run of
-  fewer than 256 tokens repeats the forward up to that); ours fp32 / int8, HF, ONNX Runtime fp32 and its dynamic int8
+  fewer than 256 tokens repeats the forward up to that); ours fp32 / int8 / bf16, HF, ONNX Runtime fp32 and its
+  dynamic int8
   (``torch.onnx.export``, fused by onnxruntime's transformer optimizer, graph optimizations on);
 - gpt2-small: greedy at batch 1, 8, 32 and beam 4 at batch 1 (16-token prompts, 128 new tokens); ours
-  fp32 / int8, HF;
+  fp32 / int8 / bf16, HF;
 - nllb-200-distilled-600m (M2M100ForConditionalGeneration, d 1024, 12+12 layers, vocabulary 256,206) and flan-t5-base
   (T5ForConditionalGeneration, gated GELU, d 768, 12+12, 32,128), issue 39's (benchmarks/seq2seq_shapes.py): greedy
   and beam 4 at batch 1 and 16 (32-token sources, 64 new tokens), engines as opus-mt's; NLLB's target language is
@@ -24,9 +25,10 @@ token ids (random, no special ids): the benchmark measures model compute, not to
 min_new_tokens = max_new_tokens fixes every length. Before any timing the outputs are compared: greedy
 tokens of ours and of CTranslate2 against HF's on three inputs, the classifier's logits of ours and of ONNX
 Runtime against HF's; a fp32 engine that disagrees (beyond a tie) is reported as MISMATCH and not timed,
-int8 agreement is reported. Timing as for the toy shape (benchmarks/cells.py): variants alternate in
+int8 and bf16 agreement is reported. Timing as for the toy shape (benchmarks/cells.py): variants alternate in
 rotating order after a warm-up, medians, each engine at its best thread count. The floor per cell and each
-engine's share of it come from benchmarks/floor.py with the shape's sizes, at the bandwidth read during the cell.
+engine's share of it come from benchmarks/floor.py with the shape's sizes, at the bandwidth read during the cell
+(none for bf16 yet: the floor has no bf16 GEMM rate).
 """
 
 from __future__ import annotations
@@ -40,11 +42,13 @@ from benchmarks import floor, shapes
 from benchmarks.cells import Cell, alternate, kernels, load, rate, ratio_text, versions
 from benchmarks.common import machine_line, markdown_table
 from benchmarks.shape_engines import (
+    OURS_QUANTIZED,
     Engines,
     check_classifier,
     check_decoding,
     ct2_decode,
     ct2_pieces,
+    floor_seconds,
     hf_decode,
     hf_logits,
     load_engines,
@@ -58,7 +62,7 @@ from benchmarks.shape_engines import (
 
 logger = logging.getLogger("benchmarks.shape_compare")
 
-ENGINES = ("ours", "ours int8", "HF", "CT2 fp32", "CT2 int8", "ORT fp32", "ORT int8")
+ENGINES = ("ours", *OURS_QUANTIZED, "HF", "CT2 fp32", "CT2 int8", "ORT fp32", "ORT int8")
 PEERS = (("ours", "HF"), ("ours", "CT2 fp32"), ("ours int8", "CT2 int8"), ("ours", "ORT fp32"),
          ("ours int8", "ORT int8"))
 # CTranslate2's OPUS-MT en-de table (README, Intel Xeon, beam 4, batch 32, 4 threads): target tokens/s
@@ -106,9 +110,8 @@ def decode_cells(engines: Engines, grid: list[tuple[int, int]], spec: Grid, args
                     length=spec.length)
         variants = {}
         for n in args.threads:
-            variants[f"ours@{n}"] = (n, ours_decode(engines.ours, inputs, beams, spec.new_tokens, engines.forced))
-            variants[f"ours int8@{n}"] = (n, ours_decode(engines.ours_int8, inputs, beams, spec.new_tokens,
-                                                         engines.forced))
+            for engine, checkpoint in engines.ours_engines.items():
+                variants[f"{engine}@{n}"] = (n, ours_decode(checkpoint, inputs, beams, spec.new_tokens, engines.forced))
             variants[f"HF@{n}"] = (n, hf_decode(engines.hf, inputs, beams, spec.new_tokens, engines.forced))
             for kind in ("fp32", "int8"):
                 if (kind, n) in engines.translators:
@@ -129,8 +132,8 @@ def classifier_cells(engines: Engines, grid: list[tuple[int, int]], args: argpar
         times = max(1, MIN_TOKENS_PER_RUN // (batch * length))
         variants = {}
         for n in args.threads:
-            variants[f"ours@{n}"] = (n, repeated(ours_classify(engines.ours, ids), times))
-            variants[f"ours int8@{n}"] = (n, repeated(ours_classify(engines.ours_int8, ids), times))
+            for engine, checkpoint in engines.ours_engines.items():
+                variants[f"{engine}@{n}"] = (n, repeated(ours_classify(checkpoint, ids), times))
             variants[f"HF@{n}"] = (n, repeated(rows_of(hf_logits, engines.hf, ids), times))
             for kind in ("fp32", "int8"):
                 if (kind, n) in engines.ort:
@@ -213,10 +216,10 @@ def floor_table(cells: list[Cell], limits: dict, fp32_weights: int) -> tuple[str
         row = [f"{c.family} {c.label}", c.batch, f"{read / 1e9:.1f}" if read else "-", f"{c.items / fp32:,.0f}",
                f"{c.items / int8:,.0f}"]
         for engine in engines:
-            best = c.best(engine)
-            if best:
-                shares[c.family, c.batch, c.label, engine] = best[0] * (int8 if "int8" in engine else fp32) / c.items
-            row.append(f"{shares[c.family, c.batch, c.label, engine]:.0%}" if best else "-")
+            best, limit = c.best(engine), floor_seconds(engine, fp32, int8)
+            if best and limit is not None:
+                shares[c.family, c.batch, c.label, engine] = best[0] * limit / c.items
+            row.append(f"{shares[c.family, c.batch, c.label, engine]:.0%}" if best and limit is not None else "-")
         rows.append(row)
     headers = ["cell", "batch", "read GB/s", "floor fp32 /s", "floor int8 /s", *[f"{e} % of floor" for e in engines]]
     return markdown_table(headers, rows), shares

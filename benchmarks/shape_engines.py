@@ -1,15 +1,17 @@
 """The engines of benchmarks/shape_compare.py on one shape's files: loading, runners, and the output checks.
 
-Ours: ``load_checkpoint`` of the HF directory, ``prepare_for_inference`` as the service loads it (fp32, and int8
-on a second copy), its generation rules (OPUS-MT's banned pad id). HF: ``from_pretrained`` of the same directory,
-``generate()`` with the directory's generation config. CTranslate2: ``peers.CT2Process`` over the converted
-directory (token strings of vocab.json). ONNX Runtime: an ``InferenceSession`` per model and thread count,
-``ORT_ENABLE_ALL``, one inter-op thread. Every runner does one whole cell and returns what it produced per input
-(tokens per input, or rows per forward) so the caller checks that no engine stopped early.
+Ours: ``load_checkpoint`` of the HF directory, ``prepare_for_inference`` as the service loads it (fp32, and each
+mode of :data:`OURS_QUANTIZED`, int8 and bf16, on a copy of its own), its generation rules (OPUS-MT's banned pad
+id). HF: ``from_pretrained`` of the same directory, ``generate()`` with the directory's generation config.
+CTranslate2: ``peers.CT2Process`` over the converted directory (token strings of vocab.json). ONNX Runtime: an
+``InferenceSession`` per model and thread count, ``ORT_ENABLE_ALL``, one inter-op thread. Every runner does one
+whole cell and returns what it produced per input (tokens per input, or rows per forward) so the caller checks that
+no engine stopped early.
 
 The checks run before any timing: greedy tokens against HF's (a divergence only where HF's two candidates are
 within :data:`TIE` of each other is a tie), classifier logits against HF's (:data:`LOGITS_RTOL` of their scale).
-A fp32 engine that fails goes into ``Engines.excluded`` and is not timed; int8 agreement is reported only.
+A fp32 engine that fails goes into ``Engines.excluded`` and is not timed; int8 and bf16 agreement is reported only
+(:func:`quantized`).
 """
 
 from __future__ import annotations
@@ -25,13 +27,29 @@ from benchmarks import peers, seq2seq_shapes, shapes
 from model.checkpoint import Checkpoint, load_checkpoint
 from model.decoding import GenerationConfig
 from model.generation import generate_causal, generate_seq2seq
-from model.quantize import prepare_for_inference
+from model.quantize import QUANTIZED_LAYERS, prepare_for_inference
 
 logger = logging.getLogger("benchmarks.shape_engines")
 
 Runner = Callable[[], list[int]]
 TIE = 1e-4  # HF logits closer than this (relative to the step's largest) are a tie, either token is right
 LOGITS_RTOL = 1e-3
+# Our engines beside fp32 "ours", one per model.quantize mode: "ours int8", "ours bf16" -> the mode of its copy
+OURS_QUANTIZED = {f"ours {mode}": mode for mode in QUANTIZED_LAYERS}
+
+
+def quantized(engine: str) -> bool:
+    """Whether ``engine`` (ours or a peer's) computes in a lower precision than fp32: its outputs are reported
+    against fp32 HF's, not required to equal them."""
+    return engine in OURS_QUANTIZED or "int8" in engine or "Q8" in engine
+
+
+def floor_seconds(engine: str, fp32: float, int8: float) -> float | None:
+    """The floor (seconds) ``engine``'s rate is held against: int8's for int8 weights (``Q8_0`` too), fp32's for fp32
+    ones; None for bf16, which benchmarks.floor does not model yet (no bf16 GEMM rate, no 2-byte weights)."""
+    if "bf16" in engine:
+        return None
+    return int8 if quantized(engine) else fp32
 
 
 @dataclass
@@ -40,7 +58,7 @@ class Engines:
 
     files: shapes.ShapeFiles
     ours: Checkpoint
-    ours_int8: Checkpoint
+    ours_quantized: dict[str, Checkpoint]  # OURS_QUANTIZED's engines
     hf: torch.nn.Module
     translators: dict[tuple[str, int], peers.CT2Process] = field(default_factory=dict)
     ort: dict[tuple[str, int], object] = field(default_factory=dict)  # (kind, threads) -> InferenceSession
@@ -50,6 +68,15 @@ class Engines:
     @property
     def family(self) -> str:
         return self.files.shape.family
+
+    @property
+    def ours_int8(self) -> Checkpoint:
+        return self.ours_quantized["ours int8"]
+
+    @property
+    def ours_engines(self) -> dict[str, Checkpoint]:
+        """Every engine of ours by name: "ours" (fp32) and each of :data:`OURS_QUANTIZED`."""
+        return {"ours": self.ours, **self.ours_quantized}
 
     @property
     def prefix(self) -> str | None:
@@ -80,11 +107,11 @@ def random_ids(shape: shapes.Shape, batch: int, length: int, seed: int) -> torch
 def load_engines(files: shapes.ShapeFiles, threads: list[int]) -> Engines:
     import transformers
 
-    ours, ours_int8 = (load_checkpoint(files.hf, device="cpu") for _ in range(2))
-    prepare_for_inference(ours.model, "none")  # as the service loads a model
-    prepare_for_inference(ours_int8.model, "int8")
+    ours = {engine: load_checkpoint(files.hf, device="cpu") for engine in ("ours", *OURS_QUANTIZED)}
+    for engine, checkpoint in ours.items():  # as the service loads a model
+        prepare_for_inference(checkpoint.model, OURS_QUANTIZED.get(engine, "none"))
     hf = getattr(transformers, files.shape.architecture).from_pretrained(files.hf).eval()
-    engines = Engines(files, ours, ours_int8, hf, forced=forced_first_id(files))
+    engines = Engines(files, ours.pop("ours"), ours, hf, forced=forced_first_id(files))
     if files.shape.family == "seq2seq":
         ct2 = shapes.ct2_directory(files)
         if ct2 is None:
@@ -246,8 +273,8 @@ def check_decoding(engines: Engines, length: int, new_tokens: int) -> list[list[
     disagrees beyond a tie goes into ``engines.excluded``."""
     inputs = random_ids(engines.files.shape, 3, length, seed=1234)
     reference, scores = hf_greedy_reference(engines.hf, inputs, new_tokens, engines.forced)
-    candidates = {"ours": ours_tokens(engines.ours, inputs, 1, new_tokens, engines.forced),
-                  "ours int8": ours_tokens(engines.ours_int8, inputs, 1, new_tokens, engines.forced)}
+    candidates = {engine: ours_tokens(checkpoint, inputs, 1, new_tokens, engines.forced)
+                  for engine, checkpoint in engines.ours_engines.items()}
     if engines.translators:
         pieces = ct2_pieces(engines.files)
         index = {piece: i for i, piece in enumerate(pieces)}
@@ -264,9 +291,9 @@ def check_decoding(engines: Engines, length: int, new_tokens: int) -> list[list[
             if found is None:
                 continue
             verdicts.append((i, *found))
-            if "int8" in engine:
-                break  # int8 is expected to part somewhere: report the first input only
-        text, ok = verdict(verdicts, len(reference), new_tokens, "int8" in engine)
+            if quantized(engine):
+                break  # a lower precision is expected to part somewhere: report the first input only
+        text, ok = verdict(verdicts, len(reference), new_tokens, quantized(engine))
         if not ok:
             engines.excluded[engine] = text
             logger.error("%s %s: %s", engines.files.shape.name, engine, text)
@@ -274,13 +301,15 @@ def check_decoding(engines: Engines, length: int, new_tokens: int) -> list[list[
     return rows
 
 
-def verdict(verdicts: list[tuple[int, int, float, bool]], inputs: int, steps: int, int8: bool) -> tuple[str, bool]:
+def verdict(verdicts: list[tuple[int, int, float, bool]], inputs: int, steps: int, lower: bool) -> tuple[str, bool]:
+    """The outputs table's text for an engine's divergences from HF, and whether it may be timed (``lower``: a
+    quantized engine, reported only)."""
     if not verdicts:
         return f"same ({inputs} inputs x {steps} tokens)", True
     i, t, gap, tie = verdicts[0]
     where = f"input {i} step {t} (HF's logit for its token {gap:+.2e} over this one's)"
-    if int8:
-        return f"parts from fp32 HF at {where} (int8: reported, not required)", True
+    if lower:
+        return f"parts from fp32 HF at {where} (quantized: reported, not required)", True
     if all(v[3] for v in verdicts):
         return f"same up to a tie at {where}", True
     return f"MISMATCH at {where}: not timed", False
@@ -292,7 +321,7 @@ def check_classifier(engines: Engines, threads: int) -> list[list[str]]:
     reference = hf_logits(engines.hf, ids)
     scale = reference.abs().max().item()
     with torch.inference_mode():
-        candidates = {"ours": engines.ours.model(ids), "ours int8": engines.ours_int8.model(ids)}
+        candidates = {engine: checkpoint.model(ids) for engine, checkpoint in engines.ours_engines.items()}
     for kind in ("fp32", "int8"):
         if (kind, threads) in engines.ort:
             candidates[f"ORT {kind}"] = ort_logits(engines.ort[kind, threads], ids)
@@ -301,9 +330,9 @@ def check_classifier(engines: Engines, threads: int) -> list[list[str]]:
         error = (got - reference).abs().max().item() / scale
         same_labels = int((got.argmax(-1) == reference.argmax(-1)).sum())
         text = f"max abs difference {error:.1e} of the logits' scale, argmax equal on {same_labels}/{len(ids)}"
-        if "int8" not in engine and error > LOGITS_RTOL:
+        if not quantized(engine) and error > LOGITS_RTOL:
             engines.excluded[engine] = text
             logger.error("%s %s: logits differ from HF's: %s", engines.files.shape.name, engine, text)
             text = f"MISMATCH: {text}: not timed"
-        rows.append([engine, "logits vs HF", text + (" (int8: reported, not required)" if "int8" in engine else "")])
+        rows.append([engine, "logits vs HF", text + (" (quantized: reported, not required)" * quantized(engine))])
     return rows

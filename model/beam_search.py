@@ -41,6 +41,8 @@ class _NBest:
 class BeamSearch(Search):
     """Beam search over sentences x beams in one tensor; a finished sentence's rows leave."""
 
+    picks_by_columns = True
+
     def __init__(self, config: GenerationConfig, num_inputs: int, prefixes: Sequence[Sequence[int]] | None = None):
         super().__init__(config, num_inputs, prefixes=prefixes)
         self._nbest = [_NBest(config.num_beams) for _ in range(num_inputs)]
@@ -59,7 +61,8 @@ class BeamSearch(Search):
         return self._scores is not None and self._scores.numel() == 0
 
     def advance(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self._check_logits(logits)
+        config, column_ids = self.logit_space()  # columns -> token ids under a compact restriction
+        self._check_logits(logits, config)
         if self.done:
             return self._empty(logits.device)
         device, vocab, beams = logits.device, logits.size(1), self.config.num_beams
@@ -74,9 +77,9 @@ class BeamSearch(Search):
         # Enough candidates that `beams` live ones remain even if every beam's EOS/stop tokens rank first.
         count = min(beams * (1 + len(self.config.finish_token_ids)), width * vocab)
         fused = None if self._needs_distribution() else \
-            fused_beam_top_k(logits, self._scores, count, banned_ids(self.step, self.config))
-        cand_scores, cand_ids = fused if fused is not None else self._candidates(logits, count)  # (S, count)
-        cand_tokens = cand_ids % vocab
+            fused_beam_top_k(logits, self._scores, count, banned_ids(self.step, config))
+        cand_scores, cand_ids = fused if fused is not None else self._candidates(logits, count, config)  # (S, count)
+        cand_tokens = cand_ids % vocab if column_ids is None else column_ids[cand_ids % vocab]
         cand_rows = cand_ids // vocab + torch.arange(sentences, device=device)[:, None] * width
         finishing = torch.isin(cand_tokens, self._finish_ids)
         self.step += 1
@@ -113,16 +116,17 @@ class BeamSearch(Search):
         return (config.reads_history or config.renormalize or config.logprobs is not None
                 or forces_eos(self.step, config))
 
-    def _candidates(self, logits: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _candidates(self, logits: torch.Tensor, count: int, config: GenerationConfig
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The best ``count`` of every sentence's log-probs plus beam scores over the full distribution (S, count):
-        (values, ids of row-in-sentence * V + column), best first."""
+        (values, ids of row-in-sentence * V + column), best first; ``config``: the logit space's (bans as columns)."""
         (sentences, width), vocab = self._scores.shape, logits.size(1)
         logprobs = log_probs(logits)
         if self._alternatives is not None:
             self._alternatives.observe(logprobs)  # before the bans below change it in place
         if self.config.reads_history:  # before mask_banned: a forced EOS wins over a repeat
             self._history_rules(logprobs, self._sentences.repeat_interleave(width).tolist(), self._history.tolist())
-        logprobs = mask_banned(logprobs, self.step, self.config, inplace=True)
+        logprobs = mask_banned(logprobs, self.step, config, inplace=True)
         if self.config.renormalize:
             logprobs = torch.log_softmax(logprobs, dim=-1)
         flat = logprobs.view(sentences, width, vocab).add_(self._scores[:, :, None]).view(sentences, -1)

@@ -38,6 +38,7 @@ from model.hf.languages import Languages
 from model.hf.sentence import EmbeddingDefaults
 from model.lora_io import AdapterLayout
 from model.placeholders import MAX_SENTINELS, sentinel
+from model.quantize import model_mode
 from model.tokenizer import Tokenizer, TokenizerError, file_limit
 from model.vocab_map import (
     VMAP_FILE,
@@ -145,6 +146,10 @@ def save_checkpoint(
     """Write the checkpoint directory atomically and return its path. ``tokenizer`` None: ``extra_files`` bring
     one (an imported checkpoint's ``hf/`` files); their names may hold subdirectories."""
     directory = Path(directory)
+    quantized = model_mode(model)
+    if quantized != "none":  # its layers keep their weights outside the state_dict, in their kernels' layouts
+        raise CheckpointError(f"the model's linear layers are quantised ({quantized}): for inference only; save the "
+                              "float model and quantise it when loading (the quantize setting)")
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     try:

@@ -20,6 +20,10 @@ PROC_CPUINFO = Path("/proc/cpuinfo")
 SYSFS_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
 AMD, INTEL = "AuthenticAMD", "GenuineIntel"
 DEFAULT_L2_BYTES = 1 << 20  # when sysfs does not say (containers that hide it): the smaller of the two CPUs'
+# /proc/cpuinfo's flags the kernels choose by (the C++ kernels check their own with cpuid too): AVX-512 for every
+# kernel, VNNI for int8, BF16 dot products for bf16 (model/bf16_linear.py), AMX tiles for Intel's matrix engine
+KERNEL_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16", "amx_tile",
+                          "amx_bf16", "amx_int8"})
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,8 @@ class CpuInfo:
     vendor: str  # /proc/cpuinfo's vendor_id: AuthenticAMD, GenuineIntel, ... ("" when unknown)
     model_name: str
     l2_bytes: int  # L2 per core
+    flags: frozenset[str] = frozenset()  # those of KERNEL_FLAGS the CPU reports
+    family_model: str = ""  # "family 26 model 2" (AMD Zen 5; Zen 4 is family 25), what a VM's model name hides
 
     @classmethod
     def read(cls, cpuinfo: Path = PROC_CPUINFO, caches: Path = SYSFS_CACHES) -> CpuInfo:
@@ -44,6 +50,9 @@ class CpuInfo:
             vendor=fields.get("vendor_id", ""),
             model_name=fields.get("model name") or platform.processor() or "unknown CPU",
             l2_bytes=_cache_bytes(caches, level=2) or DEFAULT_L2_BYTES,
+            flags=KERNEL_FLAGS.intersection(fields.get("flags", "").split()),
+            family_model=(f"family {fields['cpu family']} model {fields['model']}"
+                          if "cpu family" in fields and "model" in fields else ""),
         )
 
 

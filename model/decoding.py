@@ -67,7 +67,7 @@ class _IndependentSearch(Search):
             self._top_ids = torch.zeros(n, self.config.max_new_tokens, top, dtype=torch.long, device=device)
 
     def advance(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self._check_logits(logits)
+        self._check_logits(logits, self.logit_space()[0])
         if self.done:
             return self._empty(logits.device)
         if self._slots is None:  # one row per input -> `samples` rows per input
@@ -190,8 +190,12 @@ class GreedySearch(_IndependentSearch):
                  prefixes: Sequence[Sequence[int]] | None = None):
         super().__init__(config, num_inputs, stop_fn, prefixes, samples=1)
 
+    picks_by_columns = True
+
     def _choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return greedy_choice(logits, self.step, self.config)
+        config, column_ids = self.logit_space()  # columns -> token ids under a compact restriction
+        tokens, chosen = greedy_choice(logits, self.step, config)
+        return (tokens if column_ids is None else column_ids[tokens]), chosen
 
     def choices_ahead(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         config, last = self.config, self.step + logits.size(0) - 1

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from model.int8_linear import Int8Linear
 from model.lora_config import NAME_RULE, AdapterError, LoRAConfig, is_valid_name, quote
 from model.lora_layers import HeadCopies, LoRALinear, Routing
+from model.quantize import QUANTIZED_LINEARS, quantized_mode
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +61,9 @@ def check_new_name(model: nn.Module, name: str) -> None:
 
 
 def find_targets(model: nn.Module, targets: Sequence[str]) -> dict[str, nn.Module]:
-    """Plain nn.Linear (float or model.int8_linear.Int8Linear) or LoRALinear modules named in `targets`; a head with
-    adapters' copies (HeadCopies) gives the Linear it wraps, under its own path (see :func:`public_path`)."""
+    """Plain nn.Linear (float, or quantised: model.quantize.QUANTIZED_LINEARS) or LoRALinear modules named in
+    `targets`; a head with adapters' copies (HeadCopies) gives the Linear it wraps, under its own path (see
+    :func:`public_path`)."""
     found: dict[str, nn.Module] = {}
     for path, module in model.named_modules():
         parent, _, leaf = path.rpartition(".")
@@ -72,7 +73,7 @@ def find_targets(model: nn.Module, targets: Sequence[str]) -> dict[str, nn.Modul
             module = module.base
         elif isinstance(model.get_submodule(parent), LoRALinear | nn.MultiheadAttention):
             continue  # a LoRALinear's own base is not a target; nn.MultiheadAttention reads out_proj.weight directly
-        if isinstance(module, nn.Linear | Int8Linear | LoRALinear):
+        if isinstance(module, (nn.Linear, LoRALinear, *QUANTIZED_LINEARS)):
             found[path] = module
     return found
 
@@ -233,8 +234,10 @@ def merge_adapter(model: nn.Module, name: str, safe: bool = True) -> None:
     merged = {layer.merged for layer in _lora_layers(model).values()} - {None}
     if merged:
         raise AdapterError(f"cannot merge {name!r}: adapter {merged.pop()!r} is merged; unmerge_adapter first")
-    if any(not isinstance(layer.base, nn.Linear) for layer in layers.values()):
-        raise AdapterError(f"cannot merge {name!r}: the model's weights are quantised (int8); adapters run unmerged")
+    quantized = [quantized_mode(layer.base) for layer in layers.values() if not isinstance(layer.base, nn.Linear)]
+    if quantized:
+        raise AdapterError(f"cannot merge {name!r}: the model's weights are quantised ({quantized[0]}); adapters run "
+                           "unmerged")
     holders = _weight_holders(model)
     for path, layer in layers.items():
         others = [p for p in holders[id(layer.base.weight)] if p != f"{path}.base.weight"]

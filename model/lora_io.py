@@ -27,7 +27,6 @@ from torch import nn
 
 from model.config import TransformerConfig
 from model.files import make_shareable
-from model.int8_linear import Int8Linear
 from model.lora import (
     check_new_name,
     find_targets,
@@ -40,6 +39,7 @@ from model.lora import (
 )
 from model.lora_config import CONFIG_FILE, MAX_CONFIG_BYTES, WEIGHTS_FILE, AdapterError, LoRAConfig, quote
 from model.lora_layers import HeadCopies, HeadModule, LoRALinear, plain_module
+from model.quantize import QUANTIZED_LINEARS
 
 logger = logging.getLogger(__name__)
 
@@ -231,7 +231,7 @@ def _validate_copies(where: str, config: LoRAConfig, model: nn.Module, tensors: 
         inner = isinstance(model.get_submodule(parent), HeadCopies | LoRALinear | nn.ModuleDict)
         # a head another adapter's LoRA wraps, or one quantised (its copies stay float), too
         if leaf in (config.modules_to_save or ()) and not inner and isinstance(
-                module, HeadModule | Int8Linear | HeadCopies | LoRALinear):
+                module, (HeadModule, HeadCopies, LoRALinear, *QUANTIZED_LINEARS)):
             heads[path] = plain_module(module)
     for key in tensors:
         match = _COPY_RE.fullmatch(key)

@@ -1,7 +1,7 @@
 """The decoder stack bound for the C++ decoding step (model/kernels/decode_step.cpp's ``DecoderStack``).
 
-model/fast_step.py's plan holds one :class:`NativeStep` where every layer is something the C++ step runs: float32
-or our int8 projections (LoRA-wrapped ones by their bases, the adapters' deltas passed per step), LayerNorms or
+model/fast_step.py's plan holds one :class:`NativeStep` where every layer is something the C++ step runs: float32,
+our bf16 or our int8 projections (LoRA-wrapped ones by their bases, the adapters' deltas passed per step), LayerNorms or
 RMSNorms (Llama's, or Gemma's by 1 + weight: one kind per stack), q/k norms and sandwich norms, one attention shape
 for every layer (heads, KV heads, head width, scale of q.k, rotary or not; cross-attention's head width and scale
 of q.k the same), and per layer its rotary kind (:func:`rotary_kinds`: Gemma 3's window layers rotate with their own
@@ -19,6 +19,7 @@ from torch import nn
 
 from model import packed_weights
 from model.attention import KERNEL_MAX_HEAD_DIM, MultiHeadAttention
+from model.bf16_linear import Bf16Linear
 from model.int8_linear import Int8Linear
 from model.kernel_layers import is_layer_norm, is_plain
 from model.kv_cache import KVCache
@@ -57,8 +58,9 @@ def _slot_modules(layer: TransformerLayer) -> dict[str, nn.Module | None]:
 
 
 def _projection(module: nn.Module | None) -> list[torch.Tensor] | None:
-    """A projection as decode_step.cpp takes it: float32 [weight, bias] or our int8 [packed, scales, sums, bias]
-    (an empty tensor for no bias); [] for an absent one; None when the native step cannot run it."""
+    """A projection as decode_step.cpp takes it: float32 [weight, bias], our bf16 [packed, bias] (float32 zeros for
+    no bias: its length is the output width) or our int8 [packed, scales, sums, bias] (an empty tensor for no bias);
+    [] for an absent one; None when the native step cannot run it."""
     if module is None:
         return []
     if type(module) is LoRALinear:  # its base; the adapters' deltas come per step (NativeStep.deltas)
@@ -67,6 +69,8 @@ def _projection(module: nn.Module | None) -> list[torch.Tensor] | None:
         return [module.weight, _ABSENT if module.bias is None else module.bias]
     if type(module) is Int8Linear and module.backend == "vnni":
         return [module._packed, module._scales, module._sums, _ABSENT if module._bias is None else module._bias]
+    if type(module) is Bf16Linear and module.packed is not None:
+        return [module.packed, torch.zeros(module.out_features) if module.bias is None else module.bias]
     return None
 
 

@@ -5,8 +5,15 @@ multilingual model's: its target language's map's) or not (None: no map, or no m
 row is restricted the output projection runs over the union of the candidates alone: one (U, D) slice of the
 head's weight, gathered once per batch and kept while rows leave (a superset stays right). Otherwise (one rule, no
 split batches) it runs over the whole vocabulary. Either way a row's logits outside its own candidates are -inf, so
-what a row produces depends on its source (and language) alone, never on the rows it shares a batch with. The
-logits keep the vocabulary's full width (-inf elsewhere): searches, constraints and log-probabilities work unchanged.
+what a row produces depends on its source (and language) alone, never on the rows it shares a batch with.
+
+The logits' width (one rule): a restriction made :meth:`~VocabularyRestriction.compacted` gives (B, U) logits, column
+j for token ``ids[j]``; any other gives the vocabulary's full width (-inf elsewhere). Only a search that reads compact
+logits has one compacted (model.search.run_search, once every row is restricted and the union holds every finish
+token): it maps bans and EOS to columns and its picks back to ids (model.search.Search.logit_space). The log-softmax
+over U is the one over the full row (exp(-inf) = 0), so tokens and scores are those of the full width, to float
+rounding. Whatever reads tokens of the full vocabulary (the history rules, reported log-probs, constraints, forced
+first tokens, an engine batch's rows) gets the full width.
 
 A float or int8 linear head is sliced; another one (an adapter's) computes every logit, then masks: the same
 output, without the speed-up.
@@ -14,6 +21,7 @@ output, without the speed-up.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,9 +29,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from model.int8_linear import Int8Linear
 from model.kernel_layers import is_plain, linear
 from model.layout import input_major
+from model.quantize import QUANTIZED_LINEARS
 from model.vocab_map import AnyVocabularyMap
 
 Head = Callable[[torch.Tensor], torch.Tensor]
@@ -46,6 +54,7 @@ class VocabularyRestriction:
     ids: torch.Tensor | None  # (U,) sorted ids the projection computes; None: all (some row is unrestricted)
     mask: torch.Tensor  # (B, U), or (B, V) without ids: True where a row may produce the token
     _slices: _HeadSlices = field(default_factory=_HeadSlices)
+    compact: bool = False  # logits (B, U) over ``ids`` instead of (B, V)
 
     @classmethod
     def of_rows(cls, rows: Sequence[Sequence[int] | None], vocab_size: int, device: torch.device | str
@@ -81,13 +90,18 @@ class VocabularyRestriction:
         return len(self.rows)
 
     def logits(self, head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        """``head(hidden)`` for hidden (B, D) or (B, t, D), -inf where a row may not go."""
+        """``head(hidden)`` for hidden (B, D) or (B, t, D), -inf where a row may not go: (B, [t,] U) columns
+        ``ids`` when :attr:`compact`, else (B, [t,] V)."""
         sliced = self._slice(head) if self.ids is not None else None
         mask = self.mask if hidden.dim() == 2 else self.mask[:, None, :]
         if sliced is None:
             full = head(hidden)
+            if self.compact:
+                return full.index_select(-1, self.ids).masked_fill(~mask, float("-inf"))
             return full.masked_fill(~self._full_mask(mask), float("-inf"))
         small = sliced(hidden).masked_fill(~mask, float("-inf"))
+        if self.compact:
+            return small
         full = small.new_full((*hidden.shape[:-1], self.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.ids, small)
 
@@ -106,7 +120,7 @@ class VocabularyRestriction:
                     weight = input_major(head.weight.detach().index_select(0, self.ids))
                     bias = head.bias.detach().index_select(0, self.ids) if head.bias is not None else None
                 found = functools.partial(linear, weight=weight, bias=bias)
-            elif type(head) is Int8Linear:
+            elif type(head) in QUANTIZED_LINEARS:  # its own rows of its own weights
                 found = head.rows(self.ids)
             else:
                 return None
@@ -119,7 +133,24 @@ class VocabularyRestriction:
         rows = tuple(self.rows[i] for i in index.tolist())
         if self.ids is None and all(r is not None for r in rows):
             return VocabularyRestriction.of_rows(rows, self.vocab_size, self.mask.device)
-        return VocabularyRestriction(rows, self.vocab_size, self.ids, self.mask.index_select(0, index), self._slices)
+        return VocabularyRestriction(rows, self.vocab_size, self.ids, self.mask.index_select(0, index), self._slices,
+                                     self.compact)
+
+    def compacted(self, needed: Sequence[int]) -> VocabularyRestriction:
+        """This restriction giving compact (B, U) logits, where every row is restricted and the union holds every
+        token of ``needed`` (a search's finish tokens); else itself."""
+        if self.compact or self.ids is None or len(set(self.columns(needed))) < len(set(needed)):
+            return self
+        return dataclasses.replace(self, compact=True)
+
+    def columns(self, token_ids: Sequence[int]) -> tuple[int, ...]:
+        """The compact columns of those of ``token_ids`` that are in the union (requires :attr:`ids`), in order."""
+        found = []
+        for token in token_ids:
+            column = int(torch.searchsorted(self.ids, token))
+            if column < self.ids.numel() and int(self.ids[column]) == token:
+                found.append(column)
+        return tuple(found)
 
     @staticmethod
     def concat(restrictions: Sequence[VocabularyRestriction | None], batch_sizes: Sequence[int]

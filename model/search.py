@@ -18,6 +18,7 @@ Conventions:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -49,6 +50,10 @@ class Hypothesis:
 class Search(ABC):
     """Decoding state for a group of input sequences; vectorised over its own rows."""
 
+    # Whether the search picks through `logit_space` alone (its columns mapped back to token ids): see
+    # reads_compact_logits.
+    picks_by_columns = False
+
     def __init__(self, config: GenerationConfig, num_inputs: int, stop_fn: StopFn | None = None,
                  prefixes: Sequence[Sequence[int]] | None = None):
         require(num_inputs >= 1, "num_inputs", f"must be >= 1, got {num_inputs}")
@@ -67,6 +72,7 @@ class Search(ABC):
         # The target ids each row may produce (model.restricted_vocab; a translation under a vocabulary map), or
         # None: set by whoever starts the search, reordered with the rows by run_search, read by the model's steps.
         self.vocabulary: VocabularyRestriction | None = None
+        self._compact_space: tuple[torch.Tensor, GenerationConfig] | None = None  # (ids, config over their columns)
 
     @property
     @abstractmethod
@@ -96,11 +102,33 @@ class Search(ABC):
         the picks before it, where they can be made at once (greedy, the same bans at every step); else None."""
         return None
 
-    def _check_logits(self, logits: torch.Tensor) -> None:
+    @property
+    def reads_compact_logits(self) -> bool:
+        """Whether `advance` may be given a compacted restriction's logits (model.restricted_vocab): where the search
+        picks by columns, unless a step reads full-width tokens (the history rules, reported log-probs)."""
+        return self.picks_by_columns and not self.config.reads_history and self.config.logprobs is None
+
+    def logit_space(self) -> tuple[GenerationConfig, torch.Tensor | None]:
+        """What the logits given to `advance` index: (the config with its token ids as their columns, the id of
+        each column (U,)) under a compacted restriction, else (the config, None): columns are token ids."""
+        vocabulary = self.vocabulary
+        if vocabulary is None or not vocabulary.compact:
+            return self.config, None
+        if self._compact_space is None or self._compact_space[0] is not vocabulary.ids:
+            config = self.config
+            space = dataclasses.replace(config, eos_token_id=vocabulary.columns([config.eos_token_id])[0],
+                                        stop_token_ids=vocabulary.columns(config.stop_token_ids),
+                                        banned_token_ids=vocabulary.columns(config.banned_token_ids))
+            self._compact_space = (vocabulary.ids, space)
+        return self._compact_space[1], vocabulary.ids
+
+    def _check_logits(self, logits: torch.Tensor, config: GenerationConfig | None = None) -> None:
+        """``logits`` hold one row per row and every finish token of ``config`` (the logit space's)."""
+        finish = (config or self.config).finish_token_ids
         if logits.dim() != 2 or logits.size(0) != self.num_rows:  # (messages built only on failure: every step)
             raise ValueError(f"logits must be (num_rows={self.num_rows}, V), got {tuple(logits.shape)}")
-        if max(self.config.finish_token_ids) >= logits.size(1):
-            raise ValueError(f"eos/stop token ids {self.config.finish_token_ids} out of vocabulary {logits.size(1)}")
+        if max(finish) >= logits.size(1):
+            raise ValueError(f"eos/stop token ids {finish} out of vocabulary {logits.size(1)}")
 
     def _history_rules(self, scores: torch.Tensor, inputs: list[int], histories: list[list[int]]) -> torch.Tensor:
         """``scores`` of rows (input, generated tokens), in place, under the rules that read each row's prefix +
@@ -147,7 +175,8 @@ def force_first_tokens(logits: torch.Tensor, forced: Sequence[int | None]) -> to
 def run_search(search: Search, first_logits: torch.Tensor, step: Callable[[torch.Tensor], torch.Tensor],
                select_rows: Callable[[torch.Tensor, torch.Tensor | None], None]) -> list[list[Hypothesis]]:
     """Drive `search` offline: step(tokens) -> next logits; select_rows(parents, tails) reorders per-row state
-    (``tails``: :attr:`Search.tails`); the search's own vocabulary restriction follows the rows here."""
+    (``tails``: :attr:`Search.tails`); the search's own vocabulary restriction follows the rows here, and after the
+    first step (whose logits may have had tokens forced) gives compact logits to a search that reads them."""
     logits = first_logits
     steps = 0
     while True:
@@ -161,4 +190,6 @@ def run_search(search: Search, first_logits: torch.Tensor, step: Callable[[torch
             select_rows(parents, search.tails)
             if search.vocabulary is not None:
                 search.vocabulary = search.vocabulary.select(parents)
+        if search.vocabulary is not None and search.reads_compact_logits:
+            search.vocabulary = search.vocabulary.compacted(search.config.finish_token_ids)
         logits = step(tokens)

@@ -224,8 +224,9 @@ class Settings:
     warmup: bool = _engine("TSERVE_WARMUP", "run one tiny request per model before reporting ready", _bool)
     quantize: str = _engine(
         "TSERVE_QUANTIZE",
-        "int8 linear weights (CPU only): none, int8, or per model name=mode entries plus an optional bare "
-        "default, e.g. none,translation=int8",
+        "lower-precision linear weights (CPU only; on a GPU use dtype): none, int8 (int8 weights, ~4x fewer "
+        "bytes), bf16 (bfloat16 weights, float32 accumulation), or per model name=mode entries plus an optional bare "
+        "default, e.g. none,translation=int8,code=bf16",
         str,
     )
 

@@ -24,6 +24,7 @@ from benchmarks import (
     vmap,
 )
 from benchmarks.cells import Cell, alternate
+from benchmarks.shape_engines import quantized
 from model import native
 from model.cpu import kernel_tuning, this_cpu
 
@@ -72,7 +73,7 @@ def test_a_served_shape_at_tiny_size_runs_every_installed_engine(tmp_path):
     compare.main(["--shape", "opus-mt", "--tiny", "--threads", "1", "--cache", str(cache), "--out", str(out)])
     report = out.read_text()
 
-    engines = ["ours", "ours int8", "HF"]
+    engines = ["ours", "ours int8", "ours bf16", "HF"]
     if importlib.util.find_spec("ctranslate2"):
         engines += ["CT2 fp32", "CT2 int8"]
     outputs = _table(report, "Outputs")[1:]
@@ -106,10 +107,10 @@ def test_the_other_shapes_at_tiny_size_check_outputs_then_time_every_engine(tmp_
     report = out.read_text()
 
     outputs = _table(report, "Outputs")[1:]
-    assert [row[0] for row in outputs] == ["ours", "ours int8", *peers]
+    assert [row[0] for row in outputs] == ["ours", "ours int8", "ours bf16", *peers]
     agreed = "argmax equal on 4/4" if shape == "bert-base" else "same"
-    assert all(agreed in row[2] for row in outputs if "int8" not in row[0]), outputs
-    engines = ["ours", "ours int8", "HF", *peers]
+    assert all(agreed in row[2] for row in outputs if not quantized(row[0])), outputs
+    engines = ["ours", "ours int8", "ours bf16", "HF", *peers]
     results = _table(report, "Results")
     assert results[0][2:2 + len(engines)] == [f"{e} /s" for e in engines]
     assert {(row[0], row[1]) for row in results[1:]} == cells

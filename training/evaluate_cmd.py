@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from model.quantize import QUANTIZE_MODES
 from training.options import positive_int
 from training.runs import DEVICE, EvalRun, from_namespace
 
@@ -56,10 +57,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default=DEVICE, help="auto, cpu, cuda or cuda:N (default %(default)s)")
     p.add_argument(
         "--quantize",
-        choices=("none", "int8"),
+        choices=QUANTIZE_MODES,
         default=EvalRun.quantize,
-        help="int8: dynamic int8 linear weights (CPU only), to compare with fp32; its metrics are merged "
-        'under "int8" in metrics.json (default %(default)s)',
+        help="int8: dynamic int8 linear weights, bf16: bfloat16 linear weights (CPU only), to compare with fp32; "
+        'the metrics are merged under the mode\'s name ("int8", "bf16") in metrics.json (default %(default)s)',
     )
     p.add_argument(
         "--vmap",

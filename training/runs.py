@@ -119,7 +119,7 @@ class EvalRun:
     max_new_tokens: int = 128  # seq2seq output cap, also <= 2 x source + 10
     batch_tokens: int = 4096
     device: str = DEVICE
-    quantize: str = "none"  # int8: dynamic int8 linear weights (CPU only), merged under "int8"
+    quantize: str = "none"  # model.quantize mode (int8, bf16: CPU only), its metrics merged under its name
     vmap: bool = False  # seq2seq: decode with the model's vocabulary map (vmap.txt), merged under "vmap"
     skip_malformed: bool = False
 

@@ -71,17 +71,8 @@ class M2M100SpmTokenizer(PieceTable):
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids`` as M2M100Tokenizer decodes it (ids outside the vocabulary are dropped)."""
-        out, run = "", []
-        for i in map(int, ids):
-            piece = self._pieces.get(i)
-            if piece is None or (skip_special_tokens and i in self._specials):
-                continue
-            if i in self._specials:
-                out += self._spm.decode(run) + piece
-                run = []
-            else:
-                run.append(piece)
-        text = (out + self._spm.decode(run)).strip()
+        text = "".join(self._spm.decode(run) + (special if special is not None else "")
+                       for run, special in self._segments(ids, skip_special_tokens)).strip()
         return clean_up_tokenization(text) if self._clean_up else text
 
 

@@ -65,17 +65,8 @@ class MarianSideTokenizer(PieceTable):
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids`` as MarianTokenizer decodes it (special tokens between pieces kept when not skipped)."""
-        out, run = "", []
-        for i in map(int, ids):
-            piece = self._pieces.get(i)
-            if piece is None or (skip_special_tokens and i in self._specials):
-                continue
-            if i in self._specials:
-                out += self._spm.decode_pieces(run) + piece + " "
-                run = []
-            else:
-                run.append(piece)
-        out += self._spm.decode_pieces(run)
+        out = "".join(self._spm.decode_pieces(run) + (f"{special} " if special is not None else "")
+                      for run, special in self._segments(ids, skip_special_tokens))
         return out.replace(SPIECE_UNDERLINE, " ").strip()
 
 

@@ -44,10 +44,28 @@ class PieceTable:
     """Our Tokenizer's batch and inspection methods over ``_pieces`` (id -> piece) and ``encode`` / ``decode``."""
 
     _pieces: dict[int, str]
+    _specials: frozenset[int]
 
     @property
     def vocab_size(self) -> int:
         return max(self._pieces) + 1
+
+    def _segments(self, ids: Sequence[int], skip_special_tokens: bool) -> list[tuple[list[str], str | None]]:
+        """``ids``' pieces cut at the special tokens kept: (the run of other pieces before one, its piece), the last
+        run with None; ids outside the vocabulary, and the special ones when skipped, are left out. What the
+        tokenizers' ``decode`` joins, each in its library's way."""
+        segments, run = [], []
+        for i in map(int, ids):
+            piece = self._pieces.get(i)
+            if piece is None or (skip_special_tokens and i in self._specials):
+                continue
+            if i in self._specials:
+                segments.append((run, piece))
+                run = []
+            else:
+                run.append(piece)
+        segments.append((run, None))
+        return segments
 
     def encode_batch(self, texts: Sequence[str], add_bos: bool = False, add_eos: bool = False) -> list[list[int]]:
         return [self.encode(t, add_bos, add_eos) for t in texts]

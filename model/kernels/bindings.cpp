@@ -31,6 +31,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              release());
   module.def("set_panel_tuning", &set_panel_tuning, "packed_linear's blocking and prefetch rule (model/cpu.py)");
   module.def("panel_tuning", &panel_tuning, "packed_linear's blocking and prefetch rule in force");
+  module.def("has_avx512_bf16", &has_avx512_bf16, "whether this CPU has AVX512-BF16 (bf16_linear)");
+  module.def("bf16_linear", &bf16_linear,
+             "bf16 linear: x float32 (..., K) rounded to bf16, times model.bf16_linear.pack's weights, float32 sums "
+             "-> (..., n)", pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("n"), pybind11::arg("bias"),
+             release());
   module.def("greedy_pick", &greedy_pick, "greedy choice per row: (first argmax outside banned, its log-prob)", release());
   module.def("beam_topk", &beam_topk,
              "per sentence of width rows: the best k of log_softmax(logits) + scores outside banned (values, ids)",

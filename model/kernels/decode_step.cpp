@@ -4,9 +4,9 @@
 // The computation of the decode plan's Python replay (DecodePlan), in the same order: the layer loop, the
 // head split/merge views and the cache writes run here instead of in the interpreter, which cost about
 // 0.5 ms per step at d_model 512 / 6 layers (a fifth of a batch-1 step). Projections are float32 (weight,
-// bias) pairs (few_rows_linear.cpp: the same sums as F.linear in another order) or our int8 layers
-// (packed, scales, sums, bias: int8_vnni.cpp), plus LoRA deltas (lora_delta.cpp); attention is
-// decode_attention.cpp; LayerNorm / RMSNorm, activations, gates, rotary positions, residual adds and uniform cache
+// bias) pairs (few_rows_linear.cpp: the same sums as F.linear in another order), our bf16 layers (packed, bias:
+// bf16_linear.cpp) or our int8 layers (packed, scales, sums, bias: int8_vnni.cpp), plus LoRA deltas
+// (lora_delta.cpp); attention is decode_attention.cpp; LayerNorm / RMSNorm, activations, gates, rotary positions, residual adds and uniform cache
 // writes are elementwise.cpp's. The Llama blocks: RMSNorm, q and k rotated at each row's positions (cos and sin
 // computed once per step by model/fast_step.py), grouped-query attention (the cache and k/v hold the KV heads),
 // a gated FFN (kUp), a head width other than d_model / heads; Qwen3's and Gemma 3's: RMSNorms of each head of q and
@@ -32,10 +32,13 @@ using c10::optional;
 
 optional<torch::Tensor> maybe(const torch::Tensor& t) { return t.numel() ? optional<torch::Tensor>(t) : c10::nullopt; }
 
-// A projection: {weight, bias} float32 (bias empty when absent) or {packed, scales, sums, bias} int8; a float32
-// weight's panels (packed_linear.cpp) when the caller gives them (more rows than the few-rows GEMV takes).
+// A projection: {weight, bias} float32 (bias empty when absent), {packed, bias} bf16 (bf16_linear.cpp: the bias
+// always given, float32 zeros where the layer has none, its length the output width) or {packed, scales, sums, bias}
+// int8; a float32 weight's panels (packed_linear.cpp) when the caller gives them (more rows than the few-rows GEMV
+// takes).
 torch::Tensor project(const torch::Tensor& x, const Tensors& p, const torch::Tensor* panels) {
   if (p.size() == 4) return int8_linear(x, p[0], p[1], p[2], maybe(p[3]));
+  if (p[0].scalar_type() == at::kBFloat16) return bf16_linear(x, p[0], p[1].size(0), p[1]);
   if (panels != nullptr && panels->numel()) return packed_linear(x, *panels, p[0].size(0), maybe(p[1]));
   return few_rows_linear(x, p[0], maybe(p[1]));  // MKL beyond a few rows
 }
@@ -170,7 +173,10 @@ DecoderStack::DecoderStack(std::vector<Tensors> projections, std::vector<Tensors
                 "decode step: post norms both or neither (pre-LN), q/k norms both or neither (RMSNorms)");
   }
   for (const Tensors& p : this->projections) {
-    TORCH_CHECK(p.empty() || p.size() == 2 || p.size() == 4, "decode step: a projection is 2 (float32) or 4 (int8) tensors");
+    TORCH_CHECK(p.empty() || p.size() == 2 || p.size() == 4,
+                "decode step: a projection is 2 (float32 or bf16) or 4 (int8) tensors");
+    TORCH_CHECK(p.size() != 2 || p[0].scalar_type() != at::kBFloat16 || (p[0].dim() == 4 && p[1].dim() == 1),
+                "decode step: a bf16 projection is {packed, bias} with the bias always given");
   }
 }
 

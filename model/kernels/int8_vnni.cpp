@@ -9,6 +9,9 @@
 //   the -128 offset is undone with the weights' row sums (w_sum * 128).
 // Rows are tiled 4 at a time against 4 blocks of 16 outputs (16 accumulators); tiles are spread over
 // ATen's intra-op threads (the process's one OpenMP pool). Only `has_vnni()` runs on other CPUs.
+// A product of a few rows (decoding: beams, small batches) streams its weights from memory once: tiles of 2-8 rows
+// against 2 blocks at a time, prefetching the next tile's weights (docs/benchmarks.md, "The int8 GEMM at a few
+// rows").
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -26,6 +29,11 @@
 namespace {
 
 constexpr int64_t kRowChunk = 64;  // activation rows per task: their uint8 copy stays in L2 across blocks
+// Products of up to this many rows read the weights (from memory) slower than their vpdpbusd run: they take their
+// rows 2-8 at a time in one pass over the weights (tile_pairs), each tile prefetching the next one's blocks into L1,
+// one linear stream. A lone row does not (its tile runs ahead of the hardware prefetchers by itself: prefetching
+// slowed it 2-10%); wider products are bound by their vpdpbusd (the prefetches only cost them instructions).
+constexpr int64_t kStreamingRows = 16;
 
 VNNI void quantize_row(const float* x, int64_t k, int64_t k_padded, uint8_t* q, float* scale) {
   __m512 amax = _mm512_setzero_ps();
@@ -57,6 +65,7 @@ struct Problem {
   int64_t out_row0;
   int64_t m, n, k_padded, blocks;
   int64_t activation;  // an Activation of each output vector before it is stored, or kNoActivation
+  bool streaming;      // m <= kStreamingRows: rows 2-8 at a time (tile_pairs)
 };
 
 constexpr int64_t kNoActivation = -1;
@@ -64,7 +73,9 @@ constexpr int64_t kNoActivation = -1;
 // Rows [m0, m0 + MR) against output blocks [blk, blk + NB). Every loop over rows and blocks is unrolled by force:
 // GCC 12 -O3 leaves some of them rolled, so the MR x NB accumulators live on the stack and the tile runs at half
 // the vpdpbusd rate (512 rows: 500-700 GOP/s rolled, 930-1,000 unrolled on a 1,040 GOP/s Zen core).
-template <int MR, int NB>
+// Prefetch: the next NB blocks (the next tile's: blocks are contiguous), NB lines a step, so they are all in L1 or
+// L2 when this tile ends (past the last block: harmless, a prefetch never faults).
+template <int MR, int NB, bool Prefetch>
 VNNI void tile(const Problem& p, int64_t blk, int64_t m0) {
   __m512i acc[MR][NB];
   UNROLL for (int r = 0; r < MR; ++r)
@@ -75,6 +86,10 @@ VNNI void tile(const Problem& p, int64_t blk, int64_t m0) {
   UNROLL for (int r = 0; r < MR; ++r) x[r] = reinterpret_cast<const int32_t*>(p.xq + (m0 + r) * p.k_padded);
   for (int64_t s = 0; s < steps; ++s) {
     __m512i wv[NB];
+    if constexpr (Prefetch) {
+      UNROLL for (int c = 0; c < NB; ++c)
+        _mm_prefetch(reinterpret_cast<const char*>(w + NB * stride + (s * NB + c) * 64), _MM_HINT_T0);
+    }
     UNROLL for (int c = 0; c < NB; ++c) wv[c] = _mm512_loadu_si512(w + c * stride + s * 64);
     UNROLL for (int r = 0; r < MR; ++r) {
       const __m512i xb = _mm512_set1_epi32(x[r][s]);
@@ -100,15 +115,36 @@ VNNI void tile(const Problem& p, int64_t blk, int64_t m0) {
 template <int MR>
 void tile_blocks(const Problem& p, int64_t blk, int64_t m0) {
   switch (std::min<int64_t>(4, p.blocks - blk)) {
-    case 4: return tile<MR, 4>(p, blk, m0);
-    case 3: return tile<MR, 3>(p, blk, m0);
-    case 2: return tile<MR, 2>(p, blk, m0);
-    default: return tile<MR, 1>(p, blk, m0);
+    case 4: return tile<MR, 4, false>(p, blk, m0);
+    case 3: return tile<MR, 3, false>(p, blk, m0);
+    case 2: return tile<MR, 2, false>(p, blk, m0);
+    default: return tile<MR, 1, false>(p, blk, m0);
   }
+}
+
+// Rows [m0, m0 + MR) of a few-row product, 2 <= MR <= 8, against the group's blocks 2 at a time (up to 8 x 2 = 16
+// accumulators): one pass over the weights where tiles of 4 rows x 4 blocks take two for 8 rows; from memory, 4 rows
+// run at 1.07x and 8 rows at 1.15x the 1-row time (1.3-1.5x and 1.6-1.9x with tile<4, 4> and no prefetch).
+template <int MR>
+void tile_pairs(const Problem& p, int64_t blk, int64_t m0) {
+  const int64_t nb = std::min<int64_t>(4, p.blocks - blk);
+  for (int64_t b = 0; b + 2 <= nb; b += 2) tile<MR, 2, true>(p, blk + b, m0);
+  if (nb % 2) tile<MR, 1, true>(p, blk + nb - 1, m0);
 }
 
 void rows(const Problem& p, int64_t blk, int64_t begin, int64_t end) {
   int64_t m0 = begin;
+  for (; p.streaming && end - m0 >= 2; m0 += std::min<int64_t>(8, end - m0)) {
+    switch (std::min<int64_t>(8, end - m0)) {
+      case 8: tile_pairs<8>(p, blk, m0); break;
+      case 7: tile_pairs<7>(p, blk, m0); break;
+      case 6: tile_pairs<6>(p, blk, m0); break;
+      case 5: tile_pairs<5>(p, blk, m0); break;
+      case 4: tile_pairs<4>(p, blk, m0); break;
+      case 3: tile_pairs<3>(p, blk, m0); break;
+      default: tile_pairs<2>(p, blk, m0); break;
+    }
+  }
   for (; m0 + 4 <= end; m0 += 4) tile_blocks<4>(p, blk, m0);
   switch (end - m0) {
     case 3: return tile_blocks<3>(p, blk, m0);
@@ -157,7 +193,8 @@ Problem problem(const torch::Tensor& xq, const torch::Tensor& sx, const torch::T
                 float* out, int64_t activation) {
   return Problem{xq.data_ptr<uint8_t>(), sx.data_ptr<float>(), packed.data_ptr<int8_t>(), w_scale.data_ptr<float>(),
                  w_sum.data_ptr<int32_t>(), bias.has_value() ? bias->data_ptr<float>() : nullptr, out, 0,
-                 xq.size(0), w_scale.size(0), packed.size(1) * 4, packed.size(0), activation};
+                 xq.size(0), w_scale.size(0), packed.size(1) * 4, packed.size(0), activation,
+                 xq.size(0) <= kStreamingRows};
 }
 
 // The whole (m, n) product into p.out: tasks of (row chunk, group of 4 blocks) over the intra-op threads.

@@ -32,6 +32,9 @@ struct PanelTuning {
 };
 void set_panel_tuning(const PanelTuning& chosen);
 PanelTuning panel_tuning();
+bool has_avx512_bf16();
+torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
+                          const c10::optional<torch::Tensor>& bias);
 std::tuple<torch::Tensor, torch::Tensor> greedy_pick(const torch::Tensor& logits, const std::vector<int64_t>& banned);
 std::tuple<torch::Tensor, torch::Tensor> beam_topk(const torch::Tensor& logits, const torch::Tensor& scores,
                                                    int64_t width, int64_t k, const std::vector<int64_t>& banned);

@@ -70,18 +70,7 @@ AVX512 void tile(const Problem& q, int64_t p, int64_t r0, int64_t ahead) {
       }
     }
   }
-  for (int s = 0; s < S; ++s) {
-    const int64_t c0 = (p + s) * kPanel;
-    const __mmask16 m0 = tserve::first_lanes(q.n - c0), m1 = tserve::first_lanes(std::max<int64_t>(q.n - c0 - 16, 0));
-    __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-    if (q.bias != nullptr)
-      b0 = _mm512_maskz_loadu_ps(m0, q.bias + c0), b1 = _mm512_maskz_loadu_ps(m1, q.bias + c0 + 16);
-    for (int r = 0; r < R; ++r) {
-      float* out = q.y + (r0 + r) * q.n + c0;
-      _mm512_mask_storeu_ps(out, m0, _mm512_add_ps(acc[r][s][0], b0));
-      _mm512_mask_storeu_ps(out + 16, m1, _mm512_add_ps(acc[r][s][1], b1));
-    }
-  }
+  tserve::store_panel_tile<R, S>(acc, q.bias, q.y, q.n, r0, p);
 }
 
 // A tile of R rows over S panels under the tuning's prefetch rule for its width.

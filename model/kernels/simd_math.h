@@ -28,4 +28,24 @@ __attribute__((target("avx512f"))) inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// The end of a panel tile (packed_linear.cpp, bf16_linear.cpp): R rows x S panels of 32 float32 sums, each panel
+// two vectors, plus the bias (null: none), stored to y (rows of n) from row r0 and column 32 p; the columns past n
+// (a last, partial panel) left out.
+template <int R, int S>
+__attribute__((target("avx512f"))) inline void store_panel_tile(const __m512 (&acc)[R][S][2], const float* bias,
+                                                               float* y, int64_t n, int64_t r0, int64_t p) {
+  for (int s = 0; s < S; ++s) {
+    const int64_t c0 = (p + s) * 32;
+    if (c0 >= n) break;
+    const __mmask16 m0 = first_lanes(n - c0), m1 = first_lanes(n - c0 - 16 > 0 ? n - c0 - 16 : 0);
+    __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+    if (bias != nullptr) b0 = _mm512_maskz_loadu_ps(m0, bias + c0), b1 = _mm512_maskz_loadu_ps(m1, bias + c0 + 16);
+    for (int r = 0; r < R; ++r) {
+      float* out = y + (r0 + r) * n + c0;
+      _mm512_mask_storeu_ps(out, m0, _mm512_add_ps(acc[r][s][0], b0));
+      _mm512_mask_storeu_ps(out + 16, m1, _mm512_add_ps(acc[r][s][1], b1));
+    }
+  }
+}
+
 }  // namespace tserve

@@ -120,8 +120,8 @@ class Engine:
                 await _drain([worker], 0.0, NotReady(f"model {name!r} failed to load"))
             self.metrics.remove_model(name)
             raise
-        logger.info("model %r (%s) ready in %.2fs: %s", name, checkpoint.family, time.perf_counter() - start,
-                    worker.info)
+        logger.info("model %r (%s, quantize %s) ready in %.2fs: %s", name, checkpoint.family,
+                    mode_for(self.settings.quantize, name), time.perf_counter() - start, worker.info)
         return worker
 
     def _load(self, name: str, directory: Path) -> tuple[Checkpoint, Checkpoint | None]:

@@ -108,6 +108,7 @@ class ModelInfo:
     tasks: list[str] = field(default_factory=list)  # what it serves: generate, classify, embed, rerank
     languages: list[str] | None = None  # a multilingual translator's codes (target_lang, source_lang)
     source_language: str | None = None  # its tokenizer's own source language (src_lang)
+    quantize: str = "none"  # its linear layers' model.quantize mode (model_mode): none, int8, bf16
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from model.generation import prompt_logprobs
 from model.hf.sentence import EmbeddingDefaults
 from model.lora import adapter_parameter_count, use_adapters
 from model.prefix_cache import PrefixCache, prefix_cache_serves
+from model.quantize import model_mode
 from model.speculative import speculative_for
 from model.token_entities import IGNORE_LABELS
 from service.engine import adapter_store, tracing
@@ -147,6 +148,7 @@ class ModelWorker:
             tasks=self.tasks(),
             languages=list(languages.ids) if (languages := self.checkpoint.languages) is not None else None,
             source_language=languages.source if languages is not None else None,
+            quantize=model_mode(self.model),
         )
 
     def tasks(self) -> list[str]:

@@ -61,7 +61,7 @@ def test_the_peers_give_hfs_tokens_on_a_tiny_decoder_shape(tiny, name):
         beam = llama.tokens(inputs.tolist(), 4, 8)[0]
     finally:
         started.close()
-    assert [row[0] for row in rows] == ["ours", "ours int8", "CT2 fp32", "CT2 int8", "llama.cpp F32",
+    assert [row[0] for row in rows] == ["ours", "ours int8", "ours bf16", "CT2 fp32", "CT2 int8", "llama.cpp F32",
                                         "llama.cpp Q8_0"]
     assert all(row[2].startswith("same (3 inputs") for row in rows if row[0] in ("ours", "CT2 fp32",
                                                                                   "llama.cpp F32")), rows

@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from benchmarks import compare, encoder_compare, ner_compare, shapes
-from benchmarks.shape_engines import load_engines
+from benchmarks.shape_engines import load_engines, quantized
 
 # the sizes: layers, d_model, heads, FFN, vocabulary, max positions, labels
 SIZES = {"xlm-roberta-base": (12, 768, 12, 3072, 250002, 514, 1),
@@ -47,11 +47,11 @@ def test_every_engine_scores_the_padded_pairs_of_a_tiny_reranker_as_hf(reranker)
     pairs = encoder_compare.rerank_pairs(reranker.files.shape, 40, grid, seed=3)
     assert len({len(ids) for ids, _ in pairs}) > 1 and len(pairs) > encoder_compare.CHUNK
     got = {engine: scorer(pairs) for engine, scorer in encoder_compare.scorers(reranker, 1).items()}
-    assert set(got) == {"ours", "ours int8", "HF", *(["ORT fp32", "ORT int8"] if HAS_ORT else [])}
+    assert set(got) == {"ours", "ours int8", "ours bf16", "HF", *(["ORT fp32", "ORT int8"] if HAS_ORT else [])}
     reference = got.pop("HF")
     assert reference.shape == (40,) and reference.std() > 1e-3  # scores that tell the pairs apart
     for engine, logits in got.items():
-        if "int8" in engine:
+        if quantized(engine):
             assert encoder_compare.correlation_with(logits, reference) > 0.95, engine
         else:
             assert (logits - reference).abs().max() < 1e-5, engine
@@ -72,12 +72,12 @@ def test_every_engine_gives_hf_token_logits_of_a_tiny_ner_model_on_padded_texts(
     texts = ner_compare.make_texts(tagger, lengths, seed=3)
     assert len(texts.rows) > ner_compare.CHUNK and [len(r) for r in texts.rows] == lengths
     got = {engine: torch.cat(scorer(texts.rows)) for engine, scorer in ner_compare.scorers(tagger, 1).items()}
-    assert set(got) == {"ours", "ours int8", "HF", *(["ORT fp32", "ORT int8"] if HAS_ORT else [])}
+    assert set(got) == {"ours", "ours int8", "ours bf16", "HF", *(["ORT fp32", "ORT int8"] if HAS_ORT else [])}
     reference = got.pop("HF")
     labels = len(tagger.files.shape.config["id2label"])
     assert reference.shape == (sum(lengths), labels) and reference.argmax(-1).unique().numel() > 1
     for engine, logits in got.items():
-        if "int8" in engine:
+        if quantized(engine):
             assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() > 0.9, engine
         else:
             assert (logits - reference).abs().max() < 1e-5, engine

@@ -18,6 +18,7 @@ from benchmarks.shape_engines import (
     load_engines,
     ours_decode,
     ours_tokens,
+    quantized,
     random_ids,
 )
 
@@ -76,8 +77,9 @@ def test_every_engine_gives_hfs_greedy_tokens_on_a_tiny_seq2seq_shape(tiny, name
     if engines.forced is not None:
         assert {row[0] for row in reference} == {engines.forced}
     rows = check_decoding(engines, 8, 6)
-    assert [row[0] for row in rows] == ["ours", "ours int8", *(["CT2 fp32", "CT2 int8"] if HAS_CT2 else [])]
-    assert all(row[2].startswith("same (3 inputs") for row in rows if "int8" not in row[0]), rows
+    assert [row[0] for row in rows] == ["ours", "ours int8", "ours bf16",
+                                        *(["CT2 fp32", "CT2 int8"] if HAS_CT2 else [])]
+    assert all(row[2].startswith("same (3 inputs") for row in rows if not quantized(row[0])), rows
     assert not engines.excluded
 
 

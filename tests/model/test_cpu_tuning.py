@@ -9,7 +9,8 @@ import torch
 from model import native
 from model.cpu import AMD, DEFAULT_L2_BYTES, INTEL, CpuInfo, PanelTuning, kernel_tuning, this_cpu
 
-SAPPHIRE_RAPIDS = {"vendor_id": INTEL, "model name": "Intel(R) Xeon(R) Platinum 8480+", "cpu family": "6"}
+SAPPHIRE_RAPIDS = {"vendor_id": INTEL, "model name": "Intel(R) Xeon(R) Platinum 8480+", "cpu family": "6",
+                   "model": "143"}
 ZEN_4 = {"vendor_id": AMD, "model name": "AMD EPYC 9654 96-Core Processor", "cpu family": "25"}
 CACHES = {"index0": ("1", "Data", "48K"), "index1": ("1", "Instruction", "32K"), "index2": ("2", "Unified", "2048K"),
           "index3": ("3", "Unified", "105M")}
@@ -33,7 +34,8 @@ def _caches(directory: Path, caches: dict[str, tuple[str, str, str]]) -> Path:
 
 def test_the_first_processor_and_the_l2_data_cache_are_read(tmp_path):
     cpu = CpuInfo.read(_cpuinfo(tmp_path / "cpuinfo", SAPPHIRE_RAPIDS), _caches(tmp_path / "cache", CACHES))
-    assert cpu == CpuInfo(vendor=INTEL, model_name="Intel(R) Xeon(R) Platinum 8480+", l2_bytes=2048 * 1024)
+    assert cpu == CpuInfo(vendor=INTEL, model_name="Intel(R) Xeon(R) Platinum 8480+", l2_bytes=2048 * 1024,
+                          family_model="family 6 model 143")
 
 
 def test_an_instruction_cache_at_the_level_is_skipped_and_sizes_in_megabytes_read(tmp_path):

@@ -262,3 +262,29 @@ def test_encoder_rows_take_the_kernel_and_give_sdpas_outputs():
     assert not encoder_rows(q[..., :32], k[..., :32], v[..., :32], mask)  # another head dim
     torch.testing.assert_close(blocked_sdpa(q, k, v, mask), F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
                                rtol=1e-5, atol=1e-5)
+
+
+# The encoder-attention kernel's block edges (8-query blocks, 32-key score tiles).
+def _fused(b, h, t, seed):
+    """q, k, v (B, H, T, 64) as views of one fused projection, as split_qkv gives them."""
+    qkv = torch.randn(b, t, 3 * h * 64, generator=torch.Generator().manual_seed(seed))
+    return tuple(x.view(b, t, h, 64).transpose(1, 2) for x in qkv.split(h * 64, -1))
+
+
+@needs_kernel
+@pytest.mark.parametrize("t", [7, 8, 9, 16, 17, 31, 33, 48, 65])  # blocks of 8 queries; 16, 32 or 48 padded keys
+def test_partial_query_blocks_and_key_tiles_equal_the_float64_reference(t):
+    q, k, v = _fused(2, 3, t, seed=t)
+    mask = torch.ones(2, 1, 1, t, dtype=torch.bool)
+    mask[1, ..., max(1, t - 6):] = False
+    torch.testing.assert_close(kernel.encoder_attention(q, k, v, mask).double(), _reference(q, k, v, mask),
+                               rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_a_querys_output_does_not_depend_on_its_block():
+    q, k, v = _fused(1, 2, 37, seed=0)
+    order = torch.randperm(37, generator=torch.Generator().manual_seed(1))
+    got = kernel.encoder_attention(q, k, v, None)
+    moved = kernel.encoder_attention(q[:, :, order].contiguous(), k, v, None)  # each query in another block slot
+    assert torch.equal(moved, got[:, :, order])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from model.bf16_linear import Bf16Linear
 from model.decoding import GenerationConfig
 from model.generation import generate_seq2seq
 from model.int8_linear import Int8Linear
@@ -104,17 +105,19 @@ def test_a_map_allowing_everything_changes_nothing():
     assert [[h.tokens for h in r] for r in plain] == [[h.tokens for h in r] for r in mapped]
 
 
+@pytest.mark.parametrize("quantized", [Int8Linear, Bf16Linear])
 @pytest.mark.parametrize("tokens", [None, 3])
-def test_an_int8_head_is_sliced_to_the_same_int8_rows(tokens):
-    """The union's rows of an int8 head (Int8Linear.rows: its int8 weights and scales, not quantised again from
-    floats) give exactly the full int8 head's logits on the allowed tokens."""
+def test_a_quantized_head_is_sliced_to_the_same_quantized_rows(tokens, quantized):
+    """The union's rows of an int8 or bf16 head (``rows``: its int8 weights and scales, or bf16 weights, not
+    quantised again from floats) give exactly the full head's logits on the allowed tokens."""
     torch.manual_seed(0)
-    head = Int8Linear.from_linear(torch.nn.Linear(16, 50, bias=True))
+    head = quantized.from_linear(torch.nn.Linear(16, 50, bias=True))
     rows = [(1, 4, 9), (2, 4, 30, 49)]
     restriction = VocabularyRestriction.of_rows(rows, 50, "cpu")
     hidden = torch.randn(2, 16) if tokens is None else torch.randn(2, tokens, 16)
     got, full = restriction.logits(head, hidden), head(hidden)
     for row, allowed in enumerate(rows):
-        assert torch.equal(got[row][..., list(allowed)], full[row][..., list(allowed)])
+        exact = 0 if quantized is Int8Linear else 1e-6  # bf16 tiles of other widths sum in another order
+        torch.testing.assert_close(got[row][..., list(allowed)], full[row][..., list(allowed)], rtol=exact, atol=exact)
         assert torch.isinf(got[row]).sum() == got[row].numel() - len(allowed) * (tokens or 1)
-    assert type(restriction._slices.by_head[id(head)]) is Int8Linear
+    assert type(restriction._slices.by_head[id(head)]) is quantized

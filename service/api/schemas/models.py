@@ -45,6 +45,8 @@ class ModelInfoSchema(BaseModel):
     family: Literal["seq2seq", "classifier", "causal_lm"]
     device: str
     dtype: str
+    quantize: str = Field("none", description="Its linear layers' precision on the CPU (the server's quantize "
+                          "setting): none (its dtype), int8 (int8 weights), bf16 (bfloat16 weights, float32 sums).")
     parameters: int = Field(description="The model's own parameters (tied weights counted once).")
     adapter_parameters: int = Field(description="Parameters its resident LoRA adapters add.")
     vocab_size: int = Field(description="Tokens the model can output (a translator's target vocabulary).")

@@ -1,0 +1,182 @@
+// bf16 linear layers on AVX512-BF16 CPUs (AMD Zen 4, Intel Cooper Lake and later): y = x W^T + b with W stored in
+// bf16, x rounded to bf16 per call, products summed in float32 (model/bf16_linear.py).
+//
+// VDPBF16PS multiplies 16 pairs of bf16 by 16 pairs and adds each pair's two products to a float32 lane, so the
+// weights are packed once (model.bf16_linear.pack) as panels of 32 outputs, (ceil(N / 32), ceil(K / 2), 32, 2): one
+// panel row is the next pair of inputs for 32 outputs, two vectors, and each panel one contiguous run. x is rounded
+// to bf16 first (round to nearest even, NaN kept quiet: the same bits as PyTorch's x.bfloat16(), so ours and the
+// torch fallback differ only in the order of the float32 sums), zero-padded to an even K, then every tile
+// broadcasts a row's pair of inputs (32 bits) against the panel's two vectors: the structure of packed_linear.cpp
+// (tiles of up to 6 rows x 2 panels in registers, 1-2 row tiles walking up to 4 panels side by side, blocks of
+// rows kept in L2, prefetch by model/cpu.py's PanelTuning), with half the weight bytes and twice the products per
+// instruction. Panels are spread over ATen's threads. Only has_avx512_bf16() runs on other CPUs.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include "kernels.h"
+#include "simd_math.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#define BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+namespace {
+
+constexpr int64_t kPanel = 32;       // outputs per panel: two vectors of float32 sums
+constexpr int64_t kMaxTileRows = 6;  // 6 rows x 2 panels x 2 accumulators + 4 weight vectors + a broadcast: 29 of 32
+constexpr int64_t kMaxGemvRows = 2;  // tiles that may walk 4 panels at once
+
+struct Problem {
+  const uint16_t* x;       // (rows, k2 * 2) bf16 bits, zero-padded
+  const uint16_t* panels;  // (panels, k2, 32, 2) bf16 bits
+  const float* bias;       // (n,) or null
+  float* y;                // (rows, n) contiguous
+  int64_t rows, k2, n;
+  PanelTuning rule;
+};
+
+// Rows of x (rows, k) float32 -> bf16 bits (rows, k2 * 2), RNE as c10::BFloat16 rounds (NaN -> 0x7FC0).
+BF16 void round_rows(const float* x, uint16_t* out, int64_t rows, int64_t k, int64_t padded) {
+  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7FFF), nan = _mm512_set1_epi32(0x7FC0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = x + r * k;
+    uint16_t* dst = out + r * padded;
+    for (int64_t i = 0; i < k; i += 16) {
+      const __mmask16 m = tserve::first_lanes(k - i);
+      const __m512 v = _mm512_maskz_loadu_ps(m, src + i);
+      const __m512i bits = _mm512_castps_si512(v);
+      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
+      __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, half)), 16);
+      rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan);
+      _mm256_mask_storeu_epi16(dst + i, m, _mm512_cvtepi32_epi16(rounded));
+    }
+    if (padded > k) dst[k] = 0;
+  }
+}
+
+// acc + the products of a's and b's bf16 pairs (VDPBF16PS). Not GCC 12's _mm512_dpbf16_ps: its __m512bh casts
+// kept every tile's accumulators on the stack (a store and a load around each product, 2.5-3.5x slower at 16-64
+// rows); this asm keeps them in registers.
+BF16 inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
+  asm("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
+
+// y[r0 .. r0 + R, 32 p .. 32 (p + S)) for the S panels p .. p + S - 1 walked side by side, the outputs past n left
+// out; prefetching `ahead` panel rows ahead in each panel.
+template <int R, int S, _mm_hint Hint>
+BF16 void tile(const Problem& q, int64_t p, int64_t r0, int64_t ahead) {
+  __m512 acc[R][S][2];
+  for (int r = 0; r < R; ++r)
+    for (int s = 0; s < S; ++s) acc[r][s][0] = acc[r][s][1] = _mm512_setzero_ps();
+  const uint16_t* panel = q.panels + p * q.k2 * kPanel * 2;
+  const uint16_t* x = q.x + r0 * q.k2 * 2;
+  for (int64_t i = 0; i < q.k2; ++i) {
+    __m512i w[S][2];
+    for (int s = 0; s < S; ++s) {
+      const uint16_t* row = panel + (s * q.k2 + i) * kPanel * 2;
+      _mm_prefetch(reinterpret_cast<const char*>(row + ahead * kPanel * 2), Hint);
+      _mm_prefetch(reinterpret_cast<const char*>(row + ahead * kPanel * 2 + 32), Hint);
+      w[s][0] = _mm512_loadu_si512(row);
+      w[s][1] = _mm512_loadu_si512(row + 32);
+    }
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * q.k2 * 2 + i * 2, sizeof(pair));
+      const __m512i xr = _mm512_set1_epi32(pair);
+      for (int s = 0; s < S; ++s) {
+        acc[r][s][0] = dot_pairs(acc[r][s][0], xr, w[s][0]);
+        acc[r][s][1] = dot_pairs(acc[r][s][1], xr, w[s][1]);
+      }
+    }
+  }
+  tserve::store_panel_tile<R, S>(acc, q.bias, q.y, q.n, r0, p);
+}
+
+// A tile of R rows over S panels under the tuning's prefetch rule for its width.
+template <int R, int S = 1>
+void tile(const Problem& q, int64_t p, int64_t r0) {
+  if (R > q.rule.streaming_tile_rows) return tile<R, S, _MM_HINT_T0>(q, p, r0, q.rule.prefetch_rows);
+  const int64_t ahead = q.rule.streaming_prefetch_rows;
+  if (q.rule.streaming_into_l2) return tile<R, S, _MM_HINT_T1>(q, p, r0, ahead);
+  tile<R, S, _MM_HINT_T0>(q, p, r0, ahead);
+}
+
+template <int S>
+void tile_rows(const Problem& q, int64_t p, int64_t r0, int64_t rows) {
+  switch (rows) {
+    case 1: return tile<1, S>(q, p, r0);
+    case 2: return tile<2, S>(q, p, r0);
+    case 3: return tile<3, S>(q, p, r0);
+    case 4: return tile<4, S>(q, p, r0);
+    case 5: return tile<5, S>(q, p, r0);
+    default: return tile<6, S>(q, p, r0);
+  }
+}
+
+// Rows r0 .. r0 + rows (at most kMaxTileRows) over `panels` panels from p: 4 only for tiles of up to kMaxGemvRows.
+void tile_rows(const Problem& q, int64_t p, int64_t r0, int64_t rows, int64_t panels) {
+  if (panels == 4) return rows == 1 ? tile<1, 4>(q, p, r0) : tile<2, 4>(q, p, r0);
+  if (panels == 2) return tile_rows<2>(q, p, r0, rows);
+  tile_rows<1>(q, p, r0, rows);
+}
+
+}  // namespace
+
+bool has_avx512_bf16() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+}
+
+// x (..., K) float32; packed (ceil(n / 32), ceil(K / 2), 32, 2) bf16 from model.bf16_linear.pack; bias (n,) or None
+// -> (..., n) float32.
+torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
+                          const c10::optional<torch::Tensor>& bias) {
+  static const bool supported = has_avx512_bf16();
+  const int64_t k = x.size(-1), k2 = (k + 1) / 2, panels = (n + kPanel - 1) / kPanel;
+  TORCH_CHECK(packed.dim() == 4 && packed.size(0) == panels && packed.size(1) == k2 && packed.size(2) == kPanel &&
+                  packed.size(3) == 2 && packed.is_contiguous() && packed.scalar_type() == at::kBFloat16 &&
+                  packed.device().is_cpu(),
+              "bf16_linear: packed weights must be model.bf16_linear.pack's (ceil(n / 32), ceil(K / 2), 32, 2) bf16");
+  TORCH_CHECK(!bias.has_value() || (bias->numel() == n && bias->scalar_type() == at::kFloat && bias->device().is_cpu()),
+              "bf16_linear: bias must be a float32 CPU (n,) tensor");
+  TORCH_CHECK(supported && x.scalar_type() == at::kFloat && x.device().is_cpu() && !at::GradMode::is_enabled(),
+              "bf16_linear: float32 CPU input without autograd on an AVX512-BF16 CPU only");
+  auto sizes = x.sizes().vec();
+  sizes.back() = n;
+  if (k == 0) return bias.has_value() ? bias->expand(sizes).contiguous() : at::zeros(sizes, x.options());
+  const int64_t rows = x.numel() / k;
+  torch::Tensor y = at::empty(sizes, x.options());
+  if (rows == 0) return y;
+  const torch::Tensor input = x.is_contiguous() ? x : x.contiguous();
+  torch::Tensor rounded = at::empty({rows, k2 * 2}, x.options().dtype(at::kBFloat16));
+  const float* src = input.data_ptr<float>();
+  uint16_t* xb = reinterpret_cast<uint16_t*>(rounded.data_ptr<at::BFloat16>());
+  at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 14) / k), [&](int64_t begin, int64_t end) {
+    round_rows(src + begin * k, xb + begin * k2 * 2, end - begin, k, k2 * 2);
+  });
+  const torch::Tensor b = bias.has_value() ? bias->contiguous() : torch::Tensor();
+  const Problem q{xb, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
+                  b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(), rows, k2, n, panel_tuning()};
+  const int64_t tiles = (rows + kMaxTileRows - 1) / kMaxTileRows, per_tile = (rows + tiles - 1) / tiles;
+  const int64_t row_bytes = k2 * 4;  // a bf16 row of x
+  const int64_t block = rows * row_bytes <= q.rule.row_block_bytes
+                            ? rows
+                            : std::max<int64_t>(1, q.rule.row_block_bytes / row_bytes / per_tile) * per_tile;
+  // Each tile walks 2 panels at least: a VDPBF16PS waits for its accumulator's previous one, so 1-row tiles of one
+  // panel (2 chains) ran at 0.6x and 4-row ones (8 chains) at 0.55x the 2-panel tiles on Zen 4, and 12 x 1 tiles at
+  // 0.95x 6 x 2 (docs/benchmarks.md, issue 40's bf16 section); gemv_panels (4 on AMD) for tiles of 1-2 rows.
+  const int64_t together = per_tile <= kMaxGemvRows ? std::max<int64_t>(2, q.rule.gemv_panels) : 2;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t first = 0; first < rows; first += block)
+      for (int64_t p = begin, step; p < end; p += step) {
+        step = p + together <= end ? together : 1;
+        for (int64_t r0 = first; r0 < std::min(first + block, rows); r0 += per_tile)
+          tile_rows(q, p, r0, std::min(per_tile, rows - r0), step);
+      }
+  });
+  return y;
+}

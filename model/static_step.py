@@ -1,0 +1,286 @@
+"""A decoding step over static buffers: the same function runs eagerly on CPU and is captured as a CUDA graph.
+
+:class:`StaticDecoder` holds, for up to ``rows`` rows, persistent input buffers (the fed token of each row, each
+row's adapter index), a :class:`model.static_cache.StaticKVCache` (self-attention, and cross-attention memory for an
+encoder-decoder) and an output logits buffer. A step of n live rows runs the padded batch size b = the next of
+``sizes`` (1, 2, 4, ..., 64, as vLLM pads to its captured sizes) over the first b rows: the model's own embedding,
+layer stack (the PyTorch path: LayerStack.forward, not the CPU C++ step) and head. On CUDA each size's step is
+captured once with ``torch.cuda.CUDAGraph`` (lazily, on its first use) and replayed; elsewhere it runs eagerly.
+
+The graph holds the model's forward only: the search (greedy, sampling, beam) runs eagerly on the logits it returns,
+and row reorders (beams, finished rows) are index copies into the static buffers between steps.
+
+Per-row LoRA: the rows' adapter indices are a tensor input. Each LoRA layer's inference delta is
+``((x A^T) * scales) B^T`` (model.lora_layers.RowDeltas) over every resident adapter stacked; the step routes all b
+rows through one Routing whose ``scales`` (b, columns) it refills in the graph from a table (one row per adapter,
+computed by the layers themselves) indexed by the rows' adapter indices. Loading, removing or merging an adapter, or
+changing its weights in place, changes the stacked weights the graph read: the runner of every size built under the
+old adapters is rebuilt (and re-captured) on its next use, and only those; sizes never run are never built. A batch
+whose rows all take the base model runs a runner of its own, without the adapters' GEMMs (keyed as vLLM keys its
+graphs: by whether LoRA is active).
+
+Not held (the caller decodes eagerly, :func:`model.static_generation.fits`): more rows than the largest size,
+adapters' head copies (modules_to_save), a shared prefix, a vocabulary restriction, speculative steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from model.causal_lm import CausalLM
+from model.kv_cache import KVCache
+from model.lora_layers import HeadCopies, LoRALinear, Routing
+from model.seq2seq import Seq2SeqTransformer
+from model.static_cache import StaticKVCache
+
+logger = logging.getLogger(__name__)
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)  # captured batch sizes; a batch is padded up to the next one
+
+
+def padded_size(rows: int, sizes: Sequence[int] = BATCH_SIZES) -> int:
+    """The smallest of ``sizes`` holding ``rows`` rows; ValueError beyond the largest (decode those eagerly)."""
+    for size in sorted(sizes):
+        if size >= rows:
+            return size
+    raise ValueError(f"{rows} rows exceed the largest captured batch size {max(sizes)}")
+
+
+def adapter_state(model: nn.Module) -> tuple:
+    """What a built step depends on in the model's adapters: per LoRA layer, the merged adapter and each resident
+    adapter's name and A/B weights (object, storage, version). Equal states: the stacked weights are the same."""
+    state = []
+    for module in model.modules():
+        if isinstance(module, LoRALinear):
+            weights = [(name, id(w), w.data_ptr(), w._version)
+                       for name in module.configs for w in (module.lora_A[name].weight, module.lora_B[name].weight)]
+            state.append((module.merged, tuple(weights)))
+    return tuple(state)
+
+
+@dataclass
+class _Runner:
+    """One batch size's step, built under one adapter state: its cache view, LoRA routing and scale tables, and
+    (CUDA) its captured graph."""
+
+    size: int
+    state: tuple
+    cache: StaticKVCache
+    names: list[str | None]  # adapter index -> name (0: the base model)
+    routing: Routing | None = None
+    scales: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (live scales, table)
+    graph: torch.cuda.CUDAGraph | None = None
+
+
+class StaticDecoder:
+    """Static decode buffers and steps for ``model`` (a CausalLM or a Seq2SeqTransformer) over up to ``rows`` rows of
+    ``capacity`` positions (and ``source_capacity`` source tokens); ``graphs``: capture on CUDA (None: when the
+    model is on CUDA)."""
+
+    def __init__(self, model: CausalLM | Seq2SeqTransformer, rows: int, capacity: int,
+                 sizes: Sequence[int] = BATCH_SIZES, graphs: bool | None = None,
+                 source_capacity: int | None = None) -> None:
+        self.model = model
+        self.sizes = tuple(sorted(sizes))
+        self.rows = padded_size(rows, self.sizes)
+        weight = self._embed().tokens.weight
+        self.device = weight.device
+        self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        c = model.config
+        if capacity > c.max_len:  # a learned position table has max_len rows
+            raise ValueError(f"capacity {capacity} exceeds the model's maximum length {c.max_len}")
+        seq2seq = isinstance(model, Seq2SeqTransformer)
+        layers = c.n_decoder_layers if seq2seq else c.n_layers
+        heads = c.n_heads if seq2seq else c.kv_heads
+        self.cache = StaticKVCache.allocate(layers, self.rows, heads, c.head_dim, capacity, self.device, weight.dtype)
+        if seq2seq:
+            self.cache.add_cross(layers, c.n_heads, c.head_dim, source_capacity or c.max_src_len)
+        self.tokens = torch.zeros(self.rows, dtype=torch.long, device=self.device)
+        self.adapters = torch.zeros(self.rows, dtype=torch.long, device=self.device)
+        self.logits: torch.Tensor | None = None  # (rows, V), allocated by the first step
+        self.live = 0  # rows in use
+        self.used = 0  # the longest live row's length (host side: the copy windows of select)
+        self.builds = 0  # runners built (graphs captured on CUDA): tells when adapters invalidated them
+        self._row_adapters: list[str | None] = []
+        self._written: tuple | None = None  # (adapter names by index, each row's name) the adapters buffer holds
+        self._runners: dict[tuple[int, bool], _Runner] = {}  # by (size, any row with an adapter)
+        self._pool = None  # the graphs' shared memory pool (CUDA)
+
+    @property
+    def built(self) -> list[tuple[int, bool]]:
+        """The runners built and current: (batch size, whether it runs adapters), sorted."""
+        return sorted(self._runners)
+
+    @property
+    def captured(self) -> int:
+        """How many of them hold a CUDA graph."""
+        return sum(runner.graph is not None for runner in self._runners.values())
+
+    def holds_model(self) -> bool:
+        """Whether the model's modules take a static step now: no adapter holds head copies (``modules_to_save``,
+        whose rows are routed on the host)."""
+        return not any(isinstance(m, HeadCopies) for m in self.model.modules())
+
+    def _embed(self) -> nn.Module:
+        return self.model.tgt_embed if isinstance(self.model, Seq2SeqTransformer) else self.model.embed
+
+    def load(self, cache: KVCache, adapters: Sequence[str | None] | None = None) -> None:
+        """Start from an eagerly prefilled ``cache`` (its rows become rows 0..n-1) with per-row ``adapters``."""
+        self.cache.load(cache)
+        self.live, self.used = cache.batch_size, cache.max_length
+        self._row_adapters = list(adapters) if adapters is not None else [None] * self.live
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed one token per live row (n,); return the next-token logits (n, V) (a copy: the buffer is reused)."""
+        n = tokens.shape[0]
+        if n != self.live:
+            raise ValueError(f"{n} tokens for {self.live} live rows")
+        if self.used >= self.cache.capacity:
+            raise ValueError(f"the static cache's {self.cache.capacity} positions are used up")
+        runner = self._runner(padded_size(n, self.sizes))
+        self.tokens[:n].copy_(tokens, non_blocking=True)
+        self.tokens[n:].zero_()
+        self._write_adapters(runner)
+        if runner.graph is not None:
+            runner.graph.replay()
+        else:
+            self._eager(runner)
+        self.used += 1
+        return self.logits[:n].clone()
+
+    def select(self, index: torch.Tensor, tails: torch.Tensor | None = None) -> None:
+        """Rows 0..m-1 become old rows ``index`` (m,): beams reordered, finished rows dropped (model.search)."""
+        keeps_rows = index.shape[0] == self.live
+        self.cache.select(index, tails if keeps_rows else None, self.used)
+        self._row_adapters = [self._row_adapters[i] for i in index.tolist()]
+        self.live = index.shape[0]
+
+    def _write_adapters(self, runner: _Runner) -> None:
+        """Each row's adapter index into the buffer (a host-to-device copy only when a row's adapter moved)."""
+        written = (tuple(runner.names), tuple(self._row_adapters))
+        if not runner.scales or written == self._written:
+            return
+        self._written = written
+        position = {name: i for i, name in enumerate(runner.names)}
+        rows = [position[name] for name in self._row_adapters] + [0] * (self.rows - self.live)
+        self.adapters.copy_(torch.tensor(rows, dtype=torch.long), non_blocking=True)
+
+    def _runner(self, size: int) -> _Runner:
+        """The runner of ``size`` and whether any live row selects an adapter (vLLM keys its graphs so too: a base-only
+        batch skips the adapters' GEMMs), (re)built when none is or the adapters changed since."""
+        state = adapter_state(self.model)
+        key = (size, any(name is not None for name in self._row_adapters))
+        runner = self._runners.get(key)
+        if runner is None or runner.state != state:
+            runner = self._runners[key] = self._build(size, state, key[1])
+        return runner
+
+    def _build(self, size: int, state: tuple, adapters: bool) -> _Runner:
+        if not self.holds_model():
+            raise ValueError("adapters' head copies (modules_to_save) route rows on the host: decode them eagerly")
+        layers = [m for m in self.model.modules() if isinstance(m, LoRALinear)]
+        names = [None, *sorted({n for layer in layers for n in layer.configs})]
+        runner = _Runner(size, state, self.cache.view(size), names)
+        if adapters and len(names) > 1:
+            runner.routing, runner.scales = _lora_scales(layers, names, size)
+        elif layers:  # every row on the base model (a merged adapter's delta taken out)
+            runner.routing = Routing()
+        self.builds += 1
+        if self.graphs:
+            self._capture(runner)
+        return runner
+
+    def _eager(self, runner: _Runner) -> None:
+        """The step of ``runner``'s size over its views of the static buffers (what a graph captures)."""
+        size = runner.size
+        for scales, table in runner.scales:
+            scales.copy_(table.index_select(0, self.adapters[:size]))
+        with _routed(self.model, runner.routing):
+            logits = _forward(self.model, self.tokens[:size], runner.cache)
+        if self.logits is None:
+            self.logits = logits.new_zeros(self.rows, logits.shape[-1])
+        self.logits[:size].copy_(logits)
+
+    def _capture(self, runner: _Runner) -> None:
+        """Capture ``runner``'s step as a CUDA graph, after two eager warm-up steps on a side stream (their cache
+        writes land beyond the rows' lengths, which are restored, so they are overwritten and masked)."""
+        lengths = self.cache.lengths.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._eager(runner)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.cache.lengths.copy_(lengths)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        runner.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(runner.graph, pool=self._pool):
+            self._eager(runner)
+        logger.info("captured the decoding step for %d rows", runner.size)
+
+
+def _forward(model: CausalLM | Seq2SeqTransformer, tokens: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+    """One decoding step of ``model`` over ``cache``: logits (B, V). The models' decode_step, through LayerStack.forward
+    (PyTorch ops, as on a GPU) and with the static cross-attention mask (no host-side check of it)."""
+    positions, mask = cache.begin_step(1)
+    if isinstance(model, Seq2SeqTransformer):
+        x = model.tgt_embed(tokens[:, None], positions)
+        x = model.decoder(x, mask, memory_mask=cache.cross.mask, cache=cache)[0]
+        head: Callable[[torch.Tensor], torch.Tensor] = model.logits
+    else:
+        x = model.decoder(model.embed(tokens[:, None], positions), mask, cache=cache)[0]
+        head = model.lm_head
+    cache.end_step(1)
+    return head(x[:, 0])
+
+
+def _lora_scales(layers: list[LoRALinear], names: list[str | None], size: int
+                 ) -> tuple[Routing, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """A Routing of ``size`` rows whose per-row scales the step refills, and per distinct scales tensor its table
+    (one row per adapter of ``names``, as the layers compute it for a row selecting that adapter)."""
+    device = layers[0].base.weight.device
+    empty = torch.zeros(0, dtype=torch.long, device=device)
+    table_routing = Routing(groups={name: torch.tensor([i], device=device) for i, name in enumerate(names)},
+                            rows=len(names))
+    routing = Routing(groups={None: torch.arange(size, device=device), **{n: empty for n in names[1:]}}, rows=size)
+    found: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    previous = [layer.routing for layer in layers]
+    try:
+        for layer in layers:
+            layer.routing = table_routing
+            if not layer.stackable():
+                raise ValueError("non-finite adapter weights: a static step needs the stacked adapters")
+            table = layer.row_deltas(len(names))
+            layer.routing = routing
+            layer.stackable()
+            live = layer.row_deltas(size)
+            if table is not None and live is not None:
+                found.setdefault(id(live.scales), (live.scales, table.scales))
+    finally:
+        for layer, prev in zip(layers, previous, strict=True):
+            layer.routing = prev
+    return routing, list(found.values())
+
+
+class _routed:
+    """Route every LoRA layer of ``model`` by ``routing`` for a block (None: leave the routing as it is)."""
+
+    def __init__(self, model: nn.Module, routing: Routing | None) -> None:
+        self.layers = [m for m in model.modules() if isinstance(m, LoRALinear)] if routing is not None else []
+        self.routing = routing
+        self.previous: list[Routing] = []
+
+    def __enter__(self) -> None:
+        self.previous = [layer.routing for layer in self.layers]
+        for layer in self.layers:
+            layer.routing = self.routing
+
+    def __exit__(self, *exc) -> None:
+        for layer, prev in zip(self.layers, self.previous, strict=True):
+            layer.routing = prev
