@@ -11,13 +11,11 @@ same run. Outputs are checked first: bf16 layers against a float64 reference of 
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 import torch.nn.functional as F
 
 from benchmarks.common import machine_line, markdown_table
-from benchmarks.gemm import Call, measure, random_layer, rated_cells
+from benchmarks.gemm import Call, gemm_arguments, measure, random_layer, rated_cells
 from model.bf16_linear import Bf16Linear, kernel
 from model.int8_linear import Int8Linear
 from model.kernel_layers import linear
@@ -51,18 +49,14 @@ def check(weight: torch.Tensor, bias: torch.Tensor, x: torch.Tensor, calls: dict
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7, help="timed rounds per engine and cell")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="intra-op threads")
-    parser.add_argument("--rows", type=int, nargs="+", default=ROWS, help="rows per call")
-    args = parser.parse_args(argv)
+    args = gemm_arguments(__doc__, WEIGHTS, ROWS).parse_args(argv)
     torch.set_num_threads(args.threads)
     print(machine_line())
     print(f"our bf16 kernel: {'yes' if kernel() is not None else 'no (the torch fallback only)'}")
     headers = ["in -> out", "rows", "ours fp32 us", *ENGINES[1:], "bf16 GFLOP/s"]
     table = []
     with torch.no_grad():  # not inference_mode: packed copies need weights whose changes can be seen
-        for in_features, out_features in WEIGHTS:
+        for in_features, out_features in (map(int, shape.split(":")) for shape in args.weights):
             generator, weight, bias = random_layer(in_features, out_features)
             layers = {"stored": input_major(weight), "bf16 weight": weight.bfloat16(), "bf16": Bf16Linear(weight, bias),
                       "fallback": Bf16Linear(weight, bias, "torch"), "int8": Int8Linear(weight, bias)}

@@ -87,6 +87,17 @@ def check(weight: torch.Tensor, bias: torch.Tensor, x: torch.Tensor, calls: dict
         assert error < (5e-2 if "int8" in name else 1e-5), f"{name}: relative error {error:.1e}"
 
 
+def gemm_arguments(doc: str, weights: list[tuple[int, int]], rows: list[int]) -> argparse.ArgumentParser:
+    """The GEMM benchmarks' options (this module's, benchmarks/bf16_gemm.py's) with their default shapes."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7, help="timed rounds per engine and cell")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="intra-op threads")
+    parser.add_argument("--rows", type=int, nargs="+", default=rows, help="rows per call")
+    parser.add_argument("--weights", nargs="+", default=[f"{i}:{o}" for i, o in weights],
+                        help="weight shapes as IN:OUT (default: the served shapes')")
+    return parser
+
+
 def random_layer(in_features: int, out_features: int) -> tuple[torch.Generator, torch.Tensor, torch.Tensor]:
     """(a generator seeded by the shape, for the inputs; a weight (out, in) of unit-variance outputs; a bias)."""
     generator = torch.Generator().manual_seed(in_features * 7 + out_features)
@@ -115,13 +126,7 @@ def measure(calls: dict[str, Call], rounds: int, repeats: int) -> dict[str, floa
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7, help="timed rounds per engine and cell")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="intra-op threads")
-    parser.add_argument("--rows", type=int, nargs="+", default=ROWS, help="rows per call")
-    parser.add_argument("--weights", nargs="+", default=[f"{i}:{o}" for i, o in WEIGHTS],
-                        help="weight shapes as IN:OUT (default: the served shapes')")
-    args = parser.parse_args(argv)
+    args = gemm_arguments(__doc__, WEIGHTS, ROWS).parse_args(argv)
     torch.set_num_threads(args.threads)
     print(machine_line())
     headers = ["in -> out", "rows", "MKL fp32 us", "ours fp32", "ORT fp32", "ours int8", "ORT int8"]

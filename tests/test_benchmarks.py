@@ -11,6 +11,7 @@ import re
 import pytest
 
 from benchmarks import (
+    bf16_gemm,
     compare,
     cpu_rules,
     decode,
@@ -25,7 +26,7 @@ from benchmarks import (
 )
 from benchmarks.cells import Cell, alternate
 from benchmarks.shape_engines import quantized
-from model import native
+from model import bf16_linear, native
 from model.cpu import kernel_tuning, this_cpu
 
 
@@ -171,6 +172,18 @@ def test_gemm_benchmark_checks_then_times_every_kernel(capsys):
     peers = 2 if importlib.util.find_spec("onnxruntime") and importlib.util.find_spec("onnx") else 0
     for _, cells in rows:
         assert len(re.findall(r"\d+ \(\d+\.\d\dx\)", cells)) == 2 + peers, cells
+
+
+def test_bf16_gemm_benchmark_checks_then_times_every_engine(capsys):
+    """benchmarks.bf16_gemm on a small, odd weight: the bf16 layers checked against the rounded operands' float64
+    product first (it raises otherwise), then one row per row count, ours bf16 where this CPU has AVX512-BF16."""
+    bf16_gemm.main(["--rounds", "1", "--rows", "1", "17", "--weights", "33:70", "--threads", "1"])
+    out = capsys.readouterr().out
+    rows = re.findall(r"^\| 33 -> 70 \| (\d+) \| \d+ \| (.+) \|$", out.split("| in -> out |", 1)[1], flags=re.MULTILINE)
+    assert [int(r) for r, _ in rows] == [1, 17]
+    timed = 3 + (bf16_linear.kernel() is not None)  # fallback, int8, oneDNN bf16; ours bf16 where it runs
+    for _, cells in rows:
+        assert len(re.findall(r"\d+ \(\d+\.\d\dx\)", cells)) == timed, cells
 
 
 @pytest.mark.skipif(native.kernels() is None, reason="the C++ kernels do not run here")
