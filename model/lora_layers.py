@@ -248,13 +248,17 @@ class LoRALinear(nn.Module):
             routing.masks[key] = scales
         return stacked, RowDeltas(stacked.a, stacked.b, scales)
 
+    def adapters_key(self) -> tuple:
+        """What the resident adapters' weights are: changed when one is added or removed, or changed in place."""
+        a, b = self.lora_A._modules, self.lora_B._modules  # read directly: this runs every inference step
+        # the revision tells a re-added adapter (new tensors start at version 0 again) from the old one
+        return (self._revision, *(m._parameters["weight"]._version for m in a.values()),
+                *(m._parameters["weight"]._version for m in b.values()))
+
     def _stack(self) -> _Stacked:
         """Every resident adapter concatenated (see :class:`_Stacked`), rebuilt when one is added, removed
         or changed in place (the tensors' version counters are part of the key)."""
-        a, b = self.lora_A._modules, self.lora_B._modules  # read directly: this runs every inference step
-        # the revision tells a re-added adapter (new tensors start at version 0 again) from the old one
-        key = (self._revision, *(m._parameters["weight"]._version for m in a.values()),
-               *(m._parameters["weight"]._version for m in b.values()))
+        key = self.adapters_key()
         if self._stacked is None or self._stacked.key != key:
             names = list(self.lora_A)
             spans, start = [], 0

@@ -52,15 +52,9 @@ def padded_size(rows: int, sizes: Sequence[int] = BATCH_SIZES) -> int:
 
 
 def adapter_state(model: nn.Module) -> tuple:
-    """What a built step depends on in the model's adapters: per LoRA layer, the merged adapter and each resident
-    adapter's name and A/B weights (object, storage, version). Equal states: the stacked weights are the same."""
-    state = []
-    for module in model.modules():
-        if isinstance(module, LoRALinear):
-            weights = [(name, id(w), w.data_ptr(), w._version)
-                       for name in module.configs for w in (module.lora_A[name].weight, module.lora_B[name].weight)]
-            state.append((module.merged, tuple(weights)))
-    return tuple(state)
+    """What a built step depends on in the model's adapters: per LoRA layer, the merged adapter and its resident
+    adapters' key (LoRALinear.adapters_key: added, removed or changed in place). Equal states: the same weights."""
+    return tuple((m.merged, m.adapters_key()) for m in model.modules() if isinstance(m, LoRALinear))
 
 
 @dataclass

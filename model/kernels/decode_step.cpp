@@ -6,8 +6,8 @@
 // 0.5 ms per step at d_model 512 / 6 layers (a fifth of a batch-1 step). Projections are float32 (weight,
 // bias) pairs (few_rows_linear.cpp: the same sums as F.linear in another order), our bf16 layers (packed, bias:
 // bf16_linear.cpp) or our int8 layers (packed, scales, sums, bias: int8_vnni.cpp), plus LoRA deltas
-// (lora_delta.cpp); attention is decode_attention.cpp; LayerNorm / RMSNorm, activations, gates, rotary positions, residual adds and uniform cache
-// writes are elementwise.cpp's. The Llama blocks: RMSNorm, q and k rotated at each row's positions (cos and sin
+// (lora_delta.cpp); attention is decode_attention.cpp; LayerNorm / RMSNorm, activations, gates, rotary positions,
+// residual adds and uniform cache writes are elementwise.cpp's. The Llama blocks: RMSNorm, q and k rotated at each row's positions (cos and sin
 // computed once per step by model/fast_step.py), grouped-query attention (the cache and k/v hold the KV heads),
 // a gated FFN (kUp), a head width other than d_model / heads; Qwen3's and Gemma 3's: RMSNorms of each head of q and
 // k before rotation, Gemma's (1 + weight) RMSNorms, norms of each sub-layer's output before the residual add, a
