@@ -6,7 +6,9 @@ A decoding step must read every weight it multiplies by (and the KV cache it att
 as the step's weights (so a working set that lives in the last-level cache gets that cache's rate);
 the matmul rate by fp32 GEMMs (1024^3, and 512 rows through a 512 x 2048 linear, torch's and ours: the
 panel GEMM of model/kernel_layers.py, which beats MKL's) and, for int8, by the faster of fbgemm's dynamic int8
-linear and ours (model/kernels/int8_vnni.cpp); a served shape adds 512 rows through its own FFN linear in both.
+linear and ours (model/kernels/int8_vnni.cpp), for bf16 by ours (model/bf16_linear.py: VDPBF16PS where the CPU
+has AVX512-BF16; its weights are 2 bytes, :data:`BF16`); a served shape adds 512 rows through its own FFN linear in
+each.
 Each is the fastest of 7 runs at the best of the thread counts tried.
 A machine shared with other work reads memory at different rates from minute to minute (33-58 GB/s here within
 an hour), so a cell's floor takes the bandwidth read *while the cell ran*: :class:`BandwidthProbe`, run before
@@ -30,9 +32,10 @@ import torch
 
 from benchmarks.common import run_times
 from model import kernel_layers
+from model.bf16_linear import Bf16Linear
 from model.int8_linear import Int8Linear
 
-FP32, INT8 = 4, 1
+FP32, BF16, INT8 = 4, 2, 1  # bytes a weight
 
 
 @dataclass(frozen=True)
@@ -77,17 +80,22 @@ def _best_seconds(fn: Callable[[], object], repeats: int = 7) -> float:
 
 @dataclass
 class Rates:
-    """Measured rates: bytes/s read at a given working-set size, FLOP/s of fp32 and int8 GEMMs."""
+    """Measured rates: bytes/s read at a given working-set size, FLOP/s of fp32, int8 and bf16 GEMMs."""
 
     bandwidth: dict[int, float]  # working-set bytes -> bytes/s
     fp32_flops: float
     int8_ops: float
     threads: dict[str, int]  # which thread count gave each best rate
+    bf16_flops: float = 0.0  # our bf16 GEMM (model/bf16_linear.py: VDPBF16PS where the CPU has it); 0: not measured
 
     def read_rate(self, nbytes: float) -> float:
         """Bandwidth measured at the working-set size closest to ``nbytes``."""
         size = min(self.bandwidth, key=lambda s: abs(s - nbytes))
         return self.bandwidth[size]
+
+    def compute_rate(self, weight_bytes: int) -> float:
+        """The GEMM rate of weights of ``weight_bytes`` bytes (FP32, BF16, INT8)."""
+        return {FP32: self.fp32_flops, BF16: self.bf16_flops, INT8: self.int8_ops}[weight_bytes]
 
     def during(self, bandwidth: dict[int, float]) -> Rates:
         """These rates with the bandwidth read at some moment (a cell's runs) in place of the best one."""
@@ -95,13 +103,15 @@ class Rates:
 
     def best_with(self, other: Rates) -> Rates:
         """The higher of each rate in two measurements (on a shared machine one may have met other work)."""
-        pick = {"fp32": self.fp32_flops >= other.fp32_flops, "int8": self.int8_ops >= other.int8_ops}
+        pick = {"fp32": self.fp32_flops >= other.fp32_flops, "int8": self.int8_ops >= other.int8_ops,
+                "bf16": self.bf16_flops >= other.bf16_flops}
         pick |= {f"bw{size}": rate >= other.bandwidth.get(size, 0.0) for size, rate in self.bandwidth.items()}
         return Rates(
             bandwidth={size: max(rate, other.bandwidth.get(size, 0.0)) for size, rate in self.bandwidth.items()},
             fp32_flops=max(self.fp32_flops, other.fp32_flops),
             int8_ops=max(self.int8_ops, other.int8_ops),
             threads={k: (self if pick.get(k, True) else other).threads.get(k, n) for k, n in self.threads.items()},
+            bf16_flops=max(self.bf16_flops, other.bf16_flops),
         )
 
 
@@ -148,8 +158,9 @@ def measure_rates(working_sets: list[int], threads: list[int], linears: list[tup
                                        torch.qint8)
         packed = torch.ops.quantized.linear_prepack(q, None)
     ours = Int8Linear(w, None)  # the int8 GEMM our models run (the VNNI kernel where it runs, else fbgemm)
+    bf16 = Bf16Linear(w32, None)  # the bf16 GEMM our bf16 models run
     extra = [(torch.randn(rows, n_in), torch.randn(n_out, n_in) * 0.02) for rows, n_in, n_out in linears]
-    extra = [(xl, wl, Int8Linear(wl, None)) for xl, wl in extra]
+    extra = [(xl, wl, Int8Linear(wl, None), Bf16Linear(wl, None)) for xl, wl in extra]
     probe = BandwidthProbe(working_sets, threads, repeats=7)
     before = torch.get_num_threads()
     try:
@@ -161,12 +172,14 @@ def measure_rates(working_sets: list[int], threads: list[int], linears: list[tup
                 keep("fp32", 2 * 1024**3 / _best_seconds(lambda: a @ b), n)
                 for fp32_linear in (torch.nn.functional.linear, kernel_layers.linear):  # MKL's, ours
                     keep("fp32", 2 * 512 * 512 * 2048 / _best_seconds(partial(fp32_linear, x32, w32)), n)
-                    for xl, wl, _ in extra:
+                    for xl, wl, *_ in extra:
                         flops = 2 * xl.shape[0] * wl.shape[0] * wl.shape[1]
                         keep("fp32", flops / _best_seconds(partial(fp32_linear, xl, wl)), n)
-                for xl, wl, wl8 in extra:
+                for xl, wl, wl8, wl16 in extra:
                     flops = 2 * xl.shape[0] * wl.shape[0] * wl.shape[1]
                     keep("int8", flops / _best_seconds(partial(wl8, xl)), n)
+                    keep("bf16", flops / _best_seconds(partial(wl16, xl)), n)
+                keep("bf16", 2 * 512 * 512 * 2048 / _best_seconds(partial(bf16, x32)), n)
                 for int8_linear in (lambda: torch.ops.quantized.linear_dynamic(x, packed, True), lambda: ours(x)):
                     keep("int8", 2 * 256 * 2048 * 2048 / _best_seconds(int8_linear), n)
     finally:
@@ -176,6 +189,7 @@ def measure_rates(working_sets: list[int], threads: list[int], linears: list[tup
         fp32_flops=best["fp32"][0],
         int8_ops=best["int8"][0],
         threads={k: n for k, (_, n) in best.items()},
+        bf16_flops=best["bf16"][0],
     )
 
 
@@ -187,11 +201,11 @@ def decoder_weights(family: str, dims: Dims = TOY) -> int:
 
 def decode_floor(family: str, batch: int, beams: int, input_len: int, new_tokens: int, rates: Rates,
                  weight_bytes: int, dims: Dims = TOY) -> float:
-    """Seconds no engine can beat for one cell (prefill/encoding included); ``weight_bytes`` 4 or 1."""
+    """Seconds no engine can beat for one cell (prefill/encoding included); ``weight_bytes`` 4, 2 or 1."""
     d, layers, per_layer = dims.d_model, dims.layers, dims.self_attn + dims.ffn
     rows = batch * max(beams, 1)
     weights = decoder_weights(family, dims)
-    flop_rate = rates.fp32_flops if weight_bytes == FP32 else rates.int8_ops
+    flop_rate = rates.compute_rate(weight_bytes)
     step_bytes = weights * weight_bytes
     bandwidth = rates.read_rate(step_bytes)
     if family == "causal_lm":  # prefill: every prompt token through the layers, lm_head on the last one
@@ -218,11 +232,11 @@ def encoder_floor(lengths: list[int], rates: Rates, weight_bytes: int, dims: Dim
     """Seconds for one encoder forward of sequences of ``lengths`` tokens (their own tokens: padding is work an
     engine may skip), the weights read once."""
     weights = dims.layers * (dims.self_attn + dims.ffn)
-    flop_rate = rates.fp32_flops if weight_bytes == FP32 else rates.int8_ops
+    flop_rate = rates.compute_rate(weight_bytes)
     flops = 2 * sum(lengths) * weights + dims.layers * 4 * dims.d_model * sum(n * n for n in lengths)
     nbytes = weights * weight_bytes
     return max(flops / flop_rate, nbytes / rates.read_rate(nbytes))
 
 
-__all__ = ["FP32", "INT8", "TOY", "BandwidthProbe", "Dims", "Rates", "classifier_floor", "decode_floor",
+__all__ = ["BF16", "FP32", "INT8", "TOY", "BandwidthProbe", "Dims", "Rates", "classifier_floor", "decode_floor",
            "decoder_weights", "encoder_floor", "measure_rates"]

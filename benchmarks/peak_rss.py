@@ -15,7 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-IN_PROCESS = ("ours", "ours int8", "HF", "CT2 fp32", "CT2 int8")
+IN_PROCESS = ("ours", "ours int8", "ours bf16", "HF", "CT2 fp32", "CT2 int8")
+OURS_MODES = {"ours": "none", "ours int8": "int8", "ours bf16": "bf16"}  # our engine -> its model.quantize mode
 
 
 def vm_hwm(pid: int) -> int:
@@ -92,7 +93,7 @@ def _run(engine: str, hf: Path, threads: int, prompt: int, new_tokens: int) -> N
     from model.quantize import prepare_for_inference
 
     checkpoint = load_checkpoint(hf, device="cpu")
-    prepare_for_inference(checkpoint.model, "int8" if engine == "ours int8" else "none")
+    prepare_for_inference(checkpoint.model, OURS_MODES[engine])
     ours_tokens(checkpoint, inputs, 1, new_tokens)
 
 

@@ -310,7 +310,7 @@ def checkpoint_vocabulary_map(checkpoint: Checkpoint) -> AnyVocabularyMap | None
                           config.eos_id) if i is not None}
     for n in range(MAX_SENTINELS):
         always.update(target.encode(sentinel(n)))
-    lookups = (checkpoint.src_tokenizer.backend.token_to_id, target.backend.token_to_id)
+    lookups = (checkpoint.src_tokenizer.token_to_id, target.token_to_id)
     if per_language.exists():
         if checkpoint.languages is None or not per_language.is_dir():
             raise VocabularyMapError(f"{per_language}: maps per target language are for a multilingual model's "

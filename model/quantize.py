@@ -63,7 +63,8 @@ def quantize_int8(model: nn.Module) -> int:
         raise QuantizeError(str(exc)) from None
     if kernel is None and not {"fbgemm", "x86"} & set(torch.backends.quantized.supported_engines):
         raise QuantizeError("no int8 kernel here: no AVX512-VNNI kernel and no x86/fbgemm quantized engine")
-    count = _replace_linears(model, "int8", Int8Linear)
+    with int8_kernel.huge_pages():  # the model's packed weights in 2 MB pages, contiguous in load order
+        count = _replace_linears(model, "int8", Int8Linear)
     logger.info("quantised %d linear layers to int8 (%s)", count, "AVX512-VNNI kernel" if kernel else "fbgemm")
     return count
 

@@ -211,6 +211,14 @@ class Tokenizer:
                 raise TokenizerError(f"the {name} token id {value} is outside the vocabulary (size {size})")
             setattr(self, f"{name}_id", value)
 
+    def token_to_id(self, token: str) -> int | None:
+        """The id of the vocabulary token ``token`` (None where there is none)."""
+        return self._backend.token_to_id(token)
+
+    def id_to_token(self, i: int) -> str | None:
+        """The vocabulary token of id ``i`` (None where there is none)."""
+        return self._backend.id_to_token(i)
+
     @property
     def backend(self) -> tokenizers.Tokenizer:
         """The wrapped `tokenizers.Tokenizer` (for export to Hugging Face)."""

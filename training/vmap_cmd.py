@@ -41,7 +41,7 @@ def _run(run: BuildVmapRun) -> None:
         raise UserError(f"--train: {run.train} holds no pairs")
     vmap = build_vocabulary_map(((e.source, e.target) for e in examples), run.per_token, run.always,
                                 copy_source=ckpt.config.src_vocab_size is None)
-    source, target = ckpt.src_tokenizer.backend.id_to_token, ckpt.tokenizer.backend.id_to_token
+    source, target = ckpt.src_tokenizer.id_to_token, ckpt.tokenizer.id_to_token
     out.parent.mkdir(exist_ok=True)
     out.write_text(vmap.dump(source, target), encoding="utf-8")
     loaded = checkpoint_vocabulary_map(load_checkpoint(run.model, device="cpu"))  # read back as the service will

@@ -49,15 +49,10 @@ class M2M100SpmTokenizer(PieceTable):
         languages = language_tokens("M2M100Tokenizer", settings) or {}
         self._pieces = {i: piece for piece, i in vocab.items()}
         self._pieces |= {len(vocab) + i: token for i, token in enumerate(languages.values())}  # after vocab.json
-        self._ids = {token: i for i, token in self._pieces.items()}
-        self.languages: Languages = read_languages("M2M100Tokenizer", settings, self._ids.get, self.eos_id)
+        self.languages: Languages = read_languages("M2M100Tokenizer", settings, self.token_to_id, self.eos_id)
         self._specials = frozenset({self.bos_id, self.eos_id, self.unk_id, self.pad_id, *self.languages.ids.values()})
         self.max_token_bytes = max(MAX_UNKNOWN_BYTES, *(len(piece.encode("utf-8")) for piece in vocab))
         self._clean_up = cleans_up(settings, bpe=False)  # a Python class: whatever the SentencePiece model
-
-    def token_to_id(self, token: str) -> int | None:
-        """The id of a vocabulary piece or language token (None where neither)."""
-        return self._ids.get(token)
 
     def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
         """Ids of ``text``'s pieces (optionally wrapped in ``<s>`` ... ``</s>``)."""

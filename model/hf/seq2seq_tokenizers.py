@@ -87,7 +87,7 @@ def load_languages(directory: Path, tokenizer: Tokenizer | M2M100SpmTokenizer) -
     cls = seq2seq_class(directory, settings)
     if cls is None or tokenizer.eos_id is None:
         return None
-    return read_languages(cls, settings, tokenizer.backend.token_to_id, tokenizer.eos_id)
+    return read_languages(cls, settings, tokenizer.token_to_id, tokenizer.eos_id)
 
 
 def read_settings(directory: Path) -> dict[str, Any]:

@@ -4,6 +4,7 @@ unpickled."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -49,6 +50,18 @@ class PieceTable:
     @property
     def vocab_size(self) -> int:
         return max(self._pieces) + 1
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of the vocabulary piece ``token`` (None where there is none), as `tokenizers.Tokenizer`'s."""
+        return self._piece_ids.get(token)
+
+    def id_to_token(self, i: int) -> str | None:
+        """The piece of id ``i`` (None where there is none), as `tokenizers.Tokenizer`'s."""
+        return self._pieces.get(i)
+
+    @functools.cached_property
+    def _piece_ids(self) -> dict[str, int]:
+        return {piece: i for i, piece in self._pieces.items()}
 
     def _segments(self, ids: Sequence[int], skip_special_tokens: bool) -> list[tuple[list[str], str | None]]:
         """``ids``' pieces cut at the special tokens kept: (the run of other pieces before one, its piece), the last

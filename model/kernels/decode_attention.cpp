@@ -3,8 +3,9 @@
 // out[b, h, i] = softmax(q[b, h, i] . k[b, h, :T] / sqrt(Dh), masked) @ v[b, h, :T] for every query i, with no
 // causal structure among the queries: one decoding step (one query per row), or the grouped beams of one
 // source in cross-attention. Grouped-query attention: k and v may hold fewer heads (H_kv dividing H); query head
-// h reads KV head h / (H / H_kv), in place (no expanded copy). It reads K/V once per head at memory speed where SDPA's CPU kernel, built for
-// long query blocks, spends 2-3x longer on one query. The mask is bool (True = attend), broadcast over heads
+// h reads KV head h / (H / H_kv), in place (no expanded copy), the query heads of one KV head together. It reads K/V
+// once per KV head at memory speed where SDPA's CPU kernel, built for long query blocks, spends 2-3x longer on one
+// query. The mask is bool (True = attend), broadcast over heads
 // and queries where its dims are 1. A query that may attend to nothing gets zeros (SDPA gives NaN). Or the mask is
 // float32, added to the scores as SDPA adds a float attn_mask (T5's relative position bias, its masked keys at the
 // lowest float: model/relative_position.py).
@@ -22,6 +23,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <memory>
 #include <vector>
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
@@ -63,6 +66,40 @@ AVX512 inline float dot(const __m512* qv, const float* k, int64_t next_row, int6
   return _mm512_reduce_add_ps(sum);
 }
 
+// The sums of 16 vectors' lanes, lane j of the result holding v[(j % 4) * 4 + j / 4]'s: each sum adds the same pairs
+// in the same order as _mm512_reduce_add_ps (GCC's: lanes i and i + 8, then i + 4, i + 2, i + 1), so the same
+// float, with the shuffles and adds shared by the 16 (31 of each instead of 16 x 7).
+AVX512 inline __m512 reduce16(const __m512* v) {
+  __m512 t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i)  // lanes 0-7: v[2i]'s i and i + 8 added, lanes 8-15: v[2i + 1]'s
+    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)));
+  for (int i = 0; i < 4; ++i)  // 128-bit lane k: v[4i + k]'s i and i + 4 added
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)),
+                         _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)));
+  for (int i = 0; i < 2; ++i)  // 128-bit lane k: v[8i + k]'s i and i + 2 added (floats 0-1), v[8i + 4 + k]'s (2-3)
+    w[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)),
+                         _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)));
+  // 128-bit lane k: the sums of v[k], v[4 + k], v[8 + k], v[12 + k]
+  return _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// dot() of 16 keys kv_row floats apart, lane j key j's (the same products and sums, so the same floats), prefetching
+// the next 16.
+AVX512 inline __m512 dot16(const __m512* qv, const float* k, int64_t kv_row, int64_t chunks, __mmask16 last) {
+  __m512 sums[16];
+  for (int64_t j = 0; j < 16; ++j) {
+    const float* key = k + j * kv_row;
+    prefetch(key + 16 * kv_row, chunks);
+    __m512 sum = _mm512_mul_ps(qv[0], _mm512_maskz_loadu_ps(lanes(0, chunks, last), key));
+    for (int64_t c = 1; c < chunks; ++c)
+      sum = _mm512_fmadd_ps(qv[c], _mm512_maskz_loadu_ps(lanes(c, chunks, last), key + c * 16), sum);
+    sums[(j % 4) * 4 + j / 4] = sum;  // reduce16's order: lane j ends up with key j's sum
+  }
+  return reduce16(sums);
+}
+
 // acc += weight * v for one value row (nothing for a zero weight: masked or underflowed keys).
 AVX512 inline void accumulate(__m512* acc, float weight, const float* v, int64_t next_row, int64_t chunks,
                               __mmask16 last) {
@@ -73,56 +110,172 @@ AVX512 inline void accumulate(__m512* acc, float weight, const float* v, int64_t
     acc[c] = _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(lanes(c, chunks, last), v + c * 16), acc[c]);
 }
 
-AVX512 void attend(const Head& a, float scale, float* scores) {
+// One query's state across attend()'s passes.
+struct Query {
+  __m512 qv[kMaxChunks];   // q * scale
+  __m512 acc[kMaxChunks];  // sum of weight * v
+  __m512 tops, total;      // running maxima of its scores (lanes), sum of its weights
+  const bool* mask;
+  const float* bias;
+  float* out;
+  float* scores;           // its row of the scratch: prefix keys' scores, then its own keys'
+  float top;
+};
+
+// Query states on 64-byte boundaries (their __m512 fields are stored with aligned moves; std::vector's storage is
+// not aligned so here), uninitialised (a prefill's hundreds of queries x 2 KB), grown as needed, kept across a
+// thread's units.
+class QueryBuffer {
+ public:
+  Query* take(int64_t n) {
+    if (n > capacity_) bytes_.reset(new char[n * sizeof(Query) + 64]), capacity_ = n;
+    return reinterpret_cast<Query*>((reinterpret_cast<uintptr_t>(bytes_.get()) + 63) & ~static_cast<uintptr_t>(63));
+  }
+
+ private:
+  std::unique_ptr<char[]> bytes_;
+  int64_t capacity_ = 0;
+};
+
+#define UNROLL _Pragma("GCC unroll 16")
+
+// accumulate() of the values [j0, j1) into NQ queries' sums of C chunks, held in registers across the block: each sum
+// still adds its keys in order (the same floats), but the NQ x C chains of dependent FMAs overlap instead of each
+// waiting on its sum's store and reload (16 keys x 9 query heads x Dh 64: ~2x the one-query loop's rate).
+template <int C, int NQ>
+AVX512 void accumulate_block(Query* qs, const float* v, int64_t kv_row, int64_t offset, int64_t j0, int64_t j1,
+                             __mmask16 last) {
+  __m512 acc[NQ][C];
+  UNROLL for (int q = 0; q < NQ; ++q)
+    UNROLL for (int c = 0; c < C; ++c) acc[q][c] = qs[q].acc[c];
+  for (int64_t j = j0; j < j1; ++j) {
+    const float* row = v + j * kv_row;
+    prefetch(row + kPrefetchKeys * kv_row, C);
+    __m512 value[C];
+    UNROLL for (int c = 0; c < C; ++c) value[c] = _mm512_maskz_loadu_ps(lanes(c, C, last), row + c * 16);
+    UNROLL for (int q = 0; q < NQ; ++q) {
+      const float weight = qs[q].scores[offset + j];
+      if (weight == 0.f) continue;  // masked or underflowed, as accumulate()
+      const __m512 p = _mm512_set1_ps(weight);
+      UNROLL for (int c = 0; c < C; ++c) acc[q][c] = _mm512_fmadd_ps(p, value[c], acc[q][c]);
+    }
+  }
+  UNROLL for (int q = 0; q < NQ; ++q)
+    UNROLL for (int c = 0; c < C; ++c) qs[q].acc[c] = acc[q][c];
+}
+
+// accumulate_block over n queries, up to 4 at a time (2 for 8 chunks: 16 sums and 8 values in 32 registers).
+template <int C>
+void accumulate_queries(Query* qs, int64_t n, const float* v, int64_t kv_row, int64_t offset, int64_t j0, int64_t j1,
+                        __mmask16 last) {
+  for (int64_t i = 0; i < n;) {
+    const int64_t take = std::min<int64_t>(n - i, C <= 4 ? 4 : 2);
+    switch (take) {
+      case 4: if constexpr (C <= 4) accumulate_block<C, 4>(qs + i, v, kv_row, offset, j0, j1, last); break;
+      case 3: if constexpr (C <= 4) accumulate_block<C, 3>(qs + i, v, kv_row, offset, j0, j1, last); break;
+      case 2: accumulate_block<C, 2>(qs + i, v, kv_row, offset, j0, j1, last); break;
+      default: accumulate_block<C, 1>(qs + i, v, kv_row, offset, j0, j1, last); break;
+    }
+    i += take;
+  }
+}
+
+// Attention of the queries of `n` heads that read the same keys and values (the query heads of one KV head in
+// grouped-query attention; n = 1 otherwise), each head's `queries` queries. Every block of 16 keys is scored for every
+// query while it sits in L1, and every block of 16 values added into every query's output likewise: K and V come
+// from L2 or memory once per KV head instead of once per query head. Each query's sums are the one-query loop's, in
+// the same order (dot16 / dot, keys in order), so the same floats. scores: rows of `row` floats, one per query.
+AVX512 void attend(const Head* heads, int64_t n, float scale, float* scores, int64_t row, QueryBuffer& buffer) {
+  const Head& a = heads[0];  // k, v, keys and the prefix: every head's here
   const int64_t chunks = (a.dh + 15) / 16;
   const __mmask16 last = static_cast<__mmask16>(a.dh % 16 ? (1u << (a.dh % 16)) - 1 : 0xFFFF);
   auto lanes = [&](int64_t c) { return ::lanes(c, chunks, last); };
   const int64_t shared = a.prefix_blocks * a.block, keys = shared + a.keys;  // scores: prefix keys, then own
-  for (int64_t i = 0; i < a.queries; ++i) {
-    const float* q = a.q + i * a.q_row;
-    const bool* mask = a.mask ? a.mask + i * a.mask_row : nullptr;
-    const float* bias = a.bias ? a.bias + i * a.mask_row : nullptr;
-    __m512 qv[kMaxChunks];
-    for (int64_t c = 0; c < chunks; ++c)
-      qv[c] = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes(c), q + c * 16), _mm512_set1_ps(scale));
-    float top = -INFINITY;
-    for (int64_t s = 0; s < a.prefix_blocks; ++s) {
-      for (int64_t j = 0; j < a.block; ++j) {
-        float& score = scores[s * a.block + j];
-        score = dot(qv, a.prefix_k[s] + j * a.dh, a.dh, chunks, last);
-        top = std::max(top, score);
-      }
+  int64_t count = 0;
+  for (int64_t h = 0; h < n; ++h) count += heads[h].queries;
+  Query* const first = buffer.take(count);
+  const struct { Query *b, *e; Query* begin() const { return b; } Query* end() const { return e; } } qs{first, first + count};
+  for (int64_t h = 0, next = 0; h < n; ++h) {
+    const Head& head = heads[h];
+    for (int64_t i = 0; i < head.queries; ++i, ++next) {
+      Query& x = first[next];
+      const float* q = head.q + i * head.q_row;
+      for (int64_t c = 0; c < chunks; ++c)
+        x.qv[c] = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes(c), q + c * 16), _mm512_set1_ps(scale));
+      x.mask = head.mask ? head.mask + i * head.mask_row : nullptr;
+      x.bias = head.bias ? head.bias + i * head.mask_row : nullptr;
+      x.out = head.out + i * head.out_row;
+      x.scores = scores + next * row;
+      x.top = -INFINITY;
+      x.tops = _mm512_set1_ps(-INFINITY);
+      for (int64_t c = 0; c < chunks; ++c) x.acc[c] = _mm512_setzero_ps();
     }
-    for (int64_t j = 0; j < a.keys; ++j) {
-      float& score = scores[shared + j];
-      if (mask && !mask[j]) {
+  }
+  for (Query& x : qs)
+    for (int64_t s = 0; s < a.prefix_blocks; ++s)
+      for (int64_t j = 0; j < a.block; ++j) {
+        float& score = x.scores[s * a.block + j];
+        score = dot(x.qv, a.prefix_k[s] + j * a.dh, a.dh, chunks, last);
+        x.top = std::max(x.top, score);
+      }
+  int64_t own = 0;
+  for (; own + 16 <= a.keys; own += 16) {  // 16 keys at a time: one horizontal pass for their 16 sums
+    for (Query& x : qs) {
+      __m512 score = dot16(x.qv, a.k + own * a.kv_row, a.kv_row, chunks, last);
+      if (x.bias) score = _mm512_add_ps(score, _mm512_loadu_ps(x.bias + own));
+      if (x.mask) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x.mask + own));
+        score = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), _mm_test_epi8_mask(bytes, bytes), score);
+      }
+      _mm512_storeu_ps(x.scores + shared + own, score);
+      x.tops = _mm512_max_ps(x.tops, score);
+    }
+  }
+  for (Query& x : qs) {
+    x.top = std::max(x.top, _mm512_reduce_max_ps(x.tops));
+    for (int64_t j = own; j < a.keys; ++j) {
+      float& score = x.scores[shared + j];
+      if (x.mask && !x.mask[j]) {
         score = -INFINITY;
         continue;
       }
-      score = dot(qv, a.k + j * a.kv_row, a.kv_row, chunks, last);
-      if (bias) score += bias[j];
-      top = std::max(top, score);
+      score = dot(x.qv, a.k + j * a.kv_row, a.kv_row, chunks, last);
+      if (x.bias) score += x.bias[j];
+      x.top = std::max(x.top, score);
     }
-    float* out = a.out + i * a.out_row;
-    if (top == -INFINITY) {  // nothing to attend to
-      for (int64_t c = 0; c < chunks; ++c) _mm512_mask_storeu_ps(out + c * 16, lanes(c), _mm512_setzero_ps());
+    if (x.top == -INFINITY) {  // nothing to attend to: zeros, and no weights below
+      for (int64_t c = 0; c < chunks; ++c) _mm512_mask_storeu_ps(x.out + c * 16, lanes(c), _mm512_setzero_ps());
+      x.out = nullptr;
       continue;
     }
-    const __m512 shift = _mm512_set1_ps(top);
-    __m512 total = _mm512_setzero_ps();
+    const __m512 shift = _mm512_set1_ps(x.top);
+    x.total = _mm512_setzero_ps();
     for (int64_t j = 0; j < keys; j += 16) {
       const __mmask16 m = keys - j >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (keys - j)) - 1);
-      const __m512 e = _mm512_maskz_mov_ps(m, tserve::exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + j), shift)));
-      _mm512_mask_storeu_ps(scores + j, m, e);
-      total = _mm512_add_ps(total, e);
+      const __m512 e = _mm512_maskz_mov_ps(m, tserve::exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x.scores + j), shift)));
+      _mm512_mask_storeu_ps(x.scores + j, m, e);
+      x.total = _mm512_add_ps(x.total, e);
     }
-    __m512 acc[kMaxChunks];
-    for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_setzero_ps();
     for (int64_t s = 0; s < a.prefix_blocks; ++s)
-      for (int64_t j = 0; j < a.block; ++j) accumulate(acc, scores[s * a.block + j], a.prefix_v[s] + j * a.dh, a.dh, chunks, last);
-    for (int64_t j = 0; j < a.keys; ++j) accumulate(acc, scores[shared + j], a.v + j * a.kv_row, a.kv_row, chunks, last);
-    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
-    for (int64_t c = 0; c < chunks; ++c) _mm512_mask_storeu_ps(out + c * 16, lanes(c), _mm512_mul_ps(acc[c], inv));
+      for (int64_t j = 0; j < a.block; ++j) accumulate(x.acc, x.scores[s * a.block + j], a.prefix_v[s] + j * a.dh, a.dh, chunks, last);
+  }
+  for (int64_t j0 = 0; j0 < a.keys; j0 += 16) {  // 16 values at a time, into every query (a query with nothing to
+    const int64_t j1 = std::min(j0 + 16, a.keys);  // attend to adds -inf weights into sums never stored)
+    switch (chunks) {
+      case 1: accumulate_queries<1>(first, count, a.v, a.kv_row, shared, j0, j1, last); break;
+      case 2: accumulate_queries<2>(first, count, a.v, a.kv_row, shared, j0, j1, last); break;
+      case 3: accumulate_queries<3>(first, count, a.v, a.kv_row, shared, j0, j1, last); break;
+      case 4: accumulate_queries<4>(first, count, a.v, a.kv_row, shared, j0, j1, last); break;
+      case 8: accumulate_queries<8>(first, count, a.v, a.kv_row, shared, j0, j1, last); break;
+      default:
+        for (Query& x : qs)
+          for (int64_t j = j0; j < j1; ++j) accumulate(x.acc, x.scores[shared + j], a.v + j * a.kv_row, a.kv_row, chunks, last);
+    }
+  }
+  for (Query& x : qs) {
+    if (x.out == nullptr) continue;
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(x.total));
+    for (int64_t c = 0; c < chunks; ++c) _mm512_mask_storeu_ps(x.out + c * 16, lanes(c), _mm512_mul_ps(x.acc[c], inv));
   }
 }
 
@@ -202,21 +355,32 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
   torch::Tensor out = torch::empty({b, tq, h, dh}, q.options()).transpose(1, 2);
   const float scale = 1.f / std::sqrt(static_cast<float>(dh));
   const bool additive = m.defined() && m.scalar_type() == at::kFloat;
-  at::parallel_for(0, b * h, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(most_shared + t + 16);
+  // Units of work: (row, KV head), its query heads together (attend); with fewer such units than two per thread, each
+  // query head alone, as many units as heads (b = 1 on 2 threads: 3 KV heads would leave one thread idle a third).
+  const int64_t together = b * kv_heads >= 2 * at::get_num_threads() ? group : 1;
+  const int64_t units_per_row = h / together;
+  at::parallel_for(0, b * units_per_row, 1, [&](int64_t begin, int64_t end) {
+    const int64_t row = most_shared + t + 32;
+    std::vector<float> scores(together * tq * row);
+    QueryBuffer queries;
+    std::vector<Head> heads(together);
     std::vector<const float*> prefix_k, prefix_v;
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t bi = i / h, hi = i % h, kv = hi / group;
-      Head head{q.data_ptr<float>() + bi * q.stride(0) + hi * q.stride(1),
-                k.data_ptr<float>() + bi * k.stride(0) + kv * k.stride(1),
-                v.data_ptr<float>() + bi * v.stride(0) + kv * v.stride(1),
-                m.defined() && !additive ? m.data_ptr<bool>() + bi * m.stride(0) + hi * m.stride(1) : nullptr,
-                additive ? m.data_ptr<float>() + bi * m.stride(0) + hi * m.stride(1) : nullptr,
-                out.data_ptr<float>() + bi * out.stride(0) + hi * out.stride(1),
-                q.stride(2), k.stride(2), m.defined() ? m.stride(2) : 0, out.stride(2), tq, t, dh};
-      head.prefix_blocks = prefix.lookup(bi, kv, prefix_k, prefix_v);
-      head.prefix_k = prefix_k.data(), head.prefix_v = prefix_v.data(), head.block = prefix.block;
-      attend(head, scale, scores.data());
+      const int64_t bi = i / units_per_row, first = (i % units_per_row) * together, kv = first / group;
+      const int64_t shared_blocks = prefix.lookup(bi, kv, prefix_k, prefix_v);
+      for (int64_t u = 0; u < together; ++u) {
+        const int64_t hi = first + u;
+        heads[u] = Head{q.data_ptr<float>() + bi * q.stride(0) + hi * q.stride(1),
+                        k.data_ptr<float>() + bi * k.stride(0) + kv * k.stride(1),
+                        v.data_ptr<float>() + bi * v.stride(0) + kv * v.stride(1),
+                        m.defined() && !additive ? m.data_ptr<bool>() + bi * m.stride(0) + hi * m.stride(1) : nullptr,
+                        additive ? m.data_ptr<float>() + bi * m.stride(0) + hi * m.stride(1) : nullptr,
+                        out.data_ptr<float>() + bi * out.stride(0) + hi * out.stride(1),
+                        q.stride(2), k.stride(2), m.defined() ? m.stride(2) : 0, out.stride(2), tq, t, dh};
+        heads[u].prefix_blocks = shared_blocks;
+        heads[u].prefix_k = prefix_k.data(), heads[u].prefix_v = prefix_v.data(), heads[u].block = prefix.block;
+      }
+      attend(heads.data(), together, scale, scores.data(), row, queries);
     }
   });
   return out;

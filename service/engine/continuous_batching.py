@@ -30,6 +30,7 @@ import torch
 
 from model.decoding import Strategy, make_search
 from model.generation import stop_strings
+from model.restricted_vocab import VocabularyRestriction
 from model.search import force_first_tokens
 from model.speculative import verify
 from model.tokenizer import Tokenizer
@@ -151,10 +152,11 @@ class GenerationScheduler(Scheduler):
         cache = batch.cache
         snapshot = cache.snapshot()
         drafts = drafts_for(batch.jobs)
+        vocabulary = _searched_vocabulary(batch, drafts is None)
         try:
             if drafts is None:
                 logits = self._call_model(batch.jobs, batch.adapter_rows(), self.runner.decode, batch.tokens, cache,
-                                          batch.vocabulary)
+                                          vocabulary)
             else:
                 fed = fed_tokens(batch, drafts)
                 logits = self._call_model(batch.jobs, batch.adapter_rows(), self.runner.verify, fed, cache,
@@ -172,6 +174,7 @@ class GenerationScheduler(Scheduler):
         survivors, outputs = [], []
         for job in batch.jobs:
             sub = batch.sub(job)
+            job.search.vocabulary = None  # full-width logits alone
             try:
                 logits = self._call_model([job], sub.adapter_rows(), self.runner.decode, sub.tokens, sub.cache,
                                           sub.vocabulary)
@@ -339,3 +342,17 @@ def _tails(tails: list[torch.Tensor | None], parts: list[torch.Tensor], everythi
     return torch.cat([t if t is not None else torch.full_like(part, everything) for t, part in zip(tails, parts,
                                                                                                    strict=True)])
 
+
+def _searched_vocabulary(batch: RunningBatch, plain: bool) -> VocabularyRestriction | None:
+    """The restriction a decode step of ``batch`` computes (``plain``: no job drafted, so no verification step):
+    compact (rows, U) logits over the batch's union (model.restricted_vocab; the union changes only as the batch
+    does) where every job's search reads them (model.search.Search.reads_compact_logits: no history rule, no
+    log-probs), no grammar masks them by token id and the union holds every finish token; else the full width. Each
+    job's search is told which, so its logit_space maps columns back to token ids."""
+    vocabulary, jobs = batch.vocabulary, batch.jobs
+    if vocabulary is not None and plain and all(j.search.reads_compact_logits and j.matchers is None for j in jobs):
+        vocabulary = vocabulary.compacted(sorted({t for job in jobs for t in job.search.config.finish_token_ids}))
+    searched = vocabulary if vocabulary is not None and vocabulary.compact else None
+    for job in jobs:
+        job.search.vocabulary = searched
+    return vocabulary

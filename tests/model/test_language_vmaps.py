@@ -18,7 +18,8 @@ from model.checkpoint import checkpoint_vocabulary_map, load_checkpoint
 from model.decoding import GenerationConfig
 from model.generation import generate_seq2seq
 from model.vocab_map import VMAP_FILE, LanguageMaps, VocabularyMap, VocabularyMapError, language_map_path
-from tests.hf_seq2seq_tokenizers import nllb
+from tests.hf_directories import opus_mt_directory
+from tests.hf_seq2seq_tokenizers import m2m100, nllb
 from tests.service.test_seq2seq_languages import translator
 from training.cli import main as training_main
 
@@ -146,3 +147,24 @@ def test_build_vmap_with_a_target_language_writes_that_languages_map(nllb_dir, t
     test.write_text("hello world\tgood morning\n", encoding="utf-8")
     assert training_main(["evaluate", "--model", str(directory), "--test", str(test), "--vmap"]) == 1
     assert "keeps maps per target language" in capsys.readouterr().err  # evaluate forces no language: refused
+
+
+@pytest.mark.parametrize("kind", ["opus-mt", "m2m100 sentencepiece"])
+def test_build_vmap_on_a_sentencepiece_translator_writes_a_map_the_loader_reads(kind, tmp_path, capsys):
+    """Translators whose tokenizers are Python SentencePiece tables (OPUS-MT's two sides, M2M100's spm files), not a
+    tokenizer.json: build-vmap spells the map in their pieces and the service's loader reads them back."""
+    if kind == "opus-mt":
+        directory = opus_mt_directory(tmp_path / "model")
+    else:
+        directory = translator(tmp_path, "m2m100", "m2m100", m2m100(tmp_path / "m2m100-tok"))
+    train = tmp_path / "train.tsv"
+    words = ["the", "quick", "brown", "fox", "jumps", "hello", "world", "good", "morning", "open", "file", "now"]
+    rng = random.Random(1)
+    train.write_text("".join(f"{' '.join(rng.sample(words, 4))}\t{' '.join(rng.sample(words, 3))}\n"
+                             for _ in range(30)), encoding="utf-8")
+    assert training_main(["build-vmap", "--model", str(directory), "--train", str(train), "--per-token", "4",
+                          "--always", "4"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    loaded = checkpoint_vocabulary_map(load_checkpoint(directory, device="cpu"))
+    assert isinstance(loaded, VocabularyMap) and report["vmap"].endswith(VMAP_FILE)
+    assert 0 < report["mean_candidates"] < report["vocab_size"]

@@ -1,0 +1,68 @@
+"""Vocabulary maps in the engine's running batch (issue 39): where every row is restricted, a decode step computes
+the union of the rows' candidates alone and each job's search reads those compact logits (model.search.logit_space);
+a row without a map, log-probs or a history rule keep the full width. Either way the served tokens are the offline
+search's with the same maps, token for token, for greedy and beam search, with several requests running at once."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from model.checkpoint import checkpoint_vocabulary_map, load_checkpoint
+from model.decoding import GenerationConfig
+from model.generation import generate_seq2seq
+from tests.reliability.helpers import inprocess_server
+from tests.service.test_language_vmaps import TEXTS, models_root  # noqa: F401 (a fixture)
+
+pytest.importorskip("transformers")
+
+NEW = 8
+MAPPED_ONLY = ["fra_Latn", "deu_Latn", "fra_Latn"]
+WITH_UNMAPPED = ["fra_Latn", "zho_Hans", "deu_Latn"]  # zho_Hans has no map: the batch keeps the full width
+CASES = {  # name: (strategy options, target languages, extra request fields)
+    "greedy": (dict(strategy="greedy"), MAPPED_ONLY, {}),
+    "beam4": (dict(strategy="beam", num_beams=4), MAPPED_ONLY, {}),
+    "beam4-one-row-unmapped": (dict(strategy="beam", num_beams=4), WITH_UNMAPPED, {}),
+    "greedy-logprobs": (dict(strategy="greedy"), MAPPED_ONLY, dict(logprobs=1)),
+    "beam4-no-repeat": (dict(strategy="beam", num_beams=4), MAPPED_ONLY, dict(no_repeat_ngram_size=2)),
+    "greedy-drafted": (dict(strategy="greedy"), MAPPED_ONLY, dict(speculative={"method": "ngram"})),  # one input each
+}
+
+
+@pytest.fixture(scope="module")
+def client(models_root):  # noqa: F811
+    with inprocess_server(models_root, request_timeout_s=300) as server, server.client(timeout=120) as client:
+        yield client
+
+
+def offline(directory, options: dict, codes: list[str], extra: dict) -> list[list[int]]:
+    ckpt = load_checkpoint(directory, device="cpu")
+    config = GenerationConfig(max_new_tokens=NEW, eos_token_id=ckpt.config.eos_id,
+                              **options, **{k: v for k, v in extra.items() if k not in ("logprobs", "speculative")})
+    forced = [ckpt.languages.target_id(c) for c in codes]
+    out = generate_seq2seq(ckpt.model, ckpt.encode_prompts(TEXTS), config,
+                           vocab_map=checkpoint_vocabulary_map(ckpt), forced_first=forced)
+    return [h[0].tokens for h in out]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_served_tokens_under_maps_are_the_offline_searchs(client, models_root, case):  # noqa: F811
+    options, codes, extra = CASES[case]
+    expected = offline(models_root / "nllb", options, codes, extra)
+
+    def post(row: int):  # one request per row, all sent at once: the engine batches what arrives together
+        body = dict(inputs=[TEXTS[row]], target_lang=[codes[row]], max_new_tokens=NEW, **options, **extra)
+        return client.post("/v1/models/nllb/generate", json=body)
+
+    with ThreadPoolExecutor(len(TEXTS)) as pool:
+        responses = list(pool.map(post, range(len(TEXTS))))
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    got = [r.json()["outputs"][0]["tokens"] for r in responses]
+    assert got == expected
+    if "speculative" in extra:
+        return
+    whole = client.post("/v1/models/nllb/generate", json=dict(inputs=TEXTS, target_lang=codes, max_new_tokens=NEW,
+                                                              **options, **extra))
+    assert whole.status_code == 200, whole.text
+    assert [o["tokens"] for o in whole.json()["outputs"]] == expected
