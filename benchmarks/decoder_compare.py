@@ -32,6 +32,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 from benchmarks import floor, llama_cpp_peer, peers, shape_compare, shapes
 from benchmarks.cells import Cell, alternate, kernels, load, rate, ratio_text, versions
@@ -193,13 +194,13 @@ def _bind(method, prompts: list, beams: int, new_tokens: int):
 
 
 def floors(cells: list[Cell], grid: list[Workload], spec: shapes.Shape, peak: floor.Rates) -> dict:
-    """(family, batch, label) -> (fp32, int8 floor seconds) of each cell, at the bandwidth read during it."""
+    """(family, batch, label) -> floor seconds by weight bytes (floor.by_precision) of each cell, at the bandwidth
+    read during it."""
     out = {}
     for c, w in zip(cells, grid, strict=True):
         rates = peak.during(c.read_bandwidth())
-        out[c.family, c.batch, c.label] = tuple(
-            floor.decode_floor("causal_lm", w.batch, w.beams, w.prompt, w.new_tokens, rates, b, spec.dims)
-            for b in (floor.FP32, floor.INT8))
+        out[c.family, c.batch, c.label] = floor.by_precision(rates, partial(
+            floor.decode_floor, "causal_lm", w.batch, w.beams, w.prompt, w.new_tokens, rates, dims=spec.dims))
     return out
 
 
@@ -219,9 +220,8 @@ def shares(cells: list[Cell], limits: dict) -> dict[tuple[str, int, str], float]
     """(label, batch, engine) -> the engine's best rate over the cell's floor rate (shape_engines.floor_seconds)."""
     out = {}
     for c in cells:
-        fp32, int8 = limits[c.family, c.batch, c.label]
         for engine in ENGINES:
-            if (best := c.best(engine)) and (limit := floor_seconds(engine, fp32, int8)) is not None:
+            if (best := c.best(engine)) and (limit := floor_seconds(engine, limits[c.family, c.batch, c.label])):
                 out[c.label, c.batch, engine] = best[0] * limit / c.items
     return out
 
@@ -230,7 +230,7 @@ def floor_table(cells: list[Cell], limits: dict, share: dict, fp32_weights: int)
     engines = [e for e in ENGINES if any(c.best(e) for c in cells)]
     rows = []
     for c in cells:
-        fp32, int8 = limits[c.family, c.batch, c.label]
+        fp32, int8 = (limits[c.family, c.batch, c.label][b] for b in (floor.FP32, floor.INT8))
         read = c.read_bandwidth().get(fp32_weights)
         rows.append([c.label, c.batch, f"{read / 1e9:.1f}" if read else "-", f"{c.items / fp32:,.0f}",
                      f"{c.items / int8:,.0f}",

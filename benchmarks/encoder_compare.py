@@ -34,6 +34,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -214,12 +215,13 @@ def rerank_cells(engines: Engines, cells_pairs: dict[int, Pairs], grid: RerankGr
 
 
 def floors(cells: list[Cell], cells_pairs: dict[int, Pairs], spec: shapes.Shape, peak: floor.Rates) -> dict:
-    """(family, batch, label) -> (fp32, int8) floor seconds of each cell at the bandwidth read during it."""
+    """(family, batch, label) -> floor seconds by weight bytes (floor.by_precision) of each cell at the bandwidth read
+    during it."""
     out = {}
     for c in cells:
         rates, lengths = peak.during(c.read_bandwidth()), [len(ids) for ids, _ in cells_pairs[c.batch]]
-        out[c.family, c.batch, c.label] = tuple(floor.encoder_floor(lengths, rates, b, spec.dims)
-                                                for b in (floor.FP32, floor.INT8))
+        out[c.family, c.batch, c.label] = floor.by_precision(
+            rates, partial(floor.encoder_floor, lengths, rates, dims=spec.dims))
     return out
 
 
@@ -245,14 +247,15 @@ def floor_table(cells: list[Cell], limits: dict, fp32_weights: int, unit: str = 
     rows, shares = [], {}
     engines = [e for e in ENGINES if any(c.best(e) for c in cells)]
     for c in cells:
-        fp32, int8 = limits[c.family, c.batch, c.label]
+        limit = limits[c.family, c.batch, c.label]
+        fp32, int8 = limit[floor.FP32], limit[floor.INT8]
         read = c.read_bandwidth().get(fp32_weights)
         row = [c.label, f"{read / 1e9:.1f}" if read else "-", f"{c.items / fp32:,.1f}", f"{c.items / int8:,.1f}"]
         for engine in engines:
-            best, limit = c.best(engine), floor_seconds(engine, fp32, int8)
-            if best and limit is not None:
-                shares[c.family, c.batch, c.label, engine] = best[0] * limit / c.items
-            row.append(f"{shares[c.family, c.batch, c.label, engine]:.0%}" if best and limit is not None else "-")
+            best, seconds = c.best(engine), floor_seconds(engine, limit)
+            if best and seconds is not None:
+                shares[c.family, c.batch, c.label, engine] = best[0] * seconds / c.items
+            row.append(f"{shares[c.family, c.batch, c.label, engine]:.0%}" if best and seconds is not None else "-")
         rows.append(row)
     headers = ["cell", "read GB/s", f"floor fp32 {unit}/s", f"floor int8 {unit}/s",
                *[f"{e} % of floor" for e in engines]]

@@ -193,6 +193,12 @@ def measure_rates(working_sets: list[int], threads: list[int], linears: list[tup
     )
 
 
+def by_precision(rates: Rates, seconds: Callable[..., float]) -> dict[int, float]:
+    """``seconds(weight_bytes=b)`` (a floor function with its other arguments bound) for fp32 and int8 weights, and
+    bf16 where its GEMM rate was measured."""
+    return {b: seconds(weight_bytes=b) for b in (FP32, INT8, BF16) if b != BF16 or rates.bf16_flops > 0}
+
+
 def decoder_weights(family: str, dims: Dims = TOY) -> int:
     """Weights one decoding step multiplies by (per row), lm_head included."""
     per_layer = dims.self_attn + dims.ffn + (dims.cross_decode if family == "seq2seq" else 0)
@@ -238,5 +244,6 @@ def encoder_floor(lengths: list[int], rates: Rates, weight_bytes: int, dims: Dim
     return max(flops / flop_rate, nbytes / rates.read_rate(nbytes))
 
 
-__all__ = ["BF16", "FP32", "INT8", "TOY", "BandwidthProbe", "Dims", "Rates", "classifier_floor", "decode_floor",
+__all__ = ["BF16", "FP32", "INT8", "TOY", "BandwidthProbe", "Dims", "Rates", "by_precision", "classifier_floor",
+           "decode_floor",
            "decoder_weights", "encoder_floor", "measure_rates"]

@@ -32,6 +32,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -207,12 +208,13 @@ def ner_cells(engines: Engines, cells_texts: dict[int, Texts], grid: NerGrid, ar
 
 
 def floors(cells: list[Cell], cells_texts: dict[int, Texts], spec: shapes.Shape, peak: floor.Rates) -> dict:
-    """(family, batch, label) -> (fp32, int8) floor seconds of each cell at the bandwidth read during it."""
+    """(family, batch, label) -> floor seconds by weight bytes (floor.by_precision) of each cell at the bandwidth read
+    during it."""
     out = {}
     for c in cells:
         rates, lengths = peak.during(c.read_bandwidth()), [len(r) for r in cells_texts[c.batch].rows]
-        out[c.family, c.batch, c.label] = tuple(floor.encoder_floor(lengths, rates, b, spec.dims)
-                                                for b in (floor.FP32, floor.INT8))
+        out[c.family, c.batch, c.label] = floor.by_precision(
+            rates, partial(floor.encoder_floor, lengths, rates, dims=spec.dims))
     return out
 
 

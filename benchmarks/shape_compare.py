@@ -37,6 +37,7 @@ import argparse
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 
 from benchmarks import floor, shapes
 from benchmarks.cells import Cell, alternate, kernels, load, rate, ratio_text, versions
@@ -198,12 +199,11 @@ def floors(cells: list[Cell], spec: shapes.Shape, peak: floor.Rates, new_tokens:
         rates = peak.during(c.read_bandwidth())
         if spec.family == "classifier":
             times = c.items // (c.batch * c.length)  # forwards per run
-            fp32, int8 = (times * floor.classifier_floor(c.batch, c.length, rates, b, spec.dims)
-                          for b in (floor.FP32, floor.INT8))
+            one = floor.by_precision(rates, partial(floor.classifier_floor, c.batch, c.length, rates, dims=spec.dims))
+            out[c.family, c.batch, c.label] = {b: times * seconds for b, seconds in one.items()}
         else:
-            fp32, int8 = (floor.decode_floor(spec.family, c.batch, c.beams, c.length, new_tokens, rates, b, spec.dims)
-                          for b in (floor.FP32, floor.INT8))
-        out[c.family, c.batch, c.label] = (fp32, int8)
+            out[c.family, c.batch, c.label] = floor.by_precision(rates, partial(
+                floor.decode_floor, spec.family, c.batch, c.beams, c.length, new_tokens, rates, dims=spec.dims))
     return out
 
 
@@ -211,15 +211,16 @@ def floor_table(cells: list[Cell], limits: dict, fp32_weights: int) -> tuple[str
     rows, shares = [], {}
     engines = [e for e in ENGINES if any(c.best(e) for c in cells)]
     for c in cells:
-        fp32, int8 = limits[c.family, c.batch, c.label]
+        limit = limits[c.family, c.batch, c.label]
+        fp32, int8 = limit[floor.FP32], limit[floor.INT8]
         read = c.read_bandwidth().get(fp32_weights)
         row = [f"{c.family} {c.label}", c.batch, f"{read / 1e9:.1f}" if read else "-", f"{c.items / fp32:,.0f}",
                f"{c.items / int8:,.0f}"]
         for engine in engines:
-            best, limit = c.best(engine), floor_seconds(engine, fp32, int8)
-            if best and limit is not None:
-                shares[c.family, c.batch, c.label, engine] = best[0] * limit / c.items
-            row.append(f"{shares[c.family, c.batch, c.label, engine]:.0%}" if best and limit is not None else "-")
+            best, seconds = c.best(engine), floor_seconds(engine, limit)
+            if best and seconds is not None:
+                shares[c.family, c.batch, c.label, engine] = best[0] * seconds / c.items
+            row.append(f"{shares[c.family, c.batch, c.label, engine]:.0%}" if best and seconds is not None else "-")
         rows.append(row)
     headers = ["cell", "batch", "read GB/s", "floor fp32 /s", "floor int8 /s", *[f"{e} % of floor" for e in engines]]
     return markdown_table(headers, rows), shares

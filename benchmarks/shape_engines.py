@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-from benchmarks import peers, seq2seq_shapes, shapes
+from benchmarks import floor, peers, seq2seq_shapes, shapes
 from model.checkpoint import Checkpoint, load_checkpoint
 from model.decoding import GenerationConfig
 from model.generation import generate_causal, generate_seq2seq
@@ -44,12 +44,13 @@ def quantized(engine: str) -> bool:
     return engine in OURS_QUANTIZED or "int8" in engine or "Q8" in engine
 
 
-def floor_seconds(engine: str, fp32: float, int8: float) -> float | None:
-    """The floor (seconds) ``engine``'s rate is held against: int8's for int8 weights (``Q8_0`` too), fp32's for fp32
-    ones; None for bf16, which benchmarks.floor does not model yet (no bf16 GEMM rate, no 2-byte weights)."""
+def floor_seconds(engine: str, floors: Mapping[int, float]) -> float | None:
+    """The floor (seconds) ``engine``'s rate is held against, of a cell's floors by weight bytes
+    (benchmarks.floor.by_precision): bf16's for bf16 weights, int8's for int8 ones (``Q8_0`` too), fp32's for fp32
+    ones; None where that floor was not measured."""
     if "bf16" in engine:
-        return None
-    return int8 if quantized(engine) else fp32
+        return floors.get(floor.BF16)
+    return floors[floor.INT8 if quantized(engine) else floor.FP32]
 
 
 @dataclass

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import peers, shapes
+from benchmarks import floor, peers, shapes
 from benchmarks.cells import Cell, alternate, load, rate, ratio_text
 from benchmarks.common import machine_line, markdown_table
 from benchmarks.shape_engines import ct2_pieces, generation_config, random_ids
@@ -267,7 +267,7 @@ def language_report(args: argparse.Namespace, spec: shapes.Shape, cells: list[Ce
     engines = ["ours", "ours vmap", "ours int8", "ours int8 vmap"]
     table = []
     for cell, (mean, union, overlaps) in zip(cells, rows, strict=True):
-        fp32, int8 = limits[cell.family, cell.batch, cell.label]
+        fp32, int8 = (limits[cell.family, cell.batch, cell.label][b] for b in (floor.FP32, floor.INT8))
         shares = []
         for engine in engines:
             best = cell.best(engine)

@@ -95,6 +95,10 @@ def test_the_rerank_and_ner_comparisons_run_end_to_end(tmp_path):
     assert "rerank 4 docs | 4 |" in results and "rerank 40 docs | 40 |" in results
     assert "ours fp32 >= 1.5x HF" in report and "MISMATCH" not in report
     assert "the floor's" in report.split("### Targets", 1)[1]  # the 40-document cell stands in for 64
+    header, _, *rows = [line.split(" | ") for line in report.split("### Floor", 1)[1].splitlines()
+                        if line.startswith("| ")]
+    bf16 = header.index("ours bf16 % of floor")  # held against a bf16 floor (benchmarks.floor's bf16 GEMM rate)
+    assert rows and all(row[bf16].endswith("%") for row in rows)
     ner = tmp_path / "ner.md"
     compare.main(["--shape", "distilbert-base", "--tiny", "--quick", "--threads", "1", "--cache", str(cache),
                   "--out", str(ner)])
