@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 IN_PROCESS = ("ours", "ours int8", "ours bf16", "HF", "CT2 fp32", "CT2 int8")
-OURS_MODES = {"ours": "none", "ours int8": "int8", "ours bf16": "bf16"}  # our engine -> its model.quantize mode
 
 
 def vm_hwm(pid: int) -> int:
@@ -88,12 +87,12 @@ def _run(engine: str, hf: Path, threads: int, prompt: int, new_tokens: int) -> N
 
         hf_generate(transformers.AutoModelForCausalLM.from_pretrained(hf).eval(), inputs, 1, new_tokens)
         return
-    from benchmarks.shape_engines import ours_tokens
+    from benchmarks.shape_engines import OURS_QUANTIZED, ours_tokens
     from model.checkpoint import load_checkpoint
     from model.quantize import prepare_for_inference
 
     checkpoint = load_checkpoint(hf, device="cpu")
-    prepare_for_inference(checkpoint.model, OURS_MODES[engine])
+    prepare_for_inference(checkpoint.model, OURS_QUANTIZED.get(engine, "none"))
     ours_tokens(checkpoint, inputs, 1, new_tokens)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import mmap
 import threading
 from collections.abc import Iterator
@@ -104,9 +105,7 @@ class HugePageArena:
 
     def take(self, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
         """An uninitialised int8 tensor of ``shape``, contiguous, in huge-page memory where possible."""
-        nbytes = 1
-        for size in shape:
-            nbytes *= size
+        nbytes = math.prod(shape)
         span = -(-nbytes // self.ALIGN) * self.ALIGN
         if span > self._free.numel():
             self._free = _huge_mapping(max(self.CHUNK, span))
