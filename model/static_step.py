@@ -19,8 +19,13 @@ old adapters is rebuilt (and re-captured) on its next use, and only those; sizes
 whose rows all take the base model runs a runner of its own, without the adapters' GEMMs (keyed as vLLM keys its
 graphs: by whether LoRA is active).
 
-Not held (the caller decodes eagerly, :func:`model.static_generation.fits`): more rows than the largest size,
-adapters' head copies (modules_to_save), a shared prefix, a vocabulary restriction, speculative steps.
+A server's running batch keeps its own KVCache (rows join, leave and are reordered as ever):
+:meth:`StaticDecoder.decode` moves its K/V into the static buffers when rows joined or left, and then its buffers are
+views of them.
+
+Not held (the caller decodes eagerly, :func:`model.static_generation.fits`, :meth:`StaticDecoder.holds`): more rows
+than the largest size, adapters' head copies (modules_to_save), a shared prefix, a vocabulary restriction,
+speculative steps.
 """
 
 from __future__ import annotations
@@ -104,6 +109,10 @@ class StaticDecoder:
         self._written: tuple | None = None  # (adapter names by index, each row's name) the adapters buffer holds
         self._runners: dict[tuple[int, bool], _Runner] = {}  # by (size, any row with an adapter)
         self._pool = None  # the graphs' shared memory pool (CUDA)
+        self.graph_bytes = 0  # memory the captures reserved (CUDA: the graphs' pool)
+        self.adopted = 0  # running caches copied into the buffers by decode (rows joined or left)
+        self._cross: object | None = None  # the cross-attention memory decode last copied in, and its rows
+        self._cross_rows = 0
 
     @property
     def built(self) -> list[tuple[int, bool]]:
@@ -129,6 +138,55 @@ class StaticDecoder:
         self.live, self.used = cache.batch_size, cache.max_length
         self._row_adapters = list(adapters) if adapters is not None else [None] * self.live
 
+    def decode(self, tokens: torch.Tensor, cache: KVCache, adapters: Sequence[str | None]) -> torch.Tensor:
+        """One step for the rows of a running ``cache`` that the caller keeps selecting, concatenating and compacting
+        as any KVCache (the service's continuous batching): (n, V) logits after ``tokens`` (n,), rows selecting
+        ``adapters``. The cache's K/V move into the static buffers when they are not there already (after rows
+        joined or left: one copy of the used positions; its keys and values become views of rows 0..n-1, so beam
+        reorders in place stay in them), its cross-attention memory is copied in when it changed, and its lengths
+        are copied in at every step; the step's K/V land in place and the cache advances as KVCache.end_step."""
+        n = cache.batch_size
+        if not self.holds(cache):
+            raise ValueError(f"a cache of {n} rows x {cache.max_length} positions does not fit the static step")
+        self._adopt(cache)
+        self.cache.lengths[:n].copy_(cache.lengths)
+        self.cache.lengths[n:] = 0
+        self.live, self.used = n, cache.max_length
+        self._row_adapters = list(adapters)
+        logits = self.step(tokens)
+        cache.lengths = cache.lengths + 1
+        cache.max_length += 1
+        return logits
+
+    def holds(self, cache: KVCache) -> bool:
+        """Whether :meth:`decode` takes a step of ``cache``: rows within the largest size, a free position for
+        every row, no shared prefix blocks, cross-attention within the static buffers, the model's modules."""
+        cross = self.cache.cross
+        return (cache.batch_size <= self.rows and cache.max_length < self.cache.capacity and cache.prefix is None
+                and (cache.cross is None) == (cross is None)
+                and (cross is None or cache.cross.mask.shape[-1] <= cross.mask.shape[-1]) and self.holds_model())
+
+    def _adopt(self, cache: KVCache) -> None:
+        """Make rows 0..n-1 of the static buffers hold ``cache``'s K/V (and cross-attention memory) and its buffers
+        views of them; a copy only when they are not already."""
+        n, mine = cache.batch_size, self.cache
+        theirs = cache.keys[0]
+        if not (theirs.data_ptr() == mine.keys[0].data_ptr() and theirs.shape == mine.keys[0][:n].shape):
+            used = cache.max_length
+            for static, own in zip(mine.keys + mine.values, cache.keys + cache.values, strict=True):
+                static[:n, :, :used] = own[:, :, :used]
+            cache.keys, cache.values = [k[:n] for k in mine.keys], [v[:n] for v in mine.values]
+            self.adopted += 1
+        if cache.cross is not None and (cache.cross is not self._cross or n != self._cross_rows):
+            mine._load_cross(cache.cross, n)
+            self._cross, self._cross_rows = cache.cross, n
+
+    @property
+    def nbytes(self) -> int:
+        """Memory of the static step: the K/V (and cross-attention) buffers, the logits and the graphs' pool."""
+        logits = self.logits.numel() * self.logits.element_size() if self.logits is not None else 0
+        return self.cache.nbytes + logits + self.graph_bytes
+
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per live row (n,); return the next-token logits (n, V) (a copy: the buffer is reused)."""
         n = tokens.shape[0]
@@ -146,6 +204,13 @@ class StaticDecoder:
             self._eager(runner)
         self.used += 1
         return self.logits[:n].clone()
+
+    def prepare(self) -> None:
+        """Build the base model's step of every size now (on CUDA: capture its graph) rather than on first use."""
+        self._row_adapters = []
+        for size in self.sizes:
+            if size <= self.rows:
+                self._runner(size)
 
     def select(self, index: torch.Tensor, tails: torch.Tensor | None = None) -> None:
         """Rows 0..m-1 become old rows ``index`` (m,): beams reordered, finished rows dropped (model.search)."""
@@ -213,9 +278,11 @@ class StaticDecoder:
         self.cache.lengths.copy_(lengths)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
+        reserved = torch.cuda.memory_reserved(self.device)
         runner.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(runner.graph, pool=self._pool):
             self._eager(runner)
+        self.graph_bytes += torch.cuda.memory_reserved(self.device) - reserved
         logger.info("captured the decoding step for %d rows", runner.size)
 
 

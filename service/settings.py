@@ -21,6 +21,7 @@ from model.quantize import QuantizeError, mode_for
 from model.speculative import draft_model_for, speculative_for
 from service.engine import tracing
 from service.engine.chat import chat_template_for
+from service.engine.static_decoding import check_mode, parse_sizes
 from service.engine.types import EngineSettings
 from service.engine.vllm_metrics import COMPAT_MODES
 from service.model_sources import ModelSourceError, model_sources
@@ -229,6 +230,19 @@ class Settings:
         "default, e.g. none,translation=int8,code=bf16",
         str,
     )
+    cuda_graphs: str = _engine(
+        "TSERVE_CUDA_GRAPHS",
+        "decoding steps through the static step (service/engine/static_decoding.py): off; lazy (on a GPU each padded "
+        "batch size's step is captured as a CUDA graph on first use; on the CPU the same step runs eagerly, slower "
+        "than the C++ step: for testing); startup (every size built, captured on a GPU, when the model loads)",
+        str,
+    )
+    cuda_graph_sizes: str = _engine(
+        "TSERVE_CUDA_GRAPH_SIZES",
+        "the static step's batch sizes, comma-separated (a batch is padded up to the next; more rows than the largest "
+        "decode eagerly); empty: 1,2,4,8,16,32,64",
+        str,
+    )
 
     def __post_init__(self) -> None:
         positive = (
@@ -284,6 +298,11 @@ class Settings:
             mode_for(self.quantize, "")
         except QuantizeError as exc:
             raise SettingsError(f"quantize ({_env('quantize')}): {exc}") from None
+        for name, check in (("cuda_graphs", check_mode), ("cuda_graph_sizes", lambda text: parse_sizes(text or "1"))):
+            try:
+                check(getattr(self, name))
+            except ValueError as exc:
+                raise SettingsError(f"{name} ({_env(name)}): {exc}") from None
         try:
             speculative_for(self.speculative, "")
         except ConfigError as exc:

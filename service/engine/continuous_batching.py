@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -41,6 +43,7 @@ from service.engine.metrics import Metrics, adapter_label
 from service.engine.runners import GenerationRunner
 from service.engine.scheduler import Scheduler
 from service.engine.speculation import drafts_for, fed_tokens, start_drafter
+from service.engine.static_decoding import StaticDecoding
 from service.engine.types import EngineSettings
 
 logger = logging.getLogger(__name__)
@@ -65,6 +68,7 @@ class GenerationScheduler(Scheduler):
         self._accepted = metrics.spec_accepted_tokens.labels(name)
         self._generated: dict[str | None, Any] = {}  # adapter -> tserve_generation_tokens_total child
         self._prefix_seen = (0, 0)  # the prefix cache's (queried, hit) tokens already counted in metrics
+        self.static = StaticDecoding.of(name, runner, settings, metrics)  # TSERVE_CUDA_GRAPHS (None: off)
 
     @property
     def num_running(self) -> int:
@@ -155,8 +159,8 @@ class GenerationScheduler(Scheduler):
         vocabulary = _searched_vocabulary(batch, drafts is None)
         try:
             if drafts is None:
-                logits = self._call_model(batch.jobs, batch.adapter_rows(), self.runner.decode, batch.tokens, cache,
-                                          vocabulary)
+                logits = self._call_model(batch.jobs, batch.adapter_rows(), self._decoder(batch, vocabulary),
+                                          batch.tokens, cache, vocabulary)
             else:
                 fed = fed_tokens(batch, drafts)
                 logits = self._call_model(batch.jobs, batch.adapter_rows(), self.runner.verify, fed, cache,
@@ -169,6 +173,14 @@ class GenerationScheduler(Scheduler):
             return self._decode_alone(batch)
         self.metrics.batch_size.labels(self.name).observe(batch.rows)
         return self._split(batch.jobs, logits, drafts)
+
+    def _decoder(self, batch: RunningBatch, vocabulary: VocabularyRestriction | None) -> Callable:
+        """The runner's decode, or the static step's when it holds this step (counted by path in the metrics)."""
+        if self.static is None:
+            return self.runner.decode
+        fallback = self.static.fallback(batch.cache, vocabulary)
+        self.static.count(fallback or "static")
+        return self.runner.decode if fallback else partial(self.static.decode, adapters=batch.adapter_rows())
 
     def _decode_alone(self, batch: RunningBatch) -> list[Output]:
         survivors, outputs = [], []

@@ -69,6 +69,10 @@ class Metrics:
         self.spec_accepted_tokens = Counter("tserve_spec_decode_accepted_tokens", "Draft tokens the model's own "
                                             "choice confirmed (the acceptance rate is their ratio)", ["model"],
                                             registry=r)
+        self.static_steps = Counter("tserve_static_steps", "Decoding steps of the running batch by path (TSERVE_CUDA_"
+                                    "GRAPHS): static (the static step, a CUDA graph on a GPU), or why one ran eagerly "
+                                    "(rows, length, prefix, vocabulary, head_copies, source)", ["model", "path"],
+                                    registry=r)
         self._gpu_memory: Gauge | None = None
         self._lock = threading.Lock()  # workers of several CUDA models may report at once
 

@@ -53,6 +53,8 @@ def install_fault_hooks(factory: FaultHookFactory | None) -> None:
 class Scheduler:
     """A model's worker thread: a bounded FIFO of jobs, control calls between steps, and the step loop."""
 
+    static = None  # the generation scheduler's static decoding step (service.engine.static_decoding), if on
+
     def __init__(self, name: str, model: nn.Module, settings: EngineSettings, metrics: Metrics,
                  registry: AdapterRegistry) -> None:
         self.name = name

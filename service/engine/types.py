@@ -109,6 +109,7 @@ class ModelInfo:
     languages: list[str] | None = None  # a multilingual translator's codes (target_lang, source_lang)
     source_language: str | None = None  # its tokenizer's own source language (src_lang)
     quantize: str = "none"  # its linear layers' model.quantize mode (model_mode): none, int8, bf16
+    static_step: dict | None = None  # service.engine.static_decoding.StaticInfo (None: TSERVE_CUDA_GRAPHS off)
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,8 @@ class EngineSettings:
     draft_model: str = ""  # model.speculative.draft_model_for spec: which model drafts for which
     chat_template: str = ""  # service.engine.chat.chat_template_for spec: NAME=FILE template files, comma-separated
     threads: int | None = None  # intra-op threads per model worker (None: threads.worker_threads decides)
+    cuda_graphs: str = "off"  # service.engine.static_decoding: off, lazy, startup
+    cuda_graph_sizes: str = ""  # the static step's batch sizes, comma-separated ("": model.static_step.BATCH_SIZES)
 
     @property
     def prefix_cache_bytes(self) -> int:

@@ -149,6 +149,7 @@ class ModelWorker:
             languages=list(languages.ids) if (languages := self.checkpoint.languages) is not None else None,
             source_language=languages.source if languages is not None else None,
             quantize=model_mode(self.model),
+            static_step=asdict(static.info()) if (static := self.scheduler.static) is not None else None,
         )
 
     def tasks(self) -> list[str]:

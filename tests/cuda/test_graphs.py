@@ -6,6 +6,8 @@ on the CPU in tests/model/test_static_step.py."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -14,8 +16,11 @@ from model.lora import LoRAConfig, add_adapter
 from model.static_generation import generate_causal_static, generate_seq2seq_static
 from model.static_step import StaticDecoder
 from tests.cuda.conftest import FAMILIES, Target, assert_same_tokens
+from tests.helpers import gather_queued
 from tests.model.conftest import tiny_causal_lm
 from tests.model.helpers import PROMPTS, eos_friendly
+from tests.service.conftest import LM, MT, ask, assert_same, running_engine
+from tests.service.test_static_batching import CASES, fields_for, static_steps
 
 CONFIGS = {"greedy": GenerationConfig(max_new_tokens=12),
            "sample": GenerationConfig(strategy="sample", seed=7, top_k=10, max_new_tokens=12),
@@ -83,3 +88,24 @@ def test_graphs_with_mixed_adapters_recapture_after_a_new_adapter(target):
     rows = ["c", "b", None, "a"]
     _assert_same(target, model, "llama", _generate(model, graphed, config, rows), _generate(model, eager, config, rows))
     assert graphed.builds == 2
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("model", [LM, MT])
+def test_the_served_running_batch_on_graphs_gives_the_eager_tokens(models_dir, adapters_dir, model):
+    """The engine's continuous batching with TSERVE_CUDA_GRAPHS=lazy on the GPU (float32): mixed strategies and
+    adapters, more rows than the largest size at first (eager steps), then graph replays: the tokens of the same
+    engine without graphs."""
+    async def serve(graphs: str):
+        async with running_engine(models_dir, adapters_dir, device="cuda", cuda_graphs=graphs, cuda_graph_sizes="1,2,4",
+                                  prefix_cache_mb=0) as engine:
+            worker = engine.get(model)
+            results = await gather_queued(worker, [worker.generate(ask(text, **fields_for(params, model)), f"r{i}")
+                                                   for i, (text, params) in enumerate(CASES)])
+            return results, static_steps(engine, model, "static"), worker.info.static_step
+
+    graphed, steps, info = asyncio.run(serve("lazy"))
+    eager, _, _ = asyncio.run(serve("off"))
+    for got, want in zip(graphed, eager, strict=True):
+        assert_same(got, want)
+    assert steps > 0 and info["graphs"] is True and info["built"]

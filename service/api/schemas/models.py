@@ -36,6 +36,16 @@ class AdapterList(BaseModel):
     adapters: list[AdapterInfoSchema]
 
 
+class StaticStepSchema(BaseModel):
+    mode: Literal["lazy", "startup"] = Field(description="When each size's step is built: on first use, or at load.")
+    sizes: list[int] = Field(description="The batch sizes a running batch is padded up to (more rows: eager steps).")
+    built: list[int] = Field(description="The sizes built so far (captured as CUDA graphs when graphs is true).")
+    graphs: bool = Field(description="Whether steps are CUDA graphs (a GPU) or run eagerly (the CPU: for testing).")
+    rows: int = Field(description="Rows the static buffers hold.")
+    positions: int = Field(description="Positions each row holds (its input and new tokens); longer rows: eager.")
+    bytes: int = Field(description="Memory of the static buffers, logits and (CUDA) the graphs' pool.")
+
+
 class ModelInfoSchema(BaseModel):
     id: str = Field(description="Same as name (OpenAI's model list field).")
     object: Literal["model"] = "model"
@@ -91,6 +101,10 @@ class ModelInfoSchema(BaseModel):
         None, description="A classifier's embed defaults, for requests that leave them unset: pooling and "
         "normalize (unit-length vectors). A sentence-transformers model's come from its modules (often normalized); "
         "otherwise mean pooling, not normalized."
+    )
+    static_step: StaticStepSchema | None = Field(
+        None, description="The static decoding step (TSERVE_CUDA_GRAPHS lazy or startup; null: off): its batch sizes, "
+        "those built so far, and the memory it holds."
     )
 
 

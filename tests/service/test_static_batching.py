@@ -1,0 +1,119 @@
+"""The running batch through the static decoding step (TSERVE_CUDA_GRAPHS, issue 41; service/engine/
+static_decoding.py): on the CPU the step a GPU captures runs eagerly, and continuous batching over it (rows joining,
+leaving, beams reordered, adapters per row, batches too big for the buffers falling back to eager steps and coming
+back) serves the tokens each request gets alone offline. GET /v1/models reports the buffers; the metrics count each
+step's path."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from model import native
+from service.settings import Settings, SettingsError
+from tests.helpers import StepGate, gather_queued, wait_until
+from tests.reliability.helpers import inprocess_server
+from tests.service.conftest import ADAPTERS, CLS, LM, MT, ask, assert_same, offline, running_engine
+
+SIZES = "1,2,4"  # a batch of more than 4 rows decodes eagerly until rows leave
+CASES = [
+    ("hello world", dict(max_new_tokens=14)),
+    ("the cat", dict(strategy="beam", num_beams=3, num_return_sequences=2, max_new_tokens=9)),
+    ("a", dict(strategy="sample", seed=7, top_k=20, temperature=0.8, max_new_tokens=12)),
+    ("gold", dict(max_new_tokens=5, adapter="{adapter}")),
+    ("to be or", dict(max_new_tokens=10, repetition_penalty=1.3, adapter="{adapter}")),
+]
+
+
+@pytest.fixture(autouse=True)
+def pytorch_path():
+    """Eager steps and the offline reference on PyTorch ops too, as on a GPU (the static step has no C++ path)."""
+    with native.using_options(decode_kernels=False):
+        yield
+
+
+def static_steps(engine, model: str, path: str) -> float:
+    return engine.metrics.registry.get_sample_value("tserve_static_steps_total", {"model": model, "path": path}) or 0
+
+
+def fields_for(params: dict, model: str) -> dict:
+    """A case's request fields for ``model`` (its adapter named)."""
+    return {k: v.format(adapter=ADAPTERS[model]) if k == "adapter" else v for k, v in params.items()}
+
+
+@pytest.mark.parametrize("model", [LM, MT])
+def test_a_running_batch_on_the_static_step_serves_what_each_request_gets_alone(models_dir, adapters_dir, model):
+    async def main():
+        async with running_engine(models_dir, adapters_dir, cuda_graphs="lazy", cuda_graph_sizes=SIZES,
+                                  prefix_cache_mb=0) as engine:
+            worker = engine.get(model)
+            results = await gather_queued(worker, [worker.generate(ask(text, **fields_for(params, model)), f"r{i}")
+                                                   for i, (text, params) in enumerate(CASES)])
+            steps = {path: static_steps(engine, model, path) for path in ("static", "rows")}
+            return results, steps, worker.info.static_step
+
+    results, steps, info = asyncio.run(main())
+    for got, (text, params) in zip(results, CASES, strict=True):
+        fields = fields_for(params, model)
+        adapter = adapters_dir / model / fields.pop("adapter") if "adapter" in fields else None
+        assert_same(got, offline(models_dir / model, [text], fields, adapter))
+    assert steps["rows"] > 0 and steps["static"] > 0  # 7 rows ran eagerly, then fewer on the static step
+    assert info["sizes"] == [1, 2, 4] and info["built"] and set(info["built"]) <= {1, 2, 4}
+    assert info["rows"] == 4 and info["bytes"] > 0 and info["graphs"] is False
+
+
+def test_rows_joining_and_leaving_a_static_batch_equal_alone(models_dir):
+    long = dict(max_new_tokens=40, min_new_tokens=40)
+    short = dict(strategy="beam", num_beams=2, max_new_tokens=8)
+
+    async def main():
+        async with running_engine(models_dir, None, cuda_graphs="lazy", prefix_cache_mb=0) as engine:
+            worker = engine.get(MT)
+            sched = worker.scheduler
+            running = StepGate(sched, when=lambda ids: ids == ["first"] and sched.batch is not None
+                               and sched.batch.jobs[0].search.step > 5)
+            first = asyncio.create_task(worker.generate(ask("hello world", **long), "first"))
+            await running.until_parked()  # "first" decoded a few static steps alone
+            adopted = sched.static.decoder.adopted
+            second = asyncio.create_task(worker.generate(ask("the cat", **short), "second"))
+            await wait_until(lambda: sched.num_waiting == 1)
+            running.release()
+            second = await second
+            assert not first.done()  # it joined a running batch, and left it before "first" finished
+            first = await first
+            return first, second, sched.static.decoder.adopted - adopted, static_steps(engine, MT, "static")
+
+    first, second, adoptions, steps = asyncio.run(main())
+    assert_same(first, offline(models_dir / MT, ["hello world"], long))
+    assert_same(second, offline(models_dir / MT, ["the cat"], short))
+    assert adoptions >= 2  # the rows moved into the buffers when "second" joined and when it left
+    assert steps == long["max_new_tokens"] - 1  # every decode step of the batch was static (prefill: token 1)
+
+
+def test_startup_builds_every_size_and_get_models_reports_the_buffers(models_dir):
+    with inprocess_server(models_dir, cuda_graphs="startup", cuda_graph_sizes="1,2,8", max_batch_size=4) as server, \
+            server.client() as client:
+        listed = {m["name"]: m for m in client.get("/v1/models").json()["data"]}
+    built = listed[LM]["static_step"]
+    assert built["mode"] == "startup" and built["built"] == built["sizes"] == [1, 2, 8]  # 4 rows pad up to 8
+    assert built["rows"] == 8 and built["bytes"] > 0 and listed[MT]["static_step"]["built"] == [1, 2, 8]
+    assert listed[CLS]["static_step"] is None
+
+
+def test_off_by_default(models_dir):
+    async def main():
+        async with running_engine(models_dir, None) as engine:
+            return engine.get(LM).info.static_step, engine.get(LM).scheduler.static
+
+    assert asyncio.run(main()) == (None, None)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("cuda_graphs", "always", "'always' is not one of off, lazy, startup"),
+    ("cuda_graph_sizes", "1,two", "comma-separated integers"),
+    ("cuda_graph_sizes", "0,4", "must be 1 to 1024"),
+])
+def test_bad_static_step_settings_are_refused_by_name(field, value, message):
+    with pytest.raises(SettingsError, match=f"{field} .*{message}"):
+        Settings(**{field: value})
