@@ -20,12 +20,12 @@ whose rows all take the base model runs a runner of its own, without the adapter
 graphs: by whether LoRA is active).
 
 A server's running batch keeps its own KVCache (rows join, leave and are reordered as ever):
-:meth:`StaticDecoder.decode` moves its K/V into the static buffers when rows joined or left, and then its buffers are
-views of them.
+:meth:`StaticDecoder.decode` moves its K/V into the static buffers when rows joined or left (rows reading shared prefix
+blocks get the blocks copied ahead of their own positions), and then its buffers are views of them.
 
 Not held (the caller decodes eagerly, :func:`model.static_generation.fits`, :meth:`StaticDecoder.holds`): more rows
-than the largest size, adapters' head copies (modules_to_save), a shared prefix, a vocabulary restriction,
-speculative steps.
+than the largest size or positions than the capacity, adapters' head copies (modules_to_save), a vocabulary
+restriction, speculative steps; offline (:meth:`StaticDecoder.load`), a shared prefix.
 """
 
 from __future__ import annotations
@@ -159,19 +159,22 @@ class StaticDecoder:
         return logits
 
     def holds(self, cache: KVCache) -> bool:
-        """Whether :meth:`decode` takes a step of ``cache``: rows within the largest size, a free position for
-        every row, no shared prefix blocks, cross-attention within the static buffers, the model's modules."""
+        """Whether :meth:`decode` takes a step of ``cache``: rows within the largest size, a free position for every
+        row (its shared prefix blocks too), cross-attention within the static buffers, the model's modules."""
         cross = self.cache.cross
-        return (cache.batch_size <= self.rows and cache.max_length < self.cache.capacity and cache.prefix is None
+        return (cache.batch_size <= self.rows and span(cache) < self.cache.capacity
                 and (cache.cross is None) == (cross is None)
                 and (cross is None or cache.cross.mask.shape[-1] <= cross.mask.shape[-1]) and self.holds_model())
 
     def _adopt(self, cache: KVCache) -> None:
         """Make rows 0..n-1 of the static buffers hold ``cache``'s K/V (and cross-attention memory) and its buffers
-        views of them; a copy only when they are not already."""
+        views of them; a copy only when they are not already. Rows reading shared prefix blocks get them copied
+        ahead of their own positions, and the cache reads no prefix any more (its lengths count it)."""
         n, mine = cache.batch_size, self.cache
         theirs = cache.keys[0]
-        if not (theirs.data_ptr() == mine.keys[0].data_ptr() and theirs.shape == mine.keys[0][:n].shape):
+        if cache.prefix is not None:
+            self._adopt_prefixed(cache)
+        elif not (theirs.data_ptr() == mine.keys[0].data_ptr() and theirs.shape == mine.keys[0][:n].shape):
             used = cache.max_length
             for static, own in zip(mine.keys + mine.values, cache.keys + cache.values, strict=True):
                 static[:n, :, :used] = own[:, :, :used]
@@ -180,6 +183,26 @@ class StaticDecoder:
         if cache.cross is not None and (cache.cross is not self._cross or n != self._cross_rows):
             mine._load_cross(cache.cross, n)
             self._cross, self._cross_rows = cache.cross, n
+
+    def _adopt_prefixed(self, cache: KVCache) -> None:
+        """:meth:`_adopt` of rows that read shared prefix blocks: per group of rows reading one chain, the chain's K/V
+        and then each row's own positions."""
+        prefix, mine, used, n = cache.prefix, self.cache, cache.max_length, cache.batch_size
+        for layer in range(len(mine.keys)):
+            for group in prefix.groups:
+                ahead = len(group.chain) * prefix.block_tokens
+                for static, own, chain in ((mine.keys[layer], cache.keys[layer], prefix.keys),
+                                           (mine.values[layer], cache.values[layer], prefix.values)):
+                    rows = static[:n][group.index]  # a view when the group's rows are consecutive, else a copy
+                    if ahead:
+                        rows[:, :, :ahead] = chain(layer, group.chain)
+                    rows[:, :, ahead: ahead + used] = own[group.index][:, :, :used]
+                    if not isinstance(group.index, slice):
+                        static[:n][group.index] = rows
+        cache.keys, cache.values = [k[:n] for k in mine.keys], [v[:n] for v in mine.values]
+        cache.lengths, cache.max_length = cache.lengths + prefix.lengths, span(cache)
+        cache.prefix, cache.uniform = None, False
+        self.adopted += 1
 
     @property
     def nbytes(self) -> int:
@@ -284,6 +307,12 @@ class StaticDecoder:
             self._eager(runner)
         self.graph_bytes += torch.cuda.memory_reserved(self.device) - reserved
         logger.info("captured the decoding step for %d rows", runner.size)
+
+
+def span(cache: KVCache) -> int:
+    """The most positions a row of ``cache`` holds (host side): its own and the shared prefix blocks it reads."""
+    prefix = cache.prefix
+    return cache.max_length + (max(map(len, prefix.rows)) * prefix.block_tokens if prefix is not None else 0)
 
 
 def _forward(model: CausalLM | Seq2SeqTransformer, tokens: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:

@@ -14,6 +14,7 @@ its input limit; GET /v1/models reports their memory. A step they do not hold ru
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,10 +22,12 @@ import torch
 
 from model.kv_cache import KVCache
 from model.restricted_vocab import VocabularyRestriction
-from model.static_step import BATCH_SIZES, StaticDecoder
+from model.static_step import BATCH_SIZES, StaticDecoder, span
 from service.engine.metrics import Metrics
 from service.engine.runners import DECODE_HEADROOM, GenerationRunner
 from service.engine.types import EngineSettings
+
+logger = logging.getLogger(__name__)
 
 MODES = ("off", "lazy", "startup")
 
@@ -86,6 +89,8 @@ class StaticDecoding:
         self.decoder = StaticDecoder(runner.model, rows, capacity, sizes, source_capacity=source)
         self._steps = metrics.static_steps
         self._name = name
+        logger.info("model %r: static decoding step (%s): %d rows x %d positions, %.1f MB, sizes %s", name, mode,
+                    self.decoder.rows, self.decoder.cache.capacity, self.decoder.nbytes / 2**20, self.info().sizes)
         if mode == "startup":
             with torch.inference_mode():
                 self.decoder.prepare()
@@ -95,10 +100,8 @@ class StaticDecoding:
         decoder = self.decoder
         if cache.batch_size > decoder.rows:
             return "rows"
-        if cache.max_length >= decoder.cache.capacity:
+        if span(cache) >= decoder.cache.capacity:
             return "length"
-        if cache.prefix is not None:
-            return "prefix"
         if vocabulary is not None:
             return "vocabulary"
         if not decoder.holds_model():

@@ -15,6 +15,7 @@ from service.settings import Settings, SettingsError
 from tests.helpers import StepGate, gather_queued, wait_until
 from tests.reliability.helpers import inprocess_server
 from tests.service.conftest import ADAPTERS, CLS, LM, MT, ask, assert_same, offline, running_engine
+from tests.service.test_prefix_cache import DECODINGS, SUFFIXES, SYSTEM
 
 SIZES = "1,2,4"  # a batch of more than 4 rows decodes eagerly until rows leave
 CASES = [
@@ -89,6 +90,24 @@ def test_rows_joining_and_leaving_a_static_batch_equal_alone(models_dir):
     assert_same(second, offline(models_dir / MT, ["the cat"], short))
     assert adoptions >= 2  # the rows moved into the buffers when "second" joined and when it left
     assert steps == long["max_new_tokens"] - 1  # every decode step of the batch was static (prefill: token 1)
+
+
+def test_rows_reading_cached_prefix_blocks_take_static_steps_with_the_prefix_copied_in(models_dir):
+    prompts = [SYSTEM + suffix for suffix in SUFFIXES]  # one system prompt spanning blocks, four endings
+
+    async def main():
+        async with running_engine(models_dir, None, cuda_graphs="lazy") as engine:
+            worker = engine.get(LM)
+            results = await gather_queued(worker, [worker.generate(ask(p, **d), f"p{i}")
+                                                   for i, (p, d) in enumerate(zip(prompts, DECODINGS, strict=True))])
+            hits = engine.metrics.registry.get_sample_value("tserve_prefix_cache_hits_total", {"model": LM})
+            paths = {path: static_steps(engine, LM, path) for path in ("static", "length")}
+            return results, hits, paths
+
+    results, hits, paths = asyncio.run(main())
+    for got, prompt, decoding in zip(results, prompts, DECODINGS, strict=True):
+        assert_same(got, offline(models_dir / LM, [prompt], decoding))
+    assert hits > 0 and paths == {"static": max(d["max_new_tokens"] for d in DECODINGS) - 1, "length": 0}
 
 
 def test_startup_builds_every_size_and_get_models_reports_the_buffers(models_dir):
