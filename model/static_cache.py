@@ -61,29 +61,28 @@ class StaticKVCache(KVCache):
                              key_positions=self.key_positions)
 
     def begin_step(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Positions (B, 1) = each row's length, and the mask (B, 1, 1, capacity) of the keys up to it."""
-        if num_tokens != 1:
-            raise ValueError(f"a static cache takes one token a row per step, got {num_tokens}")
-        positions = self.lengths[:, None].clamp(max=self.capacity - 1)  # a padding row never writes out of bounds
+        """Positions (B, t) = each row's length onwards, and the mask (B, 1, t, capacity) of the keys up to each."""
+        positions = self.lengths[:, None] + torch.arange(num_tokens, device=self.lengths.device)
+        positions = positions.clamp(max=self.capacity - 1)  # a padding row never writes out of bounds
         self._write_positions = positions
-        return positions, (self.key_positions <= positions)[:, None, None, :]
+        return positions, (self.key_positions <= positions[:, :, None])[:, None]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scatter this step's (B, H, 1, Dh) keys/values of ``layer`` to each row's position; return the buffers."""
+        """Scatter this step's (B, H, t, Dh) keys/values of ``layer`` to each row's positions; return the buffers."""
         positions = self._write_positions
         if positions is None:
             raise RuntimeError("StaticKVCache.write called before begin_step")
         keys, values = self.keys[layer], self.values[layer]
-        index = positions[:, None, :, None].expand(-1, keys.shape[1], 1, keys.shape[3])  # (B, H, 1, Dh)
+        index = positions[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3])  # (B, H, t, Dh)
         keys.scatter_(2, index, k.to(keys.dtype))
         values.scatter_(2, index, v.to(values.dtype))
         return keys, values
 
     def end_step(self, advance: torch.Tensor | int, max_advance: int | None = None) -> None:
-        """Advance every row by one position, in place (the graph reads and writes this same tensor)."""
-        if not isinstance(advance, int) or advance != 1:
-            raise ValueError("a static cache advances one position a step")
-        self.lengths.add_(1)
+        """Advance every row by ``advance`` positions, in place (the graph reads and writes this same tensor)."""
+        if not isinstance(advance, int) or advance < 1:
+            raise ValueError("a static cache advances every row alike, by a positive int")
+        self.lengths.add_(advance)
         self._write_positions = None
 
     def load(self, cache: KVCache) -> None:

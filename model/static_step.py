@@ -46,6 +46,7 @@ from model.static_cache import StaticKVCache
 logger = logging.getLogger(__name__)
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)  # captured batch sizes; a batch is padded up to the next one
+VERIFY_WIDTHS = (2, 4, 8, 16)  # a verification step's tokens a row (fed token + draft), padded up to the next one
 
 
 def padded_size(rows: int, sizes: Sequence[int] = BATCH_SIZES) -> int:
@@ -68,6 +69,7 @@ class _Runner:
     (CUDA) its captured graph."""
 
     size: int
+    width: int  # tokens a row: 1 (a decoding step) or one of VERIFY_WIDTHS (a verification step)
     state: tuple
     cache: StaticKVCache
     names: list[str | None]  # adapter index -> name (0: the base model)
@@ -99,15 +101,15 @@ class StaticDecoder:
         self.cache = StaticKVCache.allocate(layers, self.rows, heads, c.head_dim, capacity, self.device, weight.dtype)
         if seq2seq:
             self.cache.add_cross(layers, c.n_heads, c.head_dim, source_capacity or c.max_src_len)
-        self.tokens = torch.zeros(self.rows, dtype=torch.long, device=self.device)
+        self.tokens = torch.zeros(self.rows, max(VERIFY_WIDTHS), dtype=torch.long, device=self.device)  # fed
         self.adapters = torch.zeros(self.rows, dtype=torch.long, device=self.device)
-        self.logits: torch.Tensor | None = None  # (rows, V), allocated by the first step
+        self.logits: dict[int, torch.Tensor] = {}  # per width: (rows, width, V), allocated by its first step
         self.live = 0  # rows in use
         self.used = 0  # the longest live row's length (host side: the copy windows of select)
         self.builds = 0  # runners built (graphs captured on CUDA): tells when adapters invalidated them
         self._row_adapters: list[str | None] = []
         self._written: tuple | None = None  # (adapter names by index, each row's name) the adapters buffer holds
-        self._runners: dict[tuple[int, bool], _Runner] = {}  # by (size, any row with an adapter)
+        self._runners: dict[tuple[int, bool, int], _Runner] = {}  # by (size, any row with an adapter, width)
         self._pool = None  # the graphs' shared memory pool (CUDA)
         self.graph_bytes = 0  # memory the captures reserved (CUDA: the graphs' pool)
         self.adopted = 0  # running caches copied into the buffers by decode (rows joined or left)
@@ -115,8 +117,8 @@ class StaticDecoder:
         self._cross_rows = 0
 
     @property
-    def built(self) -> list[tuple[int, bool]]:
-        """The runners built and current: (batch size, whether it runs adapters), sorted."""
+    def built(self) -> list[tuple[int, bool, int]]:
+        """The runners built and current: (batch size, whether it runs adapters, tokens a row), sorted."""
         return sorted(self._runners)
 
     @property
@@ -145,24 +147,38 @@ class StaticDecoder:
         joined or left: one copy of the used positions; its keys and values become views of rows 0..n-1, so beam
         reorders in place stay in them), its cross-attention memory is copied in when it changed, and its lengths
         are copied in at every step; the step's K/V land in place and the cache advances as KVCache.end_step."""
-        n = cache.batch_size
-        if not self.holds(cache):
-            raise ValueError(f"a cache of {n} rows x {cache.max_length} positions does not fit the static step")
+        return self._take(tokens[:, None], cache, adapters)[:, 0]
+
+    def verify(self, tokens: torch.Tensor, cache: KVCache, adapters: Sequence[str | None]) -> torch.Tensor:
+        """:meth:`decode` of t tokens a row (n, t) (the fed token and a speculative draft, model.speculative): the
+        logits (n, t, V) after each; the cache keeps all t positions until the caller truncates it. Rows are padded to
+        the next of VERIFY_WIDTHS tokens (one step of each width: its graph), the padding computed and forgotten.
+        Causal LMs only (a relative position bias over t new static positions is not held)."""
+        if isinstance(self.model, Seq2SeqTransformer):
+            raise ValueError("the static step verifies drafts of causal LMs only")
+        return self._take(tokens, cache, adapters)
+
+    def _take(self, fed: torch.Tensor, cache: KVCache, adapters: Sequence[str | None]) -> torch.Tensor:
+        n, t = fed.shape
+        width = verify_width(t)
+        if not self.holds(cache, width):
+            raise ValueError(f"a cache of {n} rows x {span(cache)} positions does not take {width} more static steps")
         self._adopt(cache)
         self.cache.lengths[:n].copy_(cache.lengths)
         self.cache.lengths[n:] = 0
         self.live, self.used = n, cache.max_length
         self._row_adapters = list(adapters)
-        logits = self.step(tokens)
-        cache.lengths = cache.lengths + 1
-        cache.max_length += 1
+        logits = self._run(fed, width)
+        cache.lengths = cache.lengths + t
+        cache.max_length += t
         return logits
 
-    def holds(self, cache: KVCache) -> bool:
-        """Whether :meth:`decode` takes a step of ``cache``: rows within the largest size, a free position for every
-        row (its shared prefix blocks too), cross-attention within the static buffers, the model's modules."""
+    def holds(self, cache: KVCache, width: int = 1) -> bool:
+        """Whether :meth:`decode` (``width`` 1) or :meth:`verify` takes a step of ``cache``: rows within the largest
+        size, ``width`` free positions a row (after its shared prefix blocks too), cross-attention within the static
+        buffers, the model's modules."""
         cross = self.cache.cross
-        return (cache.batch_size <= self.rows and span(cache) < self.cache.capacity
+        return (cache.batch_size <= self.rows and span(cache) + width <= self.cache.capacity
                 and (cache.cross is None) == (cross is None)
                 and (cross is None or cache.cross.mask.shape[-1] <= cross.mask.shape[-1]) and self.holds_model())
 
@@ -207,33 +223,40 @@ class StaticDecoder:
     @property
     def nbytes(self) -> int:
         """Memory of the static step: the K/V (and cross-attention) buffers, the logits and the graphs' pool."""
-        logits = self.logits.numel() * self.logits.element_size() if self.logits is not None else 0
-        return self.cache.nbytes + logits + self.graph_bytes
+        logits = sum(t.numel() * t.element_size() for t in self.logits.values())
+        return self.cache.nbytes + logits + self.tokens.numel() * self.tokens.element_size() + self.graph_bytes
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per live row (n,); return the next-token logits (n, V) (a copy: the buffer is reused)."""
-        n = tokens.shape[0]
-        if n != self.live:
-            raise ValueError(f"{n} tokens for {self.live} live rows")
+        if tokens.shape[0] != self.live:
+            raise ValueError(f"{tokens.shape[0]} tokens for {self.live} live rows")
         if self.used >= self.cache.capacity:
             raise ValueError(f"the static cache's {self.cache.capacity} positions are used up")
-        runner = self._runner(padded_size(n, self.sizes))
-        self.tokens[:n].copy_(tokens, non_blocking=True)
-        self.tokens[n:].zero_()
+        return self._run(tokens[:, None], 1)[:, 0]
+
+    def _run(self, fed: torch.Tensor, width: int) -> torch.Tensor:
+        """The step of ``width`` tokens a row over the live rows, ``fed`` (n, t <= width) padded with each row's last
+        token; the logits (n, t, V) (a copy)."""
+        n, t = fed.shape
+        runner = self._runner(padded_size(n, self.sizes), width)
+        buffer = self.tokens[:, :width]
+        buffer[:n, :t].copy_(fed, non_blocking=True)
+        buffer[:n, t:] = buffer[:n, t - 1: t]
+        buffer[n:].zero_()
         self._write_adapters(runner)
         if runner.graph is not None:
             runner.graph.replay()
         else:
             self._eager(runner)
-        self.used += 1
-        return self.logits[:n].clone()
+        self.used += t
+        return self.logits[width][:n, :t].clone()
 
     def prepare(self) -> None:
         """Build the base model's step of every size now (on CUDA: capture its graph) rather than on first use."""
         self._row_adapters = []
         for size in self.sizes:
             if size <= self.rows:
-                self._runner(size)
+                self._runner(size, 1)
 
     def select(self, index: torch.Tensor, tails: torch.Tensor | None = None) -> None:
         """Rows 0..m-1 become old rows ``index`` (m,): beams reordered, finished rows dropped (model.search)."""
@@ -252,22 +275,23 @@ class StaticDecoder:
         rows = [position[name] for name in self._row_adapters] + [0] * (self.rows - self.live)
         self.adapters.copy_(torch.tensor(rows, dtype=torch.long), non_blocking=True)
 
-    def _runner(self, size: int) -> _Runner:
-        """The runner of ``size`` and whether any live row selects an adapter (vLLM keys its graphs so too: a base-only
-        batch skips the adapters' GEMMs), (re)built when none is or the adapters changed since."""
+    def _runner(self, size: int, width: int) -> _Runner:
+        """The runner of ``size`` rows of ``width`` tokens and whether any live row selects an adapter (vLLM keys its
+        graphs so too: a base-only batch skips the adapters' GEMMs), (re)built when none is or the adapters changed
+        since."""
         state = adapter_state(self.model)
-        key = (size, any(name is not None for name in self._row_adapters))
+        key = (size, any(name is not None for name in self._row_adapters), width)
         runner = self._runners.get(key)
         if runner is None or runner.state != state:
-            runner = self._runners[key] = self._build(size, state, key[1])
+            runner = self._runners[key] = self._build(size, width, state, key[1])
         return runner
 
-    def _build(self, size: int, state: tuple, adapters: bool) -> _Runner:
+    def _build(self, size: int, width: int, state: tuple, adapters: bool) -> _Runner:
         if not self.holds_model():
             raise ValueError("adapters' head copies (modules_to_save) route rows on the host: decode them eagerly")
         layers = [m for m in self.model.modules() if isinstance(m, LoRALinear)]
         names = [None, *sorted({n for layer in layers for n in layer.configs})]
-        runner = _Runner(size, state, self.cache.view(size), names)
+        runner = _Runner(size, width, state, self.cache.view(size), names)
         if adapters and len(names) > 1:
             runner.routing, runner.scales = _lora_scales(layers, names, size)
         elif layers:  # every row on the base model (a merged adapter's delta taken out)
@@ -278,15 +302,15 @@ class StaticDecoder:
         return runner
 
     def _eager(self, runner: _Runner) -> None:
-        """The step of ``runner``'s size over its views of the static buffers (what a graph captures)."""
-        size = runner.size
+        """The step of ``runner``'s size and width over its views of the static buffers (what a graph captures)."""
+        size, width = runner.size, runner.width
         for scales, table in runner.scales:
             scales.copy_(table.index_select(0, self.adapters[:size]))
         with _routed(self.model, runner.routing):
-            logits = _forward(self.model, self.tokens[:size], runner.cache)
-        if self.logits is None:
-            self.logits = logits.new_zeros(self.rows, logits.shape[-1])
-        self.logits[:size].copy_(logits)
+            logits = _forward(self.model, self.tokens[:size, :width], runner.cache)
+        if width not in self.logits:
+            self.logits[width] = logits.new_zeros(self.rows, width, logits.shape[-1])
+        self.logits[width][:size].copy_(logits)
 
     def _capture(self, runner: _Runner) -> None:
         """Capture ``runner``'s step as a CUDA graph, after two eager warm-up steps on a side stream (their cache
@@ -306,7 +330,12 @@ class StaticDecoder:
         with torch.cuda.graph(runner.graph, pool=self._pool):
             self._eager(runner)
         self.graph_bytes += torch.cuda.memory_reserved(self.device) - reserved
-        logger.info("captured the decoding step for %d rows", runner.size)
+        logger.info("captured the decoding step for %d rows of %d tokens", runner.size, runner.width)
+
+
+def verify_width(tokens: int) -> int:
+    """The width a step of ``tokens`` a row runs at: 1, or the next of VERIFY_WIDTHS (ValueError past the last)."""
+    return 1 if tokens == 1 else padded_size(tokens, VERIFY_WIDTHS)
 
 
 def span(cache: KVCache) -> int:
@@ -316,18 +345,19 @@ def span(cache: KVCache) -> int:
 
 
 def _forward(model: CausalLM | Seq2SeqTransformer, tokens: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
-    """One decoding step of ``model`` over ``cache``: logits (B, V). The models' decode_step, through LayerStack.forward
-    (PyTorch ops, as on a GPU) and with the static cross-attention mask (no host-side check of it)."""
-    positions, mask = cache.begin_step(1)
+    """One step of ``model`` feeding ``tokens`` (B, t) over ``cache``: logits (B, t, V). The models' decode_step (t = 1)
+    and verify_step, through LayerStack.forward (PyTorch ops, as on a GPU) and with the static cross-attention mask
+    (no host-side check of it)."""
+    positions, mask = cache.begin_step(tokens.shape[1])
     if isinstance(model, Seq2SeqTransformer):
-        x = model.tgt_embed(tokens[:, None], positions)
+        x = model.tgt_embed(tokens, positions)
         x = model.decoder(x, mask, memory_mask=cache.cross.mask, cache=cache)[0]
         head: Callable[[torch.Tensor], torch.Tensor] = model.logits
     else:
-        x = model.decoder(model.embed(tokens[:, None], positions), mask, cache=cache)[0]
+        x = model.decoder(model.embed(tokens, positions), mask, cache=cache)[0]
         head = model.lm_head
-    cache.end_step(1)
-    return head(x[:, 0])
+    cache.end_step(tokens.shape[1])
+    return head(x)
 
 
 def _lora_scales(layers: list[LoRALinear], names: list[str | None], size: int

@@ -159,11 +159,12 @@ class GenerationScheduler(Scheduler):
         vocabulary = _searched_vocabulary(batch, drafts is None)
         try:
             if drafts is None:
-                logits = self._call_model(batch.jobs, batch.adapter_rows(), self._decoder(batch, vocabulary),
+                logits = self._call_model(batch.jobs, batch.adapter_rows(), self._step_fn(batch, vocabulary, 1),
                                           batch.tokens, cache, vocabulary)
             else:
                 fed = fed_tokens(batch, drafts)
-                logits = self._call_model(batch.jobs, batch.adapter_rows(), self.runner.verify, fed, cache,
+                logits = self._call_model(batch.jobs, batch.adapter_rows(),
+                                          self._step_fn(batch, batch.vocabulary, fed.shape[1]), fed, cache,
                                           batch.vocabulary)
         except Exception as exc:
             # Nothing was committed (lengths advance last), so the rows can be replayed job by job.
@@ -174,13 +175,18 @@ class GenerationScheduler(Scheduler):
         self.metrics.batch_size.labels(self.name).observe(batch.rows)
         return self._split(batch.jobs, logits, drafts)
 
-    def _decoder(self, batch: RunningBatch, vocabulary: VocabularyRestriction | None) -> Callable:
-        """The runner's decode, or the static step's when it holds this step (counted by path in the metrics)."""
-        if self.static is None:
-            return self.runner.decode
-        fallback = self.static.fallback(batch.cache, vocabulary)
-        self.static.count(fallback or "static")
-        return self.runner.decode if fallback else partial(self.static.decode, adapters=batch.adapter_rows())
+    def _step_fn(self, batch: RunningBatch, vocabulary: VocabularyRestriction | None, tokens: int) -> Callable:
+        """The runner's decode (``tokens`` 1) or verify, or the static step's when it holds this step (counted by
+        path in the metrics)."""
+        static = self.static
+        eager = self.runner.decode if tokens == 1 else self.runner.verify
+        if static is None:
+            return eager
+        fallback = static.fallback(batch.cache, vocabulary, tokens)
+        static.count(fallback or "static")
+        if fallback:
+            return eager
+        return partial(static.decode if tokens == 1 else static.verify, adapters=batch.adapter_rows())
 
     def _decode_alone(self, batch: RunningBatch) -> list[Output]:
         survivors, outputs = [], []

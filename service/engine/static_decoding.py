@@ -22,7 +22,8 @@ import torch
 
 from model.kv_cache import KVCache
 from model.restricted_vocab import VocabularyRestriction
-from model.static_step import BATCH_SIZES, StaticDecoder, span
+from model.seq2seq import Seq2SeqTransformer
+from model.static_step import BATCH_SIZES, VERIFY_WIDTHS, StaticDecoder, span, verify_width
 from service.engine.metrics import Metrics
 from service.engine.runners import DECODE_HEADROOM, GenerationRunner
 from service.engine.types import EngineSettings
@@ -95,18 +96,23 @@ class StaticDecoding:
             with torch.inference_mode():
                 self.decoder.prepare()
 
-    def fallback(self, cache: KVCache, vocabulary: VocabularyRestriction | None) -> str | None:
-        """Why a plain decoding step of ``cache`` runs eagerly (None: the static step takes it)."""
+    def fallback(self, cache: KVCache, vocabulary: VocabularyRestriction | None, tokens: int = 1) -> str | None:
+        """Why a step of ``cache`` feeding ``tokens`` a row (more than 1: a verification step) runs eagerly (None:
+        the static step takes it)."""
         decoder = self.decoder
         if cache.batch_size > decoder.rows:
             return "rows"
-        if span(cache) >= decoder.cache.capacity:
+        if tokens > 1 and isinstance(decoder.model, Seq2SeqTransformer):
+            return "verify"
+        if tokens > max(VERIFY_WIDTHS):
+            return "width"
+        if span(cache) + verify_width(tokens) > decoder.cache.capacity:
             return "length"
         if vocabulary is not None:
             return "vocabulary"
         if not decoder.holds_model():
             return "head_copies"
-        if not decoder.holds(cache):
+        if not decoder.holds(cache, verify_width(tokens)):
             return "source"
         return None
 
@@ -119,9 +125,14 @@ class StaticDecoding:
         """The runner's ``decode`` through the static step (``vocabulary`` is None: :meth:`fallback` said so)."""
         return self.decoder.decode(tokens, cache, adapters)
 
+    def verify(self, tokens: torch.Tensor, cache: KVCache, vocabulary: VocabularyRestriction | None,
+               adapters: Sequence[str | None]) -> torch.Tensor:
+        """The runner's ``verify`` (a fed token and a draft a row, (rows, t)) through the static step."""
+        return self.decoder.verify(tokens, cache, adapters)
+
     def info(self) -> StaticInfo:
         decoder = self.decoder
         return StaticInfo(mode=self.mode, sizes=[s for s in decoder.sizes if s <= decoder.rows],
-                          built=sorted({size for size, _ in decoder.built}), graphs=decoder.graphs,
+                          built=sorted({key[0] for key in decoder.built}), graphs=decoder.graphs,
                           rows=decoder.rows, positions=decoder.cache.capacity, bytes=decoder.nbytes)
 

@@ -139,9 +139,8 @@ class ModelWorker:
             format=self.checkpoint.format,
             generation_defaults=self.planner.generation_defaults if self.planner is not None else {},
             draft_model=self.planner.draft_name if self.planner is not None else None,
-            calibration=({"temperature": self.checkpoint.calibration.temperature,
-                          "min_confidence": self.checkpoint.calibration.min_confidence}
-                         if self.checkpoint.calibration is not None else None),
+            calibration=({"temperature": c.temperature, "min_confidence": c.min_confidence}
+                         if (c := self.checkpoint.calibration) is not None else None),
             embedding_defaults=asdict(self.embedding_defaults()) if self.family == "classifier" else None,
             chat_template=self.chat.encoder is not None,
             tool_call_format=self.chat.tool_call_format,

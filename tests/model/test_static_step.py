@@ -82,7 +82,7 @@ def test_per_row_adapters_and_a_new_adapter_rebuild_only_what_needs_it():
     assert decoder.builds == 2
     base = [None] * 4  # no row with an adapter: a runner without the adapters' GEMMs
     _same(generate_causal_static(model, decoder, PROMPTS, config, base), generate_causal(model, PROMPTS, config, base))
-    assert decoder.built == [(4, False), (4, True)] and decoder.builds == 3
+    assert decoder.built == [(4, False, 1), (4, True, 1)] and decoder.builds == 3
     alone = generate_causal(model, PROMPTS, config)
     assert [h[0].tokens for h in alone] != [h[0].tokens for h in generate_causal(model, PROMPTS, config, rows)]
 

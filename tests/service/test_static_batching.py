@@ -16,6 +16,8 @@ from tests.helpers import StepGate, gather_queued, wait_until
 from tests.reliability.helpers import inprocess_server
 from tests.service.conftest import ADAPTERS, CLS, LM, MT, ask, assert_same, offline, running_engine
 from tests.service.test_prefix_cache import DECODINGS, SUFFIXES, SYSTEM
+from tests.service.test_speculative import CASES as SPECULATIVE
+from tests.service.test_speculative import NGRAM, REPEATING, without_speculation
 
 SIZES = "1,2,4"  # a batch of more than 4 rows decodes eagerly until rows leave
 CASES = [
@@ -36,6 +38,12 @@ def pytorch_path():
 
 def static_steps(engine, model: str, path: str) -> float:
     return engine.metrics.registry.get_sample_value("tserve_static_steps_total", {"model": model, "path": path}) or 0
+
+
+def static_paths(engine, model: str) -> dict[str, float]:
+    """Steps by path: static and every fallback reason."""
+    paths = ("static", "rows", "verify", "width", "length", "vocabulary", "head_copies", "source")
+    return {path: static_steps(engine, model, path) for path in paths}
 
 
 def fields_for(params: dict, model: str) -> dict:
@@ -108,6 +116,28 @@ def test_rows_reading_cached_prefix_blocks_take_static_steps_with_the_prefix_cop
     for got, prompt, decoding in zip(results, prompts, DECODINGS, strict=True):
         assert_same(got, offline(models_dir / LM, [prompt], decoding))
     assert hits > 0 and paths == {"static": max(d["max_new_tokens"] for d in DECODINGS) - 1, "length": 0}
+
+
+def test_verification_steps_of_drafts_run_static_at_padded_widths(models_dir, adapters_dir):
+    tuned = dict(max_new_tokens=20, speculative=NGRAM, adapter=ADAPTERS[LM])
+    cases = [*SPECULATIVE, (REPEATING, tuned)]
+
+    async def main():
+        async with running_engine(models_dir, adapters_dir, cuda_graphs="lazy", prefix_cache_mb=0) as engine:
+            worker = engine.get(LM)
+            outputs = await gather_queued(worker, [worker.generate(ask(text, **fields), f"s{i}")
+                                                   for i, (text, fields) in enumerate(cases)])
+            paths = {key: value for key, value in static_paths(engine, LM).items() if value}
+            drafted = engine.metrics.registry.get_sample_value("tserve_spec_decode_draft_tokens_total", {"model": LM})
+            return outputs, paths, drafted, worker.scheduler.static.decoder.built
+
+    outputs, paths, drafted, built = asyncio.run(main())
+    for (text, fields), got in zip(cases, outputs, strict=True):
+        fields = without_speculation(fields)
+        adapter = adapters_dir / LM / fields.pop("adapter") if "adapter" in fields else None
+        assert_same(got, offline(models_dir / LM, [text], fields, adapter))
+    assert drafted > 0 and list(paths) == ["static"]  # every step, verification steps too, on the static step
+    assert {width for _, _, width in built} >= {1, 4}  # drafts of up to 4 tokens: 5 fed tokens padded to 8, or 4
 
 
 def test_startup_builds_every_size_and_get_models_reports_the_buffers(models_dir):
