@@ -112,7 +112,8 @@ class StaticDecoder:
         self._runners: dict[tuple[int, bool, int], _Runner] = {}  # by (size, any row with an adapter, width)
         self._pool = None  # the graphs' shared memory pool (CUDA)
         self.graph_bytes = 0  # memory the captures reserved (CUDA: the graphs' pool)
-        self.adopted = 0  # running caches copied into the buffers by decode (rows joined or left)
+        self.adopted = 0  # running caches copied into the buffers by decode (rows joined, or left a cache not adopted)
+        self.kept = 0  # rows left an adopted cache in place (keep_rows)
         self._cross: object | None = None  # the cross-attention memory decode last copied in, and its rows
         self._cross_rows = 0
 
@@ -187,10 +188,9 @@ class StaticDecoder:
         views of them; a copy only when they are not already. Rows reading shared prefix blocks get them copied
         ahead of their own positions, and the cache reads no prefix any more (its lengths count it)."""
         n, mine = cache.batch_size, self.cache
-        theirs = cache.keys[0]
         if cache.prefix is not None:
             self._adopt_prefixed(cache)
-        elif not (theirs.data_ptr() == mine.keys[0].data_ptr() and theirs.shape == mine.keys[0][:n].shape):
+        elif not self._adopted(cache):
             used = cache.max_length
             for static, own in zip(mine.keys + mine.values, cache.keys + cache.values, strict=True):
                 static[:n, :, :used] = own[:, :, :used]
@@ -199,6 +199,35 @@ class StaticDecoder:
         if cache.cross is not None and (cache.cross is not self._cross or n != self._cross_rows):
             mine._load_cross(cache.cross, n)
             self._cross, self._cross_rows = cache.cross, n
+
+    def keep_rows(self, cache: KVCache, index: torch.Tensor) -> bool:
+        """``cache.select(index)`` for rows leaving (``index`` (m,), m < n) done inside the static buffers when
+        ``cache`` is the adopted one: the rows that move are gathered, then written over the used positions, and the
+        cache's buffers become views of rows 0..m-1 (no new buffers, no copy back at the next step). False (nothing
+        done) for any other cache."""
+        n, m, mine = cache.batch_size, index.shape[0], self.cache
+        if not (m < n and self._adopted(cache)):
+            return False
+        lengths = cache.lengths.index_select(0, index)
+        used = min(cache.max_length, int(lengths.max()) if m else 0)
+        targets = torch.arange(m, device=index.device)
+        moved = index != targets
+        rows, sources = targets[moved], index[moved]
+        if rows.numel():
+            for buffer in mine.keys + mine.values:
+                window = buffer[:, :, :used]
+                window[rows] = window.index_select(0, sources)
+        cache.keys, cache.values = [k[:m] for k in mine.keys], [v[:m] for v in mine.values]
+        cache.lengths, cache.max_length = lengths, used
+        if cache.cross is not None:
+            cache.cross = cache.cross.select(index)
+        self.kept += 1
+        return True
+
+    def _adopted(self, cache: KVCache) -> bool:
+        """Whether ``cache``'s buffers are the views of static rows 0..n-1 that :meth:`_adopt` made."""
+        theirs, mine = cache.keys[0], self.cache.keys[0]
+        return theirs.data_ptr() == mine.data_ptr() and theirs.shape == mine[: cache.batch_size].shape
 
     def _adopt_prefixed(self, cache: KVCache) -> None:
         """:meth:`_adopt` of rows that read shared prefix blocks: per group of rows reading one chain, the chain's K/V

@@ -314,9 +314,12 @@ class GenerationScheduler(Scheduler):
             batch.cache.truncate(batch.cache.lengths - torch.tensor(excess, device=batch.cache.lengths.device))
         parts, index, rows = index, torch.cat(index), batch.rows  # rows before select: select shrinks the cache
         if index.numel() != rows or not torch.equal(index, torch.arange(rows, device=index.device)):
-            batch.select(index, _tails(tails, parts, batch.cache.max_length) if index.numel() == rows else None)
-            if index.numel() < rows:
-                compact(batch.cache)
+            in_place = (index.numel() < rows and self.static is not None and batch.vocabulary is None
+                        and self.static.decoder.keep_rows(batch.cache, index))  # rows left the static buffers
+            if not in_place:
+                batch.select(index, _tails(tails, parts, batch.cache.max_length) if index.numel() == rows else None)
+                if index.numel() < rows:
+                    compact(batch.cache)
         batch.jobs, batch.tokens = keep, torch.cat(tokens)
 
     def _stream_logprobs(self, job: GenerationJob, token: int, position: int) -> list | None:

@@ -73,31 +73,33 @@ def test_a_running_batch_on_the_static_step_serves_what_each_request_gets_alone(
 
 
 def test_rows_joining_and_leaving_a_static_batch_equal_alone(models_dir):
-    long = dict(max_new_tokens=40, min_new_tokens=40)
-    short = dict(strategy="beam", num_beams=2, max_new_tokens=8)
+    first_fields = dict(strategy="beam", num_beams=2, max_new_tokens=14, min_new_tokens=14)
+    second_fields = dict(max_new_tokens=40, min_new_tokens=40)
 
     async def main():
         async with running_engine(models_dir, None, cuda_graphs="lazy", prefix_cache_mb=0) as engine:
             worker = engine.get(MT)
             sched = worker.scheduler
             running = StepGate(sched, when=lambda ids: ids == ["first"] and sched.batch is not None
-                               and sched.batch.jobs[0].search.step > 5)
-            first = asyncio.create_task(worker.generate(ask("hello world", **long), "first"))
+                               and sched.batch.jobs[0].search.step > 3)
+            first = asyncio.create_task(worker.generate(ask("hello world", **first_fields), "first"))
             await running.until_parked()  # "first" decoded a few static steps alone
-            adopted = sched.static.decoder.adopted
-            second = asyncio.create_task(worker.generate(ask("the cat", **short), "second"))
+            decoder = sched.static.decoder
+            adopted, kept = decoder.adopted, decoder.kept
+            second = asyncio.create_task(worker.generate(ask("the cat", **second_fields), "second"))
             await wait_until(lambda: sched.num_waiting == 1)
             running.release()
-            second = await second
-            assert not first.done()  # it joined a running batch, and left it before "first" finished
             first = await first
-            return first, second, sched.static.decoder.adopted - adopted, static_steps(engine, MT, "static")
+            assert not second.done()  # it joined a running batch and outlived the rows ahead of it
+            second = await second
+            changes = (decoder.adopted - adopted, decoder.kept - kept)
+            return first, second, changes, {k: v for k, v in static_paths(engine, MT).items() if v}
 
-    first, second, adoptions, steps = asyncio.run(main())
-    assert_same(first, offline(models_dir / MT, ["hello world"], long))
-    assert_same(second, offline(models_dir / MT, ["the cat"], short))
-    assert adoptions >= 2  # the rows moved into the buffers when "second" joined and when it left
-    assert steps == long["max_new_tokens"] - 1  # every decode step of the batch was static (prefill: token 1)
+    first, second, changes, paths = asyncio.run(main())
+    assert_same(first, offline(models_dir / MT, ["hello world"], first_fields))
+    assert_same(second, offline(models_dir / MT, ["the cat"], second_fields))
+    assert changes == (1, 1)  # the rows moved into the buffers once, when "second" joined; "first" left in place
+    assert list(paths) == ["static"] and paths["static"] >= 40 - 1  # every decode step static
 
 
 def test_rows_reading_cached_prefix_blocks_take_static_steps_with_the_prefix_copied_in(models_dir):
