@@ -4,7 +4,8 @@ The fast path is ``torch.nn.functional.scaled_dot_product_attention`` (fused ker
 ``attention_weights=True`` takes the explicit path so the weights can be returned for introspection.
 Blocks of up to 16 queries per row (decoding steps over the KV cache, short sentences, a [CLS]-only last
 layer) go through :func:`decode_attention`: our AVX-512 kernel (model/kernels/decode_attention.cpp) on CPU
-float32 inference, SDPA otherwise.
+float32 inference, SDPA otherwise; longer blocks (a prompt's prefill) through :func:`blocked_sdpa`: our
+prefill kernel (model/kernels/prefill_attention.cpp) where :func:`prefill_rows` holds, else SDPA by query blocks.
 Masks are boolean, True where a query may attend, broadcastable to (B, H, Tq, Tk); or float, added to the scores
 (T5's relative position bias, model.relative_position: the kernel leaves those to SDPA).
 """
@@ -12,6 +13,7 @@ Masks are boolean, True where a query may attend, broadcastable to (B, H, Tq, Tk
 from __future__ import annotations
 
 import math
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -79,10 +81,13 @@ def blocked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     """``F.scaled_dot_product_attention(q, k, v, attn_mask=mask)`` (grouped K/V not expanded); more than QUERY_BLOCK
     queries on the CPU run in blocks of QUERY_BLOCK, each against the keys up to the last one its mask shows, so a
     causal prefill skips the upper triangle (SDPA with an explicit mask computes it all: 512 tokens, 7.6 -> 4.6 ms a
-    layer at 9 / 3 heads of 64, 11.6 -> 7.2 ms at 14 / 2)."""
+    layer at 9 / 3 heads of 64, 11.6 -> 7.2 ms at 14 / 2). Where :func:`encoder_rows` or :func:`prefill_rows` holds,
+    our kernel computes it instead (the prefill's: 1.4 ms a layer at 9 / 3 heads of 64)."""
     kernel = native.kernels()
     if kernel is not None and encoder_rows(q, k, v, mask):
         return kernel.encoder_attention(q, k, v, mask)
+    if kernel is not None and prefill_rows(kernel, q, k, v, mask):
+        return kernel.prefill_attention(q, k, v, mask)
     t, gqa = q.shape[2], k.shape[1] != q.shape[1]
     if mask is None or mask.dtype != torch.bool or t <= QUERY_BLOCK or mask.shape[-2] != t or q.device.type != "cpu":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
@@ -106,6 +111,24 @@ def encoder_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
             and q.stride(3) == k.stride(3) == v.stride(3) == 1 and k.stride() == v.stride()
             and (mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == mask.shape[2] == 1
                                   and mask.shape[0] in (1, q.shape[0]) and mask.shape[3] == q.shape[2])))
+
+
+def prefill_rows(
+    kernel: ModuleType, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> bool:
+    """Whether ``kernel``'s prefill attention (model/kernels/prefill_attention.cpp: 2.8-2.9x blocked SDPA on a
+    512-token causal prompt at 9 / 3 heads of 64) computes this: CPU float32 inference, grouped-query K/V (B, H_kv,
+    Tk, Dh) with H_kv dividing H, Dh a multiple of ``kernel.PREFILL_HEAD_DIM_MULTIPLE`` (64, 128, 256), at most
+    ``kernel.PREFILL_MAX_KEYS`` keys, unit stride along Dh, no mask or a bool one (B|1, 1, Tq|1, Tk): causal, with a
+    cached prefix, padded rows or a sliding window alike (the kernel computes only the keys each query block keeps)."""
+    return (q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32 and not q.requires_grad
+            and q.dim() == k.dim() == 4 and k.shape == v.shape and q.shape[0] == k.shape[0]
+            and q.shape[3] == k.shape[3] and q.shape[3] % kernel.PREFILL_HEAD_DIM_MULTIPLE == 0
+            and k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0 and k.shape[2] <= kernel.PREFILL_MAX_KEYS
+            and q.stride(3) == k.stride(3) == v.stride(3) == 1
+            and (mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == 1
+                                  and mask.shape[0] in (1, q.shape[0]) and mask.shape[2] in (1, q.shape[2])
+                                  and mask.shape[3] == k.shape[2])))
 
 
 def prefix_attention(

@@ -24,6 +24,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("encoder_attention", &encoder_attention,
              "bidirectional self-attention of (B, H, T, 64) rows under a key mask (B|1, 1, 1, T), float32",
              pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("mask"), release());
+  module.def("prefill_attention", &prefill_attention,
+             "self-attention of (B, H, Tq, Dh) queries over (B, H_kv, Tk, Dh) keys under a bool mask (B|1, 1, Tq|1, Tk) "
+             "(causal: only the key spans each block of queries keeps), float32",
+             pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("mask"), release());
   module.def("few_rows_linear", &few_rows_linear, "float32 linear of a few rows over input-major weights (else at::linear)",
              release());
   module.def("pack_weight", &pack_weight, "an (N, K) float32 weight as (ceil(N / 32), K, 32) panels", release());
@@ -63,6 +67,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   using pybind11::arg;
   module.attr("MAX_STEP_TOKENS") = kMaxStepTokens;
   module.attr("MAX_ENCODE_TOKENS") = kMaxEncodeTokens;
+  module.attr("PREFILL_HEAD_DIM_MULTIPLE") = kPrefillHeadDimMultiple;
+  module.attr("PREFILL_MAX_KEYS") = kPrefillMaxKeys;
   pybind11::enum_<Activation>(module, "Activation", "FeedForward's activations, by their config names")
       .value("relu", kRelu)
       .value("gelu", kGelu)

@@ -2,10 +2,11 @@
 // model/attention.py gives SDPA for a forward with a key-padding mask (a classifier, reranker or NER model).
 //
 // out[b, h, i] = softmax(q[b, h, i] . k[b, h, :] / sqrt(64), keys masked) @ v[b, h, :] for every query i of every
-// row and head, head dim 64. Per head: K transposed once into a scratch (64 x T, zero past T; 16 x 16 blocks at a
-// time in registers), then blocks of 8 queries: their scores against 32 keys at a time are 16 accumulators fed
-// by one broadcast per query and dim (no horizontal sums), each row's maximum kept as the scores are stored, the
-// block's softmax in a row buffer, then p @ V as 8 queries x 32 dims of accumulators, two passes over the keys.
+// row and head, head dim 64. Per head: K transposed once into a scratch (transpose_rows: per 16 keys a 64 x 16 tile,
+// zero past T), then blocks of 8 queries: their scores against 32 keys at a time are 16
+// accumulators fed by one broadcast per query and dim (no horizontal sums), each row's maximum kept as the scores are
+// stored, the block's softmax in a row buffer, then p @ V as 8 queries x 32 dims of accumulators, two passes over the
+// keys.
 // SDPA's CPU (flash) kernel runs ~75 GFLOP/s on 8 x 12 heads x 128 tokens here; this one ~160-175, within 5e-7 of
 // it. (4-query blocks against 64 keys: 14% slower; 6-query blocks against 64 keys (24 accumulators): slower still;
 // V copied into contiguous planes per head: no faster.)
@@ -43,7 +44,7 @@ struct Head {
 };
 
 // Scores of the block's queries (query r at qs[r]) against every key into p (kQueries x tp), scaled, masked keys at
-// -inf: 8 queries x 32 keys of accumulators, one broadcast per query and dim, two key vectors per dim.
+// -inf: 8 queries x 32 keys of accumulators, one broadcast per query and dim, two key tiles (transpose_rows) per dim.
 AVX512 void scores(const float* const* qs, const float* kt, const float* bias, int64_t tp, float* p, float* top) {
   __m512 tops[kQueries];
   UNROLL for (int r = 0; r < kQueries; ++r) tops[r] = _mm512_set1_ps(-INFINITY);
@@ -53,10 +54,10 @@ AVX512 void scores(const float* const* qs, const float* kt, const float* bias, i
     const bool pair = c0 + 1 < vectors;  // tp / 16 odd: the last tile has one key vector
     __m512 acc[kQueries][kKeyVectors];
     UNROLL for (int r = 0; r < kQueries; ++r) UNROLL for (int c = 0; c < kKeyVectors; ++c) acc[r][c] = _mm512_setzero_ps();
-    const float* kc = kt + c0 * 16;
+    const float* kc = kt + c0 * 16 * kDh;
     if (pair) {
       for (int d = 0; d < kDh; ++d) {
-        const __m512 k0 = _mm512_loadu_ps(kc + d * tp), k1 = _mm512_loadu_ps(kc + d * tp + 16);
+        const __m512 k0 = _mm512_loadu_ps(kc + d * 16), k1 = _mm512_loadu_ps(kc + kDh * 16 + d * 16);
         UNROLL for (int r = 0; r < kQueries; ++r) {
           const __m512 query = _mm512_set1_ps(qs[r][d]);
           acc[r][0] = _mm512_fmadd_ps(query, k0, acc[r][0]);
@@ -65,7 +66,7 @@ AVX512 void scores(const float* const* qs, const float* kt, const float* bias, i
       }
     } else {
       for (int d = 0; d < kDh; ++d) {
-        const __m512 k0 = _mm512_loadu_ps(kc + d * tp);
+        const __m512 k0 = _mm512_loadu_ps(kc + d * 16);
         UNROLL for (int r = 0; r < kQueries; ++r) acc[r][0] = _mm512_fmadd_ps(_mm512_set1_ps(qs[r][d]), k0, acc[r][0]);
       }
     }
@@ -80,28 +81,13 @@ AVX512 void scores(const float* const* qs, const float* kt, const float* bias, i
   UNROLL for (int r = 0; r < kQueries; ++r) top[r] = _mm512_reduce_max_ps(tops[r]);
 }
 
-// Each score row of p -> exp(score - max) in place; returns 1 / sum (0 for a row that sees no key: zeros out).
-AVX512 float softmax_row(float* p, int64_t tp, float largest) {
-  if (largest == -INFINITY) {
-    std::fill(p, p + tp, 0.f);
-    return 0.f;
-  }
-  const __m512 shift = _mm512_set1_ps(largest);
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t c = 0; c < tp; c += 16) {
-    const __m512 e = tserve::exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(p + c), shift));
-    _mm512_storeu_ps(p + c, e);
-    sum = _mm512_add_ps(sum, e);
-  }
-  return 1.f / _mm512_reduce_add_ps(sum);
-}
-// kt (64 x tp) = the head's keys transposed, zero past t: 16 keys x 16 dims at a time, transposed in registers.
-AVX512 void transpose_keys(const Head& h, int64_t tp, float* kt) {
+// transpose_rows, 16 rows x 16 dims at a time, transposed in registers.
+AVX512 void transpose_in_registers(const float* src, int64_t row, int64_t rows, int64_t dims, int64_t tp, float* dst) {
   for (int64_t j0 = 0; j0 < tp; j0 += 16) {
-    for (int d0 = 0; d0 < kDh; d0 += 16) {
+    for (int64_t d0 = 0; d0 < dims; d0 += 16) {
       __m512 a[16], b[16];
       UNROLL for (int r = 0; r < 16; ++r)
-        a[r] = j0 + r < h.t ? _mm512_loadu_ps(h.k + (j0 + r) * h.kv_row + d0) : _mm512_setzero_ps();
+        a[r] = j0 + r < rows ? _mm512_loadu_ps(src + (j0 + r) * row + d0) : _mm512_setzero_ps();
       UNROLL for (int r = 0; r < 16; r += 2) {  // lane L: a[r][4L + 0..1] / a[r][4L + 2..3] interleaved with a[r + 1]
         b[r] = _mm512_unpacklo_ps(a[r], a[r + 1]);
         b[r + 1] = _mm512_unpackhi_ps(a[r], a[r + 1]);
@@ -117,12 +103,24 @@ AVX512 void transpose_keys(const Head& h, int64_t tp, float* kt) {
         b[g + c + 4] = _mm512_shuffle_f32x4(a[g + c], a[g + c + 4], 0xdd);
       }
       UNROLL for (int c = 0; c < 8; ++c) {
-        _mm512_storeu_ps(kt + (d0 + c) * tp + j0, _mm512_shuffle_f32x4(b[c], b[c + 8], 0x88));
-        _mm512_storeu_ps(kt + (d0 + c + 8) * tp + j0, _mm512_shuffle_f32x4(b[c], b[c + 8], 0xdd));
+        _mm512_storeu_ps(dst + j0 * dims + (d0 + c) * 16, _mm512_shuffle_f32x4(b[c], b[c + 8], 0x88));
+        _mm512_storeu_ps(dst + j0 * dims + (d0 + c + 8) * 16, _mm512_shuffle_f32x4(b[c], b[c + 8], 0xdd));
       }
     }
   }
 }
+
+}  // namespace
+
+// dst = rows of src (`rows` rows of `dims` floats, row apart) transposed in tiles of 16 rows: rows j0 .. j0 + 15 as a
+// (dims x 16) tile at dst + j0 * dims, zero past rows (tp >= rows, a multiple of 16; dims a multiple of 16). A head's
+// keys for the score tiles here and in prefill_attention.cpp: a tile is read front to back, one dim after another
+// (dims x tp rows, read 16 floats a row, were 4-12% slower: docs/benchmarks.md, helper P, session 24).
+void transpose_rows(const float* src, int64_t row, int64_t rows, int64_t dims, int64_t tp, float* dst) {
+  transpose_in_registers(src, row, rows, dims, tp, dst);
+}
+
+namespace {
 
 // out rows [i0, i0 + rows) = p @ V scaled by inverse: 8 queries x 32 dims of accumulators, two passes over the keys.
 AVX512 void weighted_values(const Head& h, const float* p, int64_t tp, int64_t i0, int rows, const float* inverse) {
@@ -149,7 +147,7 @@ AVX512 void weighted_values(const Head& h, const float* p, int64_t tp, int64_t i
 
 AVX512 void head_attention(const Head& h, float* kt, float* bias, float* p) {
   const int64_t t = h.t, tp = (t + 15) / 16 * 16;
-  transpose_keys(h, tp, kt);
+  transpose_rows(h.k, h.kv_row, t, kDh, tp, kt);
   for (int64_t j = 0; j < tp; ++j) bias[j] = j < t && (h.keep == nullptr || h.keep[j]) ? 0.f : -INFINITY;
   for (int64_t i0 = 0; i0 < t; i0 += kQueries) {
     const int rows = static_cast<int>(std::min<int64_t>(kQueries, t - i0));
@@ -157,7 +155,7 @@ AVX512 void head_attention(const Head& h, float* kt, float* bias, float* p) {
     for (int r = 0; r < kQueries; ++r) qs[r] = h.q + (i0 + std::min(r, rows - 1)) * h.q_row;
     float top[kQueries], inverse[kQueries];
     scores(qs, kt, bias, tp, p, top);
-    for (int r = 0; r < kQueries; ++r) inverse[r] = softmax_row(p + r * tp, tp, top[r]);
+    for (int r = 0; r < kQueries; ++r) inverse[r] = tserve::softmax_row(p + r * tp, tp, top[r]);
     weighted_values(h, p, tp, i0, rows, inverse);
   }
 }

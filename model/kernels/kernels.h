@@ -17,6 +17,14 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
                                const c10::optional<torch::Tensor>& prefix_table = c10::nullopt, int64_t layer = 0);
 torch::Tensor encoder_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                 const c10::optional<torch::Tensor>& mask);
+// encoder_attention.cpp's key transposition (dims x tp, zero past rows), shared with prefill_attention.cpp.
+void transpose_rows(const float* src, int64_t row, int64_t rows, int64_t dims, int64_t tp, float* dst);
+torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                const c10::optional<torch::Tensor>& mask);
+// prefill_attention's shapes (model.attention.prefill_rows reads them from the bindings): head dims a multiple of
+// this (one p @ V pass each), at most this many keys (a per-thread row buffer and the transposed keys of a row).
+constexpr int64_t kPrefillHeadDimMultiple = 32;
+constexpr int64_t kPrefillMaxKeys = 8192;
 torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias);
 torch::Tensor pack_weight(const torch::Tensor& weight);
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,

@@ -28,6 +28,23 @@ __attribute__((target("avx512f"))) inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// A row of attention scores -> exp(score - largest) in place (width a multiple of 16); returns 1 / their sum, or 0 for
+// a row that keeps no key (largest -inf: the row is zeroed, so its output is zeros).
+__attribute__((target("avx512f"))) inline float softmax_row(float* p, int64_t width, float largest) {
+  if (largest == -__builtin_inff()) {
+    for (int64_t c = 0; c < width; ++c) p[c] = 0.f;
+    return 0.f;
+  }
+  const __m512 shift = _mm512_set1_ps(largest);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t c = 0; c < width; c += 16) {
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(p + c), shift));
+    _mm512_storeu_ps(p + c, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return 1.f / _mm512_reduce_add_ps(sum);
+}
+
 // The end of a panel tile (packed_linear.cpp, bf16_linear.cpp): R rows x S panels of 32 float32 sums, each panel
 // two vectors, plus the bias (null: none), stored to y (rows of n) from row r0 and column 32 p; the columns past n
 // (a last, partial panel) left out.
