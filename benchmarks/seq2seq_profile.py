@@ -2,8 +2,9 @@
 [--batch 1] [--int8] [--repeats 3] [--pytorch-path]`.
 
 A cell of benchmarks/shape_compare.py (32-token sources, 64 new tokens, the shape's forced first token), split into:
-the encoder (``encode`` and the cross-attention K/V), the decoder steps (``start_from`` and ``decode_step`` on a
-cache of every row: batch x beams), the output head alone (``logits`` of that many rows, once a step) and the rest
+the encoder (``encode`` and the cross-attention K/V), the decoder steps (``start_from`` per source, then
+``decode_step`` on batch x beams rows that read their source's K/V once, as the search's ``cache.select`` leaves
+them), the output head alone (``logits`` of that many rows, once a step) and the rest
 of ``generate_seq2seq`` (the search: top-k, beam bookkeeping, cache reordering, Python), each the median of
 ``--repeats`` runs on one thread count (``--threads``). Whether the decoder ran the C++ step (model.native_support)
 or LayerStack.forward (``--pytorch-path`` forces it) is printed beside it, with each part's floor (bytes over the
@@ -48,14 +49,14 @@ def profile(args: argparse.Namespace) -> list[tuple[str, float, str]]:
         model.decoder.native = False
     inputs = random_ids(files.shape, args.batch, SOURCE_TOKENS, seed=args.batch)
     rows = args.batch * args.beams
-    wide = inputs.repeat_interleave(args.beams, 0)
     hidden = torch.randn(rows, dims.d_model)
 
-    def steps() -> None:
-        memory, mask, _ = model.encode(wide)
+    def steps() -> None:  # as the search runs them: the first step per source, then its beams on the source's K/V
+        memory, mask, _ = model.encode(inputs)
         cache = model.new_cache(memory, mask, NEW_TOKENS + 1)
         tokens = torch.full((rows,), 5, dtype=torch.long)
         model.start_from(cache)
+        cache.select(torch.arange(args.batch).repeat_interleave(args.beams))
         for _ in range(NEW_TOKENS - 1):
             model.decode_step(tokens, cache)
 
@@ -68,8 +69,7 @@ def profile(args: argparse.Namespace) -> list[tuple[str, float, str]]:
         ours_tokens(checkpoint, inputs, args.beams, 4, forced)  # warm-up
         total = median_seconds(lambda: ours_tokens(checkpoint, inputs, args.beams, NEW_TOKENS, forced), args.repeats)
         encode = median_seconds(lambda: encoder(inputs), args.repeats)
-        encode_wide = median_seconds(lambda: encoder(wide), args.repeats)
-        decode = median_seconds(steps, args.repeats) - encode_wide
+        decode = median_seconds(steps, args.repeats) - encode
         head = NEW_TOKENS * median_seconds(lambda: model.logits(hidden), max(args.repeats, 10))
     width = 1 if args.int8 else 4
     step_bytes, head_bytes = floor.decoder_weights("seq2seq", dims) * width, dims.lm_head * width
