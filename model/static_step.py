@@ -252,7 +252,7 @@ class StaticDecoder:
     @property
     def nbytes(self) -> int:
         """Memory of the static step: the K/V (and cross-attention) buffers, the logits and the graphs' pool."""
-        logits = sum(t.numel() * t.element_size() for t in self.logits.values())
+        logits = sum(t.numel() * t.element_size() for t in list(self.logits.values()))  # read by other threads
         return self.cache.nbytes + logits + self.tokens.numel() * self.tokens.element_size() + self.graph_bytes
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
