@@ -24,7 +24,8 @@ from model.tokenizer import pad_batch
 
 def fits(decoder: StaticDecoder, config: GenerationConfig, inputs: int, longest: int) -> bool:
     """Whether ``decoder`` holds a search of ``config`` over ``inputs`` inputs whose longest start is ``longest``
-    tokens (its rows, all their positions)."""
+    tokens (its rows, all their positions): the model's adapters read again first (they may have changed)."""
+    decoder.refresh()
     return (decoder.holds_model() and inputs * config.rows_per_input <= decoder.rows
             and longest + config.max_new_tokens <= decoder.cache.capacity)
 

@@ -23,7 +23,7 @@ A server's running batch keeps its own KVCache (rows join, leave and are reorder
 :meth:`StaticDecoder.decode` moves its K/V into the static buffers when rows joined or left (rows reading shared prefix
 blocks get the blocks copied ahead of their own positions), and then its buffers are views of them.
 
-Not held (the caller decodes eagerly, :func:`model.static_generation.fits`, :meth:`StaticDecoder.holds`): more rows
+Not held (the caller decodes eagerly, :func:`model.static_generation.fits`, :meth:`StaticDecoder.refusal`): more rows
 than the largest size or positions than the capacity, adapters' head copies (modules_to_save), a vocabulary
 restriction, speculative steps; offline (:meth:`StaticDecoder.load`), a shared prefix.
 """
@@ -57,10 +57,10 @@ def padded_size(rows: int, sizes: Sequence[int] = BATCH_SIZES) -> int:
     raise ValueError(f"{rows} rows exceed the largest captured batch size {max(sizes)}")
 
 
-def adapter_state(model: nn.Module) -> tuple:
+def adapter_state(layers: Sequence[LoRALinear]) -> tuple:
     """What a built step depends on in the model's adapters: per LoRA layer, the merged adapter and its resident
     adapters' key (LoRALinear.adapters_key: added, removed or changed in place). Equal states: the same weights."""
-    return tuple((m.merged, m.adapters_key()) for m in model.modules() if isinstance(m, LoRALinear))
+    return tuple((m.merged, m.adapters_key()) for m in layers)
 
 
 @dataclass
@@ -116,6 +116,16 @@ class StaticDecoder:
         self.kept = 0  # rows left an adopted cache in place (keep_rows)
         self._cross: object | None = None  # the cross-attention memory decode last copied in, and its rows
         self._cross_rows = 0
+        self._lora: list[LoRALinear] = []  # the model's LoRA layers and whether any adapter has head copies (refresh)
+        self._head_copies = False
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Read the model's LoRA layers again (one walk of its modules, not one a step): call it after adapters were
+        added to or removed from the model (weights changed in place need nothing: adapter_state sees them)."""
+        modules = list(self.model.modules())
+        self._lora = [m for m in modules if isinstance(m, LoRALinear)]
+        self._head_copies = any(isinstance(m, HeadCopies) for m in modules)
 
     @property
     def built(self) -> list[tuple[int, bool, int]]:
@@ -127,10 +137,15 @@ class StaticDecoder:
         """How many of them hold a CUDA graph."""
         return sum(runner.graph is not None for runner in self._runners.values())
 
+    @property
+    def routed_adapters(self) -> list[str]:
+        """The adapters (internal names) its steps route rows to: those of the model's LoRA layers as of refresh."""
+        return sorted({name for layer in self._lora for name in layer.configs})
+
     def holds_model(self) -> bool:
-        """Whether the model's modules take a static step now: no adapter holds head copies (``modules_to_save``,
-        whose rows are routed on the host)."""
-        return not any(isinstance(m, HeadCopies) for m in self.model.modules())
+        """Whether the model's modules (as of :meth:`refresh`) take a static step: no adapter holds head copies
+        (``modules_to_save``, whose rows are routed on the host)."""
+        return not self._head_copies
 
     def _embed(self) -> nn.Module:
         return self.model.tgt_embed if isinstance(self.model, Seq2SeqTransformer) else self.model.embed
@@ -162,8 +177,8 @@ class StaticDecoder:
     def _take(self, fed: torch.Tensor, cache: KVCache, adapters: Sequence[str | None]) -> torch.Tensor:
         n, t = fed.shape
         width = verify_width(t)
-        if not self.holds(cache, width):
-            raise ValueError(f"a cache of {n} rows x {span(cache)} positions does not take {width} more static steps")
+        if (reason := self.refusal(cache, width)) is not None:
+            raise ValueError(f"the static step does not take this step of {n} rows x {span(cache)} positions: {reason}")
         self._adopt(cache)
         self.cache.lengths[:n].copy_(cache.lengths)
         self.cache.lengths[n:] = 0
@@ -174,14 +189,21 @@ class StaticDecoder:
         cache.max_length += t
         return logits
 
-    def holds(self, cache: KVCache, width: int = 1) -> bool:
-        """Whether :meth:`decode` (``width`` 1) or :meth:`verify` takes a step of ``cache``: rows within the largest
-        size, ``width`` free positions a row (after its shared prefix blocks too), cross-attention within the static
-        buffers, the model's modules."""
+    def refusal(self, cache: KVCache, width: int = 1) -> str | None:
+        """Why :meth:`decode` (``width`` 1) or :meth:`verify` does not take a step of ``cache`` (None: it does):
+        "rows" past the largest size, "length" (fewer than ``width`` free positions a row after its own and shared
+        prefix ones), "head_copies" (:meth:`holds_model`), "source" (cross-attention past the static buffers)."""
         cross = self.cache.cross
-        return (cache.batch_size <= self.rows and span(cache) + width <= self.cache.capacity
-                and (cache.cross is None) == (cross is None)
-                and (cross is None or cache.cross.mask.shape[-1] <= cross.mask.shape[-1]) and self.holds_model())
+        if cache.batch_size > self.rows:
+            return "rows"
+        if span(cache) + width > self.cache.capacity:
+            return "length"
+        if not self.holds_model():
+            return "head_copies"
+        if (cache.cross is None) != (cross is None) or (cross is not None
+                                                        and cache.cross.mask.shape[-1] > cross.mask.shape[-1]):
+            return "source"
+        return None
 
     def _adopt(self, cache: KVCache) -> None:
         """Make rows 0..n-1 of the static buffers hold ``cache``'s K/V (and cross-attention memory) and its buffers
@@ -202,25 +224,20 @@ class StaticDecoder:
 
     def keep_rows(self, cache: KVCache, index: torch.Tensor) -> bool:
         """``cache.select(index)`` for rows leaving (``index`` (m,), m < n) done inside the static buffers when
-        ``cache`` is the adopted one: the rows that move are gathered, then written over the used positions, and the
-        cache's buffers become views of rows 0..m-1 (no new buffers, no copy back at the next step). False (nothing
-        done) for any other cache."""
+        ``cache`` is the adopted one (StaticKVCache.select: the moved rows' used positions copied), its buffers then
+        views of rows 0..m-1 (no new buffers, no copy back at the next step). False (nothing done) for any other
+        cache."""
         n, m, mine = cache.batch_size, index.shape[0], self.cache
         if not (m < n and self._adopted(cache)):
             return False
         lengths = cache.lengths.index_select(0, index)
         used = min(cache.max_length, int(lengths.max()) if m else 0)
-        targets = torch.arange(m, device=index.device)
-        moved = index != targets
-        rows, sources = targets[moved], index[moved]
-        if rows.numel():
-            for buffer in mine.keys + mine.values:
-                window = buffer[:, :, :used]
-                window[rows] = window.index_select(0, sources)
+        mine.select(index, None, used)  # the moved rows' K/V (and cross-attention rows) by index copies
         cache.keys, cache.values = [k[:m] for k in mine.keys], [v[:m] for v in mine.values]
         cache.lengths, cache.max_length = lengths, used
         if cache.cross is not None:
             cache.cross = cache.cross.select(index)
+            self._cross, self._cross_rows = cache.cross, m  # the static rows hold it already
         self.kept += 1
         return True
 
@@ -308,7 +325,7 @@ class StaticDecoder:
         """The runner of ``size`` rows of ``width`` tokens and whether any live row selects an adapter (vLLM keys its
         graphs so too: a base-only batch skips the adapters' GEMMs), (re)built when none is or the adapters changed
         since."""
-        state = adapter_state(self.model)
+        state = adapter_state(self._lora)
         key = (size, any(name is not None for name in self._row_adapters), width)
         runner = self._runners.get(key)
         if runner is None or runner.state != state:
@@ -318,8 +335,8 @@ class StaticDecoder:
     def _build(self, size: int, width: int, state: tuple, adapters: bool) -> _Runner:
         if not self.holds_model():
             raise ValueError("adapters' head copies (modules_to_save) route rows on the host: decode them eagerly")
-        layers = [m for m in self.model.modules() if isinstance(m, LoRALinear)]
-        names = [None, *sorted({n for layer in layers for n in layer.configs})]
+        layers = self._lora
+        names = [None, *self.routed_adapters]
         runner = _Runner(size, width, state, self.cache.view(size), names)
         if adapters and len(names) > 1:
             runner.routing, runner.scales = _lora_scales(layers, names, size)
@@ -335,7 +352,7 @@ class StaticDecoder:
         size, width = runner.size, runner.width
         for scales, table in runner.scales:
             scales.copy_(table.index_select(0, self.adapters[:size]))
-        with _routed(self.model, runner.routing):
+        with _routed(self._lora, runner.routing):
             logits = _forward(self.model, self.tokens[:size, :width], runner.cache)
         if width not in self.logits:
             self.logits[width] = logits.new_zeros(self.rows, width, logits.shape[-1])
@@ -418,10 +435,10 @@ def _lora_scales(layers: list[LoRALinear], names: list[str | None], size: int
 
 
 class _routed:
-    """Route every LoRA layer of ``model`` by ``routing`` for a block (None: leave the routing as it is)."""
+    """Route the LoRA ``layers`` by ``routing`` for a block (None: leave the routing as it is)."""
 
-    def __init__(self, model: nn.Module, routing: Routing | None) -> None:
-        self.layers = [m for m in model.modules() if isinstance(m, LoRALinear)] if routing is not None else []
+    def __init__(self, layers: list[LoRALinear], routing: Routing | None) -> None:
+        self.layers = layers if routing is not None else []
         self.routing = routing
         self.previous: list[Routing] = []
 

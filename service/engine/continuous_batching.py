@@ -68,7 +68,7 @@ class GenerationScheduler(Scheduler):
         self._accepted = metrics.spec_accepted_tokens.labels(name)
         self._generated: dict[str | None, Any] = {}  # adapter -> tserve_generation_tokens_total child
         self._prefix_seen = (0, 0)  # the prefix cache's (queried, hit) tokens already counted in metrics
-        self.static = StaticDecoding.of(name, runner, settings, metrics)  # TSERVE_CUDA_GRAPHS (None: off)
+        self.static = StaticDecoding.of(name, runner, settings, metrics, registry)  # TSERVE_CUDA_GRAPHS (None: off)
 
     @property
     def num_running(self) -> int:

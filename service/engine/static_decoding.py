@@ -23,7 +23,8 @@ import torch
 from model.kv_cache import KVCache
 from model.restricted_vocab import VocabularyRestriction
 from model.seq2seq import Seq2SeqTransformer
-from model.static_step import BATCH_SIZES, VERIFY_WIDTHS, StaticDecoder, span, verify_width
+from model.static_step import BATCH_SIZES, VERIFY_WIDTHS, StaticDecoder, verify_width
+from service.engine.adapters import AdapterRegistry
 from service.engine.metrics import Metrics
 from service.engine.runners import DECODE_HEADROOM, GenerationRunner
 from service.engine.types import EngineSettings
@@ -68,8 +69,8 @@ class StaticDecoding:
     """A model's static step for its running batch, and the rule of which steps it takes."""
 
     @classmethod
-    def of(cls, name: str, runner: GenerationRunner, settings: EngineSettings, metrics: Metrics
-           ) -> StaticDecoding | None:
+    def of(cls, name: str, runner: GenerationRunner, settings: EngineSettings, metrics: Metrics,
+           registry: AdapterRegistry) -> StaticDecoding | None:
         """The static step ``settings`` ask for (None: cuda_graphs off), its buffers bounded by the settings: a
         causal LM's rows hold an input and its new tokens, a translator's decoder its new tokens (and a target
         prefix of up to DECODE_HEADROOM tokens) and its cross-attention an input."""
@@ -79,10 +80,10 @@ class StaticDecoding:
         inputs = min(runner.max_input_tokens, settings.max_input_tokens or runner.max_input_tokens)
         prompt = DECODE_HEADROOM + 1 if runner.family == "seq2seq" else inputs
         return cls(name, runner, settings.cuda_graphs, sizes, settings.max_batch_size, prompt + settings.max_new_tokens,
-                   metrics)
+                   metrics, registry)
 
     def __init__(self, name: str, runner: GenerationRunner, mode: str, sizes: Sequence[int], max_rows: int,
-                 positions: int, metrics: Metrics) -> None:
+                 positions: int, metrics: Metrics, registry: AdapterRegistry) -> None:
         self.mode = check_mode(mode)
         rows = min(max_rows, max(sizes))
         capacity = min(positions, runner.config.max_len)
@@ -90,6 +91,8 @@ class StaticDecoding:
         self.decoder = StaticDecoder(runner.model, rows, capacity, sizes, source_capacity=source)
         self._steps = metrics.static_steps
         self._name = name
+        self._registry = registry  # its change counter says when the model's adapters changed
+        self._adapters_seen = registry.changes
         logger.info("model %r: static decoding step (%s): %d rows x %d positions, %.1f MB, sizes %s", name, mode,
                     self.decoder.rows, self.decoder.cache.capacity, self.decoder.nbytes / 2**20, self.info().sizes)
         if mode == "startup":
@@ -98,23 +101,18 @@ class StaticDecoding:
 
     def fallback(self, cache: KVCache, vocabulary: VocabularyRestriction | None, tokens: int = 1) -> str | None:
         """Why a step of ``cache`` feeding ``tokens`` a row (more than 1: a verification step) runs eagerly (None:
-        the static step takes it)."""
-        decoder = self.decoder
-        if cache.batch_size > decoder.rows:
-            return "rows"
-        if tokens > 1 and isinstance(decoder.model, Seq2SeqTransformer):
+        the static step takes it): "verify" (a translator's draft), "width" (a draft past the widest step),
+        "vocabulary" (a translator's vocabulary map), or the decoder's own refusal (StaticDecoder.refusal)."""
+        if self._registry.changes != self._adapters_seen:  # adapters were loaded or removed: read the model again
+            self.decoder.refresh()
+            self._adapters_seen = self._registry.changes
+        if tokens > 1 and isinstance(self.decoder.model, Seq2SeqTransformer):
             return "verify"
         if tokens > max(VERIFY_WIDTHS):
             return "width"
-        if span(cache) + verify_width(tokens) > decoder.cache.capacity:
-            return "length"
         if vocabulary is not None:
             return "vocabulary"
-        if not decoder.holds_model():
-            return "head_copies"
-        if not decoder.holds(cache, verify_width(tokens)):
-            return "source"
-        return None
+        return self.decoder.refusal(cache, verify_width(tokens))
 
     def count(self, path: str) -> None:
         """One decoding step by ``path`` ("static" or a fallback's reason) in the metrics."""

@@ -60,14 +60,15 @@ def test_a_running_batch_on_the_static_step_serves_what_each_request_gets_alone(
             results = await gather_queued(worker, [worker.generate(ask(text, **fields_for(params, model)), f"r{i}")
                                                    for i, (text, params) in enumerate(CASES)])
             steps = {path: static_steps(engine, model, path) for path in ("static", "rows")}
-            return results, steps, worker.info.static_step
+            return results, steps, worker.info.static_step, worker.scheduler.static.decoder.routed_adapters
 
-    results, steps, info = asyncio.run(main())
+    results, steps, info, routed = asyncio.run(main())
     for got, (text, params) in zip(results, CASES, strict=True):
         fields = fields_for(params, model)
         adapter = adapters_dir / model / fields.pop("adapter") if "adapter" in fields else None
         assert_same(got, offline(models_dir / model, [text], fields, adapter))
     assert steps["rows"] > 0 and steps["static"] > 0  # 7 rows ran eagerly, then fewer on the static step
+    assert len(routed) == 1  # the adapter loaded after the decoder was built is routed by the static step itself
     assert info["sizes"] == [1, 2, 4] and info["built"] and set(info["built"]) <= {1, 2, 4}
     assert info["rows"] == 4 and info["bytes"] > 0 and info["graphs"] is False
 
