@@ -170,15 +170,13 @@ class StaticDecoder:
         logits (n, t, V) after each; the cache keeps all t positions until the caller truncates it. Rows are padded to
         the next of VERIFY_WIDTHS tokens (one step of each width: its graph), the padding computed and forgotten.
         Causal LMs only (a relative position bias over t new static positions is not held)."""
-        if isinstance(self.model, Seq2SeqTransformer):
-            raise ValueError("the static step verifies drafts of causal LMs only")
         return self._take(tokens, cache, adapters)
 
     def _take(self, fed: torch.Tensor, cache: KVCache, adapters: Sequence[str | None]) -> torch.Tensor:
         n, t = fed.shape
+        if (reason := self.refusal(cache, t)) is not None:
+            raise ValueError(f"the static step does not take this step of {n} rows x {t} tokens: {reason}")
         width = verify_width(t)
-        if (reason := self.refusal(cache, width)) is not None:
-            raise ValueError(f"the static step does not take this step of {n} rows x {span(cache)} positions: {reason}")
         self._adopt(cache)
         self.cache.lengths[:n].copy_(cache.lengths)
         self.cache.lengths[n:] = 0
@@ -189,14 +187,19 @@ class StaticDecoder:
         cache.max_length += t
         return logits
 
-    def refusal(self, cache: KVCache, width: int = 1) -> str | None:
-        """Why :meth:`decode` (``width`` 1) or :meth:`verify` does not take a step of ``cache`` (None: it does):
-        "rows" past the largest size, "length" (fewer than ``width`` free positions a row after its own and shared
-        prefix ones), "head_copies" (:meth:`holds_model`), "source" (cross-attention past the static buffers)."""
+    def refusal(self, cache: KVCache, tokens: int = 1) -> str | None:
+        """Why :meth:`decode` (``tokens`` 1) or :meth:`verify` does not take a step of ``cache`` (None: it does):
+        "rows" past the largest size, "width" (more tokens a row than the widest step), "verify" (a translator's),
+        "length" (fewer free positions a row than the step's width, after its own and shared prefix ones),
+        "head_copies" (:meth:`holds_model`), "source" (cross-attention past the static buffers)."""
         cross = self.cache.cross
         if cache.batch_size > self.rows:
             return "rows"
-        if span(cache) + width > self.cache.capacity:
+        if tokens > max(VERIFY_WIDTHS):
+            return "width"
+        if tokens > 1 and isinstance(self.model, Seq2SeqTransformer):
+            return "verify"
+        if span(cache) + verify_width(tokens) > self.cache.capacity:
             return "length"
         if not self.holds_model():
             return "head_copies"

@@ -22,8 +22,7 @@ import torch
 
 from model.kv_cache import KVCache
 from model.restricted_vocab import VocabularyRestriction
-from model.seq2seq import Seq2SeqTransformer
-from model.static_step import BATCH_SIZES, VERIFY_WIDTHS, StaticDecoder, verify_width
+from model.static_step import BATCH_SIZES, StaticDecoder
 from service.engine.adapters import AdapterRegistry
 from service.engine.metrics import Metrics
 from service.engine.runners import DECODE_HEADROOM, GenerationRunner
@@ -101,18 +100,12 @@ class StaticDecoding:
 
     def fallback(self, cache: KVCache, vocabulary: VocabularyRestriction | None, tokens: int = 1) -> str | None:
         """Why a step of ``cache`` feeding ``tokens`` a row (more than 1: a verification step) runs eagerly (None:
-        the static step takes it): "verify" (a translator's draft), "width" (a draft past the widest step),
-        "vocabulary" (a translator's vocabulary map), or the decoder's own refusal (StaticDecoder.refusal)."""
+        the static step takes it): "vocabulary" (a translator's vocabulary map), or the decoder's own refusal
+        (StaticDecoder.refusal)."""
         if self._registry.changes != self._adapters_seen:  # adapters were loaded or removed: read the model again
             self.decoder.refresh()
             self._adapters_seen = self._registry.changes
-        if tokens > 1 and isinstance(self.decoder.model, Seq2SeqTransformer):
-            return "verify"
-        if tokens > max(VERIFY_WIDTHS):
-            return "width"
-        if vocabulary is not None:
-            return "vocabulary"
-        return self.decoder.refusal(cache, verify_width(tokens))
+        return "vocabulary" if vocabulary is not None else self.decoder.refusal(cache, tokens)
 
     def count(self, path: str) -> None:
         """One decoding step by ``path`` ("static" or a fallback's reason) in the metrics."""
