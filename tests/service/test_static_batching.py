@@ -41,9 +41,10 @@ def static_steps(engine, model: str, path: str) -> float:
 
 
 def static_paths(engine, model: str) -> dict[str, float]:
-    """Steps by path: static and every fallback reason."""
-    paths = ("static", "rows", "verify", "width", "length", "vocabulary", "head_copies", "source")
-    return {path: static_steps(engine, model, path) for path in paths}
+    """Steps by path (static, or a fallback's reason), as many as the metrics counted."""
+    return {sample.labels["path"]: sample.value for family in engine.metrics.registry.collect()
+            if family.name == "tserve_static_steps" for sample in family.samples
+            if sample.name.endswith("_total") and sample.labels["model"] == model}
 
 
 def fields_for(params: dict, model: str) -> dict:
