@@ -36,7 +36,7 @@ class StaticKVCache(KVCache):
         return cls(keys=[torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)],
                    values=[torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)],
                    lengths=torch.zeros(rows, dtype=torch.long, device=device),
-                   max_length=capacity - 1, uniform=False,  # a step sees max_length + 1 = capacity keys (T5's bias)
+                   max_length=capacity - 1, uniform=False,  # a step sees max_length + t = capacity keys (begin_step)
                    key_positions=torch.arange(capacity, device=device))
 
     def add_cross(self, n_layers: int, n_heads: int, head_dim: int, source_capacity: int) -> None:
@@ -61,7 +61,10 @@ class StaticKVCache(KVCache):
                              key_positions=self.key_positions)
 
     def begin_step(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Positions (B, t) = each row's length onwards, and the mask (B, 1, t, capacity) of the keys up to each."""
+        """Positions (B, t) = each row's length onwards, and the mask (B, 1, t, capacity) of the keys up to each.
+        ``max_length`` becomes capacity - t: a step of t tokens sees max_length + t = capacity keys (what T5's
+        relative position bias spans), whatever the rows' own lengths."""
+        self.max_length = self.capacity - num_tokens
         positions = self.lengths[:, None] + torch.arange(num_tokens, device=self.lengths.device)
         positions = positions.clamp(max=self.capacity - 1)  # a padding row never writes out of bounds
         self._write_positions = positions

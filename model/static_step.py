@@ -25,7 +25,7 @@ blocks get the blocks copied ahead of their own positions), and then its buffers
 
 Not held (the caller decodes eagerly, :func:`model.static_generation.fits`, :meth:`StaticDecoder.refusal`): more rows
 than the largest size or positions than the capacity, adapters' head copies (modules_to_save), a vocabulary
-restriction, speculative steps; offline (:meth:`StaticDecoder.load`), a shared prefix.
+restriction; offline (:meth:`StaticDecoder.load`), a shared prefix.
 """
 
 from __future__ import annotations
@@ -168,8 +168,8 @@ class StaticDecoder:
     def verify(self, tokens: torch.Tensor, cache: KVCache, adapters: Sequence[str | None]) -> torch.Tensor:
         """:meth:`decode` of t tokens a row (n, t) (the fed token and a speculative draft, model.speculative): the
         logits (n, t, V) after each; the cache keeps all t positions until the caller truncates it. Rows are padded to
-        the next of VERIFY_WIDTHS tokens (one step of each width: its graph), the padding computed and forgotten.
-        Causal LMs only (a relative position bias over t new static positions is not held)."""
+        the next of VERIFY_WIDTHS tokens (one step of each width: its graph), the padding computed and forgotten;
+        a translator's too (T5's relative position bias spans the static positions: StaticKVCache.begin_step)."""
         return self._take(tokens, cache, adapters)
 
     def _take(self, fed: torch.Tensor, cache: KVCache, adapters: Sequence[str | None]) -> torch.Tensor:
@@ -189,7 +189,7 @@ class StaticDecoder:
 
     def refusal(self, cache: KVCache, tokens: int = 1) -> str | None:
         """Why :meth:`decode` (``tokens`` 1) or :meth:`verify` does not take a step of ``cache`` (None: it does):
-        "rows" past the largest size, "width" (more tokens a row than the widest step), "verify" (a translator's),
+        "rows" past the largest size, "width" (more tokens a row than the widest step),
         "length" (fewer free positions a row than the step's width, after its own and shared prefix ones),
         "head_copies" (:meth:`holds_model`), "source" (cross-attention past the static buffers)."""
         cross = self.cache.cross
@@ -197,8 +197,6 @@ class StaticDecoder:
             return "rows"
         if tokens > max(VERIFY_WIDTHS):
             return "width"
-        if tokens > 1 and isinstance(self.model, Seq2SeqTransformer):
-            return "verify"
         if span(cache) + verify_width(tokens) > self.cache.capacity:
             return "length"
         if not self.holds_model():

@@ -71,7 +71,7 @@ class Metrics:
                                             registry=r)
         self.static_steps = Counter("tserve_static_steps", "Decoding steps of the running batch by path (TSERVE_CUDA_"
                                     "GRAPHS): static (the static step, a CUDA graph on a GPU), or why one ran eagerly "
-                                    "(rows, length, vocabulary, head_copies, source)", ["model", "path"],
+                                    "(rows, width, length, vocabulary, head_copies, source)", ["model", "path"],
                                     registry=r)
         self._gpu_memory: Gauge | None = None
         self._lock = threading.Lock()  # workers of several CUDA models may report at once

@@ -20,6 +20,7 @@ from tests.helpers import gather_queued
 from tests.model.conftest import tiny_causal_lm
 from tests.model.helpers import PROMPTS, eos_friendly
 from tests.service.conftest import LM, MT, ask, assert_same, running_engine
+from tests.service.test_speculative import NGRAM, REPEATING
 from tests.service.test_static_batching import CASES, fields_for, static_steps
 
 CONFIGS = {"greedy": GenerationConfig(max_new_tokens=12),
@@ -94,14 +95,16 @@ def test_graphs_with_mixed_adapters_recapture_after_a_new_adapter(target):
 @pytest.mark.parametrize("model", [LM, MT])
 def test_the_served_running_batch_on_graphs_gives_the_eager_tokens(models_dir, adapters_dir, model):
     """The engine's continuous batching with TSERVE_CUDA_GRAPHS=lazy on the GPU (float32): mixed strategies and
-    adapters, more rows than the largest size at first (eager steps), then graph replays: the tokens of the same
-    engine without graphs."""
+    adapters, n-gram drafts verified at padded widths, more rows than the largest size at first (eager steps), then
+    graph replays: the tokens of the same engine without graphs."""
+    cases = [*CASES, (REPEATING, dict(max_new_tokens=16, speculative=NGRAM))]
+
     async def serve(graphs: str):
         async with running_engine(models_dir, adapters_dir, device="cuda", cuda_graphs=graphs, cuda_graph_sizes="1,2,4",
                                   prefix_cache_mb=0) as engine:
             worker = engine.get(model)
             results = await gather_queued(worker, [worker.generate(ask(text, **fields_for(params, model)), f"r{i}")
-                                                   for i, (text, params) in enumerate(CASES)])
+                                                   for i, (text, params) in enumerate(cases)])
             return results, static_steps(engine, model, "static"), worker.info.static_step
 
     graphed, steps, info = asyncio.run(serve("lazy"))

@@ -7,8 +7,10 @@ import torch
 from model.decoding import GenerationConfig
 from model.generation import generate_causal, generate_seq2seq
 from model.lora import LoRAConfig, add_adapter, wrap_heads
+from model.seq2seq import Seq2SeqTransformer
 from model.static_generation import generate_causal_static, generate_seq2seq_static
 from model.static_step import StaticDecoder, padded_size
+from model.tokenizer import pad_batch
 from tests.model.conftest import tiny_causal_lm, tiny_seq2seq
 from tests.model.helpers import PROMPTS, eos_friendly
 
@@ -120,3 +122,37 @@ def test_what_the_buffers_do_not_hold_decodes_eagerly():
     config = GenerationConfig(max_new_tokens=8)
     _same(generate_causal_static(model, decoder, PROMPTS, config), generate_causal(model, PROMPTS, config))
     assert not decoder.holds_model() and decoder.builds == 0
+
+
+def _started(model, prompts):
+    """An eagerly started cache of ``prompts`` (a causal LM's prefill, a translator's encoder and BOS)."""
+    ids, lengths = pad_batch(prompts, model.config.pad_id)
+    if isinstance(model, Seq2SeqTransformer):
+        return model.start(ids, capacity=1)[1]
+    cache = model.new_cache(len(prompts), capacity=ids.shape[1])
+    model.prefill(ids, lengths, cache)
+    return cache
+
+
+@pytest.mark.parametrize("family", [*CAUSAL, *SEQ2SEQ])
+def test_verification_steps_give_the_eager_logits_and_decode_on(family):
+    """A fed token and a draft a row (3 and 6 tokens: padded to widths 4 and 8) through the static step give the eager
+    verify_step's logits; rejected positions truncated, the rows decode on as the eager cache's do."""
+    model = (tiny_causal_lm(**CAUSAL[family]) if family in CAUSAL
+             else tiny_seq2seq(tie_embeddings=False, **SEQ2SEQ[family]))
+    prompts = PROMPTS[:3]
+    decoder = StaticDecoder(model, rows=4, capacity=32, source_capacity=12)
+    with torch.inference_mode():
+        eager, static = _started(model, prompts), _started(model, prompts)
+        for t, kept in ((3, 1), (6, 4)):
+            draws = torch.Generator().manual_seed(t)
+            fed = torch.randint(3, model.config.vocab_size, (len(prompts), t), generator=draws)
+            assert decoder.refusal(static, t) is None
+            torch.testing.assert_close(decoder.verify(fed, static, [None] * 3), model.verify_step(fed, eager),
+                                       atol=1e-5, rtol=1e-5)
+            for cache in (eager, static):  # rows accept different lengths of their drafts
+                cache.truncate(cache.lengths - torch.tensor([t - kept, 0, t - 1]))
+        fed = torch.tensor([5, 6, 7])
+        torch.testing.assert_close(decoder.decode(fed, static, [None] * 3), model.decode_step(fed, eager),
+                                   atol=1e-5, rtol=1e-5)
+    assert {width for _, _, width in decoder.built} == {1, 4, 8}

@@ -122,24 +122,26 @@ def test_rows_reading_cached_prefix_blocks_take_static_steps_with_the_prefix_cop
     assert hits > 0 and paths == {"static": max(d["max_new_tokens"] for d in DECODINGS) - 1, "length": 0}
 
 
-def test_verification_steps_of_drafts_run_static_at_padded_widths(models_dir, adapters_dir):
-    tuned = dict(max_new_tokens=20, speculative=NGRAM, adapter=ADAPTERS[LM])
+@pytest.mark.parametrize("model", [LM, MT])
+def test_verification_steps_of_drafts_run_static_at_padded_widths(models_dir, adapters_dir, model):
+    tuned = dict(max_new_tokens=20, speculative=NGRAM, adapter=ADAPTERS[model])
     cases = [*SPECULATIVE, (REPEATING, tuned)]
 
     async def main():
         async with running_engine(models_dir, adapters_dir, cuda_graphs="lazy", prefix_cache_mb=0) as engine:
-            worker = engine.get(LM)
+            worker = engine.get(model)
             outputs = await gather_queued(worker, [worker.generate(ask(text, **fields), f"s{i}")
                                                    for i, (text, fields) in enumerate(cases)])
-            paths = {key: value for key, value in static_paths(engine, LM).items() if value}
-            drafted = engine.metrics.registry.get_sample_value("tserve_spec_decode_draft_tokens_total", {"model": LM})
+            paths = {key: value for key, value in static_paths(engine, model).items() if value}
+            drafted = engine.metrics.registry.get_sample_value("tserve_spec_decode_draft_tokens_total",
+                                                               {"model": model})
             return outputs, paths, drafted, worker.scheduler.static.decoder.built
 
     outputs, paths, drafted, built = asyncio.run(main())
     for (text, fields), got in zip(cases, outputs, strict=True):
         fields = without_speculation(fields)
-        adapter = adapters_dir / LM / fields.pop("adapter") if "adapter" in fields else None
-        assert_same(got, offline(models_dir / LM, [text], fields, adapter))
+        adapter = adapters_dir / model / fields.pop("adapter") if "adapter" in fields else None
+        assert_same(got, offline(models_dir / model, [text], fields, adapter))
     assert drafted > 0 and list(paths) == ["static"]  # every step, verification steps too, on the static step
     assert {width for _, _, width in built} >= {1, 4}  # drafts of up to 4 tokens: 5 fed tokens padded to 8, or 4
 
