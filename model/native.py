@@ -129,9 +129,11 @@ def module_name() -> str:
 
 
 def import_built(directory: Path, name: str) -> ModuleType | None:
-    """The already-built extension ``name`` under ``directory``, or None."""
+    """The already-built extension ``name`` under ``directory``, or None: none built, or a build still holding its
+    lock (the linker writes the library in place, so another process's build in progress shows a partial file; the
+    caller then goes through torch's build, which waits for the lock and imports the finished library)."""
     library = directory / name / f"{name}.so"
-    if not library.is_file():
+    if not library.is_file() or (directory / name / "lock").exists():
         return None
     spec = importlib.util.spec_from_file_location(name, library)
     module = importlib.util.module_from_spec(spec)
@@ -153,11 +155,30 @@ def remove_stale_lock(build_directory: Path) -> bool:
     return False
 
 
+def wait_for_other_build(build_directory: Path, poll_s: float = 1.0) -> None:
+    """Wait while another process's build holds the lock in ``build_directory``, until it goes or grows stale
+    (STALE_LOCK_S: then :func:`remove_stale_lock` takes it), instead of torch's wait, which never ends when a killed
+    build left its lock."""
+    lock = build_directory / "lock"
+    if lock.exists():
+        logger.info("waiting for another process's kernel build in %s", build_directory)
+    while lock.exists() and time.time() - _mtime(lock) <= STALE_LOCK_S:
+        time.sleep(poll_s)
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:  # removed between the two looks: the build finished
+        return 0.0
+
+
 def _build(directory: Path, name: str) -> ModuleType:
     from torch.utils.cpp_extension import load
 
     directory = directory / name  # one folder per version: builds of different sources never share files
     directory.mkdir(parents=True, exist_ok=True)
+    wait_for_other_build(directory)
     remove_stale_lock(directory)
     if shutil.which("ninja") is None:  # the venv's ninja (pip package) when the venv is not activated
         os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"

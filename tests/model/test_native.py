@@ -21,6 +21,36 @@ def test_a_built_extension_is_imported_without_building():
     assert native.import_built(native.options().kernel_dir, "tserve_kernels_no_such_build") is None
 
 
+def test_a_library_whose_build_still_holds_its_lock_is_not_imported(tmp_path):
+    """Another process building the same version shows a partial library (the linker writes it in place): while the
+    build's lock is there the import waits for the build (torch's lock) instead of loading a truncated file."""
+    name = "tserve_kernels_partial"
+    (tmp_path / name).mkdir()
+    (tmp_path / name / f"{name}.so").write_bytes(b"\x7fELF partial")
+    (tmp_path / name / "lock").touch()
+    assert native.import_built(tmp_path, name) is None
+    (tmp_path / name / "lock").unlink()  # the build finished (here: the same partial file, so the import fails)
+    with pytest.raises(ImportError):
+        native.import_built(tmp_path, name)
+
+
+def test_a_build_waits_for_a_running_one_and_not_for_a_stale_lock(tmp_path):
+    lock = tmp_path / "lock"
+    lock.touch()
+    waiting = threading.Thread(target=native.wait_for_other_build, args=(tmp_path, 0.01))
+    waiting.start()
+    waiting.join(0.2)
+    assert waiting.is_alive()  # the other build still holds the lock
+    lock.unlink()  # it finished
+    waiting.join(60)
+    assert not waiting.is_alive()
+    lock.touch()
+    old = time.time() - native.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    native.wait_for_other_build(tmp_path, 0.01)  # a killed build's lock: returns at once, for remove_stale_lock
+    assert lock.exists()
+
+
 def test_a_stale_build_lock_is_removed_before_building_and_a_recent_one_kept(tmp_path):
     """A build killed mid-way leaves torch's lock file, and torch waits for it to go away forever: the build
     removes a lock older than STALE_LOCK_S first; a recent one belongs to a build still running."""
