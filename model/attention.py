@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model import native
+from model import bf16_linear, native
 from model.kernel_layers import Linear
 from model.kv_cache import KVCache, within_window
 from model.rope import Rotary, apply_rotary
@@ -44,12 +44,12 @@ def attention(
 
 def decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-    prefix: SharedPrefix | None = None, layer: int = 0,
+    prefix: SharedPrefix | None = None, layer: int = 0, bf16_products: bool = False,
 ) -> torch.Tensor:
     """``F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)`` for a decoding step, no dropout;
     with ``prefix``, each row also attends to its prefix blocks of ``layer`` (ahead of ``k``/``v``, which hold its own
     positions). q (B, H, Tq, Dh); k, v (B, H_kv, T, Dh) with H_kv dividing H: query head h reads KV head
-    h // (H / H_kv) (grouped-query attention, nothing expanded).
+    h // (H / H_kv) (grouped-query attention, nothing expanded). ``bf16_products``: :func:`blocked_sdpa`'s.
 
     CPU float32 without autograd, up to 16 queries per head: our kernel, which reads each head's K/V once
     (2-3x faster than SDPA at one query; a query with nothing to attend to gets zeros, not NaN).
@@ -71,21 +71,27 @@ def decode_attention(
     ):
         if prefix is not None:
             return prefix_attention(q, k, v, mask, prefix, layer)
-        return blocked_sdpa(q, k, v, mask)
+        return blocked_sdpa(q, k, v, mask, bf16_products)
     if prefix is None:
         return kernel.decode_attention(q, k, v, mask)
     return kernel.decode_attention(q, k, v, mask, list(prefix.blocks), prefix.table, layer)
 
 
-def blocked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def blocked_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, bf16_products: bool = False
+) -> torch.Tensor:
     """``F.scaled_dot_product_attention(q, k, v, attn_mask=mask)`` (grouped K/V not expanded); more than QUERY_BLOCK
     queries on the CPU run in blocks of QUERY_BLOCK, each against the keys up to the last one its mask shows, so a
     causal prefill skips the upper triangle (SDPA with an explicit mask computes it all: 512 tokens, 7.6 -> 4.6 ms a
     layer at 9 / 3 heads of 64, 11.6 -> 7.2 ms at 14 / 2). Where :func:`encoder_rows` or :func:`prefill_rows` holds,
-    our kernel computes it instead (the prefill's: 1.4 ms a layer at 9 / 3 heads of 64)."""
+    our kernel computes it instead (the prefill's: 1.4 ms a layer at 9 / 3 heads of 64). ``bf16_products`` (a model
+    whose GEMMs already round their inputs: :attr:`MultiHeadAttention.bf16_products`): encoder rows go through the
+    bf16-product kernel where :func:`bf16_encoder_kernel` finds it."""
     kernel = native.kernels()
     if kernel is not None and encoder_rows(q, k, v, mask):
-        return kernel.encoder_attention(q, k, v, mask)
+        bf16 = bf16_encoder_kernel() if bf16_products else None
+        return (kernel.encoder_attention(q, k, v, mask) if bf16 is None
+                else bf16.encoder_attention_bf16(q, k, v, mask))
     if kernel is not None and prefill_rows(kernel, q, k, v, mask):
         return kernel.prefill_attention(q, k, v, mask)
     t, gqa = q.shape[2], k.shape[1] != q.shape[1]
@@ -111,6 +117,13 @@ def encoder_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
             and q.stride(3) == k.stride(3) == v.stride(3) == 1 and k.stride() == v.stride()
             and (mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == mask.shape[2] == 1
                                   and mask.shape[0] in (1, q.shape[0]) and mask.shape[3] == q.shape[2])))
+
+
+def bf16_encoder_kernel() -> ModuleType | None:
+    """The kernels whose ``encoder_attention_bf16`` (model/kernels/encoder_attention_bf16.cpp: q, k, v and the softmax's
+    weights rounded to bf16, float32 sums; 1.35-1.5x encoder_attention on 32 rows x 12 heads x 128 tokens) runs on
+    this CPU: the ones with AVX512-BF16 (:func:`model.bf16_linear.kernel`, the one check), else None (float32 kept)."""
+    return bf16_linear.kernel()
 
 
 def prefill_rows(
@@ -247,6 +260,9 @@ class MultiHeadAttention(nn.Module):
         # LoRA wrapper around any of them switches back to the separate projections.
         self.qkv_proj: nn.Module | None = None
         self._qkv_of: tuple[nn.Module, ...] = ()
+        # Inference attention of an encoder's rows with bf16 products (blocked_sdpa's bf16_products): set by
+        # model.quantize.prepare_for_inference for the bf16 mode, whose GEMMs round their inputs to bf16 already.
+        self.bf16_products = False
 
     @property
     def fused(self) -> bool:
@@ -328,7 +344,7 @@ class MultiHeadAttention(nn.Module):
                                                  enable_gqa=self.n_kv_heads != self.n_heads)
             weights = None
         else:  # a few queries (a short sentence, a decoding step, a [CLS]-only last layer): our kernel; else SDPA
-            out = decode_attention(q, k, v, mask)
+            out = decode_attention(q, k, v, mask, bf16_products=self.bf16_products)
             weights = None
         return self.out_proj(self.merge_heads(out)), weights
 

@@ -10,7 +10,7 @@ reproducible.
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -23,6 +23,9 @@ from model.search import Hypothesis, Search, StopFn
 # Finish codes of independent rows (0 = running): EOS, stop token, stop_fn, length.
 _EOS, _STOP_TOKEN, _STOP_FN, _LENGTH = 1, 2, 3, 4
 _REASON = {_EOS: "eos", _STOP_TOKEN: "stop", _STOP_FN: "stop", _LENGTH: "length"}
+# Up to this many rows, a step's finish codes are found on the host (Python over the picked ids) where the tensor
+# ops' fixed cost dominates (a SmolLM2 batch-1 step: 6-7 ops, ~25 us with the caches cold from the weights).
+_HOST_ROWS = 8
 
 
 def _top(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,16 +94,24 @@ class _IndependentSearch(Search):
                 values, ids = _top(raw, self.config.logprobs)
                 self._top_lp[slots, self.step], self._top_ids[slots, self.step] = values, ids
         if whole:  # slices instead of indexed writes
-            self._tokens[:, self.step] = tokens
-            self._logprob += chosen
+            self._tokens.select(1, self.step).copy_(tokens)
+            self._logprob.add_(chosen)
         else:
             self._tokens[slots, self.step] = tokens
             self._logprob[slots] += chosen
         self.step += 1
-        reason = self._finish_codes(tokens, slots)
-        live = reason == 0
-        if bool(live.all()):  # the common step: no row finished, nothing to record or index
-            return tokens, parents
+        if whole and tokens.numel() <= _HOST_ROWS:  # a few rows: their codes on the host, no tensor op
+            codes = [self._finish_code(row, token, self.step, self._history(row))
+                     for row, token in enumerate(tokens.tolist())]
+            if not any(codes):  # the common step: no row finished, nothing to record or index
+                return tokens, parents
+            reason = torch.tensor(codes, device=tokens.device)
+            live = reason == 0
+        else:
+            reason = self._finish_codes(tokens, slots)
+            live = reason == 0
+            if bool(live.all()):
+                return tokens, parents
         self._reason[slots] = reason  # a live row's reason and length are written again when it ends
         self._length[slots] = self.step - ((reason == _EOS) | (reason == _STOP_TOKEN)).long()
         self._slots = slots[live]
@@ -123,17 +134,22 @@ class _IndependentSearch(Search):
             reason.masked_fill_(reason == 0, _LENGTH)
         return reason
 
-    def _finish_code(self, slot: int, sequence: list[int]) -> int:
-        """``_finish_codes`` for one slot whose generated tokens are ``sequence`` (its last one just picked)."""
-        token, config = sequence[-1], self.config
+    def _finish_code(self, slot: int, token: int, length: int, history: Callable[[], list[int]]) -> int:
+        """``_finish_codes`` for one slot that has just picked ``token``, its ``length``-th; ``history``: its
+        generated tokens, the last one included (asked for by the stop_fn only)."""
+        config = self.config
         if token == config.eos_token_id:
             return _EOS
         if token in config.stop_token_ids:
             return _STOP_TOKEN
-        if (self.stop_fn is not None and len(sequence) >= config.min_new_tokens
-                and self.stop_fn(slot // self.samples, sequence)):
+        stop_fn = self.stop_fn
+        if stop_fn is not None and length >= config.min_new_tokens and stop_fn(slot // self.samples, history()):
             return _STOP_FN
-        return _LENGTH if len(sequence) >= config.max_new_tokens else 0
+        return _LENGTH if length >= config.max_new_tokens else 0
+
+    def _history(self, slot: int) -> Callable[[], list[int]]:
+        """The generated tokens of ``slot`` so far, read when called."""
+        return lambda: self._tokens[slot, : self.step].tolist()
 
     def extend(self, tokens: torch.Tensor, chosen: torch.Tensor, raw: torch.Tensor) -> int:
         """Record consecutive picks (m,) of the search's one live row, with their log-probs (m,) and the raw logits
@@ -146,7 +162,7 @@ class _IndependentSearch(Search):
         code = 0
         for token in tokens.tolist():  # a few tokens: Python beats a handful of tensor ops here
             sequence.append(token)
-            code = self._finish_code(slot, sequence)
+            code = self._finish_code(slot, token, len(sequence), lambda: sequence)
             if code:
                 break
         kept = len(sequence) - start

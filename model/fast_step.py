@@ -9,8 +9,9 @@ walks the same layers once, keeps for each one plain callables bound to the same
 training, attention weights and ``keep_last`` take the general path.
 
 The plan is rebuilt when a module or a bound Parameter object is swapped (LoRA wrapping, int8
-quantisation, a new Parameter assigned); in-place weight changes (``load_state_dict``, LoRA merge,
-``model.layout``) reach it through the shared Parameters.
+quantisation, a new Parameter assigned: noticed through torch's registration hooks, so a swap is an assignment, not
+a ``del`` or a write into ``_modules``); in-place weight changes (``load_state_dict``, LoRA merge, ``model.layout``)
+reach it through the shared Parameters.
 
 Which blocks it implements is one predicate, :func:`unsupported` (of the config; ``LayerStack.native`` holds its
 verdict): GPT-2's, BERT's and Marian's blocks, and Llama's (RMSNorm, rotary positions at each row's position with
@@ -204,6 +205,23 @@ _WATCHED = {
 }
 
 
+class _AssignmentCounter:
+    """How many submodules and parameters any module has been assigned (``setattr``, ``add_module``,
+    ``register_parameter``: torch's global registration hooks) since import: a plan compares its bindings again
+    only after the count moved."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, _module: nn.Module, _name: str, _value: object) -> None:
+        self.count += 1
+
+
+_ASSIGNMENTS = _AssignmentCounter()
+torch.nn.modules.module.register_module_module_registration_hook(_ASSIGNMENTS)
+torch.nn.modules.module.register_module_parameter_registration_hook(_ASSIGNMENTS)
+
+
 def _watched(stack: LayerStack) -> list[tuple[dict, str, object]]:
     """(dict, name, value) of every module and parameter the plan binds, to notice a swap: the module
     dicts of the stack (its final norm, T5's bias), of the layers and their attention/FFN blocks, and the parameter
@@ -235,11 +253,20 @@ class DecodePlan:
         self.window = next((w for w in self.windows if w is not None), None)  # NativeStep: one for all window layers
         self.relative_bias = stack.relative_bias  # T5's: the self-attention mask carries it (a float mask)
         self._parents, self._names, self._children = zip(*_watched(stack), strict=True)
+        self._compared_at = _ASSIGNMENTS.count  # the assignments counted when the plan last matched its stack
 
     def current(self) -> bool:
         """Whether the stack still holds the modules and parameters this plan was built from (q/k/v and
-        qkv_proj included, so the fused projection's use follows too). Runs every step: the loop is in C."""
-        return all(map(operator.is_, map(dict.get, self._parents, self._names), self._children))
+        qkv_proj included, so the fused projection's use follows too). Runs every step: compared one by one only
+        after an assignment somewhere since the last comparison (:data:`_ASSIGNMENTS`); the comparison touches
+        ~600 dicts that the step's weights have pushed out of the caches (90 us a SmolLM2 step)."""
+        if self._compared_at == _ASSIGNMENTS.count:
+            return True
+        count = _ASSIGNMENTS.count
+        same = all(map(operator.is_, map(dict.get, self._parents, self._names), self._children))
+        if same:
+            self._compared_at = count
+        return same
 
     def __call__(
         self, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache, memory_mask: torch.Tensor | None = None,
@@ -285,8 +312,13 @@ def _window_mask(mask: torch.Tensor | None, cache: KVCache, tokens: int, window:
 
 def _angles(rotary: Rotary, cache: KVCache) -> Angles:
     """This step's rotary cos and sin at each row's positions (its write positions after its shared prefix, as
-    MultiHeadAttention rotates them), contiguous float32: (1, t, R) while every row is at the same position."""
+    MultiHeadAttention rotates them), contiguous float32: (1, t, R) while every row is at the same position (then
+    sliced from the rotary's table where it keeps one: ``Rotary.cos_sin_from``)."""
     positions = cache.write_positions
+    if cache.uniform and cache.prefix is None:
+        found = rotary.cos_sin_from(cache.max_length, positions.shape[1], positions.device)
+        if found is not None:
+            return found
     if cache.prefix is not None:
         positions = positions + cache.prefix.lengths[:, None]
     elif cache.uniform:

@@ -11,7 +11,9 @@ quantises its activations on the fly and runs an int8 GEMM. Two GEMMs (``model.i
 
 A FeedForward's fc1 may ask for its activation with the product (:meth:`Int8Linear.activated`): ours applies it to
 each output vector before storing it, so no pass over the (rows, d_ff) output follows; and with ours on both, fc2 may
-take that output already quantised (:meth:`Int8Linear.activated_into`: quantised in fc1's GEMM while in L2).
+take that output already quantised (:meth:`Int8Linear.activated_into`: quantised in fc1's GEMM while in L2); a gated
+FeedForward's gate and up run as one GEMM over both weights on one quantised input, its product quantised for fc2 the
+same way (:meth:`Int8Linear.gated_into`).
 
 Near a leaf of the model package: it imports model.int8_kernel and model.kernel_layers only (model.layers,
 model.quantize, model.lora and model.fast_step import it).
@@ -50,7 +52,7 @@ class Int8Linear(nn.Module):
             # the kernels' functions and enum, not their module: a deepcopy of the model copies neither
             self._kernel_linear, self._kernel_activated = kernel.int8_linear, kernel.int8_linear_activated
             self._kernel_into = kernel.int8_linear_activated_quantized
-            self._kernel_quantized = kernel.int8_linear_quantized
+            self._kernel_quantized, self._kernel_gated = kernel.int8_linear_quantized, kernel.int8_gated_quantized
             self._activations = kernel.Activation
             self._packed = int8_kernel.pack(q)
             self._scales, self._sums, self._bias = scales, q.sum(dim=1, dtype=torch.int32), bias
@@ -79,6 +81,7 @@ class Int8Linear(nn.Module):
         layer.backend, layer._kernel_linear, layer._packed = "vnni", self._kernel_linear, int8_kernel.pack(q)
         layer._kernel_activated, layer._activations = self._kernel_activated, self._activations
         layer._kernel_into, layer._kernel_quantized = self._kernel_into, self._kernel_quantized
+        layer._kernel_gated = self._kernel_gated
         layer._scales, layer._sums = self._scales.index_select(0, ids), self._sums.index_select(0, ids)
         layer._bias = self._bias.index_select(0, ids) if self._bias is not None else None
         return layer
@@ -120,8 +123,24 @@ class Int8Linear(nn.Module):
             return fc2(self.activated(x, activation))
         hq, hs = self._kernel_into(x.reshape(-1, x.shape[-1]), self._packed, self._scales, self._sums, self._bias,
                                    self._activations.__members__[activation])
-        return self._kernel_quantized(hq, hs, fc2._packed, fc2._scales, fc2._sums, fc2._bias).view(
-            *x.shape[:-1], fc2.out_features)
+        return fc2._quantized(hq, hs, x.shape[:-1])
+
+    def gated_into(self, x: torch.Tensor, up: Int8Linear, activation: str, fc2: Int8Linear) -> torch.Tensor:
+        """``fc2(self.activated(x, activation) * up(x))``: a gated FeedForward, this layer its gate. When all three run
+        ours, x is quantised once and each tile reads a block of this layer's weights and the same block of up's side
+        by side (one pass, one parallel region), the product formed in registers and its rows quantised for fc2 as
+        :meth:`activated_into` does: the same bytes as the separate passes."""
+        if self.backend != "vnni" or up.backend != "vnni" or fc2.backend != "vnni":
+            return fc2(self.activated(x, activation) * up(x))
+        code = self._activations.__members__[activation]
+        hq, hs = self._kernel_gated(x.reshape(-1, x.shape[-1]), self._packed, self._scales, self._sums, self._bias,
+                                    up._packed, up._scales, up._sums, up._bias, code)
+        return fc2._quantized(hq, hs, x.shape[:-1])
+
+    def _quantized(self, hq: torch.Tensor, hs: torch.Tensor, leading: torch.Size) -> torch.Tensor:
+        """This layer of rows already quantised (uint8 rows, scales) -> (*leading, out)."""
+        return self._kernel_quantized(hq, hs, self._packed, self._scales, self._sums, self._bias).view(
+            *leading, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel, {self.backend}"

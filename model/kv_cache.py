@@ -145,13 +145,15 @@ class KVCache:
     def _begin_own_step(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         self._reserve(self.max_length + num_tokens)
         device = self.lengths.device
-        key_positions = torch.arange(self.max_length + num_tokens, device=device)
         if self.uniform:
-            positions = key_positions[self.max_length :].expand(self.batch_size, num_tokens)
+            start = self.max_length
+            positions = torch.arange(start, start + num_tokens, device=device).expand(self.batch_size, num_tokens)
             self._write_positions = positions
-            if num_tokens == 1:
+            if num_tokens == 1:  # every visible key: no mask (and no tensor of the key positions)
                 return positions, None
+            key_positions = torch.arange(start + num_tokens, device=device)
             return positions, (key_positions[None, :] <= positions[0][:, None])[None, None]  # (1, 1, t, K)
+        key_positions = torch.arange(self.max_length + num_tokens, device=device)
         positions = self.lengths[:, None] + torch.arange(num_tokens, device=device)  # (B, t)
         self._write_positions = positions
         mask = key_positions[None, None, :] <= positions[:, :, None]  # (B, t, K)

@@ -141,8 +141,12 @@ class FeedForward(nn.Module):
         return activate(h, self.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.up is None and not self.training and type(self.fc1) is Int8Linear and type(self.fc2) is Int8Linear:
-            return self.fc1.activated_into(x, self.activation, self.fc2)  # fc2's input quantised in fc1's GEMM
+        if not self.training and type(self.fc1) is Int8Linear and type(self.fc2) is Int8Linear:
+            # fc2's input quantised in fc1's GEMM (gated: gate and up in one GEMM); a LoRA-wrapped layer is not here
+            if self.up is None:
+                return self.fc1.activated_into(x, self.activation, self.fc2)
+            if type(self.up) is Int8Linear:
+                return self.fc1.gated_into(x, self.up, self.activation, self.fc2)
         # an int8 fc1 applies the activation inside its GEMM (Int8Linear.activated): no pass over (rows, d_ff)
         h = self.fc1.activated(x, self.activation) if type(self.fc1) is Int8Linear else self.activate(self.fc1(x))
         if self.up is not None:

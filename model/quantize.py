@@ -157,9 +157,13 @@ def quantize(model: nn.Module, mode: str | None) -> nn.Module:
 
 def prepare_for_inference(model: nn.Module, mode: str | None) -> nn.Module:
     """What serving and evaluation run on a loaded model (adapters loaded or not): quantise it (``mode``), then
-    lay its float weights out input-major (model.layout); returns ``model``."""
+    lay its float weights out input-major (model.layout); returns ``model``. The bf16 mode, whose GEMMs round their
+    inputs to bf16 already, also attends with bf16 products (MultiHeadAttention.bf16_products); float32 stays exact."""
     quantize(model, mode)
     use_input_major_weights(model)
+    for module in model.modules():
+        if isinstance(module, MultiHeadAttention):
+            module.bf16_products = mode == "bf16"
     return model
 
 

@@ -207,6 +207,7 @@ class Rotary(nn.Module):
         # computed on the CPU even where a model is built on the meta device (model.build.build_empty)
         self.attention_factor = inverse_frequencies(self.rotary_dim, theta, scaling, device=torch.device("cpu"))[1]
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._angle_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # cos, sin (1, N, R)
 
     @classmethod
     def from_config(cls, config: Any) -> Rotary:
@@ -246,6 +247,22 @@ class Rotary(nn.Module):
         if self.attention_factor == 1.0:
             return angles.cos(), angles.sin()
         return angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
+
+    def cos_sin_from(self, start: int, tokens: int, device: torch.device
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """:meth:`cos_sin` at positions ``start`` .. ``start + tokens - 1`` of one row, (1, tokens, R) contiguous,
+        sliced from a table that :meth:`cos_sin` computed for positions 0 .. N - 1 (the same float32 operations
+        element by element, so the same bits; grown by doubling): a step's angles without its trig (37 us of a
+        SmolLM2 step). None for dynamic and longrope, whose frequencies depend on the batch's positions."""
+        if self.rope_type in ("dynamic", "longrope"):
+            return None
+        end = start + tokens
+        table = self._angle_tables.get(device)
+        if table is None or table[0].shape[1] < end:
+            size = max(end, 2 * table[0].shape[1] if table is not None else 256)
+            table = self._angle_tables[device] = self.cos_sin(torch.arange(size, device=device)[None])
+        cos, sin = table
+        return cos[:, start:end], sin[:, start:end]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x (B, H, T, Dh) rotated at ``positions`` (B|1, T)."""

@@ -88,7 +88,8 @@ class Search(ABC):
     def advance(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Consume the rows' last-position logits (num_rows, V); return (next_tokens, parent_rows), both (R',).
 
-        parent_rows index the current rows; R' is the new row count (finished rows are left out).
+        parent_rows index the current rows; R' is the new row count (finished rows are left out). A tensor
+        returned as parent_rows is never changed afterwards (run_search knows one it has seen keep the rows).
         The first call sees one row per input and may expand it (beams, samples); once done it
         returns empty tensors.
         """
@@ -179,6 +180,7 @@ def run_search(search: Search, first_logits: torch.Tensor, step: Callable[[torch
     first step (whose logits may have had tokens forced) gives compact logits to a search that reads them."""
     logits = first_logits
     steps = 0
+    in_place = None  # the last parents tensor found to keep every row where it was (the searches return it again)
     while True:
         rows = search.num_rows
         tokens, parents = search.advance(logits)
@@ -186,7 +188,11 @@ def run_search(search: Search, first_logits: torch.Tensor, step: Callable[[torch
         if search.done:
             logger.debug("search over %d inputs done after %d steps", search.num_inputs, steps)
             return search.results()
-        if parents.numel() != rows or not torch.equal(parents, torch.arange(rows, device=parents.device)):
+        kept = parents.numel() == rows and (
+            parents is in_place or torch.equal(parents, torch.arange(rows, device=parents.device)))
+        if kept:
+            in_place = parents
+        else:
             select_rows(parents, search.tails)
             if search.vocabulary is not None:
                 search.vocabulary = search.vocabulary.select(parents)

@@ -15,6 +15,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              "int8_linear_activated's rows quantised for the next int8 GEMM: (uint8 rows, scales)", release());
   module.def("int8_linear_quantized", &int8_linear_quantized,
              "int8_linear of rows already quantised (uint8 rows, scales)", release());
+  module.def("int8_gated_quantized", &int8_gated_quantized,
+             "a gated FFN's hidden rows act(x gate^T + b) * (x up^T + b') quantised for the next int8 GEMM", release());
   module.def("has_avx512", &has_avx512, "whether this CPU has AVX-512 F/BW/VL/DQ (decode_attention)");
   module.def("decode_attention", &decode_attention,
              "attention of a few queries per head over a KV cache (and a shared prefix's blocks), float32",
@@ -23,6 +25,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              pybind11::arg("prefix_table") = c10::nullopt, pybind11::arg("layer") = 0, release());
   module.def("encoder_attention", &encoder_attention,
              "bidirectional self-attention of (B, H, T, 64) rows under a key mask (B|1, 1, 1, T), float32",
+             pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("mask"), release());
+  module.def("encoder_attention_bf16", &encoder_attention_bf16,
+             "encoder_attention with q, k, v and the softmax's weights rounded to bf16, float32 sums (AVX512-BF16)",
              pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("mask"), release());
   module.def("prefill_attention", &prefill_attention,
              "self-attention of (B, H, Tq, Dh) queries over (B, H_kv, Tk, Dh) keys under a bool mask (B|1, 1, Tq|1, Tk) "

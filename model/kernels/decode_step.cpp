@@ -80,10 +80,15 @@ struct Step {
     }
   }
 
-  // (B, t, n * Dh) -> (B, n, t, Dh) for n query or KV heads
-  torch::Tensor split(const torch::Tensor& t, int64_t n) const { return t.view({rows, tokens, n, dh}).transpose(1, 2); }
+  // (B, t, n * Dh) -> (B, n, t, Dh) for n query or KV heads; one token a row: one view, no transpose (the two differ
+  // only in the stride of a size-1 dim: the same elements), one ATen op less per projection (90 a SmolLM2 step).
+  torch::Tensor split(const torch::Tensor& t, int64_t n) const {
+    return tokens == 1 ? t.view({rows, n, 1, dh}) : t.view({rows, tokens, n, dh}).transpose(1, 2);
+  }
   torch::Tensor split(const torch::Tensor& t) const { return split(t, heads); }
-  torch::Tensor merge(const torch::Tensor& t) const { return t.transpose(1, 2).reshape({rows, tokens, heads * dh}); }
+  torch::Tensor merge(const torch::Tensor& t) const {
+    return tokens == 1 ? t.reshape({rows, 1, heads * dh}) : t.transpose(1, 2).reshape({rows, tokens, heads * dh});
+  }
 
   // The fused projection's output (B, t, (H + 2 H_kv) Dh) -> q, k, v, each (B, heads, t, Dh).
   std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> split_qkv(const torch::Tensor& qkv) const {
@@ -91,12 +96,30 @@ struct Step {
     return {split(qkv.narrow(2, 0, q)), split(qkv.narrow(2, q, kv), kv_heads), split(qkv.narrow(2, q + kv, kv), kv_heads)};
   }
 
-  // The FFN of h: fc2(act(fc1 h)), or fc2(act(fc1 h) * up(h)) when the layer has kUp.
+  // The FFN of h: fc2(act(fc1 h)), or fc2(act(fc1 h) * up(h)) when the layer has kUp. `lora`: the layer's deltas
+  // (null: none).
   template <class P>
-  torch::Tensor ffn(const torch::Tensor& h, const Tensors* p, P projection) const {
+  torch::Tensor ffn(const torch::Tensor& h, const Tensors* p, const Tensors* lora, P projection) const {
+    const bool int8 = p[kFc1].size() == 4 && p[kFc2].size() == 4 && (p[kUp].empty() || p[kUp].size() == 4);
+    if (int8 && (lora == nullptr || (lora[kFc1].empty() && lora[kUp].empty() && lora[kFc2].empty())))
+      return int8_ffn(h, p);
     torch::Tensor inner = activate(projection(h, kFc1));
     if (!p[kUp].empty()) inner = rows_mul_(inner, projection(h, kUp));
     return projection(inner, kFc2);
+  }
+
+  // An int8 FFN without LoRA deltas: h quantised once, fc1's rows (activated, times up's when gated) quantised for fc2
+  // inside fc1's GEMM (int8_vnni.cpp): the same bytes as fc2 quantising the float hidden state, which never goes to
+  // memory (docs/benchmarks.md, "The int8 feed-forward in one pass").
+  torch::Tensor int8_ffn(const torch::Tensor& h, const Tensors* p) const {
+    const Tensors &fc1 = p[kFc1], &up = p[kUp], &fc2 = p[kFc2];
+    const torch::Tensor rows = h.reshape({-1, h.size(-1)}).contiguous();
+    auto [hq, hs] = up.empty() ? int8_linear_activated_quantized(rows, fc1[0], fc1[1], fc1[2], maybe(fc1[3]), activation)
+                               : int8_gated_quantized(rows, fc1[0], fc1[1], fc1[2], maybe(fc1[3]), up[0], up[1], up[2],
+                                                      maybe(up[3]), activation);
+    std::vector<int64_t> sizes = h.sizes().vec();
+    sizes.back() = fc2[1].size(0);
+    return int8_linear_quantized(hq, hs, fc2[0], fc2[1], fc2[2], maybe(fc2[3])).view(sizes);
   }
 
   // Pre-LN: x + f(LN(x)), with a post norm (sandwich: norms[post] not empty) x + LN'(f(LN(x))); post-LN:
@@ -241,7 +264,8 @@ torch::Tensor DecoderStack::step(torch::Tensor x, const StepCache& cache, const 
       });
     }
     x = s.sublayer(x, n, e, kFfnNorm, kFfnPostNorm, [&](const torch::Tensor& h) {
-      return s.ffn(h, p, [&](const torch::Tensor& in, Slot slot) { return project(in, p[slot], delta(slot), panel(slot)); });
+      return s.ffn(h, p, lora,
+                   [&](const torch::Tensor& in, Slot slot) { return project(in, p[slot], delta(slot), panel(slot)); });
     });
   }
   return x;
@@ -287,7 +311,7 @@ torch::Tensor DecoderStack::encode(torch::Tensor x, const optional<torch::Tensor
       x = s.sublayer(x, n, e, kSelfAttnNorm, kSelfAttnPostNorm, [&](const torch::Tensor& h) { return attend(h, s); });
     }
     x = s.sublayer(x, n, e, kFfnNorm, kFfnPostNorm, [&](const torch::Tensor& h) {
-      return s.ffn(h, p, [&](const torch::Tensor& in, Slot slot) { return project(in, p[slot], panel(slot)); });
+      return s.ffn(h, p, nullptr, [&](const torch::Tensor& in, Slot slot) { return project(in, p[slot], panel(slot)); });
     });
   }
   return x;

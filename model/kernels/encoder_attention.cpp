@@ -17,6 +17,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "encoder_heads.h"
 #include "kernels.h"
 #include "simd_math.h"
 
@@ -29,19 +30,12 @@
 
 namespace {
 
-constexpr int kDh = 64;          // the head dim this kernel computes (4 vectors)
+constexpr int kDh = tserve::kEncoderHeadDim;  // the head dim this kernel computes (4 vectors)
 constexpr int kQueries = 8;      // queries per block
 constexpr int kKeyVectors = 2;   // 16-key vectors per score tile (32 keys)
 constexpr int kDimVectors = 2;   // 16-dim vectors of the output per p @ V pass (two passes: dims 0-31, 32-63)
 
-struct Head {
-  const float* q;  // first query; queries q_row apart
-  const float* k;  // first key; keys and values kv_row apart
-  const float* v;
-  const bool* keep;  // (T,) or null: every key
-  float* out;        // first query's output; out_row apart
-  int64_t q_row, kv_row, out_row, t;
-};
+using Head = tserve::EncoderHead;
 
 // Scores of the block's queries (query r at qs[r]) against every key into p (kQueries x tp), scaled, masked keys at
 // -inf: 8 queries x 32 keys of accumulators, one broadcast per query and dim, two key tiles (transpose_rows) per dim.
@@ -162,39 +156,15 @@ AVX512 void head_attention(const Head& h, float* kt, float* bias, float* p) {
 
 }  // namespace
 
-// q, k, v (B, H, T, 64) float32 with unit stride along the head dim (views of a fused q/k/v projection are fine),
-// k and v alike; mask bool (B or 1, 1, 1, T) or None. Returns (B, H, T, 64), a view of (B, T, H, 64) storage.
+// encoder_heads.h's contract.
 torch::Tensor encoder_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                 const c10::optional<torch::Tensor>& mask) {
   TORCH_CHECK(has_avx512(), "encoder attention: this CPU has no AVX-512");
-  TORCH_CHECK(q.dim() == 4 && q.sizes() == k.sizes() && k.sizes() == v.sizes() && q.size(3) == kDh,
-              "encoder attention: q, k, v must be (B, H, T, ", kDh, ") alike");
-  for (const auto* t : {&q, &k, &v})
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->stride(3) == 1,
-                "encoder attention: float32 CPU tensors with unit stride along the head dim");
-  TORCH_CHECK(k.strides() == v.strides(), "encoder attention: k and v must have the same strides");
-  const int64_t b = q.size(0), heads = q.size(1), t = q.size(2), tp = (t + 15) / 16 * 16;
-  at::Tensor keep;
-  if (mask.has_value()) {
-    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->dim() == 4 && (mask->size(0) == b || mask->size(0) == 1) &&
-                mask->size(1) == 1 && mask->size(2) == 1 && mask->size(3) == t,
-                "encoder attention: mask must be bool (B or 1, 1, 1, T)");
-    keep = mask->reshape({mask->size(0), t}).contiguous();
-  }
-  torch::Tensor out = torch::empty({b, t, heads, kDh}, q.options());
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  const bool* keep_p = keep.defined() ? keep.data_ptr<bool>() : nullptr;
-  const int64_t keep_row = keep.defined() && keep.size(0) == b ? t : 0;
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, b * heads, 1, [&](int64_t begin, int64_t end) {
+  const tserve::EncoderHeads heads(q, k, v, mask, "encoder attention");
+  const int64_t tp = (heads.tokens() + 15) / 16 * 16;
+  at::parallel_for(0, heads.count(), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> kt(kDh * tp), bias(tp), p(kQueries * tp);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t row = i / heads, head = i % heads;
-      const Head h{qp + row * q.stride(0) + head * q.stride(1), kp + row * k.stride(0) + head * k.stride(1),
-                   vp + row * v.stride(0) + head * v.stride(1), keep_p ? keep_p + row * keep_row : nullptr,
-                   op + (row * t * heads + head) * kDh, q.stride(2), k.stride(2), heads * kDh, t};
-      head_attention(h, kt.data(), bias.data(), p.data());
-    }
+    for (int64_t i = begin; i < end; ++i) head_attention(heads.head(i), kt.data(), bias.data(), p.data());
   });
-  return out.transpose(1, 2);
+  return heads.result();
 }

@@ -66,6 +66,12 @@ struct Problem {
   int64_t m, n, k_padded, blocks;
   int64_t activation;  // an Activation of each output vector before it is stored, or kNoActivation
   bool streaming;      // m <= kStreamingRows: rows 2-8 at a time (tile_pairs)
+  // A gated FFN's up projection (int8_gated_quantized), read side by side with the gate (w, sw, w_sum, bias; the
+  // same shape): each output vector stored is activation(gate) * up. Null: one product.
+  const int8_t* w_up = nullptr;
+  const float* sw_up = nullptr;
+  const int32_t* w_sum_up = nullptr;
+  const float* bias_up = nullptr;
 };
 
 constexpr int64_t kNoActivation = -1;
@@ -75,25 +81,33 @@ constexpr int64_t kNoActivation = -1;
 // the vpdpbusd rate (512 rows: 500-700 GOP/s rolled, 930-1,000 unrolled on a 1,040 GOP/s Zen core).
 // Prefetch: the next NB blocks (the next tile's: blocks are contiguous), NB lines a step, so they are all in L1 or
 // L2 when this tile ends (past the last block: harmless, a prefetch never faults).
-template <int MR, int NB, bool Prefetch>
+// Gated: NB blocks of the gate and the same NB of up (p.w_up) side by side, one quantised input for both, and
+// activation(gate) * up stored: the float operations of an int8_linear of each, the activation pass over the gate's
+// output and the product pass (elementwise.cpp's rows_activate_, rows_mul_), so the same values.
+template <int MR, int NB, bool Prefetch, bool Gated = false>
 VNNI void tile(const Problem& p, int64_t blk, int64_t m0) {
-  __m512i acc[MR][NB];
+  constexpr int NM = Gated ? 2 : 1;  // weight matrices read side by side
+  __m512i acc[MR][NM * NB];
   UNROLL for (int r = 0; r < MR; ++r)
-    UNROLL for (int c = 0; c < NB; ++c) acc[r][c] = _mm512_setzero_si512();
+    UNROLL for (int c = 0; c < NM * NB; ++c) acc[r][c] = _mm512_setzero_si512();
   const int64_t steps = p.k_padded / 4, stride = steps * 64;
-  const int8_t* w = p.w + blk * stride;
+  const int8_t* w[NM];
+  w[0] = p.w + blk * stride;
+  if constexpr (Gated) w[NM - 1] = p.w_up + blk * stride;
   const int32_t* x[MR];
   UNROLL for (int r = 0; r < MR; ++r) x[r] = reinterpret_cast<const int32_t*>(p.xq + (m0 + r) * p.k_padded);
   for (int64_t s = 0; s < steps; ++s) {
-    __m512i wv[NB];
+    __m512i wv[NM * NB];
     if constexpr (Prefetch) {
-      UNROLL for (int c = 0; c < NB; ++c)
-        _mm_prefetch(reinterpret_cast<const char*>(w + NB * stride + (s * NB + c) * 64), _MM_HINT_T0);
+      UNROLL for (int m = 0; m < NM; ++m)
+        UNROLL for (int c = 0; c < NB; ++c)
+          _mm_prefetch(reinterpret_cast<const char*>(w[m] + NB * stride + (s * NB + c) * 64), _MM_HINT_T0);
     }
-    UNROLL for (int c = 0; c < NB; ++c) wv[c] = _mm512_loadu_si512(w + c * stride + s * 64);
+    UNROLL for (int m = 0; m < NM; ++m)
+      UNROLL for (int c = 0; c < NB; ++c) wv[m * NB + c] = _mm512_loadu_si512(w[m] + c * stride + s * 64);
     UNROLL for (int r = 0; r < MR; ++r) {
       const __m512i xb = _mm512_set1_epi32(x[r][s]);
-      UNROLL for (int c = 0; c < NB; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], xb, wv[c]);
+      UNROLL for (int c = 0; c < NM * NB; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], xb, wv[c]);
     }
   }
   UNROLL for (int c = 0; c < NB; ++c) {
@@ -103,18 +117,38 @@ VNNI void tile(const Problem& p, int64_t blk, int64_t m0) {
     const __m512 sw = _mm512_maskz_loadu_ps(mask, p.sw + n0);
     const __m512i offset = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(mask, p.w_sum + n0), 7);  // 128 * sum(w)
     const __m512 bias = p.bias ? _mm512_maskz_loadu_ps(mask, p.bias + n0) : _mm512_setzero_ps();
+    __m512 sw_up, bias_up;
+    __m512i offset_up;
+    if constexpr (Gated) {
+      sw_up = _mm512_maskz_loadu_ps(mask, p.sw_up + n0);
+      offset_up = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(mask, p.w_sum_up + n0), 7);
+      bias_up = p.bias_up ? _mm512_maskz_loadu_ps(mask, p.bias_up + n0) : _mm512_setzero_ps();
+    }
     UNROLL for (int r = 0; r < MR; ++r) {
+      const __m512 sx = _mm512_set1_ps(p.sx[m0 + r]);
       const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][c], offset));
-      __m512 y = _mm512_fmadd_ps(dot, _mm512_mul_ps(sw, _mm512_set1_ps(p.sx[m0 + r])), bias);
+      __m512 y = _mm512_fmadd_ps(dot, _mm512_mul_ps(sw, sx), bias);
       if (p.activation != kNoActivation) y = tserve::activate(y, static_cast<Activation>(p.activation));
+      if constexpr (Gated) {
+        const __m512 up = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][NB + c], offset_up));
+        y = _mm512_mul_ps(y, _mm512_fmadd_ps(up, _mm512_mul_ps(sw_up, sx), bias_up));
+      }
       _mm512_mask_storeu_ps(p.out + (m0 + r - p.out_row0) * p.n + n0, mask, y);
     }
   }
 }
 
-template <int MR>
+// Rows [m0, m0 + MR) against the group's (up to 4) blocks; gated: 2 blocks of each matrix at a time (16 accumulators
+// at 4 rows, as tile<4, 4>).
+template <int MR, bool Gated>
 void tile_blocks(const Problem& p, int64_t blk, int64_t m0) {
-  switch (std::min<int64_t>(4, p.blocks - blk)) {
+  const int64_t nb = std::min<int64_t>(4, p.blocks - blk);
+  if constexpr (Gated) {
+    for (int64_t b = 0; b + 2 <= nb; b += 2) tile<MR, 2, false, true>(p, blk + b, m0);
+    if (nb % 2) tile<MR, 1, false, true>(p, blk + nb - 1, m0);
+    return;
+  }
+  switch (nb) {
     case 4: return tile<MR, 4, false>(p, blk, m0);
     case 3: return tile<MR, 3, false>(p, blk, m0);
     case 2: return tile<MR, 2, false>(p, blk, m0);
@@ -124,34 +158,46 @@ void tile_blocks(const Problem& p, int64_t blk, int64_t m0) {
 
 // Rows [m0, m0 + MR) of a few-row product, 2 <= MR <= 8, against the group's blocks 2 at a time (up to 8 x 2 = 16
 // accumulators): one pass over the weights where tiles of 4 rows x 4 blocks take two for 8 rows; from memory, 4 rows
-// run at 1.07x and 8 rows at 1.15x the 1-row time (1.3-1.5x and 1.6-1.9x with tile<4, 4> and no prefetch).
-template <int MR>
+// run at 1.07x and 8 rows at 1.15x the 1-row time (1.3-1.5x and 1.6-1.9x with tile<4, 4> and no prefetch). Gated:
+// one block of the gate and one of up at a time (the same two streams and 16 accumulators).
+template <int MR, bool Gated>
 void tile_pairs(const Problem& p, int64_t blk, int64_t m0) {
   const int64_t nb = std::min<int64_t>(4, p.blocks - blk);
+  if constexpr (Gated) {
+    for (int64_t b = 0; b < nb; ++b) tile<MR, 1, true, true>(p, blk + b, m0);
+    return;
+  }
   for (int64_t b = 0; b + 2 <= nb; b += 2) tile<MR, 2, true>(p, blk + b, m0);
   if (nb % 2) tile<MR, 1, true>(p, blk + nb - 1, m0);
 }
 
-void rows(const Problem& p, int64_t blk, int64_t begin, int64_t end) {
+template <bool Gated>
+void tiled_rows(const Problem& p, int64_t blk, int64_t begin, int64_t end) {
   int64_t m0 = begin;
   for (; p.streaming && end - m0 >= 2; m0 += std::min<int64_t>(8, end - m0)) {
     switch (std::min<int64_t>(8, end - m0)) {
-      case 8: tile_pairs<8>(p, blk, m0); break;
-      case 7: tile_pairs<7>(p, blk, m0); break;
-      case 6: tile_pairs<6>(p, blk, m0); break;
-      case 5: tile_pairs<5>(p, blk, m0); break;
-      case 4: tile_pairs<4>(p, blk, m0); break;
-      case 3: tile_pairs<3>(p, blk, m0); break;
-      default: tile_pairs<2>(p, blk, m0); break;
+      case 8: tile_pairs<8, Gated>(p, blk, m0); break;
+      case 7: tile_pairs<7, Gated>(p, blk, m0); break;
+      case 6: tile_pairs<6, Gated>(p, blk, m0); break;
+      case 5: tile_pairs<5, Gated>(p, blk, m0); break;
+      case 4: tile_pairs<4, Gated>(p, blk, m0); break;
+      case 3: tile_pairs<3, Gated>(p, blk, m0); break;
+      default: tile_pairs<2, Gated>(p, blk, m0); break;
     }
   }
-  for (; m0 + 4 <= end; m0 += 4) tile_blocks<4>(p, blk, m0);
+  for (; m0 + 4 <= end; m0 += 4) tile_blocks<4, Gated>(p, blk, m0);
   switch (end - m0) {
-    case 3: return tile_blocks<3>(p, blk, m0);
-    case 2: return tile_blocks<2>(p, blk, m0);
-    case 1: return tile_blocks<1>(p, blk, m0);
+    case 3: return tile_blocks<3, Gated>(p, blk, m0);
+    case 2: return tile_blocks<2, Gated>(p, blk, m0);
+    case 1: return tile_blocks<1, Gated>(p, blk, m0);
     default: return;
   }
+}
+
+// Rows [begin, end) of p against its group of (up to) 4 blocks starting at blk.
+void rows(const Problem& p, int64_t blk, int64_t begin, int64_t end) {
+  if (p.w_up != nullptr) return tiled_rows<true>(p, blk, begin, end);
+  tiled_rows<false>(p, blk, begin, end);
 }
 
 }  // namespace
@@ -230,41 +276,32 @@ torch::Tensor int8_gemm(const torch::Tensor& x, const torch::Tensor& packed, con
   return out.view(sizes);
 }
 
-}  // namespace
-
-torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale,
-                          const torch::Tensor& w_sum, const c10::optional<torch::Tensor>& bias) {
-  return int8_gemm(x, packed, w_scale, w_sum, bias, kNoActivation);
-}
-
-// activation(int8_linear(...)), applied to each output vector in registers before it is stored: a FeedForward's fc1
-// without the separate pass over its (rows, d_ff) output (the same float operations, so the same values).
-torch::Tensor int8_linear_activated(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale,
-                                    const torch::Tensor& w_sum, const c10::optional<torch::Tensor>& bias,
-                                    Activation activation) {
-  return int8_gemm(x, packed, w_scale, w_sum, bias, activation);
-}
-
-// int8_linear_activated's output as the next int8 GEMM's input: its rows quantised (m, round_up(out, 4)) uint8 and
-// their scales (m,), the same bytes as quantising the float output. With as many row chunks as threads, each task
-// computes one chunk's (64, out) floats into a scratch that stays in L2 and quantises them there, so the float
-// output never goes to memory (a FeedForward's (rows, d_ff) hidden state: written once, read back once before).
-std::tuple<torch::Tensor, torch::Tensor> int8_linear_activated_quantized(
-    const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale, const torch::Tensor& w_sum,
-    const c10::optional<torch::Tensor>& bias, Activation activation) {
-  check_weights(packed, w_scale, w_sum, bias);
+// x (rows, in) float32 -> its rows quantised for `packed` (uint8 rows padded to 4, scales).
+std::tuple<torch::Tensor, torch::Tensor> quantize_input(const torch::Tensor& x, const torch::Tensor& packed) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
               "int8 kernel: x must be float32 (rows, in) on the CPU");
-  const int64_t k_padded = packed.size(1) * 4, n = w_scale.size(0), n_padded = (n + 3) / 4 * 4;
+  const int64_t k_padded = packed.size(1) * 4;
   TORCH_CHECK(x.size(-1) <= k_padded && x.size(-1) > k_padded - 4,
               "int8 kernel: x has ", x.size(-1), " features, the weights ", k_padded, " (padded)");
-  auto [xq, sx] = quantize_rows(x.contiguous(), k_padded);
-  const int64_t m = xq.size(0), chunks = (m + kRowChunk - 1) / kRowChunk;
-  if (chunks < at::get_num_threads()) return quantize_rows(gemm_float(xq, sx, packed, w_scale, w_sum, bias, activation),
-                                                           n_padded);
-  torch::Tensor hq = torch::empty({m, n_padded}, x.options().dtype(at::kByte));
-  torch::Tensor hs = torch::empty({m}, x.options());
-  const Problem whole = problem(xq, sx, packed, w_scale, w_sum, bias, nullptr, activation);
+  return quantize_rows(x.contiguous(), k_padded);
+}
+
+// p's (m, n) product (p.out unset) as the next int8 GEMM's input: rows quantised (m, round_up(n, 4)) uint8 and their
+// scales (m,), the same bytes as quantising the float product. With as many row chunks as threads, each task computes
+// one chunk's (64, n) floats into a scratch that stays in L2 and quantises them there, so the float product never goes
+// to memory (a FeedForward's (rows, d_ff) hidden state: written once, read back once before); with fewer (a few rows),
+// the float product then one pass (inline: under a chunk of rows, no second parallel region).
+std::tuple<torch::Tensor, torch::Tensor> gemm_quantized(const Problem& whole, const torch::TensorOptions& options) {
+  const int64_t m = whole.m, n = whole.n, n_padded = (n + 3) / 4 * 4, chunks = (m + kRowChunk - 1) / kRowChunk;
+  if (chunks < at::get_num_threads()) {
+    torch::Tensor out = torch::empty({m, n}, options);
+    Problem p = whole;
+    p.out = out.data_ptr<float>();
+    gemm(p);
+    return quantize_rows(out, n_padded);
+  }
+  torch::Tensor hq = torch::empty({m, n_padded}, options.dtype(at::kByte));
+  torch::Tensor hs = torch::empty({m}, options);
   const int64_t groups = (whole.blocks + 3) / 4;
   at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> scratch;  // the pool's threads persist: allocated (and zeroed) once per size
@@ -281,6 +318,50 @@ std::tuple<torch::Tensor, torch::Tensor> int8_linear_activated_quantized(
     }
   });
   return {hq, hs};
+}
+
+}  // namespace
+
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale,
+                          const torch::Tensor& w_sum, const c10::optional<torch::Tensor>& bias) {
+  return int8_gemm(x, packed, w_scale, w_sum, bias, kNoActivation);
+}
+
+// activation(int8_linear(...)), applied to each output vector in registers before it is stored: a FeedForward's fc1
+// without the separate pass over its (rows, d_ff) output (the same float operations, so the same values).
+torch::Tensor int8_linear_activated(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale,
+                                    const torch::Tensor& w_sum, const c10::optional<torch::Tensor>& bias,
+                                    Activation activation) {
+  return int8_gemm(x, packed, w_scale, w_sum, bias, activation);
+}
+
+// int8_linear_activated's output as the next int8 GEMM's input: its rows quantised (m, round_up(out, 4)) uint8 and
+// their scales (m,), the same bytes as quantising the float output (gemm_quantized).
+std::tuple<torch::Tensor, torch::Tensor> int8_linear_activated_quantized(
+    const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale, const torch::Tensor& w_sum,
+    const c10::optional<torch::Tensor>& bias, Activation activation) {
+  check_weights(packed, w_scale, w_sum, bias);
+  auto [xq, sx] = quantize_input(x, packed);
+  return gemm_quantized(problem(xq, sx, packed, w_scale, w_sum, bias, nullptr, activation), x.options());
+}
+
+// A gated FFN's hidden rows, activation(x gate^T + b) * (x up^T + b'), quantised for fc2 as
+// int8_linear_activated_quantized's are: x quantised once, each tile reading a block of the gate and the same block of
+// up side by side (one pass over both weights, one parallel region), the product formed in registers. The same bytes
+// as quantising rows_mul_(rows_activate_(int8_linear(x, gate)), int8_linear(x, up)).
+std::tuple<torch::Tensor, torch::Tensor> int8_gated_quantized(
+    const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale, const torch::Tensor& w_sum,
+    const c10::optional<torch::Tensor>& bias, const torch::Tensor& up_packed, const torch::Tensor& up_scale,
+    const torch::Tensor& up_sum, const c10::optional<torch::Tensor>& up_bias, Activation activation) {
+  check_weights(packed, w_scale, w_sum, bias);
+  check_weights(up_packed, up_scale, up_sum, up_bias);
+  TORCH_CHECK(up_packed.sizes() == packed.sizes() && up_scale.size(0) == w_scale.size(0),
+              "int8 kernel: the gate and up projections must have one shape");
+  auto [xq, sx] = quantize_input(x, packed);
+  Problem whole = problem(xq, sx, packed, w_scale, w_sum, bias, nullptr, activation);
+  whole.w_up = up_packed.data_ptr<int8_t>(), whole.sw_up = up_scale.data_ptr<float>();
+  whole.w_sum_up = up_sum.data_ptr<int32_t>(), whole.bias_up = up_bias.has_value() ? up_bias->data_ptr<float>() : nullptr;
+  return gemm_quantized(whole, x.options());
 }
 
 // int8_linear of rows already quantised: xq (rows, in padded to 4) uint8 and sx (rows,) float32, as

@@ -17,6 +17,9 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
                                const c10::optional<torch::Tensor>& prefix_table = c10::nullopt, int64_t layer = 0);
 torch::Tensor encoder_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                 const c10::optional<torch::Tensor>& mask);
+// encoder_attention with bf16 products and float32 sums (encoder_attention_bf16.cpp; needs has_avx512_bf16()).
+torch::Tensor encoder_attention_bf16(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                     const c10::optional<torch::Tensor>& mask);
 // encoder_attention.cpp's key transposition (dims x tp, zero past rows), shared with prefill_attention.cpp.
 void transpose_rows(const float* src, int64_t row, int64_t rows, int64_t dims, int64_t tp, float* dst);
 torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -67,6 +70,10 @@ std::tuple<torch::Tensor, torch::Tensor> int8_linear_activated_quantized(
 torch::Tensor int8_linear_quantized(const torch::Tensor& xq, const torch::Tensor& sx, const torch::Tensor& packed,
                                     const torch::Tensor& w_scale, const torch::Tensor& w_sum,
                                     const c10::optional<torch::Tensor>& bias);
+std::tuple<torch::Tensor, torch::Tensor> int8_gated_quantized(
+    const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale, const torch::Tensor& w_sum,
+    const c10::optional<torch::Tensor>& bias, const torch::Tensor& up_packed, const torch::Tensor& up_scale,
+    const torch::Tensor& up_sum, const c10::optional<torch::Tensor>& up_bias, Activation activation);
 torch::Tensor rows_add_(torch::Tensor y, const torch::Tensor& x);
 torch::Tensor rows_mul_(torch::Tensor y, const torch::Tensor& x);
 void rows_rotate_(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, double scale = 1.0);

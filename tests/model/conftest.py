@@ -47,3 +47,12 @@ def random_ids(batch: int, length: int, vocab: int = 40, seed: int = 1) -> torch
     """Token ids avoiding the special ids 0..6."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(7, vocab, (batch, length), generator=g)
+
+
+@pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
+def threads(request):
+    """The test at 1 and at 2 ATen threads (the process's count restored after)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)

@@ -13,14 +13,6 @@ kernel, why_not = int8_kernel.available()
 needs_kernel = pytest.mark.skipif(kernel is None, reason=f"int8 kernel unavailable here: {why_not}")
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 @needs_kernel
 # outputs: 15 blocks of 16 (groups of 4, 4, 4, 3) with the last one partial; inputs: not a multiple of 64 or of 4
 @pytest.mark.parametrize(("out", "inp"), [(229, 771), (40, 64), (512, 130)])
