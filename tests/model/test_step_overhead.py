@@ -47,7 +47,11 @@ def test_another_models_assignment_keeps_the_plan_and_a_later_swap_still_rebuild
     assert plan_for(lm.decoder) is plan  # compared again, still current
     assert plan_for(lm.decoder) is plan  # nothing assigned since: not compared
     fc2 = lm.decoder.layers[1].ffn.fc2
-    fc2.weight = torch.nn.Parameter(fc2.weight.detach().clone())
+    fc2.weight = torch.nn.Parameter(fc2.weight.detach().clone())  # a new Parameter: the parameter hook counts it
+    assert plan_for(lm.decoder) is not plan
+    spare = torch.nn.Linear(fc2.in_features, fc2.out_features)  # built before the plan compares again
+    plan = plan_for(lm.decoder)
+    lm.decoder.layers[1].ffn.fc2 = spare  # no Parameter registered now: the module hook alone counts the swap
     assert plan_for(lm.decoder) is not plan
 
 
