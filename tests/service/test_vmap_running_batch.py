@@ -1,7 +1,8 @@
 """Vocabulary maps in the engine's running batch (issue 39): where every row is restricted, a decode step computes
 the union of the rows' candidates alone and each job's search reads those compact logits (model.search.logit_space);
 a row without a map, log-probs or a history rule keep the full width. Either way the served tokens are the offline
-search's with the same maps, token for token, for greedy and beam search, with several requests running at once."""
+search's with the same maps, token for token, for greedy and beam search, with several requests running at once (the
+worker held on the first request's first model call until the others wait, so they join its running batch)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 from model.checkpoint import checkpoint_vocabulary_map, load_checkpoint
 from model.decoding import GenerationConfig
 from model.generation import generate_seq2seq
-from tests.reliability.helpers import inprocess_server
+from tests.helpers import StepGate
+from tests.reliability.helpers import inprocess_server, wait_until
 from tests.service.test_language_vmaps import TEXTS, models_root  # noqa: F401 (a fixture)
 
 pytest.importorskip("transformers")
@@ -31,9 +33,9 @@ CASES = {  # name: (strategy options, target languages, extra request fields)
 
 
 @pytest.fixture(scope="module")
-def client(models_root):  # noqa: F811
+def served(models_root):  # noqa: F811
     with inprocess_server(models_root, request_timeout_s=300) as server, server.client(timeout=120) as client:
-        yield client
+        yield server, client
 
 
 def offline(directory, options: dict, codes: list[str], extra: dict) -> list[list[int]]:
@@ -47,19 +49,27 @@ def offline(directory, options: dict, codes: list[str], extra: dict) -> list[lis
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_served_tokens_under_maps_are_the_offline_searchs(client, models_root, case):  # noqa: F811
+def test_served_tokens_under_maps_are_the_offline_searchs(served, models_root, case):  # noqa: F811
+    server, client = served
     options, codes, extra = CASES[case]
     expected = offline(models_root / "nllb", options, codes, extra)
+    scheduler = server.engine.get("nllb").scheduler
+    calls: list[list[str]] = []  # the job ids of every model call, the first one held until every request waits
+    gate = StepGate(scheduler, when=lambda ids: calls.append(list(ids)) or len(calls) == 1)
 
-    def post(row: int):  # one request per row, all sent at once: the engine batches what arrives together
+    def post(row: int):  # one request per row
         body = dict(inputs=[TEXTS[row]], target_lang=[codes[row]], max_new_tokens=NEW, **options, **extra)
         return client.post("/v1/models/nllb/generate", json=body)
 
     with ThreadPoolExecutor(len(TEXTS)) as pool:
-        responses = list(pool.map(post, range(len(TEXTS))))
+        pending = [pool.submit(post, row) for row in range(len(TEXTS))]
+        assert wait_until(lambda: gate.parked and len(gate.ids) + scheduler.num_waiting == len(TEXTS), 60)
+        gate.step()  # the held call goes; no later one is held
+        responses = [future.result() for future in pending]
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
     got = [r.json()["outputs"][0]["tokens"] for r in responses]
     assert got == expected
+    assert max(len(set(ids)) for ids in calls) == len(TEXTS)  # the three requests shared model calls
     if "speculative" in extra:
         return
     whole = client.post("/v1/models/nllb/generate", json=dict(inputs=TEXTS, target_lang=codes, max_new_tokens=NEW,
