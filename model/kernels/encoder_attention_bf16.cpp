@@ -90,7 +90,6 @@ BF16 void scores(const uint32_t* qs, const uint32_t* kt, const float* bias, int6
   __m512 tops[kQueries];
   UNROLL for (int r = 0; r < kQueries; ++r) tops[r] = _mm512_set1_ps(-INFINITY);
   const int64_t vectors = tp / 16;
-  const __m512 scale = _mm512_set1_ps(0.125f);  // 1 / sqrt(64)
   for (int64_t c0 = 0; c0 < vectors; c0 += kKeyVectors) {
     const bool pair = c0 + 1 < vectors;  // tp / 16 odd: the last tile has one key vector
     __m512 acc[kQueries][kKeyVectors];
@@ -112,13 +111,7 @@ BF16 void scores(const uint32_t* qs, const uint32_t* kt, const float* bias, int6
           acc[r][0] = dot_pairs(acc[r][0], _mm512_set1_epi32(static_cast<int>(qs[r * kPairs + d])), k0);
       }
     }
-    const int nc = pair ? 2 : 1;
-    UNROLL for (int r = 0; r < kQueries; ++r) UNROLL for (int c = 0; c < kKeyVectors; ++c)
-      if (c < nc) {
-        const __m512 s = _mm512_fmadd_ps(acc[r][c], scale, _mm512_loadu_ps(bias + (c0 + c) * 16));
-        tops[r] = _mm512_max_ps(tops[r], s);
-        _mm512_storeu_ps(p + r * tp + (c0 + c) * 16, s);
-      }
+    tserve::store_scores(acc, pair ? 2 : 1, bias, c0, tp, p, tops);
   }
   UNROLL for (int r = 0; r < kQueries; ++r) top[r] = _mm512_reduce_max_ps(tops[r]);
 }
@@ -140,12 +133,7 @@ BF16 void weighted_values(const Head& h, const uint32_t* weights, const uint32_t
         acc[r][1] = dot_pairs(acc[r][1], weight, v1);
       }
     }
-    UNROLL for (int r = 0; r < kQueries; ++r) {
-      if (r >= rows) break;
-      const __m512 by = _mm512_set1_ps(inverse[r]);
-      UNROLL for (int c = 0; c < kDimVectors; ++c)
-        _mm512_storeu_ps(h.out + (i0 + r) * h.out_row + (half + c) * 16, _mm512_mul_ps(acc[r][c], by));
-    }
+    tserve::store_outputs(acc, h, i0, rows, half, inverse);
   }
 }
 

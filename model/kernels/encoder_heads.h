@@ -5,6 +5,7 @@
 #pragma once
 
 #include <torch/extension.h>
+#include <immintrin.h>
 
 #include <string>
 
@@ -64,5 +65,39 @@ class EncoderHeads {
   torch::Tensor keep_, out_;
   int64_t rows_ = 0, heads_ = 0, t_ = 0;
 };
+
+#define TSERVE_ENCODER_TILE __attribute__((always_inline, target("avx512f,avx512bw,avx512vl,avx512dq")))
+
+// A score tile's epilogue: the first nc (1 or 2) key vectors of each query's sums (key vectors c0, c0 + 1) scaled by
+// 1 / sqrt(64), the keys' bias added (0 or -inf), stored into the query's row of p (tp apart), its maximum kept in tops.
+template <int Q, int K>
+TSERVE_ENCODER_TILE inline void store_scores(const __m512 (&acc)[Q][K], int nc, const float* bias, int64_t c0,
+                                             int64_t tp, float* p, __m512 (&tops)[Q]) {
+  const __m512 scale = _mm512_set1_ps(0.125f);
+#pragma GCC unroll 16
+  for (int r = 0; r < Q; ++r)
+#pragma GCC unroll 16
+    for (int c = 0; c < K; ++c)
+      if (c < nc) {
+        const __m512 s = _mm512_fmadd_ps(acc[r][c], scale, _mm512_loadu_ps(bias + (c0 + c) * 16));
+        tops[r] = _mm512_max_ps(tops[r], s);
+        _mm512_storeu_ps(p + r * tp + (c0 + c) * 16, s);
+      }
+}
+
+// The p @ V tile's epilogue: the first `rows` queries' sums over the dims of vectors half .. half + K - 1 times their
+// softmax's 1 / sum (inverse), stored into the head's output from query i0.
+template <int Q, int K>
+TSERVE_ENCODER_TILE inline void store_outputs(const __m512 (&acc)[Q][K], const EncoderHead& h, int64_t i0, int rows,
+                                              int half, const float* inverse) {
+#pragma GCC unroll 16
+  for (int r = 0; r < Q; ++r) {
+    if (r >= rows) break;
+    const __m512 by = _mm512_set1_ps(inverse[r]);
+#pragma GCC unroll 16
+    for (int c = 0; c < K; ++c)
+      _mm512_storeu_ps(h.out + (i0 + r) * h.out_row + (half + c) * 16, _mm512_mul_ps(acc[r][c], by));
+  }
+}
 
 }  // namespace tserve
