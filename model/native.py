@@ -148,7 +148,7 @@ def remove_stale_lock(build_directory: Path) -> bool:
     """Remove torch's build lock in ``build_directory`` if a killed build left it (older than STALE_LOCK_S):
     torch waits for it to go away, forever. A recent lock is a running build's and stays. True if removed."""
     lock = build_directory / "lock"
-    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+    if _lock_age(lock) > STALE_LOCK_S:
         logger.warning("removing a stale kernel build lock %s", lock)
         lock.unlink(missing_ok=True)
         return True
@@ -160,17 +160,18 @@ def wait_for_other_build(build_directory: Path, poll_s: float = 1.0) -> None:
     (STALE_LOCK_S: then :func:`remove_stale_lock` takes it), instead of torch's wait, which never ends when a killed
     build left its lock."""
     lock = build_directory / "lock"
-    if lock.exists():
+    if _lock_age(lock) >= 0:
         logger.info("waiting for another process's kernel build in %s", build_directory)
-    while lock.exists() and time.time() - _mtime(lock) <= STALE_LOCK_S:
+    while 0 <= _lock_age(lock) <= STALE_LOCK_S:
         time.sleep(poll_s)
 
 
-def _mtime(path: Path) -> float:
+def _lock_age(lock: Path) -> float:
+    """Seconds since ``lock`` was taken; -1 when there is none (never taken, or released between two looks)."""
     try:
-        return path.stat().st_mtime
-    except FileNotFoundError:  # removed between the two looks: the build finished
-        return 0.0
+        return max(0.0, time.time() - lock.stat().st_mtime)
+    except FileNotFoundError:
+        return -1.0
 
 
 def _build(directory: Path, name: str) -> ModuleType:
