@@ -2,7 +2,8 @@
 
 A ModelWorker takes the engine's own request types (service/engine/requests.py; the HTTP layer converts its bodies),
 checks and encodes their text on its tokenizer pool (service/engine/inputs.py: ``InputChecks``; generate requests
-through ``GenerationPlanner``, service/engine/generation_requests.py), raising InvalidRequest / NotFound /
+through ``GenerationPlanner``, service/engine/generation_requests.py; a classifier's through ``PoolingPlanner``,
+service/engine/pooling_requests.py), raising InvalidRequest / NotFound /
 QueueFull before anything is queued, hands them to its scheduler's worker thread (scheduler.py; generation:
 continuous_batching.py), which also decodes, and awaits the result.
 """
@@ -16,43 +17,30 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from model.calibration import Calibration
 from model.checkpoint import Checkpoint, checkpoint_vocabulary_map, parameter_count
-from model.classifier import POOLINGS
 from model.decoding import GenerationConfig
 from model.generation import prompt_logprobs
-from model.hf.sentence import EmbeddingDefaults
 from model.lora import adapter_parameter_count, use_adapters
 from model.prefix_cache import PrefixCache, prefix_cache_serves
 from model.quantize import model_mode
 from model.speculative import speculative_for
-from model.token_entities import IGNORE_LABELS
 from service.engine import adapter_store, tracing
 from service.engine.adapters import AdapterRegistry, check_name
 from service.engine.attention import ALL_MAPS, MapSelection, prepare_maps
 from service.engine.chat import chat_template_for, load_chat
 from service.engine.continuous_batching import GenerationScheduler
-from service.engine.entities import check_request, found, windows_of
 from service.engine.errors import Conflict, InvalidRequest, NotFound, ServiceError
 from service.engine.generation_requests import GenerationPlanner
 from service.engine.inputs import InputChecks
-from service.engine.jobs import DEADLINE_GRACE_S, CallJob, GenerationJob, Job, PoolingJob
+from service.engine.jobs import DEADLINE_GRACE_S, CallJob, GenerationJob, Job
 from service.engine.limits import check_cost
 from service.engine.metrics import Metrics
 from service.engine.pooling import PoolingScheduler
+from service.engine.pooling_requests import PooledRequest, PoolingPlanner, has_token_head, tasks_of
 from service.engine.requests import DecodingOptions, GenerationRequest
-from service.engine.rerank import (
-    CROSS_ENCODER,
-    DEFAULT_ACTIVATION,
-    EMBEDDING_COSINE,
-    check_counts,
-    cosines,
-    cut_to_bytes,
-    encode_request,
-    pair_scores,
-)
 from service.engine.runners import RUNNERS
 from service.engine.scheduler import Scheduler
 from service.engine.types import (
@@ -69,6 +57,7 @@ from service.engine.types import (
 )
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class ModelWorker:
@@ -102,6 +91,7 @@ class ModelWorker:
             max_new_tokens = min(settings.max_new_tokens, self.runner.room(1))
             self.planner = GenerationPlanner(name, checkpoint, settings, self.runner, self.inputs, max_new_tokens,
                                              draft_name, speculative_for(settings.speculative, name))
+        self.pooling = PoolingPlanner(name, checkpoint, settings, self.inputs) if self.runner is None else None
         self.scheduler: Scheduler
         if self.runner is not None:
             self.scheduler = GenerationScheduler(name, self.runner, checkpoint.tokenizer, settings, metrics,
@@ -141,7 +131,7 @@ class ModelWorker:
             draft_model=self.planner.draft_name if self.planner is not None else None,
             calibration=({"temperature": c.temperature, "min_confidence": c.min_confidence}
                          if (c := self.checkpoint.calibration) is not None else None),
-            embedding_defaults=asdict(self.embedding_defaults()) if self.family == "classifier" else None,
+            embedding_defaults=asdict(self.pooling.embedding_defaults()) if self.pooling is not None else None,
             chat_template=self.chat.encoder is not None,
             tool_call_format=self.chat.tool_call_format,
             tasks=self.tasks(),
@@ -152,22 +142,13 @@ class ModelWorker:
         )
 
     def tasks(self) -> list[str]:
-        """What this model serves: generate (causal_lm, seq2seq); classify (a sequence classification head) or
-        entities (a token classification head); embed and rerank (every classifier: a one-label head scores pairs,
-        the others by embeddings' cosine)."""
-        if self.family != "classifier":
-            return ["generate"]
-        head = ["entities"] if self.token_head else ["classify"] if self.config.num_labels else []
-        return [*head, "embed", "rerank"]
+        """What this model serves (pooling_requests.tasks_of)."""
+        return tasks_of(self.checkpoint)
 
     @property
     def token_head(self) -> bool:
-        """Whether this model has a token classification head (ClassifierConfig.head "token")."""
-        return self.family == "classifier" and self.config.head == "token"
-
-    def embedding_defaults(self) -> EmbeddingDefaults:
-        """What embed uses when a request leaves pooling or normalize unset."""
-        return self.checkpoint.embedding or EmbeddingDefaults()
+        """Whether this model has a token classification head."""
+        return has_token_head(self.checkpoint)
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -249,114 +230,38 @@ class ModelWorker:
     async def classify(self, inputs: list[str | tuple[str, str]], adapter: str | None, top_k: int | None,
                        request_id: str, queue: QueueTag = DEFAULT_QUEUE, min_confidence: float | None = None
                        ) -> list[ClassifyOutput]:
-        """Labels of ``inputs``; below ``min_confidence`` (None: the model's calibrated default, else 0) a text's
-        label is "unknown"."""
+        """Labels of ``inputs`` (PoolingPlanner.classify)."""
         self._require("classify", ("classifier",))
-        if not self.config.num_labels:
-            raise InvalidRequest(None, f"model {self.name!r} has no classification head (an embedding model); "
-                                       "use /embed")
-        if self.token_head:
-            raise InvalidRequest(None, f"model {self.name!r} has a token classification head: use /entities "
-                                       f"(it serves entities, {', '.join(self.tasks())})")
-        self.inputs.count(inputs)
-        if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
-            raise InvalidRequest("top_k", f"must be an integer >= 1, got {top_k!r}")
-        tok = self.checkpoint.tokenizer
-        pairs = []
-        for i, item in enumerate(inputs):
-            if isinstance(item, str):
-                pair = (item, None)
-            elif isinstance(item, list | tuple) and len(item) == 2 and all(isinstance(t, str) for t in item):
-                pair = (item[0], item[1])
-            else:
-                raise InvalidRequest(f"inputs[{i}]", "expected a string or a pair of strings")
-            for text in filter(None, pair):
-                self.inputs.size(f"inputs[{i}]", text, tok, self.max_input_tokens)
-            pairs.append(pair)
-        encoded = await self.inputs.run(lambda: [self.inputs.length(i, tok.encode_pair(*pair))
-                                                for i, pair in enumerate(pairs)])
-        if min_confidence is None:
-            min_confidence = (self.checkpoint.calibration or Calibration()).min_confidence
-        job = PoolingJob(request_id, self.settings.request_timeout_s, "classify", encoded,
-                         adapter=self._acquire(adapter), top_k=top_k, min_confidence=min_confidence)
-        self._submit(job, queue)
-        return await self._result(job)
+        return await self._pooled(await self.pooling.classify(inputs, top_k, request_id, min_confidence), adapter,
+                                  queue)
 
     async def entities(self, inputs: list[str], strategy: str, ignore_labels: list[str] | None, stride: int | None,
                        adapter: str | None, request_id: str, queue: QueueTag = DEFAULT_QUEUE) -> list[list[dict]]:
-        """Each text's entities as transformers' token-classification pipeline finds them (model.token_entities):
-        without ``stride`` the text must fit max_input_tokens; with it, windows of max_input_tokens tokens, each
-        repeating the last ``stride`` tokens of the one before."""
+        """Each text's entities (PoolingPlanner.entities)."""
         self._require("entities", ("classifier",))
-        if not self.token_head:
-            raise InvalidRequest(None, f"model {self.name!r} has no token classification head: it serves "
-                                       f"{', '.join(self.tasks())}")
-        check_request(strategy, stride)
-        self.inputs.count(inputs)
-        tok, limit = self.checkpoint.tokenizer, self.max_input_tokens
-        cap, cap_name = (limit, "max_input_tokens") if stride is None else (
-            self.settings.max_tokens_per_request, "max_tokens_per_request")
-        texts = [self.inputs.size(f"inputs[{i}]", self.inputs.text(i, t), tok, cap, cap_name)
-                 for i, t in enumerate(inputs)]
-        windows = await self.inputs.run(lambda: windows_of(tok, self.inputs, texts, limit, stride))
-        rows = [(list(s.ids), [0] * len(s.ids)) for spans in windows for s in spans]
-        check_cost(self.settings.max_tokens_per_request, {"window tokens": sum(len(ids) for ids, _ in rows)}, None)
-        job = PoolingJob(request_id, self.settings.request_timeout_s, "tokens", rows, adapter=self._acquire(adapter))
-        self._submit(job, queue)
-        logits = iter(await self._result(job))  # per window (T, num_labels), in the rows' order
-        id2label = dict(enumerate(self.checkpoint.labels or []))
-        ignore = IGNORE_LABELS if ignore_labels is None else ignore_labels
-        return await self.inputs.run(lambda: found(tok, texts, windows, logits, id2label, strategy, ignore))
+        request = await self.pooling.entities(inputs, strategy, ignore_labels, stride, request_id)
+        return await self._pooled(request, adapter, queue)
 
     async def embed(self, inputs: list[str], pooling: str | None, request_id: str,
                     normalize: bool | None = None, queue: QueueTag = DEFAULT_QUEUE) -> list[list[float]]:
-        """One vector per input; ``pooling`` and ``normalize`` default to the model's (a sentence-transformers
-        save's modules), else mean pooling, not normalized."""
+        """One vector per input (PoolingPlanner.embed)."""
         self._require("embed", ("classifier",))
-        self.inputs.count(inputs)
-        defaults = self.embedding_defaults()
-        pooling = defaults.pooling if pooling is None else pooling
-        normalize = defaults.normalize if normalize is None else normalize
-        if pooling not in POOLINGS:
-            raise InvalidRequest("pooling", f"must be one of {list(POOLINGS)}, got {pooling!r}")
-        tok = self.checkpoint.tokenizer
-        texts = [self.inputs.size(f"inputs[{i}]", self.inputs.text(i, t), tok, self.max_input_tokens)
-                 for i, t in enumerate(inputs)]
-        encoded = await self.inputs.run(lambda: [self.inputs.length(i, tok.encode_pair(t))
-                                                 for i, t in enumerate(texts)])
-        job = PoolingJob(request_id, self.settings.request_timeout_s, "embed", encoded, pooling=pooling,
-                         normalize=normalize)
-        self._submit(job, queue)
-        return await self._result(job)
+        return await self._pooled(await self.pooling.embed(inputs, pooling, normalize, request_id), None, queue)
 
     async def rerank(self, queries: list[str], documents: list[str], adapter: str | None, truncate: bool,
                      request_id: str, queue: QueueTag = DEFAULT_QUEUE,
                      fields: tuple[str, str] = ("query", "documents")) -> RerankOutput:
-        """Each document's relevance to its query (one query for all, or one per document) in one engine call: a
-        one-label head's score of the pair (a cross-encoder), else the cosine of their embeddings
-        (service.engine.rerank); ``truncate`` cuts a document over max_input_tokens to fit instead of refusing it.
-        Errors name ``fields`` (the queries' and the documents' request fields)."""
+        """Each document's relevance to its query, in one engine call (PoolingPlanner.rerank)."""
         self._require("rerank", ("classifier",))
-        check_counts(len(queries), len(documents), self.settings.max_rerank_documents, fields[1])
-        tok, limit = self.checkpoint.tokenizer, self.max_input_tokens
-        queries = [self.inputs.size(fields[0], q, tok, limit) for q in queries]
-        documents = [cut_to_bytes(d, limit * tok.max_token_bytes) if truncate
-                     else self.inputs.size(f"{fields[1]}[{i}]", d, tok, limit) for i, d in enumerate(documents)]
-        cross = self.config.num_labels == 1
-        encoded = await self.inputs.run(lambda: encode_request(tok, queries, documents, limit, truncate, cross, fields))
-        version = self._acquire(adapter)
-        if cross:  # the pairs' logits, batched with other requests' rows
-            job = PoolingJob(request_id, self.settings.request_timeout_s, "logits", encoded, adapter=version)
-        else:  # the queries' vectors first, then each document's
-            job = PoolingJob(request_id, self.settings.request_timeout_s, "embed", encoded, adapter=version,
-                             pooling=self.embedding_defaults().pooling)
-        self._submit(job, queue)
-        result = await self._result(job)
-        tokens = sum(len(ids) for ids, _ in encoded)
-        if cross:
-            activation = self.checkpoint.score_activation or DEFAULT_ACTIVATION
-            return RerankOutput(pair_scores(result, activation), tokens, CROSS_ENCODER)
-        return RerankOutput(cosines(result, len(queries)), tokens, EMBEDDING_COSINE)
+        request = await self.pooling.rerank(queries, documents, truncate, request_id, fields)
+        return await self._pooled(request, adapter, queue)
+
+    async def _pooled(self, request: PooledRequest[T], adapter: str | None, queue: QueueTag) -> T:
+        """``request``'s job with ``adapter`` pinned (last: nothing after it can refuse the request), queued, and its
+        result made into the answer."""
+        request.job.adapter = self._acquire(adapter)
+        self._submit(request.job, queue)
+        return await request.answer(await self._result(request.job))
 
     async def attention(self, text: str, target: str | None, request_id: str,
                         selection: MapSelection = ALL_MAPS) -> AttentionOutput:
