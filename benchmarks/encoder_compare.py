@@ -7,7 +7,8 @@ d 768, 9 labels: the NER cells, run by benchmarks/ner_compare.py with this modul
 
 Rerank cells: a query of 16 tokens and 16 or 64 documents, each pair ``<s> query </s> </s> document </s>`` of
 112-128 tokens (random ids, no special ones; the longest 128), scored in chunks of the service's default
-``max_batch_size`` (32 pairs: also CrossEncoder.predict's default batch size), each chunk padded to its longest pair:
+``max_batch_size`` (32 pairs: also CrossEncoder.predict's default batch size), longest first as both sort them
+(service.engine.pooling.batch_order), each chunk padded to its longest pair:
 
 - ours fp32 / int8 / bf16: ``load_checkpoint`` + ``prepare_for_inference`` as the service loads a model
   (benchmarks/shape_engines.py), then what ``ModelWorker.rerank``'s PoolingJob "logits" computes: ``pad_batch`` of
@@ -45,6 +46,7 @@ from benchmarks.shape_compare import ENGINES, PEERS, measure_rates, weight_bytes
 from benchmarks.shape_engines import Engines, floor_seconds, load_engines, quantized
 from model.checkpoint import Checkpoint
 from model.tokenizer import pad_batch
+from service.engine.pooling import batch_order
 from service.engine.rerank import ACTIVATIONS, DEFAULT_ACTIVATION
 from service.engine.types import EngineSettings
 
@@ -92,8 +94,13 @@ def rerank_pairs(spec: shapes.Shape, documents: int, grid: RerankGrid, seed: int
     return pairs
 
 
-def chunks(pairs: Pairs) -> list[Pairs]:
-    return [pairs[i: i + CHUNK] for i in range(0, len(pairs), CHUNK)]
+def batched(pairs: Pairs, score: Callable[[Pairs], torch.Tensor]) -> torch.Tensor:
+    """``score`` of ``pairs`` chunk by chunk as the service forwards them (longest first over more than one chunk:
+    service.engine.pooling.batch_order, the order CrossEncoder.predict sorts by too), in the pairs' order."""
+    order = batch_order([len(ids) for ids, _ in pairs], CHUNK)
+    ranked = [pairs[i] for i in order]
+    out = torch.cat([score(ranked[i: i + CHUNK]) for i in range(0, len(ranked), CHUNK)])
+    return out[torch.tensor(order).argsort()]
 
 
 def padded(chunk: Pairs, pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -110,13 +117,13 @@ def ours_scorer(checkpoint: Checkpoint) -> Scorer:
     model = checkpoint.model
     pad = model.config.pad_id
 
+    def chunk_logits(chunk: Pairs) -> torch.Tensor:
+        ids, segments, _ = padded(chunk, pad)
+        return model(ids, segments).float()[:, 0]
+
     def logits(pairs: Pairs) -> torch.Tensor:
-        out = []
         with torch.inference_mode():
-            for chunk in chunks(pairs):
-                ids, segments, _ = padded(chunk, pad)
-                out.append(model(ids, segments).float()[:, 0])
-        return torch.cat(out)
+            return batched(pairs, chunk_logits)
 
     return logits
 
@@ -124,13 +131,13 @@ def ours_scorer(checkpoint: Checkpoint) -> Scorer:
 def hf_scorer(engines: Engines) -> Scorer:
     pad = engines.hf.config.pad_token_id
 
+    def chunk_logits(chunk: Pairs) -> torch.Tensor:
+        ids, _, mask = padded(chunk, pad)
+        return engines.hf(input_ids=ids, attention_mask=mask).logits[:, 0]
+
     def logits(pairs: Pairs) -> torch.Tensor:
-        out = []
         with torch.inference_mode():
-            for chunk in chunks(pairs):
-                ids, _, mask = padded(chunk, pad)
-                out.append(engines.hf(input_ids=ids, attention_mask=mask).logits[:, 0])
-        return torch.cat(out)
+            return batched(pairs, chunk_logits)
 
     return logits
 
@@ -138,15 +145,12 @@ def hf_scorer(engines: Engines) -> Scorer:
 def ort_scorer(engines: Engines, session) -> Scorer:
     pad, names = engines.files.shape.config["pad_token_id"], shapes.onnx_inputs(engines.files.shape)
 
-    def logits(pairs: Pairs) -> torch.Tensor:
-        out = []
-        for chunk in chunks(pairs):
-            ids, segments, mask = padded(chunk, pad)
-            feed = dict(zip(("input_ids", "attention_mask", "token_type_ids"), (ids, mask, segments), strict=True))
-            out.append(torch.from_numpy(session.run(["logits"], {n: feed[n].numpy() for n in names})[0])[:, 0])
-        return torch.cat(out)
+    def chunk_logits(chunk: Pairs) -> torch.Tensor:
+        ids, segments, mask = padded(chunk, pad)
+        feed = dict(zip(("input_ids", "attention_mask", "token_type_ids"), (ids, mask, segments), strict=True))
+        return torch.from_numpy(session.run(["logits"], {n: feed[n].numpy() for n in names})[0])[:, 0]
 
-    return logits
+    return lambda pairs: batched(pairs, chunk_logits)
 
 
 def scorers(engines: Engines, threads: int, ours: Callable | None = None, hf: Callable | None = None,

@@ -44,6 +44,7 @@ from benchmarks.shape_engines import Engines, load_engines, quantized
 from model.checkpoint import Checkpoint
 from model.tokenizer import TokenSpans, pad_batch
 from service.engine.entities import found
+from service.engine.pooling import batch_order
 
 logger = logging.getLogger("benchmarks.ner_compare")
 
@@ -95,17 +96,20 @@ def make_texts(engines: Engines, lengths: list[int], seed: int) -> Texts:
 
 def chunked(rows: Rows, pad: int, forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
             ) -> list[torch.Tensor]:
-    """``forward(ids, attention mask)`` of ``rows`` in chunks of :data:`CHUNK`, each padded to its longest row by the
-    service's pad_batch; each row's logits trimmed to its tokens."""
-    out = []
+    """``forward(ids, attention mask)`` of ``rows`` in chunks of :data:`CHUNK` as the service forwards them (longest
+    first over more than one chunk: service.engine.pooling.batch_order), each padded to its longest row by the
+    service's pad_batch; each row's logits trimmed to its tokens, in the rows' order."""
+    order = batch_order([len(row) for row in rows], CHUNK)
+    out: list[torch.Tensor] = [torch.empty(0)] * len(rows)
     for start in range(0, len(rows), CHUNK):
-        chunk = rows[start: start + CHUNK]
-        ids, _ = pad_batch(chunk, pad)
+        chunk = order[start: start + CHUNK]
+        ids, _ = pad_batch([rows[i] for i in chunk], pad)
         mask = torch.zeros_like(ids)
-        for r, row in enumerate(chunk):
-            mask[r, : len(row)] = 1
+        for r, i in enumerate(chunk):
+            mask[r, : len(rows[i])] = 1
         logits = forward(ids, mask)
-        out += [logits[r, : len(row)] for r, row in enumerate(chunk)]
+        for r, i in enumerate(chunk):
+            out[i] = logits[r, : len(rows[i])]
     return out
 
 

@@ -2,7 +2,8 @@
 
 The worker collects up to ``max_batch_size`` inputs or waits ``max_wait_ms`` from the oldest
 arrival, runs one padded forward (per-row LoRA adapters for classify), and splits the rows back
-per job. A forward that raises is retried job by job; non-finite outputs fail only their job.
+per job. More rows than one forward takes go in chunks, longest first (:func:`batch_order`), so each chunk pads to
+lengths near its own. A forward that raises is retried job by job; non-finite outputs fail only their job.
 """
 
 from __future__ import annotations
@@ -25,6 +26,15 @@ from service.engine.scheduler import Scheduler
 from service.engine.types import UNKNOWN_LABEL, ClassifyOutput, EngineSettings
 
 logger = logging.getLogger(__name__)
+
+
+def batch_order(lengths: list[int], size: int) -> list[int]:
+    """The order in which rows of ``lengths`` tokens are forwarded, ``size`` at a time: as they came when they fit in
+    one forward, else longest first (ties as they came), as sentence-transformers' ``CrossEncoder.predict`` and
+    ``encode`` sort theirs, so a chunk pads its rows to lengths near their own instead of to the longest of all."""
+    if len(lengths) <= size:
+        return list(range(len(lengths)))
+    return sorted(range(len(lengths)), key=lambda i: -lengths[i])
 
 
 class PoolingScheduler(Scheduler):
@@ -82,6 +92,8 @@ class PoolingScheduler(Scheduler):
     def _forward(self, jobs: list[PoolingJob], forward: Callable) -> list[torch.Tensor]:
         rows = [(job, ids, seg) for job in jobs for ids, seg in job.inputs]
         size, chunks = self.settings.max_batch_size, []
+        order = batch_order([len(ids) for _, ids, _ in rows], size)
+        rows = [rows[i] for i in order]
         for start in range(0, len(rows), size):
             chunk = rows[start: start + size]
             ids, _ = pad_batch([r[1] for r in chunk], self.model.config.pad_id)
@@ -94,7 +106,8 @@ class PoolingScheduler(Scheduler):
         if chunks[0].dim() == 3:  # per-token outputs (B, T, L): chunks padded to one width T
             width = max(c.shape[1] for c in chunks)
             chunks = [F.pad(c, (0, 0, 0, width - c.shape[1])) for c in chunks]
-        return list(torch.cat(chunks).split([len(job.inputs) for job in jobs]))
+        out = torch.cat(chunks)[torch.tensor(order).argsort()]  # back in the jobs' order
+        return list(out.split([len(job.inputs) for job in jobs]))
 
     def _classify(self, ids: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
         return self.model(ids, segments)

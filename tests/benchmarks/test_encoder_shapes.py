@@ -50,6 +50,8 @@ def test_every_engine_scores_the_padded_pairs_of_a_tiny_reranker_as_hf(reranker)
     assert set(got) == {"ours", "ours int8", "ours bf16", "HF", *(["ORT fp32", "ORT int8"] if HAS_ORT else [])}
     reference = got.pop("HF")
     assert reference.shape == (40,) and reference.std() > 1e-3  # scores that tell the pairs apart
+    alone = encoder_compare.hf_scorer(reranker)  # each pair by itself: chunks' order and padding undone
+    assert (torch.cat([alone([pair]) for pair in pairs]) - reference).abs().max() < 1e-5
     for engine, logits in got.items():
         if quantized(engine):
             assert encoder_compare.correlation_with(logits, reference) > 0.95, engine
@@ -74,6 +76,8 @@ def test_every_engine_gives_hf_token_logits_of_a_tiny_ner_model_on_padded_texts(
     got = {engine: torch.cat(scorer(texts.rows)) for engine, scorer in ner_compare.scorers(tagger, 1).items()}
     assert set(got) == {"ours", "ours int8", "ours bf16", "HF", *(["ORT fp32", "ORT int8"] if HAS_ORT else [])}
     reference = got.pop("HF")
+    alone = ner_compare.hf_scorer(tagger)  # each text by itself: chunks' order and padding undone
+    assert (torch.cat([alone([row])[0] for row in texts.rows]) - reference).abs().max() < 1e-5
     labels = len(tagger.files.shape.config["id2label"])
     assert reference.shape == (sum(lengths), labels) and reference.argmax(-1).unique().numel() > 1
     for engine, logits in got.items():

@@ -21,6 +21,7 @@ import torch
 
 from model.hf.common import HFImportError
 from model.hf.sentence import score_activation
+from service.engine.pooling import batch_order
 from tests.helpers import error_of
 from tests.hf_compare import peft_adapter, randomize
 from tests.hf_directories import TEXTS, bert_directory, gpt2_directory, sentence_transformers_layout
@@ -293,6 +294,33 @@ def test_a_modernbert_token_classifier_adapter_finds_the_entities_of_its_peft_mo
         for text, got, want in zip(TEXTS, outputs, wanted[adapter], strict=True):
             assert [{**e, "score": None} for e in got] == [{**w, "score": None} for w in want], (adapter, text)
             assert all(abs(e["score"] - float(w["score"])) < 1e-5 for e, w in zip(got, want, strict=True)), text
+
+
+def test_rows_over_one_forward_go_longest_first_and_rows_that_fit_as_they_came():
+    assert batch_order([3, 9, 5, 9, 1], 5) == [0, 1, 2, 3, 4]  # one forward: nothing to gain
+    assert batch_order([3, 9, 5, 9, 1], 2) == [1, 3, 2, 0, 4]  # longest first, ties as they came
+    assert batch_order([], 2) == []
+
+
+def test_more_rows_than_a_forward_takes_are_answered_in_the_request_order(served):
+    """TSERVE_MAX_BATCH_SIZE 2: five documents in three forwards of different widths (longest first), each score
+    still transformers' for its own pair; the token classifier's per-token outputs of chunks of different widths give
+    the pipeline's entities per text."""
+    _, models, adapters = served
+    assert len({len(d) for d in DOCUMENTS}) == len(DOCUMENTS) and len(TEXTS) > 2  # distinct lengths, > 1 forward
+    env = dict(TSERVE_MAX_BATCH_SIZE="2", TSERVE_MAX_RERANK_DOCUMENTS=str(MAX_DOCUMENTS), TSERVE_WARMUP="false")
+    with running_server(models, adapters, **env) as server, server.client() as client:
+        out = rerank(client, {"model": "ce", "query": QUERY, "documents": DOCUMENTS})
+        response = client.post("/v1/models/ner-modernbert/entities",
+                               json={"inputs": TEXTS, "aggregation_strategy": "simple"})
+    want = cross_scores(models / "ce", [QUERY], DOCUMENTS)
+    assert {r["index"]: r["relevance_score"] for r in out["results"]} == {
+        i: pytest.approx(score, abs=1e-5) for i, score in enumerate(want)}
+    assert response.status_code == 200, response.text
+    pipe = transformers.pipeline("token-classification", model=str(models / "ner-modernbert"),
+                                 aggregation_strategy="simple")
+    for text, got in zip(TEXTS, response.json()["outputs"], strict=True):
+        assert [{**e, "score": None} for e in got] == [{**w, "score": None} for w in pipe(text)], text
 
 
 @pytest.mark.parametrize("config, want", [
