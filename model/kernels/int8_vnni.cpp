@@ -9,9 +9,9 @@
 //   the -128 offset is undone with the weights' row sums (w_sum * 128).
 // Rows are tiled 4 at a time against 4 blocks of 16 outputs (16 accumulators); tiles are spread over
 // ATen's intra-op threads (the process's one OpenMP pool). Only `has_vnni()` runs on other CPUs.
-// A product of a few rows (decoding: beams, small batches) streams its weights from memory once: tiles of 2-8 rows
-// against 2 blocks at a time, prefetching the next tile's weights (docs/benchmarks.md, "The int8 GEMM at a few
-// rows").
+// A product of a few rows (decoding: greedy, beams, small batches) streams its weights from memory once: tiles of 1-8
+// rows against one block at a time, so the weights are read in order, one sequential stream (docs/benchmarks.md,
+// "The int8 GEMM at a few rows").
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -30,9 +30,9 @@ namespace {
 
 constexpr int64_t kRowChunk = 64;  // activation rows per task: their uint8 copy stays in L2 across blocks
 // Products of up to this many rows read the weights (from memory) slower than their vpdpbusd run: they take their
-// rows 2-8 at a time in one pass over the weights (tile_pairs), each tile prefetching the next one's blocks into L1,
-// one linear stream. A lone row does not (its tile runs ahead of the hardware prefetchers by itself: prefetching
-// slowed it 2-10%); wider products are bound by their vpdpbusd (the prefetches only cost them instructions).
+// rows 1-8 at a time in one pass over the weights (tile_stream), block after block, one sequential stream (4 blocks
+// side by side, 4 streams 9-24 KB apart, took a quarter longer at 1 row on Zen 4). Wider products are bound by their
+// vpdpbusd: tiles of 4 rows x 4 blocks.
 constexpr int64_t kStreamingRows = 16;
 
 VNNI void quantize_row(const float* x, int64_t k, int64_t k_padded, uint8_t* q, float* scale) {
@@ -65,7 +65,7 @@ struct Problem {
   int64_t out_row0;
   int64_t m, n, k_padded, blocks;
   int64_t activation;  // an Activation of each output vector before it is stored, or kNoActivation
-  bool streaming;      // m <= kStreamingRows: rows 2-8 at a time (tile_pairs)
+  bool streaming;      // m <= kStreamingRows: rows 1-8 at a time, one block at a time (tile_stream)
   // A gated FFN's up projection (int8_gated_quantized), read side by side with the gate (w, sw, w_sum, bias; the
   // same shape): each output vector stored is activation(gate) * up. Null: one product.
   const int8_t* w_up = nullptr;
@@ -76,40 +76,54 @@ struct Problem {
 
 constexpr int64_t kNoActivation = -1;
 
+// One step s of k (4 inputs) of a tile's rows against its NB blocks of each of its NM matrices, into acc. Ahead: bytes
+// ahead of each stream to prefetch into L1 (0: none).
+template <int MR, int NB, int NM, int Ahead>
+VNNI inline __attribute__((always_inline)) void step(const int8_t* const (&w)[NM], int64_t stride,
+                                                     const int32_t* const (&x)[MR], int64_t s,
+                                                     __m512i (&acc)[MR][NM * NB]) {
+  __m512i wv[NM * NB];
+  if constexpr (Ahead > 0) {
+    UNROLL for (int m = 0; m < NM; ++m)
+      UNROLL for (int c = 0; c < NB; ++c)
+        _mm_prefetch(reinterpret_cast<const char*>(w[m] + c * stride + s * 64 + Ahead), _MM_HINT_T0);
+  }
+  UNROLL for (int m = 0; m < NM; ++m)
+    UNROLL for (int c = 0; c < NB; ++c) wv[m * NB + c] = _mm512_loadu_si512(w[m] + c * stride + s * 64);
+  UNROLL for (int r = 0; r < MR; ++r) {
+    const __m512i xb = _mm512_set1_epi32(x[r][s]);
+    UNROLL for (int c = 0; c < NM * NB; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], xb, wv[c]);
+  }
+}
+
 // Rows [m0, m0 + MR) against output blocks [blk, blk + NB). Every loop over rows and blocks is unrolled by force:
 // GCC 12 -O3 leaves some of them rolled, so the MR x NB accumulators live on the stack and the tile runs at half
 // the vpdpbusd rate (512 rows: 500-700 GOP/s rolled, 930-1,000 unrolled on a 1,040 GOP/s Zen core).
-// Prefetch: the next NB blocks (the next tile's: blocks are contiguous), NB lines a step, so they are all in L1 or
-// L2 when this tile ends (past the last block: harmless, a prefetch never faults).
+// Split: consecutive steps go to Split sets of accumulators, added at the end (int32 sums: exact in any order, so the
+// same sums): independent vpdpbusd chains for a tile of a few rows against one block.
 // Gated: NB blocks of the gate and the same NB of up (p.w_up) side by side, one quantised input for both, and
 // activation(gate) * up stored: the float operations of an int8_linear of each, the activation pass over the gate's
 // output and the product pass (elementwise.cpp's rows_activate_, rows_mul_), so the same values.
-template <int MR, int NB, bool Prefetch, bool Gated = false>
+template <int MR, int NB, int Split = 1, int Ahead = 0, bool Gated = false>
 VNNI void tile(const Problem& p, int64_t blk, int64_t m0) {
   constexpr int NM = Gated ? 2 : 1;  // weight matrices read side by side
-  __m512i acc[MR][NM * NB];
-  UNROLL for (int r = 0; r < MR; ++r)
-    UNROLL for (int c = 0; c < NM * NB; ++c) acc[r][c] = _mm512_setzero_si512();
+  __m512i acc[Split][MR][NM * NB];
+  UNROLL for (int j = 0; j < Split; ++j)
+    UNROLL for (int r = 0; r < MR; ++r)
+      UNROLL for (int c = 0; c < NM * NB; ++c) acc[j][r][c] = _mm512_setzero_si512();
   const int64_t steps = p.k_padded / 4, stride = steps * 64;
   const int8_t* w[NM];
   w[0] = p.w + blk * stride;
   if constexpr (Gated) w[NM - 1] = p.w_up + blk * stride;
   const int32_t* x[MR];
   UNROLL for (int r = 0; r < MR; ++r) x[r] = reinterpret_cast<const int32_t*>(p.xq + (m0 + r) * p.k_padded);
-  for (int64_t s = 0; s < steps; ++s) {
-    __m512i wv[NM * NB];
-    if constexpr (Prefetch) {
-      UNROLL for (int m = 0; m < NM; ++m)
-        UNROLL for (int c = 0; c < NB; ++c)
-          _mm_prefetch(reinterpret_cast<const char*>(w[m] + NB * stride + (s * NB + c) * 64), _MM_HINT_T0);
-    }
-    UNROLL for (int m = 0; m < NM; ++m)
-      UNROLL for (int c = 0; c < NB; ++c) wv[m * NB + c] = _mm512_loadu_si512(w[m] + c * stride + s * 64);
-    UNROLL for (int r = 0; r < MR; ++r) {
-      const __m512i xb = _mm512_set1_epi32(x[r][s]);
-      UNROLL for (int c = 0; c < NM * NB; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], xb, wv[c]);
-    }
-  }
+  int64_t s = 0;
+  for (; s + Split <= steps; s += Split)
+    UNROLL for (int j = 0; j < Split; ++j) step<MR, NB, NM, Ahead>(w, stride, x, s + j, acc[j]);
+  for (; s < steps; ++s) step<MR, NB, NM, Ahead>(w, stride, x, s, acc[0]);
+  UNROLL for (int j = 1; j < Split; ++j)
+    UNROLL for (int r = 0; r < MR; ++r)
+      UNROLL for (int c = 0; c < NM * NB; ++c) acc[0][r][c] = _mm512_add_epi32(acc[0][r][c], acc[j][r][c]);
   UNROLL for (int c = 0; c < NB; ++c) {
     const int64_t n0 = (blk + c) * 16;
     if (n0 >= p.n) break;
@@ -126,11 +140,11 @@ VNNI void tile(const Problem& p, int64_t blk, int64_t m0) {
     }
     UNROLL for (int r = 0; r < MR; ++r) {
       const __m512 sx = _mm512_set1_ps(p.sx[m0 + r]);
-      const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][c], offset));
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[0][r][c], offset));
       __m512 y = _mm512_fmadd_ps(dot, _mm512_mul_ps(sw, sx), bias);
       if (p.activation != kNoActivation) y = tserve::activate(y, static_cast<Activation>(p.activation));
       if constexpr (Gated) {
-        const __m512 up = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][NB + c], offset_up));
+        const __m512 up = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[0][r][NB + c], offset_up));
         y = _mm512_mul_ps(y, _mm512_fmadd_ps(up, _mm512_mul_ps(sw_up, sx), bias_up));
       }
       _mm512_mask_storeu_ps(p.out + (m0 + r - p.out_row0) * p.n + n0, mask, y);
@@ -144,45 +158,45 @@ template <int MR, bool Gated>
 void tile_blocks(const Problem& p, int64_t blk, int64_t m0) {
   const int64_t nb = std::min<int64_t>(4, p.blocks - blk);
   if constexpr (Gated) {
-    for (int64_t b = 0; b + 2 <= nb; b += 2) tile<MR, 2, false, true>(p, blk + b, m0);
-    if (nb % 2) tile<MR, 1, false, true>(p, blk + nb - 1, m0);
+    for (int64_t b = 0; b + 2 <= nb; b += 2) tile<MR, 2, 1, 0, true>(p, blk + b, m0);
+    if (nb % 2) tile<MR, 1, 1, 0, true>(p, blk + nb - 1, m0);
     return;
   }
   switch (nb) {
-    case 4: return tile<MR, 4, false>(p, blk, m0);
-    case 3: return tile<MR, 3, false>(p, blk, m0);
-    case 2: return tile<MR, 2, false>(p, blk, m0);
-    default: return tile<MR, 1, false>(p, blk, m0);
+    case 4: return tile<MR, 4>(p, blk, m0);
+    case 3: return tile<MR, 3>(p, blk, m0);
+    case 2: return tile<MR, 2>(p, blk, m0);
+    default: return tile<MR, 1>(p, blk, m0);
   }
 }
 
-// Rows [m0, m0 + MR) of a few-row product, 2 <= MR <= 8, against the group's blocks 2 at a time (up to 8 x 2 = 16
-// accumulators): one pass over the weights where tiles of 4 rows x 4 blocks take two for 8 rows; from memory, 4 rows
-// run at 1.07x and 8 rows at 1.15x the 1-row time (1.3-1.5x and 1.6-1.9x with tile<4, 4> and no prefetch). Gated:
-// one block of the gate and one of up at a time (the same two streams and 16 accumulators).
+// Rows [m0, m0 + MR) of a few-row product, 1 <= MR <= 8, against the group's blocks one at a time (gated: one block
+// of the gate and one of up), each block's weights one sequential stream (blocks are contiguous: the group's are
+// one), consecutive steps split over up to 16 accumulators. The hardware prefetchers keep up with such a stream
+// unaided up to 4 rows (prefetching 1-4 KB ahead slowed 1 row 10-20%, 4 rows 10%); 5-8 rows (up to 8 vpdpbusd a line,
+// near the core's rate at the read rate) prefetch 4 KB ahead (2 and 8 KB: slower) (docs/benchmarks.md, "The int8
+// GEMM at a few rows").
 template <int MR, bool Gated>
-void tile_pairs(const Problem& p, int64_t blk, int64_t m0) {
+void tile_stream(const Problem& p, int64_t blk, int64_t m0) {
+  constexpr int chains = MR * (Gated ? 2 : 1), split = chains <= 4 ? 4 : chains <= 8 ? 2 : 1;
+  constexpr int ahead = MR > 4 ? 4096 : 0;
   const int64_t nb = std::min<int64_t>(4, p.blocks - blk);
-  if constexpr (Gated) {
-    for (int64_t b = 0; b < nb; ++b) tile<MR, 1, true, true>(p, blk + b, m0);
-    return;
-  }
-  for (int64_t b = 0; b + 2 <= nb; b += 2) tile<MR, 2, true>(p, blk + b, m0);
-  if (nb % 2) tile<MR, 1, true>(p, blk + nb - 1, m0);
+  for (int64_t b = 0; b < nb; ++b) tile<MR, 1, split, ahead, Gated>(p, blk + b, m0);
 }
 
 template <bool Gated>
 void tiled_rows(const Problem& p, int64_t blk, int64_t begin, int64_t end) {
   int64_t m0 = begin;
-  for (; p.streaming && end - m0 >= 2; m0 += std::min<int64_t>(8, end - m0)) {
+  for (; p.streaming && m0 < end; m0 += std::min<int64_t>(8, end - m0)) {
     switch (std::min<int64_t>(8, end - m0)) {
-      case 8: tile_pairs<8, Gated>(p, blk, m0); break;
-      case 7: tile_pairs<7, Gated>(p, blk, m0); break;
-      case 6: tile_pairs<6, Gated>(p, blk, m0); break;
-      case 5: tile_pairs<5, Gated>(p, blk, m0); break;
-      case 4: tile_pairs<4, Gated>(p, blk, m0); break;
-      case 3: tile_pairs<3, Gated>(p, blk, m0); break;
-      default: tile_pairs<2, Gated>(p, blk, m0); break;
+      case 8: tile_stream<8, Gated>(p, blk, m0); break;
+      case 7: tile_stream<7, Gated>(p, blk, m0); break;
+      case 6: tile_stream<6, Gated>(p, blk, m0); break;
+      case 5: tile_stream<5, Gated>(p, blk, m0); break;
+      case 4: tile_stream<4, Gated>(p, blk, m0); break;
+      case 3: tile_stream<3, Gated>(p, blk, m0); break;
+      case 2: tile_stream<2, Gated>(p, blk, m0); break;
+      default: tile_stream<1, Gated>(p, blk, m0); break;
     }
   }
   for (; m0 + 4 <= end; m0 += 4) tile_blocks<4, Gated>(p, blk, m0);

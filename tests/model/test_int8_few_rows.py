@@ -1,5 +1,6 @@
-"""The int8 kernel's few-row products (decoding: beams, small batches; tiles of 2-8 rows that prefetch the next
-tile's weights, model/kernels/int8_vnni.cpp) against the integer reference, and bit-equal to each row alone."""
+"""The int8 kernel's few-row products (decoding: greedy, beams, small batches; tiles of 1-8 rows against one block at a
+time, their steps split over several accumulators, model/kernels/int8_vnni.cpp) against the integer reference, and
+bit-equal to each row alone."""
 
 import numpy as np
 import pytest
@@ -23,7 +24,7 @@ def test_few_rows_equal_the_integer_reference_and_each_row_alone(threads, out, i
     alone = torch.cat([kernel.int8_linear(x[i : i + 1], packed, scales, sums, bias) for i in range(17)])
     want = _reference(x, q, scales, bias)
     np.testing.assert_allclose(alone.double().numpy(), want.numpy(), rtol=1e-5, atol=1e-5 * want.abs().max().item())
-    for rows in range(2, 18):  # 5-8 rows: one pass against pairs of blocks, 9-16: 8 and 1-8, 17: no prefetch
+    for rows in range(2, 18):  # 1-8 rows: one tile a block, 9-16: 8 and 1-8, 17: tiles of 4 rows x 4 blocks
         assert torch.equal(kernel.int8_linear(x[:rows], packed, scales, sums, bias), alone[:rows]), rows
 
 
