@@ -214,11 +214,13 @@ def decode_floor(family: str, batch: int, beams: int, input_len: int, new_tokens
     flop_rate = rates.compute_rate(weight_bytes)
     step_bytes = weights * weight_bytes
     bandwidth = rates.read_rate(step_bytes)
-    if family == "causal_lm":  # prefill: every prompt token through the layers, lm_head on the last one
-        first = 2 * batch * (input_len * layers * per_layer + dims.lm_head)
+    # Attention multiplies 4 * d per (query, key) pair (scores and weighted values), as in encoder_floor and the steps
+    if family == "causal_lm":  # prefill: every prompt token through the layers (causal pairs), lm_head on the last one
+        pairs = input_len * (input_len + 1) // 2
+        first = 2 * batch * (input_len * layers * per_layer + dims.lm_head) + batch * layers * 4 * d * pairs
         steps = [(input_len + t + 1, 0) for t in range(new_tokens - 1)]  # (self K/V length, cross length)
-    else:  # encoder, the cross K/V projections, then one decoder step per new token (BOS first)
-        first = 2 * batch * input_len * layers * (per_layer + 2 * d * d)
+    else:  # encoder (every pair of source tokens), the cross K/V projections, then a decoder step per new token
+        first = 2 * batch * input_len * layers * (per_layer + 2 * d * d) + batch * layers * 4 * d * input_len**2
         steps = [(t + 1, input_len) for t in range(new_tokens)]
     seconds = max(first / flop_rate, (layers * per_layer * weight_bytes) / bandwidth)
     for t, (self_len, cross_len) in enumerate(steps):

@@ -144,6 +144,23 @@ def test_a_cells_floor_takes_the_bandwidth_read_during_its_runs():
     assert seconds(during) > 1.5 * seconds(best)  # batch 1 is bound by reading the weights
 
 
+def test_a_prompts_floor_counts_its_attention_as_the_encoder_floor_does():
+    """A source's encoding costs what encoder_floor counts for it (its attention over every pair of tokens) plus the
+    cross K/V projections; a causal prompt attends to the keys up to its own position only: T (T + 1) / 2 pairs."""
+    rates = floor.Rates({1 << 20: 1e30}, fp32_flops=1e12, int8_ops=4e12, threads={})  # compute-bound: no read time
+    dims, tokens = floor.TOY, 96
+    encode = floor.decode_floor("seq2seq", 1, 1, tokens, 0, rates, floor.FP32, dims)
+    cross_kv = 2 * tokens * dims.layers * 2 * dims.d_model**2 / rates.fp32_flops
+    assert encode == pytest.approx(floor.encoder_floor([tokens], rates, floor.FP32, dims) + cross_kv, rel=1e-12)
+
+    def prefill(n: int) -> float:
+        return floor.decode_floor("causal_lm", 1, 1, n, 1, rates, floor.FP32, dims)
+
+    pairs = dims.layers * 4 * dims.d_model / rates.fp32_flops  # seconds a (query, key) pair takes
+    assert prefill(2 * tokens) - 2 * prefill(tokens) == pytest.approx(
+        pairs * (tokens * (2 * tokens + 1) - tokens * (tokens + 1)) - 2 * dims.lm_head / rates.fp32_flops, rel=1e-9)
+
+
 def test_the_gpu_comparison_checks_then_times_ours_and_hf_on_every_shape_and_dtype(tmp_path):
     """--device cuda's report (benchmarks/gpu_compare.py), run here on the CPU at tiny sizes: each shape in each
     dtype is checked against HF before ours is timed beside it."""
