@@ -62,6 +62,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              "x (B, H, t, Dh) rotated in place by cos/sin (B|1, t, R) on its first R features (model.rope.apply_rotary), "
              "then times scale", pybind11::arg("x"), pybind11::arg("cos"), pybind11::arg("sin"),
              pybind11::arg("scale") = 1.0, release());
+  module.def("rows_rotate_rounded_", &rows_rotate_rounded_,
+             "rows_rotate_ with each product rounded before its sum: model.rope.apply_rotary's bits, in place", release());
   module.def("rows_cache_write", &rows_cache_write, "cache[:, :, position:position + t] = src (B, H, t, Dh)", release());
   module.def("rows_copy_windows", &rows_copy_windows,
              "buffers[targets[j], :, start:end] = buffers[sources[j], :, start:end] in every (B, H, C, Dh) buffer; "

@@ -74,18 +74,29 @@ AVX512 void rms_norm_row(const float* x, const float* w, float* y, int64_t d, fl
   }
 }
 
+// a * b, rounded to float32 before any sum takes it when kRounded (an opaque register: the compiler cannot fuse it
+// into an FMA, so the sum rounds twice as ATen's separate mul and add do); else free to fuse.
+template <bool kRounded>
+AVX512 inline __m512 product(__m512 a, __m512 b) {
+  __m512 p = _mm512_mul_ps(a, b);
+  if constexpr (kRounded) __asm__("" : "+v"(p));
+  return p;
+}
+
 // One head's first 2 * half features rotated as half-split pairs (model.rope.apply_rotary's operations:
-// x1 c1 - x2 s1, x2 c2 + x1 s2), c and s its cos and sin (2 * half); then, with `scaled`, the whole head times
-// `scale` (MultiHeadAttention's query_scale, after rotation), dh features.
+// x1 c1 - x2 s1, x2 c2 + x1 s2; kRounded: each product rounded as ATen rounds it, the same bits), c and s its cos
+// and sin (2 * half); then, with `scaled`, the whole head times `scale` (MultiHeadAttention's query_scale, after
+// rotation), dh features.
+template <bool kRounded>
 AVX512 void rotate_row(float* x, const float* c, const float* s, int64_t half, int64_t dh, bool scaled, float scale) {
   const __m512 by = _mm512_set1_ps(scale);
   for (int64_t j = 0; j < half; j += 16) {
     const __mmask16 k = tserve::first_lanes(half - j);
     const __m512 x1 = _mm512_maskz_loadu_ps(k, x + j), x2 = _mm512_maskz_loadu_ps(k, x + half + j);
-    __m512 y1 = _mm512_sub_ps(_mm512_mul_ps(x1, _mm512_maskz_loadu_ps(k, c + j)),
-                              _mm512_mul_ps(x2, _mm512_maskz_loadu_ps(k, s + j)));
-    __m512 y2 = _mm512_add_ps(_mm512_mul_ps(x2, _mm512_maskz_loadu_ps(k, c + half + j)),
-                              _mm512_mul_ps(x1, _mm512_maskz_loadu_ps(k, s + half + j)));
+    __m512 y1 = _mm512_sub_ps(product<kRounded>(x1, _mm512_maskz_loadu_ps(k, c + j)),
+                              product<kRounded>(x2, _mm512_maskz_loadu_ps(k, s + j)));
+    __m512 y2 = _mm512_add_ps(product<kRounded>(x2, _mm512_maskz_loadu_ps(k, c + half + j)),
+                              product<kRounded>(x1, _mm512_maskz_loadu_ps(k, s + half + j)));
     if (scaled) y1 = _mm512_mul_ps(y1, by), y2 = _mm512_mul_ps(y2, by);
     _mm512_mask_storeu_ps(x + j, k, y1);
     _mm512_mask_storeu_ps(x + half + j, k, y2);
@@ -179,10 +190,13 @@ torch::Tensor rows_mul_(torch::Tensor y, const torch::Tensor& x) {
   return y;
 }
 
+namespace {
+
 // x (B, H, t, Dh) with unit stride along Dh (a view of a fresh projection), rotated in place at its rows'
 // positions: cos and sin (B or 1, t, R) contiguous float32, R even and at most Dh; the first R features of each
 // head rotate, the rest pass through; then every feature is multiplied by `scale` unless it is 1.
-void rows_rotate_(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, double scale) {
+template <bool kRounded>
+void rotate_rows(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, double scale) {
   TORCH_CHECK(has_avx512() && x.dim() == 4 && x.scalar_type() == at::kFloat && x.device().is_cpu() && x.stride(3) == 1,
               "rotate: x must be a float32 CPU (B, H, t, Dh) tensor with unit stride along Dh");
   TORCH_CHECK(cos.dim() == 3 && cos.sizes() == sin.sizes() && (cos.size(0) == 1 || cos.size(0) == x.size(0)) &&
@@ -196,9 +210,21 @@ void rows_rotate_(const torch::Tensor& x, const torch::Tensor& cos, const torch:
   const bool scaled = scale != 1.0;
   over_rows(x.size(0) * heads * t, r, [&](int64_t i) {
     const int64_t b = i / (heads * t), h = i / t % heads, j = i % t, row = b * per_row + j * r;
-    rotate_row(data + b * x.stride(0) + h * x.stride(1) + j * x.stride(2), c + row, s + row, r / 2, x.size(3), scaled,
-               static_cast<float>(scale));
+    rotate_row<kRounded>(data + b * x.stride(0) + h * x.stride(1) + j * x.stride(2), c + row, s + row, r / 2,
+                         x.size(3), scaled, static_cast<float>(scale));
   });
+}
+
+}  // namespace
+
+void rows_rotate_(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, double scale) {
+  rotate_rows<false>(x, cos, sin, scale);
+}
+
+// The same rotation with each product rounded before its sum, as model.rope.apply_rotary's ATen ops compute it: the
+// same bits as apply_rotary, in place and without its temporaries (the PyTorch layer path's prompts: model.attention).
+void rows_rotate_rounded_(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  rotate_rows<true>(x, cos, sin, 1.0);
 }
 
 // h = activation(h) in place (h freshly computed by the caller); returns h.

@@ -77,6 +77,7 @@ std::tuple<torch::Tensor, torch::Tensor> int8_gated_quantized(
 torch::Tensor rows_add_(torch::Tensor y, const torch::Tensor& x);
 torch::Tensor rows_mul_(torch::Tensor y, const torch::Tensor& x);
 void rows_rotate_(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, double scale = 1.0);
+void rows_rotate_rounded_(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 void rows_head_rms_norm_(const torch::Tensor& x, const torch::Tensor& weight, double eps, bool offset);
 void rows_cache_write(const torch::Tensor& cache, int64_t position, const torch::Tensor& src);
 bool rows_copy_windows(const std::vector<torch::Tensor>& buffers, const std::vector<int64_t>& targets,
