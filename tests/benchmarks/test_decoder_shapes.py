@@ -9,6 +9,7 @@ import torch
 import transformers
 
 from benchmarks import decoder_compare, llama_cpp_peer, shapes
+from benchmarks.cells import Cell
 from benchmarks.shape_engines import hf_generate, hf_greedy_reference, load_engines, ours_tokens, random_ids
 
 # the issue's sizes: layers, d_model, heads, KV heads, head_dim, FFN, vocabulary, rope theta, q/k/v bias
@@ -67,3 +68,14 @@ def test_the_peers_give_hfs_tokens_on_a_tiny_decoder_shape(tiny, name):
                                                                                   "llama.cpp F32")), rows
     assert not engines.excluded
     assert beam == hf_generate(engines.hf, inputs, 4, 8)[0, 12:].tolist()
+
+
+def test_the_2x_hf_target_is_retired_where_hf_runs_above_half_the_floor():
+    """Issue 40's rule: twice HF's rate is not asked for in a cell where HF already reads more than half the floor."""
+    cells = [Cell("causal_lm", label, 1, 1, 32, seconds={"ours@1": 1.0, "HF@1": 1.5}) for label in ("greedy p32",
+                                                                                                 "greedy p512")]
+    share = {("greedy p32", 1, "HF"): 0.3, ("greedy p512", 1, "HF"): 0.6}
+    table = decoder_compare.targets_table(cells, share).splitlines()[2:]
+    rows = {(row[0], row[1]): row[3] for row in ([c.strip() for c in line.strip("|").split("|")] for line in table)}
+    assert rows["ours fp32 >= 2x HF", "greedy p32 b1"] == "MISSED"  # 1.5x, HF at 30% of the floor
+    assert rows["ours fp32 >= 2x HF", "greedy p512 b1"].startswith("retired (HF at 60% of the floor)")
