@@ -47,6 +47,19 @@ class Cell:
         return a[0] / b[0] if a and b else None
 
 
+# Issue 40: an "n x HF" target is retired in a cell where HF itself runs above half the floor (twice HF's rate would
+# be beyond what the floor allows).
+HF_RETIRED_ABOVE = 0.5
+
+
+def hf_retired(hf_share: float | None) -> str | None:
+    """The verdict of an "n x HF" target in a cell where HF reads ``hf_share`` of the floor: "retired (...)" above
+    :data:`HF_RETIRED_ABOVE`, else None (the target is checked)."""
+    if hf_share is not None and hf_share > HF_RETIRED_ABOVE:
+        return f"retired (HF at {hf_share:.0%} of the floor)"
+    return None
+
+
 def load() -> str:
     return "load average " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
