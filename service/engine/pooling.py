@@ -106,7 +106,9 @@ class PoolingScheduler(Scheduler):
         if chunks[0].dim() == 3:  # per-token outputs (B, T, L): chunks padded to one width T
             width = max(c.shape[1] for c in chunks)
             chunks = [F.pad(c, (0, 0, 0, width - c.shape[1])) for c in chunks]
-        out = torch.cat(chunks)[torch.tensor(order).argsort()]  # back in the jobs' order
+        out = torch.cat(chunks)
+        if len(chunks) > 1:  # rows went longest first: back in the jobs' order
+            out = out[torch.tensor(order).argsort()]
         return list(out.split([len(job.inputs) for job in jobs]))
 
     def _classify(self, ids: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
