@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import TypeVar
 
 import torch
 
@@ -57,6 +58,7 @@ CHUNK = EngineSettings().max_batch_size  # pairs per forward: the service's defa
 SPREAD = 16  # pairs are pair_len - SPREAD .. pair_len tokens long: a chunk is padded
 Pairs = list[tuple[list[int], list[int]]]  # (ids, segment ids) per pair, as service.engine.rerank encodes them
 Scorer = Callable[[Pairs], torch.Tensor]  # pairs -> their one-label logits (pairs,)
+W = TypeVar("W")  # a cell's inputs
 
 
 @dataclass(frozen=True)
@@ -203,29 +205,31 @@ def correlation_with(logits: torch.Tensor, reference: torch.Tensor) -> float:
     return torch.corrcoef(torch.stack([logits.double(), reference.double()]))[0, 1].item()
 
 
-def rerank_cells(engines: Engines, cells_pairs: dict[int, Pairs], grid: RerankGrid, args: argparse.Namespace,
-                 probe: floor.BandwidthProbe) -> list[Cell]:
-    name, cells = engines.files.shape.name, []
-    for k, (documents, pairs) in enumerate(cells_pairs.items(), 1):
-        logger.info("%s: cell %d/%d, rerank of %d documents (%s)", name, k, len(cells_pairs), documents, load())
-        variants = {}
-        for n in args.threads:
-            for engine, scorer in scorers(engines, n).items():
-                if engine not in engines.excluded:
-                    variants[f"{engine}@{n}"] = (1 if engine.startswith("ORT") else n, scored(scorer, pairs))
-        cell = Cell(name, f"rerank {documents} docs", documents, 0, documents, length=grid.pair_len)
-        cells.append(alternate(cell, variants, documents, args.repeats, args.prune, probe))
+def timed_cells(engines: Engines, workloads: dict[int, W], run: Callable[[Callable, W], Callable[[], list[int]]],
+                label: str, length: int, args: argparse.Namespace, probe: floor.BandwidthProbe,
+                scorers_at: Callable[[Engines, int], dict[str, Callable]] | None = None) -> list[Cell]:
+    """One cell per workload (batch -> its inputs), every engine at every thread count alternating: ``run(scorer,
+    work)`` is an engine's timed call, ``label`` the cell's name with ``{}`` for the batch, ``scorers_at`` the
+    engines' scorers at a thread count (this module's pair scorers unless given)."""
+    name, cells, scorers_at = engines.files.shape.name, [], scorers_at or scorers
+    for k, (batch, work) in enumerate(workloads.items(), 1):
+        logger.info("%s: cell %d/%d, %s (%s)", name, k, len(workloads), label.format(batch), load())
+        variants = {f"{engine}@{n}": (1 if engine.startswith("ORT") else n, run(scorer, work))
+                    for n in args.threads for engine, scorer in scorers_at(engines, n).items()
+                    if engine not in engines.excluded}
+        cell = Cell(name, label.format(batch), batch, 0, batch, length=length)
+        cells.append(alternate(cell, variants, batch, args.repeats, args.prune, probe))
     return cells
 
 
-def floors(cells: list[Cell], cells_pairs: dict[int, Pairs], spec: shapes.Shape, peak: floor.Rates) -> dict:
-    """(family, batch, label) -> floor seconds by weight bytes (floor.by_precision) of each cell at the bandwidth read
-    during it."""
+def floors(cells: list[Cell], lengths: dict[int, list[int]], spec: shapes.Shape, peak: floor.Rates) -> dict:
+    """(family, batch, label) -> floor seconds by weight bytes (floor.by_precision) of each cell, whose rows are
+    ``lengths[batch]`` tokens long, at the bandwidth read during it."""
     out = {}
     for c in cells:
-        rates, lengths = peak.during(c.read_bandwidth()), [len(ids) for ids, _ in cells_pairs[c.batch]]
+        rates = peak.during(c.read_bandwidth())
         out[c.family, c.batch, c.label] = floor.by_precision(
-            rates, partial(floor.encoder_floor, lengths, rates, dims=spec.dims))
+            rates, partial(floor.encoder_floor, lengths[c.batch], rates, dims=spec.dims))
     return out
 
 
@@ -310,10 +314,11 @@ def run(args: argparse.Namespace) -> str:
     cells_pairs = {n: rerank_pairs(spec, n, grid, seed=n) for n in grid.documents}
     logger.info("%s: comparing outputs", spec.name)
     checks = check_outputs(engines, cells_pairs, args.threads[0])
-    cells = rerank_cells(engines, cells_pairs, grid, args, probe)
+    cells = timed_cells(engines, cells_pairs, scored, "rerank {} docs", grid.pair_len, args, probe)
     out += [f"Cells done: {load()}"]
     rates = rates.best_with(measure_rates(spec, args.threads))
-    table, shares = floor_table(cells, floors(cells, cells_pairs, spec, rates), weight_bytes(spec)[0])
+    lengths = {n: [len(ids) for ids, _ in pairs] for n, pairs in cells_pairs.items()}
+    table, shares = floor_table(cells, floors(cells, lengths, spec, rates), weight_bytes(spec)[0])
     pruned = "; ".join(f"{c.label}: {', '.join(c.pruned)}" for c in cells if c.pruned)
     bw = ", ".join(f"{size / 1e6:.0f} MB: {r / 1e9:.1f} GB/s" for size, r in rates.bandwidth.items())
     out += ["", "### Outputs", "", markdown_table(["engine", "check", "result"], checks), "",

@@ -32,12 +32,11 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
 from benchmarks import encoder_compare, floor, shapes
-from benchmarks.cells import Cell, alternate, hf_retired, kernels, load, versions
+from benchmarks.cells import Cell, hf_retired, kernels, load, versions
 from benchmarks.common import machine_line, markdown_table
 from benchmarks.shape_compare import measure_rates, weight_bytes
 from benchmarks.shape_engines import Engines, load_engines, quantized
@@ -195,33 +194,6 @@ def aggregation_seconds(engines: Engines, texts: Texts, repeats: int) -> float:
     return best
 
 
-def ner_cells(engines: Engines, cells_texts: dict[int, Texts], grid: NerGrid, args: argparse.Namespace,
-              probe: floor.BandwidthProbe) -> list[Cell]:
-    name, cells = engines.files.shape.name, []
-    for k, (batch, texts) in enumerate(cells_texts.items(), 1):
-        logger.info("%s: cell %d/%d, NER batch %d (%s)", name, k, len(cells_texts), batch, load())
-        variants = {}
-        for n in args.threads:
-            for engine, scorer in scorers(engines, n).items():
-                if engine not in engines.excluded:
-                    variants[f"{engine}@{n}"] = (1 if engine.startswith("ORT") else n,
-                                                 probabilities(scorer, texts.rows))
-        cell = Cell(name, f"NER batch {batch}", batch, 0, batch, length=grid.length)
-        cells.append(alternate(cell, variants, batch, args.repeats, args.prune, probe))
-    return cells
-
-
-def floors(cells: list[Cell], cells_texts: dict[int, Texts], spec: shapes.Shape, peak: floor.Rates) -> dict:
-    """(family, batch, label) -> floor seconds by weight bytes (floor.by_precision) of each cell at the bandwidth read
-    during it."""
-    out = {}
-    for c in cells:
-        rates, lengths = peak.during(c.read_bandwidth()), [len(r) for r in cells_texts[c.batch].rows]
-        out[c.family, c.batch, c.label] = floor.by_precision(
-            rates, partial(floor.encoder_floor, lengths, rates, dims=spec.dims))
-    return out
-
-
 def targets_table(cells: list[Cell], shares: dict) -> str:
     """The issue's goals for the NER cells, measured (met or MISSED), and each engine's share of the floor."""
     rows = []
@@ -270,10 +242,12 @@ def run(args: argparse.Namespace) -> str:
     torch.set_num_threads(args.threads[0])
     largest = max(grid.batches)
     aggregation = aggregation_seconds(engines, cells_texts[largest], args.repeats)
-    cells = ner_cells(engines, cells_texts, grid, args, probe)
+    cells = encoder_compare.timed_cells(engines, cells_texts, lambda scorer, texts: probabilities(scorer, texts.rows),
+                                        "NER batch {}", grid.length, args, probe, scorers)
     out += [f"Cells done: {load()}"]
     rates = rates.best_with(measure_rates(spec, args.threads))
-    table, shares = encoder_compare.floor_table(cells, floors(cells, cells_texts, spec, rates),
+    table, shares = encoder_compare.floor_table(cells, encoder_compare.floors(
+        cells, {n: [len(r) for r in t.rows] for n, t in cells_texts.items()}, spec, rates),
                                                 weight_bytes(spec)[0], unit="texts")
     pruned = "; ".join(f"{c.label}: {', '.join(c.pruned)}" for c in cells if c.pruned)
     bw = ", ".join(f"{size / 1e6:.0f} MB: {r / 1e9:.1f} GB/s" for size, r in rates.bandwidth.items())
