@@ -17,19 +17,21 @@ import time
 import torch
 
 from benchmarks.common import machine_line, markdown_table
-from model.int8_kernel import available, pack
+from model.int8_kernel import available, huge_pages, pack
 
 LAYER = [(768, 768)] * 6 + [(2048, 768)] * 2 + [(768, 2048)]  # (out, in): self q/k/v/o, cross q/o, wi_0/wi_1, wo
 ROWS = [1, 2, 4, 8, 16]
 
 
 def weights(layers: int) -> list[tuple[torch.Tensor, ...]]:
-    """(packed, scales, sums, bias) of each projection, random int8."""
+    """(packed, scales, sums, bias) of each projection, random int8, packed one after another in huge pages as a
+    model's quantisation packs them (int8_kernel.huge_pages)."""
     g = torch.Generator().manual_seed(0)
     out = []
-    for n, k in LAYER * layers:
-        q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
-        out.append((pack(q), torch.rand(n, generator=g) * 0.01 + 1e-3, q.sum(1, dtype=torch.int32), torch.randn(n)))
+    with huge_pages():
+        for n, k in LAYER * layers:
+            q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+            out.append((pack(q), torch.rand(n, generator=g) * 0.01 + 1e-3, q.sum(1, dtype=torch.int32), torch.randn(n)))
     return out
 
 

@@ -34,6 +34,7 @@ constexpr int64_t kRowChunk = 64;  // activation rows per task: their uint8 copy
 // side by side, 4 streams 9-24 KB apart, took a quarter longer at 1 row on Zen 4). Wider products are bound by their
 // vpdpbusd: tiles of 4 rows x 4 blocks.
 constexpr int64_t kStreamingRows = 16;
+constexpr int64_t kSpanBlocks = 16;  // blocks of a few-row product whose sums are held before their outputs are stored
 
 VNNI void quantize_row(const float* x, int64_t k, int64_t k_padded, uint8_t* q, float* scale) {
   __m512 amax = _mm512_setzero_ps();
@@ -96,16 +97,16 @@ VNNI inline __attribute__((always_inline)) void step(const int8_t* const (&w)[NM
   }
 }
 
-// Rows [m0, m0 + MR) against output blocks [blk, blk + NB). Every loop over rows and blocks is unrolled by force:
-// GCC 12 -O3 leaves some of them rolled, so the MR x NB accumulators live on the stack and the tile runs at half
-// the vpdpbusd rate (512 rows: 500-700 GOP/s rolled, 930-1,000 unrolled on a 1,040 GOP/s Zen core).
+// The int32 sums of rows [m0, m0 + MR) against output blocks [blk, blk + NB) (of each of the NM matrices) into sums.
+// Every loop over rows and blocks is unrolled by force: GCC 12 -O3 leaves some of them rolled, so the MR x NB
+// accumulators live on the stack and the tile runs at half the vpdpbusd rate (512 rows: 500-700 GOP/s rolled,
+// 930-1,000 unrolled on a 1,040 GOP/s Zen core).
 // Split: consecutive steps go to Split sets of accumulators, added at the end (int32 sums: exact in any order, so the
 // same sums): independent vpdpbusd chains for a tile of a few rows against one block.
-// Gated: NB blocks of the gate and the same NB of up (p.w_up) side by side, one quantised input for both, and
-// activation(gate) * up stored: the float operations of an int8_linear of each, the activation pass over the gate's
-// output and the product pass (elementwise.cpp's rows_activate_, rows_mul_), so the same values.
-template <int MR, int NB, int Split = 1, int Ahead = 0, bool Gated = false>
-VNNI void tile(const Problem& p, int64_t blk, int64_t m0) {
+// Gated: NB blocks of the gate and the same NB of up (p.w_up) side by side, one quantised input for both.
+template <int MR, int NB, int Split, int Ahead, bool Gated>
+VNNI inline __attribute__((always_inline)) void tile_sums(const Problem& p, int64_t blk, int64_t m0,
+                                                          __m512i (&sums)[MR][(Gated ? 2 : 1) * NB]) {
   constexpr int NM = Gated ? 2 : 1;  // weight matrices read side by side
   __m512i acc[Split][MR][NM * NB];
   UNROLL for (int j = 0; j < Split; ++j)
@@ -124,6 +125,16 @@ VNNI void tile(const Problem& p, int64_t blk, int64_t m0) {
   UNROLL for (int j = 1; j < Split; ++j)
     UNROLL for (int r = 0; r < MR; ++r)
       UNROLL for (int c = 0; c < NM * NB; ++c) acc[0][r][c] = _mm512_add_epi32(acc[0][r][c], acc[j][r][c]);
+  UNROLL for (int r = 0; r < MR; ++r)
+    UNROLL for (int c = 0; c < NM * NB; ++c) sums[r][c] = acc[0][r][c];
+}
+
+// The outputs of rows [m0, m0 + MR) and blocks [blk, blk + NB) from their int32 sums: scaled, biased, activated and
+// stored. Gated: activation(gate) * up, the float operations of an int8_linear of each, the activation pass over the
+// gate's output and the product pass (elementwise.cpp's rows_activate_, rows_mul_), so the same values.
+template <int MR, int NB, bool Gated>
+VNNI inline __attribute__((always_inline)) void tile_store(const Problem& p, int64_t blk, int64_t m0,
+                                                           const __m512i (&sums)[MR][(Gated ? 2 : 1) * NB]) {
   UNROLL for (int c = 0; c < NB; ++c) {
     const int64_t n0 = (blk + c) * 16;
     if (n0 >= p.n) break;
@@ -140,16 +151,24 @@ VNNI void tile(const Problem& p, int64_t blk, int64_t m0) {
     }
     UNROLL for (int r = 0; r < MR; ++r) {
       const __m512 sx = _mm512_set1_ps(p.sx[m0 + r]);
-      const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[0][r][c], offset));
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(sums[r][c], offset));
       __m512 y = _mm512_fmadd_ps(dot, _mm512_mul_ps(sw, sx), bias);
       if (p.activation != kNoActivation) y = tserve::activate(y, static_cast<Activation>(p.activation));
       if constexpr (Gated) {
-        const __m512 up = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[0][r][NB + c], offset_up));
+        const __m512 up = _mm512_cvtepi32_ps(_mm512_sub_epi32(sums[r][NB + c], offset_up));
         y = _mm512_mul_ps(y, _mm512_fmadd_ps(up, _mm512_mul_ps(sw_up, sx), bias_up));
       }
       _mm512_mask_storeu_ps(p.out + (m0 + r - p.out_row0) * p.n + n0, mask, y);
     }
   }
+}
+
+// Rows [m0, m0 + MR) against output blocks [blk, blk + NB): their sums, then their outputs.
+template <int MR, int NB, int Split = 1, int Ahead = 0, bool Gated = false>
+VNNI void tile(const Problem& p, int64_t blk, int64_t m0) {
+  __m512i sums[MR][(Gated ? 2 : 1) * NB];
+  tile_sums<MR, NB, Split, Ahead, Gated>(p, blk, m0, sums);
+  tile_store<MR, NB, Gated>(p, blk, m0, sums);
 }
 
 // Rows [m0, m0 + MR) against the group's (up to 4) blocks; gated: 2 blocks of each matrix at a time (16 accumulators
@@ -170,35 +189,49 @@ void tile_blocks(const Problem& p, int64_t blk, int64_t m0) {
   }
 }
 
-// Rows [m0, m0 + MR) of a few-row product, 1 <= MR <= 8, against the group's blocks one at a time (gated: one block
-// of the gate and one of up), each block's weights one sequential stream (blocks are contiguous: the group's are
-// one), consecutive steps split over up to 16 accumulators. The hardware prefetchers keep up with such a stream
-// unaided up to 4 rows (prefetching 1-4 KB ahead slowed 1 row 10-20%, 4 rows 10%); 5-8 rows (up to 8 vpdpbusd a line,
-// near the core's rate at the read rate) prefetch 4 KB ahead (2 and 8 KB: slower) (docs/benchmarks.md, "The int8
-// GEMM at a few rows").
+// Rows [m0, m0 + MR) of a few-row product, 1 <= MR <= 8, against blocks [blk0, blk1) (at most kSpanBlocks) one at a
+// time (gated: one block of the gate and one of up), each block's weights one sequential stream (consecutive blocks
+// are contiguous), consecutive steps split over up to 16 accumulators. The hardware prefetchers keep up with such a
+// stream unaided up to 4 rows (prefetching 1-4 KB ahead slowed 1 row 10-20%, 4 rows 10%); 5-8 rows (up to 8 vpdpbusd
+// a line, near the core's rate at the read rate) prefetch 4 KB ahead (2 and 8 KB: slower) (docs/benchmarks.md, "The
+// int8 GEMM at a few rows"). The span's outputs are stored after all its sums: a block's float epilogue (an
+// activation: tens of instructions a row) waits on the block's last weights and, run between two blocks' loops,
+// stalled the stream (no loads while it ran, the next block's starting again at memory latency): SmolLM2-135M's
+// gated FFN at 8 rows took 27% less time with its outputs stored a span at a time than a block at a time (4 rows 15%).
 template <int MR, bool Gated>
-void tile_stream(const Problem& p, int64_t blk, int64_t m0) {
+VNNI void tile_stream(const Problem& p, int64_t blk0, int64_t blk1, int64_t m0) {
   constexpr int chains = MR * (Gated ? 2 : 1), split = chains <= 4 ? 4 : chains <= 8 ? 2 : 1;
   constexpr int ahead = MR > 4 ? 4096 : 0;
-  const int64_t nb = std::min<int64_t>(4, p.blocks - blk);
-  for (int64_t b = 0; b < nb; ++b) tile<MR, 1, split, ahead, Gated>(p, blk + b, m0);
+  __m512i sums[kSpanBlocks][MR][Gated ? 2 : 1];  // at most 16 KB
+  for (int64_t b = blk0; b < blk1; ++b) tile_sums<MR, 1, split, ahead, Gated>(p, b, m0, sums[b - blk0]);
+  for (int64_t b = blk0; b < blk1; ++b) tile_store<MR, 1, Gated>(p, b, m0, sums[b - blk0]);
 }
 
+// Rows [begin, end) of a few-row product (p.streaming) against blocks [blk0, blk1): spans of kSpanBlocks, rows 1-8 at a
+// time in one pass over each span.
+template <bool Gated>
+void stream_rows(const Problem& p, int64_t blk0, int64_t blk1, int64_t begin, int64_t end) {
+  for (int64_t b = blk0; b < blk1; b += kSpanBlocks) {
+    const int64_t b1 = std::min(blk1, b + kSpanBlocks);
+    for (int64_t m0 = begin; m0 < end; m0 += 8) {
+      switch (std::min<int64_t>(8, end - m0)) {
+        case 8: tile_stream<8, Gated>(p, b, b1, m0); break;
+        case 7: tile_stream<7, Gated>(p, b, b1, m0); break;
+        case 6: tile_stream<6, Gated>(p, b, b1, m0); break;
+        case 5: tile_stream<5, Gated>(p, b, b1, m0); break;
+        case 4: tile_stream<4, Gated>(p, b, b1, m0); break;
+        case 3: tile_stream<3, Gated>(p, b, b1, m0); break;
+        case 2: tile_stream<2, Gated>(p, b, b1, m0); break;
+        default: tile_stream<1, Gated>(p, b, b1, m0); break;
+      }
+    }
+  }
+}
+
+// Rows [begin, end) of a wider product against its group of (up to) 4 blocks starting at blk: tiles of 4 rows.
 template <bool Gated>
 void tiled_rows(const Problem& p, int64_t blk, int64_t begin, int64_t end) {
   int64_t m0 = begin;
-  for (; p.streaming && m0 < end; m0 += std::min<int64_t>(8, end - m0)) {
-    switch (std::min<int64_t>(8, end - m0)) {
-      case 8: tile_stream<8, Gated>(p, blk, m0); break;
-      case 7: tile_stream<7, Gated>(p, blk, m0); break;
-      case 6: tile_stream<6, Gated>(p, blk, m0); break;
-      case 5: tile_stream<5, Gated>(p, blk, m0); break;
-      case 4: tile_stream<4, Gated>(p, blk, m0); break;
-      case 3: tile_stream<3, Gated>(p, blk, m0); break;
-      case 2: tile_stream<2, Gated>(p, blk, m0); break;
-      default: tile_stream<1, Gated>(p, blk, m0); break;
-    }
-  }
   for (; m0 + 4 <= end; m0 += 4) tile_blocks<4, Gated>(p, blk, m0);
   switch (end - m0) {
     case 3: return tile_blocks<3, Gated>(p, blk, m0);
@@ -208,10 +241,15 @@ void tiled_rows(const Problem& p, int64_t blk, int64_t begin, int64_t end) {
   }
 }
 
-// Rows [begin, end) of p against its group of (up to) 4 blocks starting at blk.
-void rows(const Problem& p, int64_t blk, int64_t begin, int64_t end) {
-  if (p.w_up != nullptr) return tiled_rows<true>(p, blk, begin, end);
-  tiled_rows<false>(p, blk, begin, end);
+// Rows [begin, end) of p against blocks [blk0, blk1) (blk0 a multiple of 4).
+void rows(const Problem& p, int64_t blk0, int64_t blk1, int64_t begin, int64_t end) {
+  const bool gated = p.w_up != nullptr;
+  if (p.streaming) {
+    return gated ? stream_rows<true>(p, blk0, blk1, begin, end) : stream_rows<false>(p, blk0, blk1, begin, end);
+  }
+  for (int64_t blk = blk0; blk < blk1; blk += 4) {
+    gated ? tiled_rows<true>(p, blk, begin, end) : tiled_rows<false>(p, blk, begin, end);
+  }
 }
 
 }  // namespace
@@ -261,9 +299,10 @@ Problem problem(const torch::Tensor& xq, const torch::Tensor& sx, const torch::T
 void gemm(const Problem& p) {
   const int64_t groups = (p.blocks + 3) / 4, chunks = (p.m + kRowChunk - 1) / kRowChunk;
   at::parallel_for(0, groups * chunks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t row = (i / groups) * kRowChunk;
-      rows(p, (i % groups) * 4, row, std::min(p.m, row + kRowChunk));
+    for (int64_t i = begin; i < end;) {  // the task's groups of one row chunk at a time: one run of blocks
+      const int64_t chunk = i / groups, last = std::min(end, (chunk + 1) * groups), row = chunk * kRowChunk;
+      rows(p, (i % groups) * 4, std::min(p.blocks, (last - chunk * groups) * 4), row, std::min(p.m, row + kRowChunk));
+      i = last;
     }
   });
 }
@@ -316,7 +355,6 @@ std::tuple<torch::Tensor, torch::Tensor> gemm_quantized(const Problem& whole, co
   }
   torch::Tensor hq = torch::empty({m, n_padded}, options.dtype(at::kByte));
   torch::Tensor hs = torch::empty({m}, options);
-  const int64_t groups = (whole.blocks + 3) / 4;
   at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> scratch;  // the pool's threads persist: allocated (and zeroed) once per size
     if (scratch.size() < static_cast<size_t>(kRowChunk * n)) scratch.resize(kRowChunk * n);
@@ -325,7 +363,7 @@ std::tuple<torch::Tensor, torch::Tensor> gemm_quantized(const Problem& whole, co
     for (int64_t c = begin; c < end; ++c) {
       const int64_t row = c * kRowChunk, row_end = std::min(m, row + kRowChunk);
       p.out_row0 = row;
-      for (int64_t g = 0; g < groups; ++g) rows(p, g * 4, row, row_end);
+      rows(p, 0, p.blocks, row, row_end);
       for (int64_t r = row; r < row_end; ++r)
         quantize_row(scratch.data() + (r - row) * n, n, n_padded, hq.data_ptr<uint8_t>() + r * n_padded,
                      hs.data_ptr<float>() + r);
