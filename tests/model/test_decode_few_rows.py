@@ -25,7 +25,7 @@ def _reference(q, k, v, mask):
 @pytest.mark.parametrize(("b", "h", "kv", "tq", "t", "dh", "mask"),
                          [(1, 9, 3, 1, 544, 64, None), (4, 14, 2, 1, 70, 64, "bool"), (3, 8, 2, 4, 40, 64, "float"),
                           (2, 6, 3, 2, 100, 80, "bool"), (8, 4, 1, 1, 17, 128, None), (2, 4, 2, 3, 16, 50, "bool"),
-                          (3, 6, 3, 1, 15, 32, "float"), (4, 6, 3, 1, 0, 64, None)])
+                          (3, 6, 3, 1, 15, 32, "float"), (4, 6, 3, 1, 0, 64, None), (2, 6, 2, 1, 37, 40, "bool")])
 def test_query_heads_of_one_kv_head_read_it_together(threads, b, h, kv, tq, t, dh, mask):
     """The query heads of a KV head, scored 16 keys at a time and summed together, give the floats each head alone
     gives (its K/V repeated: one query head per KV head), and match float64."""
