@@ -11,7 +11,6 @@ import contextlib
 import functools
 import logging
 import math
-import mmap
 import threading
 from collections.abc import Iterator
 from types import ModuleType
@@ -19,6 +18,7 @@ from types import ModuleType
 import torch
 
 from model import native
+from model.huge_pages import mapping
 
 logger = logging.getLogger(__name__)
 
@@ -91,11 +91,9 @@ def huge_pages() -> Iterator[None]:
 
 
 class HugePageArena:
-    """Packed int8 weights placed one after another in anonymous mappings advised ``MADV_HUGEPAGE`` (2 MB pages
-    where transparent huge pages are "madvise" or "always"): a decoding step reads every weight once from memory,
-    and with 2 MB pages its 1-row GEMV ran 3-4% faster (fewer TLB misses, no 4 KB page walks mid-stream;
-    docs/benchmarks.md, "Decoding steps at a few rows"). Weights of one model land in load order, contiguous,
-    the order a step reads them. A mapping lives while any weight in it does (each weight is a view of it)."""
+    """Packed int8 weights placed one after another in 2 MB-page mappings (model.huge_pages: a decoding step reads
+    every weight once from memory). Weights of one model land in load order, contiguous, the order a step reads
+    them. A mapping lives while any weight in it does (each weight is a view of it)."""
 
     CHUNK = 64 << 20  # bytes mapped at a time; a larger weight gets a mapping of its own
     ALIGN = 64  # each weight starts on a cache line
@@ -108,28 +106,9 @@ class HugePageArena:
         nbytes = math.prod(shape)
         span = -(-nbytes // self.ALIGN) * self.ALIGN
         if span > self._free.numel():
-            self._free = _huge_mapping(max(self.CHUNK, span))
+            self._free = mapping(max(self.CHUNK, span))
         block, self._free = self._free[:nbytes], self._free[span:]
         return block.view(shape)
-
-
-_HUGE_PAGE = 2 << 20
-
-
-def _huge_mapping(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of fresh zeroed memory starting on a 2 MB boundary, advised MADV_HUGEPAGE where the OS has it."""
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is None or not hasattr(mmap, "MAP_ANONYMOUS"):
-        return torch.empty(nbytes, dtype=torch.int8)
-    region = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    whole = torch.frombuffer(region, dtype=torch.int8)  # holds the mapping for as long as any view of it lives
-    start = -whole.data_ptr() % _HUGE_PAGE
-    try:
-        region.madvise(advice, start, nbytes)
-    except OSError as error:  # no transparent huge pages in this kernel: ordinary pages
-        logger.debug("int8 weights: madvise(MADV_HUGEPAGE) refused: %s", error)
-    return whole[start:start + nbytes]
-
 
 
 def unpack(packed: torch.Tensor, out: int, inp: int) -> torch.Tensor:

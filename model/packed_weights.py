@@ -20,7 +20,7 @@ from types import ModuleType
 
 import torch
 
-from model import native
+from model import huge_pages, native
 
 # Up to this many rows the few-rows GEMV reads the weights as stored instead (few_rows_linear.cpp). It was 4;
 # with the panel GEMM ahead from one row on (1.1-1.3x at batch 1 end to end), none.
@@ -38,13 +38,15 @@ def enabled() -> bool:
 
 
 def packed(kernels: ModuleType, weight: torch.Tensor) -> torch.Tensor | None:
-    """The panels of ``weight`` (out, in) for ``kernels.packed_linear``, up to date; None where it has none
-    (not a float32 CPU tensor, or an inference tensor, whose changes cannot be seen)."""
+    """The panels of ``weight`` (out, in) for ``kernels.packed_linear``, up to date, in 2 MB pages from 2 MB on
+    (model.huge_pages); None where it has none (not a float32 CPU tensor, or an inference tensor, whose changes
+    cannot be seen)."""
     if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.is_inference():
         return None
     state = (weight._version, weight.data_ptr())
     entry = getattr(weight, _ATTRIBUTE, None)
     if entry is None or entry[0] != state:
-        entry = (state, kernels.pack_weight(weight))
+        panels = huge_pages.floats((-(-weight.shape[0] // 32), weight.shape[1], 32))
+        entry = (state, kernels.pack_weight(weight, panels))
         setattr(weight, _ATTRIBUTE, entry)
     return entry[1]

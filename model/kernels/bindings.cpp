@@ -35,7 +35,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("mask"), release());
   module.def("few_rows_linear", &few_rows_linear, "float32 linear of a few rows over input-major weights (else at::linear)",
              release());
-  module.def("pack_weight", &pack_weight, "an (N, K) float32 weight as (ceil(N / 32), K, 32) panels", release());
+  module.def("pack_weight", &pack_weight, "an (N, K) float32 weight as (ceil(N / 32), K, 32) panels (into out)",
+             pybind11::arg("weight"), pybind11::arg("out") = c10::nullopt, release());
   module.def("packed_linear", &packed_linear, "float32 linear over pack_weight's panels: x (..., K) -> (..., n)",
              release());
   module.def("set_panel_tuning", &set_panel_tuning, "packed_linear's blocking and prefetch rule (model/cpu.py)");

@@ -29,7 +29,7 @@ torch::Tensor prefill_attention(const torch::Tensor& q, const torch::Tensor& k, 
 constexpr int64_t kPrefillHeadDimMultiple = 32;
 constexpr int64_t kPrefillMaxKeys = 8192;
 torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias);
-torch::Tensor pack_weight(const torch::Tensor& weight);
+torch::Tensor pack_weight(const torch::Tensor& weight, const c10::optional<torch::Tensor>& out);
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
                             const c10::optional<torch::Tensor>& bias);
 // packed_linear's blocking and prefetch rule (model.cpu.PanelTuning, the same fields): set once when the kernels load.

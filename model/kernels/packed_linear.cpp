@@ -17,10 +17,7 @@
 #include "kernels.h"
 #include "simd_math.h"
 
-#include <sys/mman.h>
-
 #include <algorithm>
-#include <cstdint>
 
 #define AVX512 __attribute__((target("avx512f")))
 
@@ -107,26 +104,6 @@ void tile_rows(const Problem& q, int64_t p, int64_t r0, int64_t rows, int64_t pa
 
 int64_t panels_for(int64_t n) { return (n + kPanel - 1) / kPanel; }
 
-constexpr int64_t kHugePage = 2 << 20;
-
-// An uninitialised float32 CPU tensor of `sizes` in an anonymous mapping of its own, starting on a 2 MB boundary and
-// advised MADV_HUGEPAGE (2 MB pages where transparent huge pages are "madvise" or "always"), as
-// model.int8_kernel.HugePageArena places int8 weights: a GEMV at one row streams the panels from memory, and over
-// 2 MB pages the 1-row GEMVs of Qwen2.5's step ran ~6% faster (no 4 KB page walks mid-stream). Under a huge page,
-// or where the mapping or the advice is refused: ordinary memory. Pages never written (the alignment's slack) take
-// no memory.
-torch::Tensor huge_page_floats(at::IntArrayRef sizes) {
-  const int64_t bytes = c10::multiply_integers(sizes) * static_cast<int64_t>(sizeof(float));
-  if (bytes < kHugePage) return at::empty(sizes, at::kFloat);
-  const size_t mapped = static_cast<size_t>(bytes + kHugePage);
-  void* region = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (region == MAP_FAILED) return at::empty(sizes, at::kFloat);
-  const uintptr_t base = reinterpret_cast<uintptr_t>(region);
-  void* start = reinterpret_cast<void*>((base + kHugePage - 1) / kHugePage * kHugePage);
-  madvise(start, static_cast<size_t>(bytes), MADV_HUGEPAGE);  // refused (no THP in this kernel): ordinary pages
-  return torch::from_blob(start, sizes, [region, mapped](void*) { munmap(region, mapped); }, at::kFloat);
-}
-
 }  // namespace
 
 void set_panel_tuning(const PanelTuning& chosen) {
@@ -140,14 +117,18 @@ void set_panel_tuning(const PanelTuning& chosen) {
 
 PanelTuning panel_tuning() { return tuning; }
 
-// weight (N, K) float32, any strides -> its panels (ceil(N / 32), K, 32), the columns past N zero.
-torch::Tensor pack_weight(const torch::Tensor& weight) {
+// weight (N, K) float32, any strides -> its panels (ceil(N / 32), K, 32), the columns past N zero; written into
+// `out` where given (model.packed_weights places it in 2 MB pages, model.huge_pages).
+torch::Tensor pack_weight(const torch::Tensor& weight, const c10::optional<torch::Tensor>& out) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
               "pack_weight: weight must be a 2-D float32 CPU tensor");
   const int64_t n = weight.size(0), k = weight.size(1), panels = panels_for(n), full = n / kPanel;
+  TORCH_CHECK(!out.has_value() || (out->sizes() == at::IntArrayRef({panels, k, kPanel}) && out->is_contiguous() &&
+                                   out->scalar_type() == at::kFloat && out->device().is_cpu()),
+              "pack_weight: out must be a contiguous float32 CPU (ceil(N / 32), K, 32) tensor");
   // Copied into place: the packed copy is the one allocation (a padded copy beside it doubled the peak).
   const torch::Tensor w = weight.detach();
-  torch::Tensor packed = huge_page_floats({panels, k, kPanel});
+  torch::Tensor packed = out.has_value() ? *out : at::empty({panels, k, kPanel}, weight.options());
   packed.narrow(0, 0, full).transpose(1, 2).copy_(w.narrow(0, 0, full * kPanel).reshape({full, kPanel, k}));
   if (full < panels) {  // the last panel's columns past N are zero
     torch::Tensor last = packed.select(0, full);

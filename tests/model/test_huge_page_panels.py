@@ -1,6 +1,6 @@
-"""pack_weight's panels of 2 MB and more live in a mapping of their own on 2 MB pages (packed_linear.cpp
-`huge_page_floats`): the same values and products as ordinary memory, advised MADV_HUGEPAGE, released with the
-tensor."""
+"""A float32 weight's panels of 2 MB and more (model.packed_weights.packed) live in a mapping of their own on 2 MB
+pages (model.huge_pages): the same values and products as ordinary memory, advised MADV_HUGEPAGE, released with
+the weight."""
 
 from pathlib import Path
 
@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from model import native
+from model.huge_pages import HUGE_PAGE
+from model.packed_weights import packed
 
 kernel = native.kernels()
 pytestmark = pytest.mark.skipif(kernel is None, reason="the C++ kernels do not run here")
 
-HUGE_PAGE = 2 << 20
 MAPS, THP = Path("/proc/self/smaps"), Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
@@ -51,7 +52,7 @@ def _reference_panels(weight: torch.Tensor) -> torch.Tensor:
 def test_large_panels_start_on_a_huge_page_and_multiply_as_ordinary_ones(out_features, in_features):
     """Panels over 2 MB (a partial last panel in both; 33 x 16,384: two panels of 2 MB each)."""
     weight = torch.randn(out_features, in_features) / in_features**0.5
-    panels = kernel.pack_weight(weight)
+    panels = packed(kernel, weight)
     assert panels.numel() * 4 >= HUGE_PAGE
     assert panels.data_ptr() % HUGE_PAGE == 0
     assert torch.equal(panels, _reference_panels(weight))
@@ -64,19 +65,19 @@ def test_large_panels_start_on_a_huge_page_and_multiply_as_ordinary_ones(out_fea
 
 @pytest.mark.skipif(not MAPS.is_file(), reason="no /proc/self/smaps")
 def test_the_mapping_is_advised_and_goes_with_the_panels():
-    panels = kernel.pack_weight(torch.randn(2048, 512))  # 4 MB
-    address = panels.data_ptr()
+    weight = torch.randn(2048, 512)  # 4 MB
+    address = packed(kernel, weight).data_ptr()
     assert _mapping(address) is not None
     if _thp_on_advice():
         assert _huge_page_eligible(address)  # MADV_HUGEPAGE took
-    del panels
+    del weight  # the panels live on it
     assert _mapping(address) is None
 
 
 def test_small_panels_take_ordinary_memory():
     """Under a huge page, no mapping of its own (one per small weight: no huge page fits, only more mappings)."""
     weight = torch.randn(64, 48)
-    panels = kernel.pack_weight(weight)
+    panels = packed(kernel, weight)
     assert torch.equal(panels, _reference_panels(weight))
     if MAPS.is_file():
         start = int(_mapping(panels.data_ptr())[0].split("-", 1)[0], 16)
