@@ -26,6 +26,8 @@ _REASON = {_EOS: "eos", _STOP_TOKEN: "stop", _STOP_FN: "stop", _LENGTH: "length"
 # Up to this many rows, a step's finish codes are found on the host (Python over the picked ids) where the tensor
 # ops' fixed cost dominates (a SmolLM2 batch-1 step: 6-7 ops, ~25 us with the caches cold from the weights).
 _HOST_ROWS = 8
+# Steps whose picks a search holds before writing them into its tensors (_IndependentSearch._record).
+_MAX_PENDING = 64
 
 
 def _top(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,6 +43,10 @@ class _IndependentSearch(Search):
         super().__init__(config, num_inputs, stop_fn, prefixes)
         self.samples = samples
         self._slots: torch.Tensor | None = None  # (R,) input * samples + sample index of each live row
+        # (step, tokens (R,), log-probs (R,)) of the steps before any row left, not yet in _tokens / _logprob: a
+        # step's three tensor ops there cost 30-40 us with the caches cold from the weights, a few us in a row
+        # (:meth:`_record`, before anything reads them).
+        self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
 
     @property
     def num_rows(self) -> int:
@@ -85,6 +91,7 @@ class _IndependentSearch(Search):
             parents = slots if whole else torch.arange(self.num_rows, device=logits.device)
         raw = logits
         if self.config.reads_history:
+            self._record()
             logits = self._history_rules(logits.clone(), (slots // self.samples).tolist(),
                                          self._tokens[slots, : self.step].tolist())
         tokens, chosen = self._choose(logits)
@@ -93,9 +100,10 @@ class _IndependentSearch(Search):
             if self.config.logprobs:
                 values, ids = _top(raw, self.config.logprobs)
                 self._top_lp[slots, self.step], self._top_ids[slots, self.step] = values, ids
-        if whole:  # slices instead of indexed writes
-            self._tokens.select(1, self.step).copy_(tokens)
-            self._logprob.add_(chosen)
+        if whole:  # slices instead of indexed writes, made later (_record)
+            self._pending.append((self.step, tokens, chosen))
+            if len(self._pending) == _MAX_PENDING:  # a long generation holds a bounded list
+                self._record()
         else:
             self._tokens[slots, self.step] = tokens
             self._logprob[slots] += chosen
@@ -112,13 +120,22 @@ class _IndependentSearch(Search):
             live = reason == 0
             if bool(live.all()):
                 return tokens, parents
+        self._record()
         self._reason[slots] = reason  # a live row's reason and length are written again when it ends
         self._length[slots] = self.step - ((reason == _EOS) | (reason == _STOP_TOKEN)).long()
         self._slots = slots[live]
         return tokens[live], parents[live]
 
+    def _record(self) -> None:
+        """Write the pending steps' tokens and log-probs (``_pending``) into ``_tokens`` and ``_logprob``, in order."""
+        for step, tokens, chosen in self._pending:
+            self._tokens.select(1, step).copy_(tokens)
+            self._logprob.add_(chosen)
+        self._pending.clear()
+
     def _finish_codes(self, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Finish code per row (0 = continues), by priority EOS > stop token > stop_fn > length."""
+        self._record()
         reason = torch.zeros_like(tokens)
         if self.config.stop_token_ids:
             reason.masked_fill_(torch.isin(tokens, self._stop_ids), _STOP_TOKEN)
@@ -149,7 +166,11 @@ class _IndependentSearch(Search):
 
     def _history(self, slot: int) -> Callable[[], list[int]]:
         """The generated tokens of ``slot`` so far, read when called."""
-        return lambda: self._tokens[slot, : self.step].tolist()
+        def history() -> list[int]:
+            self._record()
+            return self._tokens[slot, : self.step].tolist()
+
+        return history
 
     def extend(self, tokens: torch.Tensor, chosen: torch.Tensor, raw: torch.Tensor) -> int:
         """Record consecutive picks (m,) of the search's one live row, with their log-probs (m,) and the raw logits
@@ -157,6 +178,7 @@ class _IndependentSearch(Search):
         finishes the row; return how many were recorded."""
         if self.num_rows != 1 or self._slots is None:
             raise ValueError(f"extend() records one started row's picks, the search has {self.num_rows} rows")
+        self._record()
         slot, start = int(self._slots[0]), self.step
         sequence = self._tokens[slot, :start].tolist() if self.stop_fn is not None else [0] * start
         code = 0
@@ -182,6 +204,7 @@ class _IndependentSearch(Search):
 
     def results(self) -> list[list[Hypothesis]]:
         self._check_done()
+        self._record()  # a finishing step records already; kept here so that results never read a pending step
         columns = (self._tokens.tolist(), self._length.tolist(), self._logprob.tolist(), self._reason.tolist())
         hyps = [Hypothesis(tokens[:length], logprob, logprob, _REASON[code], *self.alternatives(slot, 0, length))
                 for slot, (tokens, length, logprob, code) in enumerate(zip(*columns, strict=True))]

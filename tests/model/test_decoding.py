@@ -181,21 +181,22 @@ def test_stop_tokens_end_with_stop_and_are_not_kept():
     assert all(stop not in h.tokens for hyps in beam for h in hyps)
 
 
-def test_stop_fn_ends_its_input_with_stop():
+@pytest.mark.parametrize("prompts", [PROMPTS, PROMPTS + [6, 7, 8, 9, 10]], ids=["few-rows", "tensor-codes"])
+def test_stop_fn_ends_its_input_with_stop(prompts):
     model, config = ToyLM(eos_slope=0.0), GenerationConfig(max_new_tokens=8)
-    plain = generate(model, PROMPTS, config)
+    plain = generate(model, prompts, config)
     calls = []
 
     def stop_fn(input_index: int, tokens: list[int]) -> bool:
         calls.append((input_index, list(tokens)))
         return input_index == 1 and len(tokens) >= 2
 
-    stopped = generate(model, PROMPTS, config, stop_fn=stop_fn)
+    stopped = generate(model, prompts, config, stop_fn=stop_fn)
     assert stopped[1][0].tokens == plain[1][0].tokens[:2] and stopped[1][0].finish_reason == "stop"
     assert [h for i, h in enumerate(stopped) if i != 1] == [h for i, h in enumerate(plain) if i != 1]
     for input_index, tokens in calls:  # the hook sees its own input's tokens so far
         assert plain[input_index][0].tokens[: len(tokens)] == tokens
-    assert {i for i, _ in calls} == set(range(len(PROMPTS)))
+    assert {i for i, _ in calls} == set(range(len(prompts)))
     with pytest.raises(ValueError, match="stop_fn"):
         make_search(GenerationConfig(strategy="beam"), 1, stop_fn=stop_fn)
 

@@ -56,6 +56,37 @@ def test_uniform_decode_needs_no_mask_and_ragged_prefill_is_not_uniform():
     assert not ragged.uniform and ragged.begin_step(1)[1] is not None
 
 
+def test_a_uniform_step_positions_are_the_lengths_and_outlive_end_step():
+    model = tiny_causal_lm()
+    cache = model.new_cache(2, 8)
+    model.prefill(random_ids(2, 3), torch.tensor([3, 3]), cache)
+    positions, _ = cache.begin_step(1)
+    assert positions.tolist() == [[3], [3]] and cache.write_positions is positions
+    cache.end_step(1)
+    assert positions.tolist() == [[3], [3]] and cache.lengths.tolist() == [4, 4]  # end_step made new lengths
+
+
+def test_a_rotary_step_embeds_as_the_module_and_a_hook_on_the_table_still_sees_it():
+    """decode_step takes a rotary model's token rows by one torch.embedding (causal_lm._embed_tokens): the same
+    logits as through Embeddings.forward; a forward hook on the token table makes the step call the modules."""
+    model = tiny_causal_lm(positions="rope", scale_embeddings=False)
+    prompt, tokens = random_ids(2, 3), torch.tensor([5, 7])
+
+    def step() -> torch.Tensor:
+        cache = model.new_cache(2, 8)
+        model.prefill(prompt, torch.tensor([3, 3]), cache)
+        return model.decode_step(tokens, cache)
+
+    with torch.inference_mode():
+        fast = step()
+        seen = []
+        handle = model.embed.tokens.register_forward_hook(lambda _m, args, _out: seen.append(args[0].tolist()))
+        hooked = step()
+        handle.remove()
+    assert torch.equal(fast, hooked)
+    assert seen[-1] == [[5], [7]]  # the step's own call (the prompt's came first)
+
+
 def test_unpadded_sources_need_no_cross_attention_mask():
     model = tiny_seq2seq().double()
     with torch.no_grad():

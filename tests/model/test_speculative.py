@@ -86,10 +86,16 @@ def test_a_stop_string_inside_an_accepted_draft_ends_where_plain_decoding_ends()
     config = GenerationConfig(max_new_tokens=30, eos_token_id=2)
     plain = generate_causal(model, [REPETITIVE], config)[0][0]
     stop_at = plain.tokens[5]
-    stop_fn = lambda _input, tokens: tokens[-1] == stop_at  # noqa: E731
+    seen: list[list[int]] = []
+
+    def stop_fn(_input: int, tokens: list[int]) -> bool:
+        seen.append(list(tokens))
+        return tokens[-1] == stop_at
+
     want = generate_causal(model, [REPETITIVE], config, stop_fn=stop_fn)[0][0]
     got = generate_causal(model, [REPETITIVE], config, stop_fn=stop_fn, speculative=SpeculativeConfig(num_tokens=6))
     assert (got[0][0].tokens, got[0][0].finish_reason) == (want.tokens, "stop")
+    assert all(t == plain.tokens[: len(t)] for t in seen)  # the hook sees the tokens so far, drafted ones too
 
 
 @pytest.mark.parametrize("fields", [dict(), dict(stop_token_ids=(3,), logprobs=3), dict(min_new_tokens=6),
