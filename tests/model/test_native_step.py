@@ -171,6 +171,7 @@ def test_native_step_runs_our_int8_layers_and_their_fused_projection():
     quantize_int8(mt)
     assert all(layer.self_attn.fused for layer in mt.decoder.layers)
     _assert_equal(mt, seq2seq_cache(mt, False))
+    assert plan_for(mt.decoder).native.panels(native.kernels(), 64) == []  # no float32 weight: no panels passed
 
 
 def _with_adapters(model, targets=("q_proj", "fc2")):
