@@ -55,7 +55,7 @@ class CausalLM(nn.Module):
     def decode_step(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Feed one token per row (N,); return next-token logits (N, V)."""
         positions, mask = cache.begin_step(1)
-        x = run_decoder(self.decoder, _embed_tokens(self.embed, tokens.unsqueeze(1), positions), mask, cache, None)
+        x = run_decoder(self.decoder, self.embed.for_step(tokens.unsqueeze(1), positions), mask, cache, None)
         cache.end_step(1)
         return self.lm_head(x[:, 0])
 
@@ -63,23 +63,6 @@ class CausalLM(nn.Module):
         """Feed t tokens per row (B, t) (a fed token and a speculative draft); return the logits (B, t, V) after each.
         The cache keeps all t positions; :meth:`KVCache.truncate` forgets the rejected ones."""
         positions, mask = cache.begin_step(ids.shape[1])
-        x = run_decoder(self.decoder, _embed_tokens(self.embed, ids, positions), mask, cache, None)
+        x = run_decoder(self.decoder, self.embed.for_step(ids, positions), mask, cache, None)
         cache.end_step(ids.shape[1])
         return self.lm_head(x)
-
-
-def _embed_tokens(embed: Embeddings, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """``embed(ids, positions)`` of a decoding step: one ``torch.embedding`` where the token table is all there is
-    (rotary positions, no scale, segments or norm, eval, no hooks: the Llama-style models), which skips two modules'
-    dispatch: 60-70 us where the modules took 90-100 us of a SmolLM2 int8 batch-1 step, most of it cache misses after
-    the step's weights went by."""
-    table = embed.tokens
-    if (embed.rotary and embed.scale == 1.0 and embed.segments is None and embed.norm is None and not embed.training
-            and type(table) is nn.Embedding and table.max_norm is None and not _hooked(embed) and not _hooked(table)):
-        return torch.embedding(table.weight, ids)  # padding_idx only shapes the gradient
-    return embed(ids, positions)
-
-
-def _hooked(module: nn.Module) -> bool:
-    """Whether ``module`` has forward hooks of its own (they must see the call)."""
-    return bool(module._forward_hooks or module._forward_pre_hooks)

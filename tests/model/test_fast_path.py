@@ -67,7 +67,7 @@ def test_a_uniform_step_positions_are_the_lengths_and_outlive_end_step():
 
 
 def test_a_rotary_step_embeds_as_the_module_and_a_hook_on_the_table_still_sees_it():
-    """decode_step takes a rotary model's token rows by one torch.embedding (causal_lm._embed_tokens): the same
+    """decode_step takes a rotary model's token rows by one torch.embedding (Embeddings.for_step): the same
     logits as through Embeddings.forward; a forward hook on the token table makes the step call the modules."""
     model = tiny_causal_lm(positions="rope", scale_embeddings=False)
     prompt, tokens = random_ids(2, 3), torch.tensor([5, 7])
