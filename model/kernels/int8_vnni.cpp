@@ -78,7 +78,7 @@ struct Problem {
 constexpr int64_t kNoActivation = -1;
 
 // One step s of k (4 inputs) of a tile's rows against its NB blocks of each of its NM matrices, into acc. Ahead: bytes
-// ahead of each stream to prefetch into L1 (0: none).
+// ahead of each stream to prefetch into L2 (0: none).
 template <int MR, int NB, int NM, int Ahead>
 VNNI inline __attribute__((always_inline)) void step(const int8_t* const (&w)[NM], int64_t stride,
                                                      const int32_t* const (&x)[MR], int64_t s,
@@ -87,7 +87,7 @@ VNNI inline __attribute__((always_inline)) void step(const int8_t* const (&w)[NM
   if constexpr (Ahead > 0) {
     UNROLL for (int m = 0; m < NM; ++m)
       UNROLL for (int c = 0; c < NB; ++c)
-        _mm_prefetch(reinterpret_cast<const char*>(w[m] + c * stride + s * 64 + Ahead), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w[m] + c * stride + s * 64 + Ahead), _MM_HINT_T1);
   }
   UNROLL for (int m = 0; m < NM; ++m)
     UNROLL for (int c = 0; c < NB; ++c) wv[m * NB + c] = _mm512_loadu_si512(w[m] + c * stride + s * 64);
@@ -192,16 +192,18 @@ void tile_blocks(const Problem& p, int64_t blk, int64_t m0) {
 // Rows [m0, m0 + MR) of a few-row product, 1 <= MR <= 8, against blocks [blk0, blk1) (at most kSpanBlocks) one at a
 // time (gated: one block of the gate and one of up), each block's weights one sequential stream (consecutive blocks
 // are contiguous), consecutive steps split over up to 16 accumulators. The hardware prefetchers keep up with such a
-// stream unaided up to 4 rows (prefetching 1-4 KB ahead slowed 1 row 10-20%, 4 rows 10%); 5-8 rows (up to 8 vpdpbusd
-// a line, near the core's rate at the read rate) prefetch 4 KB ahead (2 and 8 KB: slower) (docs/benchmarks.md, "The
-// int8 GEMM at a few rows"). The span's outputs are stored after all its sums: a block's float epilogue (an
-// activation: tens of instructions a row) waits on the block's last weights and, run between two blocks' loops,
-// stalled the stream (no loads while it ran, the next block's starting again at memory latency): SmolLM2-135M's
-// gated FFN at 8 rows took 27% less time with its outputs stored a span at a time than a block at a time (4 rows 15%).
+// stream unaided up to 4 rows (prefetching 1-4 KB ahead into L1 slowed 1 row 10-20%, 4 rows 10%); 5-8 rows (up to 8
+// vpdpbusd a line, near the core's rate at the read rate) prefetch 8 KB ahead into L2: 8 rows then read and compute
+// at once, the stream as fast as the same loop on weights in cache, a fifth faster than 4 KB into L1 (which let the
+// dot products wait on the stream) (docs/benchmarks.md, "The int8 GEMM at a few rows", "Prefetching into L2"). The
+// span's outputs are stored after all its sums: a block's float epilogue (an activation: tens of instructions a row)
+// waits on the block's last weights and, run between two blocks' loops, stalled the stream (no loads while it ran, the
+// next block's starting again at memory latency): SmolLM2-135M's gated FFN at 8 rows took 27% less time with its
+// outputs stored a span at a time than a block at a time (4 rows 15%).
 template <int MR, bool Gated>
 VNNI void tile_stream(const Problem& p, int64_t blk0, int64_t blk1, int64_t m0) {
   constexpr int chains = MR * (Gated ? 2 : 1), split = chains <= 4 ? 4 : chains <= 8 ? 2 : 1;
-  constexpr int ahead = MR > 4 ? 4096 : 0;
+  constexpr int ahead = MR > 4 ? 8192 : 0;
   __m512i sums[kSpanBlocks][MR][Gated ? 2 : 1];  // at most 16 KB
   for (int64_t b = blk0; b < blk1; ++b) tile_sums<MR, 1, split, ahead, Gated>(p, b, m0, sums[b - blk0]);
   for (int64_t b = blk0; b < blk1; ++b) tile_store<MR, 1, Gated>(p, b, m0, sums[b - blk0]);
