@@ -2,13 +2,12 @@
 [--batch 1] [--int8] [--repeats 3] [--pytorch-path]`.
 
 A cell of benchmarks/shape_compare.py (32-token sources, 64 new tokens, the shape's forced first token), split into:
-the encoder (``encode`` and the cross-attention K/V), the decoder steps (``start_from`` per source, then
-``decode_step`` on batch x beams rows that read their source's K/V once, as the search's ``cache.select`` leaves
-them), the output head alone (``logits`` of that many rows, once a step) and the rest
-of ``generate_seq2seq`` (the search: top-k, beam bookkeeping, cache reordering, Python), each the median of
-``--repeats`` runs on one thread count (``--threads``). Whether the decoder ran the C++ step (model.native_support)
-or LayerStack.forward (``--pytorch-path`` forces it) is printed beside it, with each part's floor (bytes over the
-bandwidth read now).
+the encoder (``encode`` and the cross-attention K/V), the decoder steps (``decode_step`` less its head: the decoder's
+layers and the step's Python), the output head (``logits``), the search's top-k and beam bookkeeping (``advance``),
+the cache reorder of the beams that moved (``KVCache.select``) and the rest (the search loop's Python), each timed
+within the cell where the search runs it, the median of ``--repeats`` runs on one thread count (``--threads``).
+Whether the decoder ran the C++ step (model.native_support) or LayerStack.forward (``--pytorch-path`` forces it) is
+printed beside it, with each part's floor (bytes over the bandwidth read now).
 """
 
 from __future__ import annotations
@@ -23,9 +22,13 @@ import torch
 
 from benchmarks import floor, shapes
 from benchmarks.shape_engines import forced_first_id, ours_tokens, random_ids
+from model.beam_search import BeamSearch
 from model.checkpoint import load_checkpoint
+from model.decoding import GreedySearch
+from model.kv_cache import KVCache
 from model.native_support import unsupported
 from model.quantize import prepare_for_inference
+from model.seq2seq import Seq2SeqTransformer
 
 SOURCE_TOKENS, NEW_TOKENS = 32, 64
 
@@ -39,6 +42,58 @@ def median_seconds(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
+class Stopwatch:
+    """Seconds spent in some methods while active, per name: each wrapped on its owner (a class, or an instance that
+    then shadows its class's method) on entry and restored on exit; nested calls count in each of theirs."""
+
+    def __init__(self, targets: dict[str, tuple[object, str]]) -> None:
+        self.targets = targets
+        self.seconds = dict.fromkeys(targets, 0.0)
+        self._saved: list[tuple[object, str, object]] = []
+
+    def _timed(self, key: str, fn: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[key] += time.perf_counter() - start
+        return timed
+
+    def __enter__(self) -> Stopwatch:
+        for key, (owner, name) in self.targets.items():
+            self._saved.append((owner, name, vars(owner).get(name)))
+            setattr(owner, name, self._timed(key, getattr(owner, name)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, own in reversed(self._saved):
+            if own is None:  # an instance's shadow of its class's method
+                delattr(owner, name)
+            else:
+                setattr(owner, name, own)
+        self._saved.clear()
+
+
+def cell_parts(model: Seq2SeqTransformer, run: Callable[[], object], repeats: int) -> dict[str, float]:
+    """Each part's median seconds over ``repeats`` cells, timed where the search runs them (the output head after
+    the step's decoder weights, as the head alone timed hot is not: 0.33 against 0.78 ms a 4-row int8 step of
+    Flan-T5-base, its 24.7 MB read from the last-level cache; helper T, session 29)."""
+    targets = {"encode": (model, "encode"), "cross": (model, "new_cache"), "step": (model, "decode_step"),
+               "head": (model, "logits"), "advance": (BeamSearch, "advance"), "greedy": (GreedySearch, "advance"),
+               "select": (KVCache, "select")}
+    runs = []
+    for _ in range(repeats):
+        with Stopwatch(targets) as watch:
+            start = time.perf_counter()
+            run()
+            cell = time.perf_counter() - start
+        parts = watch.seconds
+        parts["rest"] = cell - sum(parts[k] for k in targets if k != "head")  # the head is within the step
+        runs.append(parts)
+    return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+
+
 def profile(args: argparse.Namespace) -> list[tuple[str, float, str]]:
     """(part, seconds per cell, note) of ours on one cell."""
     files = shapes.build(args.shape, args.cache, tiny=args.tiny)
@@ -49,28 +104,15 @@ def profile(args: argparse.Namespace) -> list[tuple[str, float, str]]:
         model.decoder.native = False
     inputs = random_ids(files.shape, args.batch, SOURCE_TOKENS, seed=args.batch)
     rows = args.batch * args.beams
-    hidden = torch.randn(rows, dims.d_model)
 
-    def steps() -> None:  # as the search runs them: the first step per source, then its beams on the source's K/V
-        memory, mask, _ = model.encode(inputs)
-        cache = model.new_cache(memory, mask, NEW_TOKENS + 1)
-        tokens = torch.full((rows,), 5, dtype=torch.long)
-        model.start_from(cache)
-        cache.select(torch.arange(args.batch).repeat_interleave(args.beams))
-        for _ in range(NEW_TOKENS - 1):
-            model.decode_step(tokens, cache)
-
-    def encoder(source: torch.Tensor) -> None:
-        memory, mask, _ = model.encode(source)
-        model.new_cache(memory, mask, NEW_TOKENS + 1)
+    def cell() -> None:
+        ours_tokens(checkpoint, inputs, args.beams, NEW_TOKENS, forced)
 
     torch.set_num_threads(args.threads)
     with torch.inference_mode():
         ours_tokens(checkpoint, inputs, args.beams, 4, forced)  # warm-up
-        total = median_seconds(lambda: ours_tokens(checkpoint, inputs, args.beams, NEW_TOKENS, forced), args.repeats)
-        encode = median_seconds(lambda: encoder(inputs), args.repeats)
-        decode = median_seconds(steps, args.repeats) - encode
-        head = NEW_TOKENS * median_seconds(lambda: model.logits(hidden), max(args.repeats, 10))
+        total = median_seconds(cell, args.repeats)
+        parts = cell_parts(model, cell, args.repeats)
     width = 1 if args.int8 else 4
     step_bytes, head_bytes = floor.decoder_weights("seq2seq", dims) * width, dims.lm_head * width
     read = floor.BandwidthProbe([step_bytes - head_bytes, head_bytes], [args.threads])()  # bytes/s now
@@ -79,10 +121,13 @@ def profile(args: argparse.Namespace) -> list[tuple[str, float, str]]:
     path = "the C++ decode step" if model.decoder.native else \
         f"LayerStack.forward (PyTorch; {', '.join(unsupported(model.config)) or '--pytorch-path'})"
     return [("whole cell (generate_seq2seq)", total, f"{args.batch * NEW_TOKENS / total:,.0f} tokens/s"),
-            ("encoder + cross K/V", encode, ""),
-            ("decoder layers, 64 steps", decode - head, f"{path}; weights' floor {layers_floor:.3f} s"),
-            ("output head, 64 steps", head, f"{rows} rows x {dims.vocab:,}; floor {head_floor:.3f} s"),
-            ("search, bookkeeping, Python", total - encode - decode, "the rest")]
+            ("encoder + cross K/V", parts["encode"] + parts["cross"], ""),
+            ("decoder layers, 64 steps", parts["step"] - parts["head"],
+             f"{path} and the step's Python (embedding, masks); weights' floor {layers_floor:.3f} s"),
+            ("output head, 64 steps", parts["head"], f"{rows} rows x {dims.vocab:,}; floor {head_floor:.3f} s"),
+            ("search: top-k, beams", parts["advance"] + parts["greedy"], "Search.advance"),
+            ("cache reorder", parts["select"], "KVCache.select of the beams that moved"),
+            ("the rest", parts["rest"], "the search loop's Python")]
 
 
 def main(argv: list[str] | None = None) -> str:

@@ -50,6 +50,7 @@ class BeamSearch(Search):
         self._scores: torch.Tensor | None = None  # (S, width) sum of log-probs per beam; -inf = empty
         self._history: torch.Tensor | None = None  # (S * width, step) tokens of each row
         self._finish_ids: torch.Tensor | None = None  # EOS + stop ids, on the logits' device
+        self._layouts: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # see _layout
         self._alternatives: _BeamAlternatives | None = None  # config.logprobs set: each row's per-token record
 
     @property
@@ -80,12 +81,13 @@ class BeamSearch(Search):
             fused_beam_top_k(logits, self._scores, count, banned_ids(self.step, config))
         cand_scores, cand_ids = fused if fused is not None else self._candidates(logits, count, config)  # (S, count)
         cand_tokens = cand_ids % vocab if column_ids is None else column_ids[cand_ids % vocab]
-        cand_rows = cand_ids // vocab + torch.arange(sentences, device=device)[:, None] * width
-        finishing = torch.isin(cand_tokens, self._finish_ids)
+        first_rows, top_ranks = self._layout(sentences, width, count, device)
+        cand_rows = cand_ids // vocab + first_rows
+        finishing = self._finishing(cand_tokens)
         self.step += 1
         # As in HF: only candidates ranked within the top `beams` finish a hypothesis (at the length limit, all
         # of them do). Scores are finite, -inf (masked, empty beam) or NaN, so `> NEG_INF` is isfinite() in one op.
-        ranked = (torch.arange(count, device=device) < beams) & (cand_scores > NEG_INF)
+        ranked = top_ranks & (cand_scores > NEG_INF)
         if self.step >= self.config.max_new_tokens:
             self._finalize(cand_scores, cand_rows, cand_tokens, ranked)
             self._scores = cand_scores.new_zeros(0, beams)
@@ -98,16 +100,35 @@ class BeamSearch(Search):
             pick = torch.cat([pick, pick.new_zeros(sentences, pad)], 1)
         live_rows, live_tokens = cand_rows.gather(1, pick), cand_tokens.gather(1, pick)
         keep = self._open(live_scores)
-        if bool(keep.all()):  # the common step: every sentence goes on, nothing to index
+        if all(keep):  # the common step: every sentence goes on, nothing to index
             tokens, parents, self._scores = live_tokens.flatten(), live_rows.flatten(), live_scores
         else:
+            keep = torch.tensor(keep, dtype=torch.bool, device=device)
             tokens, parents = live_tokens[keep].flatten(), live_rows[keep].flatten()
             self._sentences, self._scores = self._sentences[keep], live_scores[keep]
-        self.tails = _differing_tails(self._history, parents)
-        self._history = torch.cat([self._history[parents], tokens[:, None]], dim=1)
+        inherited = self._history.index_select(0, parents)  # each new row's history before its token
+        self.tails = _differing_tails(self._history, inherited)
+        self._history = torch.cat([inherited, tokens[:, None]], dim=1)
         if self._alternatives is not None:
             self._alternatives.extend(parents, tokens)
         return tokens, parents
+
+    def _layout(self, sentences: int, width: int, count: int, device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each sentence's first row (S, 1), whether each candidate rank is within the top ``num_beams`` (count,)):
+        made once per shape and kept, as the tensor ops of the search's bookkeeping each cost ~10-20 us when a
+        decoding step has pushed them out of the caches (0.49 ms of Flan-T5-base's int8 beam-4 step; helper T,
+        session 29)."""
+        key = (sentences, width, count)
+        if key not in self._layouts:
+            self._layouts[key] = (torch.arange(sentences, device=device)[:, None] * width,
+                                  torch.arange(count, device=device) < self.config.num_beams)
+        return self._layouts[key]
+
+    def _finishing(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Which of ``tokens`` are EOS or stop tokens (one comparison where EOS is the only one)."""
+        finish = self.config.finish_token_ids
+        return tokens == finish[0] if len(finish) == 1 else torch.isin(tokens, self._finish_ids)
 
     def _needs_distribution(self) -> bool:
         """Whether this step needs every row's full log-probs (the rules that read or rewrite them: the history
@@ -154,16 +175,17 @@ class BeamSearch(Search):
                 hyp.token_logprobs, hyp.top_logprobs = self._alternatives.row(int(rows[i]), token, ended)
             self._nbest[input_index].add(hyp)
 
-    def _open(self, live_scores: torch.Tensor) -> torch.Tensor:
-        """(S,) bool: sentences that keep their beams for another step (HF's stopping rules)."""
+    def _open(self, live_scores: torch.Tensor) -> list[bool]:
+        """Per sentence, whether it keeps its beams for another step (HF's stopping rules)."""
+        bests = live_scores[:, 0].tolist()  # each sentence's best beam (topk order)
         if not any(nbest.full for nbest in self._nbest):  # nothing to beat yet: a sentence with a beam goes on
-            return live_scores[:, 0] > NEG_INF  # its best beam (topk order)
+            return [best > NEG_INF for best in bests]
         alpha, early = self.config.length_penalty, self.config.early_stopping
         # The length the best live beam is scored at: its current one, or with "never" and a positive penalty
         # (longer scores better) the limit. For a live sum s <= 0 that is its best possible score.
         length = self.config.max_new_tokens if early == "never" and alpha > 0 else self.step
         keep = []
-        for input_index, best in zip(self._sentences.tolist(), live_scores[:, 0].tolist(), strict=True):
+        for input_index, best in zip(self._sentences.tolist(), bests, strict=True):
             nbest = self._nbest[input_index]
             if not math.isfinite(best):
                 keep.append(False)
@@ -173,7 +195,7 @@ class BeamSearch(Search):
                 keep.append(False)
             else:
                 keep.append(best / float(length) ** alpha > nbest.worst)
-        return torch.tensor(keep, dtype=torch.bool, device=live_scores.device)
+        return keep
 
     def results(self) -> list[list[Hypothesis]]:
         """The num_return_sequences best per input, best first (fewer only if the vocabulary is tiny)."""
@@ -221,10 +243,11 @@ class _BeamAlternatives:
         return token_lp, [list(zip(i, v, strict=True)) for i, v in zip(ids, values, strict=True)]
 
 
-def _differing_tails(history: torch.Tensor, parents: torch.Tensor) -> torch.Tensor | None:
+def _differing_tails(history: torch.Tensor, inherited: torch.Tensor) -> torch.Tensor | None:
     """Per new row, how many of the generated tokens in ``history`` (rows, n) it does not share from the start with
-    the old row at its index, once it takes the history of old row ``parents[i]``; None when the row count changes."""
-    if parents.numel() != history.shape[0]:
+    the old row at its index, once it takes the history ``inherited[i]`` (of its parent); None when the row count
+    changes."""
+    if inherited.shape[0] != history.shape[0]:
         return None
-    shared = (history.index_select(0, parents) == history).cumprod(dim=1).sum(dim=1)
+    shared = (inherited == history).cumprod(dim=1).sum(dim=1)
     return history.shape[1] - shared

@@ -118,6 +118,19 @@ def test_the_profile_splits_a_tiny_cell_and_names_the_decoders_path(tmp_path):
     forced = seq2seq_profile.main([*common, "--pytorch-path"])
     rows = [line.split(" | ")[0].strip("| ") for line in native.splitlines() if line.startswith("| ")][1:]
     assert rows == ["whole cell (generate_seq2seq)", "encoder + cross K/V", "decoder layers, 64 steps",
-                    "output head, 64 steps", "search, bookkeeping, Python"]
+                    "output head, 64 steps", "search: top-k, beams", "cache reorder", "the rest"]
     assert "8 rows x 300" in native and ("the C++ decode step" in native) != ("LayerStack.forward" in native)
     assert "LayerStack.forward (PyTorch; --pytorch-path)" in forced
+
+
+def test_the_profiles_stopwatch_times_methods_and_puts_them_back():
+    class Part:
+        def run(self) -> int:
+            return 1
+
+    part, original = Part(), Part.run
+    with seq2seq_profile.Stopwatch({"class": (Part, "run"), "instance": (part, "run")}) as watch:
+        assert part.run() == 1 and Part().run() == 1
+        counted = dict(watch.seconds)
+    assert counted["class"] > 0 and counted["instance"] > 0  # the instance's call ran through both wrappers
+    assert Part.run is original and "run" not in vars(part)
