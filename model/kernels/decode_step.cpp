@@ -20,6 +20,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <array>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -51,16 +52,73 @@ torch::Tensor project(const torch::Tensor& x, const Tensors& p, const Tensors* d
   return y;
 }
 
+// The buffers of a step's int8 projections (their outputs and their inputs' quantised rows) and of its pre-norms,
+// one set per thread (thread_local: engines stepping from two threads never share one), kept across layers and
+// steps while their shapes stay: an at::empty per op was ~4% of a SmolLM2 int8 batch-1 step. Each role's buffer is
+// written once per layer; none is read after the next layer writes it except the residual stream, whose buffers
+// (out, cross_out, fc2) alternate, and the step's result, which leaves as a copy (DecoderStack::step).
+class Workspace {
+ public:
+  enum Role : int64_t { kOutput, kRowsQ, kRowsScale, kPerSlot };  // per projection: its output, x quantised, scales
+  static constexpr int64_t kNormed = kSlots * kPerSlot, kHiddenQ = kNormed + 1, kHiddenScale = kNormed + 2,
+                           kRoles = kNormed + 3;  // a pre-norm's output; a gated FFN's hidden rows quantised
+  // At most this many rows (rows x tokens) take the workspace: decoding steps; a longer prefill allocates as before
+  // rather than hold its larger buffers for the rest of the thread's life.
+  static constexpr int64_t kMaxRows = 64;
+
+  // The buffer of `role` with these sizes and dtype: the last one when it matches, else a fresh one kept. A normal
+  // tensor even when made under inference mode: a later step outside it (torch.no_grad) updates it in place.
+  const torch::Tensor& get(int64_t role, at::IntArrayRef sizes, at::ScalarType dtype) {
+    torch::Tensor& t = buffers_[role];
+    if (!t.defined() || t.scalar_type() != dtype || t.sizes() != sizes) {
+      c10::InferenceMode normal(false);
+      t = torch::empty(sizes, at::TensorOptions(dtype));
+    }
+    return t;
+  }
+  static int64_t role(Slot slot, Role r) { return slot * kPerSlot + r; }
+
+ private:
+  std::array<torch::Tensor, kRoles> buffers_;
+};
+
 struct Step {
   int64_t rows, tokens, heads, kv_heads, dh;  // tokens per row: 1, or a speculative draft's verification
   bool pre_norm;
   Activation activation;
   bool norm_offset;  // RMSNorms by 1 + weight
   double query_scale;
+  Workspace* ws = nullptr;  // the thread's buffers (null: every op allocates its result)
+
+  // A projection (as ::project) into the workspace where it is int8 and ws is set.
+  torch::Tensor project(const torch::Tensor& x, const Tensors& p, Slot slot, const Tensors* deltas,
+                        const torch::Tensor* panels) const {
+    if (ws == nullptr || p.size() != 4 || !x.is_contiguous()) return ::project(x, p, deltas, panels);
+    const int64_t m = x.numel() / x.size(-1);
+    c10::SmallVector<int64_t, 4> sizes(x.sizes().begin(), x.sizes().end());
+    sizes.back() = p[1].size(0);
+    const torch::Tensor& out = ws->get(Workspace::role(slot, Workspace::kOutput), sizes, at::kFloat);
+    int8_linear_out(x, p[0], p[1], p[2], maybe(p[3]), out, rows_q(slot, m, p[0].size(1) * 4), rows_scale(slot, m));
+    if (deltas != nullptr && !deltas->empty()) lora_delta_add_(out, x, (*deltas)[0], (*deltas)[1], (*deltas)[2]);
+    return out;
+  }
+  const torch::Tensor& rows_q(Slot slot, int64_t m, int64_t k_padded) const {
+    return ws->get(Workspace::role(slot, Workspace::kRowsQ), {m, k_padded}, at::kByte);
+  }
+  const torch::Tensor& rows_scale(Slot slot, int64_t m) const {
+    return ws->get(Workspace::role(slot, Workspace::kRowsScale), {m}, at::kFloat);
+  }
 
   // A norm as the stack holds it: {weight, bias} a LayerNorm, {weight} an RMSNorm.
   torch::Tensor norm_rows(const torch::Tensor& x, const Tensors& norm, double eps) const {
     return norm.size() == 1 ? rows_rms_norm(x, norm[0], eps, norm_offset) : rows_layer_norm(x, norm[0], norm[1], eps);
+  }
+  // A pre-norm (its output the sub-layer's input alone) into the workspace's buffer where ws is set.
+  torch::Tensor pre_norm_rows(const torch::Tensor& x, const Tensors& norm, double eps) const {
+    if (ws == nullptr) return norm_rows(x, norm, eps);
+    const torch::Tensor& y = ws->get(Workspace::kNormed, x.sizes(), at::kFloat);
+    return norm.size() == 1 ? rows_rms_norm_into(x, norm[0], eps, norm_offset, y)
+                            : rows_layer_norm_into(x, norm[0], norm[1], eps, y);
   }
 
   // q (B, H, t, Dh) and k (B, H_kv, t, Dh), views of this step's fresh projections, in place as MultiHeadAttention
@@ -113,6 +171,7 @@ struct Step {
   // memory (docs/benchmarks.md, "The int8 feed-forward in one pass").
   torch::Tensor int8_ffn(const torch::Tensor& h, const Tensors* p) const {
     const Tensors &fc1 = p[kFc1], &up = p[kUp], &fc2 = p[kFc2];
+    if (ws != nullptr && !up.empty() && h.is_contiguous()) return int8_gated_ffn_into(h, p);
     const torch::Tensor rows = h.reshape({-1, h.size(-1)}).contiguous();
     auto [hq, hs] = up.empty() ? int8_linear_activated_quantized(rows, fc1[0], fc1[1], fc1[2], maybe(fc1[3]), activation)
                                : int8_gated_quantized(rows, fc1[0], fc1[1], fc1[2], maybe(fc1[3]), up[0], up[1], up[2],
@@ -120,6 +179,21 @@ struct Step {
     std::vector<int64_t> sizes = h.sizes().vec();
     sizes.back() = fc2[1].size(0);
     return int8_linear_quantized(hq, hs, fc2[0], fc2[1], fc2[2], maybe(fc2[3])).view(sizes);
+  }
+
+  // int8_ffn of a gated FFN into the workspace's buffers.
+  torch::Tensor int8_gated_ffn_into(const torch::Tensor& h, const Tensors* p) const {
+    const Tensors &fc1 = p[kFc1], &up = p[kUp], &fc2 = p[kFc2];
+    const int64_t m = h.numel() / h.size(-1), hidden = fc1[1].size(0);
+    const torch::Tensor& hq = ws->get(Workspace::kHiddenQ, {m, (hidden + 3) / 4 * 4}, at::kByte);
+    const torch::Tensor& hs = ws->get(Workspace::kHiddenScale, {m}, at::kFloat);
+    int8_gated_quantized_out(h, fc1[0], fc1[1], fc1[2], maybe(fc1[3]), up[0], up[1], up[2], maybe(up[3]), activation,
+                             rows_q(kFc1, m, fc1[0].size(1) * 4), rows_scale(kFc1, m), hq, hs);
+    c10::SmallVector<int64_t, 4> sizes(h.sizes().begin(), h.sizes().end());
+    sizes.back() = fc2[1].size(0);
+    const torch::Tensor& out = ws->get(Workspace::role(kFc2, Workspace::kOutput), sizes, at::kFloat);
+    int8_linear_quantized_out(hq, hs, fc2[0], fc2[1], fc2[2], maybe(fc2[3]), out);
+    return out;
   }
 
   // Pre-LN: x + f(LN(x)), with a post norm (sandwich: norms[post] not empty) x + LN'(f(LN(x))); post-LN:
@@ -135,7 +209,7 @@ struct Step {
   torch::Tensor sublayer(const torch::Tensor& x, const torch::Tensor& residual, const Tensors* norms, const double* eps,
                          Norm norm, Norm post, F f) const {
     if (!pre_norm) return norm_rows(rows_add_(f(x), residual), norms[norm], eps[norm]);
-    torch::Tensor out = f(norm_rows(x, norms[norm], eps[norm]));
+    torch::Tensor out = f(pre_norm_rows(x, norms[norm], eps[norm]));
     if (post != kNorms && !norms[post].empty()) out = norm_rows(out, norms[post], eps[post]);
     return rows_add_(out, residual);
   }
@@ -216,7 +290,9 @@ torch::Tensor DecoderStack::step(torch::Tensor x, const StepCache& cache, const 
   for (int64_t kind : rotary)
     TORCH_CHECK(kind < static_cast<int64_t>(cache.rotary_cos.size()) && cache.rotary_cos.size() == cache.rotary_sin.size(),
                 "decode step: a rotary stack needs this step's cos and sin of each rotary kind");
-  const Step s = step_shape(*this, x);
+  thread_local Workspace workspace;
+  Step s = step_shape(*this, x);
+  if (s.rows * s.tokens <= Workspace::kMaxRows) s.ws = &workspace;
   const Tensors &keys = cache.keys, &values = cache.values;
   const optional<torch::Tensor>& positions = cache.write_positions;
   torch::Tensor rows;
@@ -225,18 +301,20 @@ torch::Tensor DecoderStack::step(torch::Tensor x, const StepCache& cache, const 
     const Tensors* p = &projections[l * kSlots];
     const Tensors* lora = deltas.empty() ? nullptr : &deltas[l * kSlots];
     const torch::Tensor* packed = panels.empty() ? nullptr : &panels[l * kSlots];
-    auto delta = [&](Slot slot) { return lora == nullptr ? nullptr : &lora[slot]; };
     auto panel = [&](Slot slot) { return packed == nullptr ? nullptr : &packed[slot]; };
+    auto projection = [&](const torch::Tensor& in, Slot slot) {
+      return s.project(in, p[slot], slot, lora == nullptr ? nullptr : &lora[slot], panel(slot));
+    };
     const Tensors* n = &norms[l * kNorms];
     const double* e = &eps[l * kNorms];
     x = s.sublayer(x, n, e, kSelfAttnNorm, kSelfAttnPostNorm, [&](const torch::Tensor& h) {
       torch::Tensor q, k, v;
       if (!p[kQkv].empty()) {
-        std::tie(q, k, v) = s.split_qkv(project(h, p[kQkv], panel(kQkv)));
+        std::tie(q, k, v) = s.split_qkv(s.project(h, p[kQkv], kQkv, nullptr, panel(kQkv)));  // no deltas: unfused
       } else {
-        q = s.split(project(h, p[kQ], delta(kQ), panel(kQ)));
-        k = s.split(project(h, p[kK], delta(kK), panel(kK)), kv_heads);
-        v = s.split(project(h, p[kV], delta(kV), panel(kV)), kv_heads);
+        q = s.split(projection(h, kQ));
+        k = s.split(projection(h, kK), kv_heads);
+        v = s.split(projection(h, kV), kv_heads);
       }
       const bool rotated = !rotary.empty();
       s.prepare(q, k, n, e, rotated ? cache.rotary_cos[rotary[l]] : torch::Tensor(),
@@ -252,23 +330,22 @@ torch::Tensor DecoderStack::step(torch::Tensor x, const StepCache& cache, const 
       const bool window = !windowed.empty() && windowed[l];
       auto out = decode_attention(q, keys[l].narrow(2, 0, cache.visible), values[l].narrow(2, 0, cache.visible),
                                   window ? cache.window_mask : cache.self_mask, cache.prefix_blocks, cache.prefix_table, l);
-      return project(s.merge(out), p[kOut], delta(kOut), panel(kOut));
+      return projection(s.merge(out), kOut);
     });
     if (!p[kCrossQ].empty()) {
       TORCH_CHECK(l < static_cast<int64_t>(cache.cross_keys.size()), "decode step: no cross-attention keys/values");
       x = s.sublayer(x, n, e, kCrossAttnNorm, kNorms, [&](const torch::Tensor& h) {
-        auto q = s.split(project(h, p[kCrossQ], delta(kCrossQ), panel(kCrossQ)));
+        auto q = s.split(projection(h, kCrossQ));
         if (s.query_scale != 1.0) q.mul_(s.query_scale);  // the stack's scale of q.k, cross-attention's too (T5's)
         auto out = grouped_attention(q, cache.cross_keys[l], cache.cross_values[l], cache.memory_mask, cache.group);
-        return project(s.merge(out), p[kCrossOut], delta(kCrossOut), panel(kCrossOut));
+        return projection(s.merge(out), kCrossOut);
       });
     }
     x = s.sublayer(x, n, e, kFfnNorm, kFfnPostNorm, [&](const torch::Tensor& h) {
-      return s.ffn(h, p, lora,
-                   [&](const torch::Tensor& in, Slot slot) { return project(in, p[slot], delta(slot), panel(slot)); });
+      return s.ffn(h, p, lora, projection);
     });
   }
-  return x;
+  return s.ws == nullptr ? x : x.clone();  // the result outlives the step: not a buffer the next step rewrites
 }
 
 torch::Tensor DecoderStack::encode(torch::Tensor x, const optional<torch::Tensor>& mask, const Tensors& panels,

@@ -29,6 +29,12 @@ bool fits(const torch::Tensor& t) {
          !(at::GradMode::is_enabled() && t.requires_grad());
 }
 
+// Whether y (a caller's buffer for a norm of x) takes the norm: x's sizes, contiguous float32 on the CPU, not x.
+bool into_fits(const torch::Tensor& y, const torch::Tensor& x) {
+  return y.defined() && y.scalar_type() == at::kFloat && y.device().is_cpu() && y.is_contiguous() &&
+         y.sizes() == x.sizes() && y.data_ptr() != x.data_ptr();
+}
+
 template <class F>
 void over_rows(int64_t rows, int64_t width, F f) {
   at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(width, 1)), [&](int64_t begin, int64_t end) {
@@ -133,6 +139,12 @@ AVX512 void add_row(float* y, const float* x, int64_t n) {
 
 // LayerNorm over the last dim of x with weight/bias (absent: empty tensors), as at::layer_norm.
 torch::Tensor rows_layer_norm(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias, double eps) {
+  return rows_layer_norm_into(x, weight, bias, eps, torch::Tensor());
+}
+
+// rows_layer_norm into y (x's shape, contiguous float32; undefined: a fresh tensor), returned.
+torch::Tensor rows_layer_norm_into(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                                   double eps, torch::Tensor y) {
   const int64_t d = x.size(-1);
   const bool affine_fits = (!weight.defined() || !weight.numel() || (fits(weight) && weight.numel() == d)) &&
                            (!bias.defined() || !bias.numel() || (fits(bias) && bias.numel() == d));
@@ -140,7 +152,7 @@ torch::Tensor rows_layer_norm(const torch::Tensor& x, const torch::Tensor& weigh
     const auto maybe = [](const torch::Tensor& t) { return t.defined() && t.numel() ? c10::optional<torch::Tensor>(t) : c10::nullopt; };
     return at::layer_norm(x, {d}, maybe(weight), maybe(bias), eps);
   }
-  auto y = at::empty_like(x);
+  if (!into_fits(y, x)) y = at::empty_like(x);
   const float* w = weight.defined() && weight.numel() ? weight.data_ptr<float>() : nullptr;
   const float* b = bias.defined() && bias.numel() ? bias.data_ptr<float>() : nullptr;
   const float* in = x.data_ptr<float>();
@@ -151,12 +163,18 @@ torch::Tensor rows_layer_norm(const torch::Tensor& x, const torch::Tensor& weigh
 
 // RMSNorm over the last dim of x with its weight (model.layers.RMSNorm; `offset`: scaled by 1 + weight, Gemma's).
 torch::Tensor rows_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, bool offset) {
+  return rows_rms_norm_into(x, weight, eps, offset, torch::Tensor());
+}
+
+// rows_rms_norm into y (x's shape, contiguous float32; undefined: a fresh tensor), returned.
+torch::Tensor rows_rms_norm_into(const torch::Tensor& x, const torch::Tensor& weight, double eps, bool offset,
+                                 torch::Tensor y) {
   const int64_t d = x.size(-1);
   if (!fits(x) || !fits(weight) || weight.numel() != d || d == 0) {
     auto h = x * at::rsqrt(x.pow(2).mean(-1, true) + eps);
     return offset ? h * (1.0 + weight) : weight * h;
   }
-  auto y = at::empty_like(x);
+  if (!into_fits(y, x)) y = at::empty_like(x);
   const float* w = weight.data_ptr<float>();
   const float* in = x.data_ptr<float>();
   float* out = y.data_ptr<float>();

@@ -274,17 +274,37 @@ void check_weights(const torch::Tensor& packed, const torch::Tensor& w_scale, co
               "int8 kernel: bias must be float32 (out,)");
 }
 
+// A gated FFN's gate and up projections: each as check_weights wants it, the two of one shape.
+void check_gated(const torch::Tensor& packed, const torch::Tensor& w_scale, const torch::Tensor& w_sum,
+                 const c10::optional<torch::Tensor>& bias, const torch::Tensor& up_packed, const torch::Tensor& up_scale,
+                 const torch::Tensor& up_sum, const c10::optional<torch::Tensor>& up_bias) {
+  check_weights(packed, w_scale, w_sum, bias);
+  check_weights(up_packed, up_scale, up_sum, up_bias);
+  TORCH_CHECK(up_packed.sizes() == packed.sizes() && up_scale.size(0) == w_scale.size(0),
+              "int8 kernel: the gate and up projections must have one shape");
+}
+
+// Rows already quantised for the weights `packed`: xq (rows, in padded to 4) uint8, sx (rows,) float32.
+void check_quantized(const torch::Tensor& xq, const torch::Tensor& sx, const torch::Tensor& packed) {
+  TORCH_CHECK(xq.scalar_type() == at::kByte && xq.dim() == 2 && xq.is_contiguous() && xq.size(1) == packed.size(1) * 4,
+              "int8 kernel: xq must be contiguous uint8 (rows, in padded to 4)");
+  TORCH_CHECK(sx.scalar_type() == at::kFloat && sx.is_contiguous() && sx.dim() == 1 && sx.size(0) == xq.size(0),
+              "int8 kernel: sx must be float32 (rows,)");
+}
+
 // x (m, k) float32 -> its rows quantised (m, k_padded) uint8 around 128 and their scales (m,).
+// The same into caller-owned xq and sx: the m rows of k features at xp.
+void quantize_rows_into(const float* xp, int64_t m, int64_t k, int64_t k_padded, uint8_t* xqp, float* sxp) {
+  at::parallel_for(0, m, kRowChunk, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) quantize_row(xp + r * k, k, k_padded, xqp + r * k_padded, sxp + r);
+  });
+}
+
 std::tuple<torch::Tensor, torch::Tensor> quantize_rows(const torch::Tensor& x2, int64_t k_padded) {
   const int64_t m = x2.size(0), k = x2.size(1);
   torch::Tensor xq = torch::empty({m, k_padded}, x2.options().dtype(at::kByte));
   torch::Tensor sx = torch::empty({m}, x2.options());
-  const float* xp = x2.data_ptr<float>();
-  uint8_t* xqp = xq.data_ptr<uint8_t>();
-  float* sxp = sx.data_ptr<float>();
-  at::parallel_for(0, m, kRowChunk, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) quantize_row(xp + r * k, k, k_padded, xqp + r * k_padded, sxp + r);
-  });
+  quantize_rows_into(x2.data_ptr<float>(), m, k, k_padded, xq.data_ptr<uint8_t>(), sx.data_ptr<float>());
   return {xq, sx};
 }
 
@@ -346,17 +366,18 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_input(const torch::Tensor& x, 
 // one chunk's (64, n) floats into a scratch that stays in L2 and quantises them there, so the float product never goes
 // to memory (a FeedForward's (rows, d_ff) hidden state: written once, read back once before); with fewer (a few rows),
 // the float product then one pass (inline: under a chunk of rows, no second parallel region).
-std::tuple<torch::Tensor, torch::Tensor> gemm_quantized(const Problem& whole, const torch::TensorOptions& options) {
+// Into caller-owned hq (m, round_up(n, 4)) uint8 and hs (m,) float32.
+void gemm_quantized_into(const Problem& whole, const torch::TensorOptions& options, const torch::Tensor& hq,
+                         const torch::Tensor& hs) {
   const int64_t m = whole.m, n = whole.n, n_padded = (n + 3) / 4 * 4, chunks = (m + kRowChunk - 1) / kRowChunk;
   if (chunks < at::get_num_threads()) {
     torch::Tensor out = torch::empty({m, n}, options);
     Problem p = whole;
     p.out = out.data_ptr<float>();
     gemm(p);
-    return quantize_rows(out, n_padded);
+    quantize_rows_into(out.data_ptr<float>(), m, n, n_padded, hq.data_ptr<uint8_t>(), hs.data_ptr<float>());
+    return;
   }
-  torch::Tensor hq = torch::empty({m, n_padded}, options.dtype(at::kByte));
-  torch::Tensor hs = torch::empty({m}, options);
   at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> scratch;  // the pool's threads persist: allocated (and zeroed) once per size
     if (scratch.size() < static_cast<size_t>(kRowChunk * n)) scratch.resize(kRowChunk * n);
@@ -371,6 +392,13 @@ std::tuple<torch::Tensor, torch::Tensor> gemm_quantized(const Problem& whole, co
                      hs.data_ptr<float>() + r);
     }
   });
+}
+
+std::tuple<torch::Tensor, torch::Tensor> gemm_quantized(const Problem& whole, const torch::TensorOptions& options) {
+  const int64_t m = whole.m, n_padded = (whole.n + 3) / 4 * 4;
+  torch::Tensor hq = torch::empty({m, n_padded}, options.dtype(at::kByte));
+  torch::Tensor hs = torch::empty({m}, options);
+  gemm_quantized_into(whole, options, hq, hs);
   return {hq, hs};
 }
 
@@ -407,10 +435,7 @@ std::tuple<torch::Tensor, torch::Tensor> int8_gated_quantized(
     const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale, const torch::Tensor& w_sum,
     const c10::optional<torch::Tensor>& bias, const torch::Tensor& up_packed, const torch::Tensor& up_scale,
     const torch::Tensor& up_sum, const c10::optional<torch::Tensor>& up_bias, Activation activation) {
-  check_weights(packed, w_scale, w_sum, bias);
-  check_weights(up_packed, up_scale, up_sum, up_bias);
-  TORCH_CHECK(up_packed.sizes() == packed.sizes() && up_scale.size(0) == w_scale.size(0),
-              "int8 kernel: the gate and up projections must have one shape");
+  check_gated(packed, w_scale, w_sum, bias, up_packed, up_scale, up_sum, up_bias);
   auto [xq, sx] = quantize_input(x, packed);
   Problem whole = problem(xq, sx, packed, w_scale, w_sum, bias, nullptr, activation);
   whole.w_up = up_packed.data_ptr<int8_t>(), whole.sw_up = up_scale.data_ptr<float>();
@@ -424,9 +449,66 @@ torch::Tensor int8_linear_quantized(const torch::Tensor& xq, const torch::Tensor
                                     const torch::Tensor& w_scale, const torch::Tensor& w_sum,
                                     const c10::optional<torch::Tensor>& bias) {
   check_weights(packed, w_scale, w_sum, bias);
-  TORCH_CHECK(xq.scalar_type() == at::kByte && xq.dim() == 2 && xq.is_contiguous() && xq.size(1) == packed.size(1) * 4,
-              "int8 kernel: xq must be contiguous uint8 (rows, in padded to 4)");
-  TORCH_CHECK(sx.scalar_type() == at::kFloat && sx.is_contiguous() && sx.dim() == 1 && sx.size(0) == xq.size(0),
-              "int8 kernel: sx must be float32 (rows,)");
+  check_quantized(xq, sx, packed);
   return gemm_float(xq, sx, packed, w_scale, w_sum, bias, kNoActivation);
+}
+
+// The decoding step's entry points into caller-owned buffers (decode_step.cpp's workspace, reused across layers and
+// steps instead of allocated per call): the same bytes as int8_linear, int8_gated_quantized and int8_linear_quantized.
+
+namespace {
+
+// x contiguous float32 (..., in) and the scratch for its quantised rows: xq (rows, in padded) uint8, sx (rows,).
+void check_rows_into(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& xq, const torch::Tensor& sx) {
+  const int64_t k_padded = packed.size(1) * 4, m = x.dim() ? x.numel() / std::max<int64_t>(x.size(-1), 1) : 0;
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1 && x.is_contiguous() &&
+              x.size(-1) <= k_padded && x.size(-1) > k_padded - 4, "int8 kernel: x must be contiguous float32 (..., in)");
+  TORCH_CHECK(xq.scalar_type() == at::kByte && xq.is_contiguous() && xq.dim() == 2 && xq.size(0) == m &&
+              xq.size(1) == k_padded && sx.scalar_type() == at::kFloat && sx.is_contiguous() && sx.numel() == m,
+              "int8 kernel: xq must be uint8 (rows, in padded), sx float32 (rows,)");
+}
+
+// out: contiguous float32 of rows x n elements.
+void check_out(const torch::Tensor& out, int64_t rows, int64_t n) {
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() >= 1 && out.size(-1) == n &&
+              out.numel() == rows * n, "int8 kernel: out must be contiguous float32 (rows, out)");
+}
+
+}  // namespace
+
+void int8_linear_out(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale,
+                     const torch::Tensor& w_sum, const c10::optional<torch::Tensor>& bias, const torch::Tensor& out,
+                     const torch::Tensor& xq, const torch::Tensor& sx) {
+  check_weights(packed, w_scale, w_sum, bias);
+  check_rows_into(x, packed, xq, sx);
+  check_out(out, xq.size(0), w_scale.size(0));
+  quantize_rows_into(x.data_ptr<float>(), xq.size(0), x.size(-1), xq.size(1), xq.data_ptr<uint8_t>(), sx.data_ptr<float>());
+  gemm(problem(xq, sx, packed, w_scale, w_sum, bias, out.data_ptr<float>(), kNoActivation));
+}
+
+void int8_gated_quantized_out(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale,
+                              const torch::Tensor& w_sum, const c10::optional<torch::Tensor>& bias,
+                              const torch::Tensor& up_packed, const torch::Tensor& up_scale, const torch::Tensor& up_sum,
+                              const c10::optional<torch::Tensor>& up_bias, Activation activation, const torch::Tensor& xq,
+                              const torch::Tensor& sx, const torch::Tensor& hq, const torch::Tensor& hs) {
+  check_gated(packed, w_scale, w_sum, bias, up_packed, up_scale, up_sum, up_bias);
+  check_rows_into(x, packed, xq, sx);
+  const int64_t m = xq.size(0), n_padded = (w_scale.size(0) + 3) / 4 * 4;
+  TORCH_CHECK(hq.scalar_type() == at::kByte && hq.is_contiguous() && hq.dim() == 2 && hq.size(0) == m &&
+              hq.size(1) == n_padded && hs.scalar_type() == at::kFloat && hs.is_contiguous() && hs.numel() == m,
+              "int8 kernel: hq must be uint8 (rows, out padded to 4), hs float32 (rows,)");
+  quantize_rows_into(x.data_ptr<float>(), m, x.size(-1), xq.size(1), xq.data_ptr<uint8_t>(), sx.data_ptr<float>());
+  Problem whole = problem(xq, sx, packed, w_scale, w_sum, bias, nullptr, activation);
+  whole.w_up = up_packed.data_ptr<int8_t>(), whole.sw_up = up_scale.data_ptr<float>();
+  whole.w_sum_up = up_sum.data_ptr<int32_t>(), whole.bias_up = up_bias.has_value() ? up_bias->data_ptr<float>() : nullptr;
+  gemm_quantized_into(whole, x.options(), hq, hs);
+}
+
+void int8_linear_quantized_out(const torch::Tensor& xq, const torch::Tensor& sx, const torch::Tensor& packed,
+                               const torch::Tensor& w_scale, const torch::Tensor& w_sum,
+                               const c10::optional<torch::Tensor>& bias, const torch::Tensor& out) {
+  check_weights(packed, w_scale, w_sum, bias);
+  check_quantized(xq, sx, packed);
+  check_out(out, xq.size(0), w_scale.size(0));
+  gemm(problem(xq, sx, packed, w_scale, w_sum, bias, out.data_ptr<float>(), kNoActivation));
 }

@@ -51,6 +51,12 @@ std::tuple<torch::Tensor, torch::Tensor> beam_topk(const torch::Tensor& logits, 
                                                    int64_t width, int64_t k, const std::vector<int64_t>& banned);
 torch::Tensor rows_layer_norm(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias, double eps);
 torch::Tensor rows_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, bool offset = false);
+// The norms into y (x's shape, contiguous float32; undefined or unfit: a fresh tensor), returned: the decoding step's
+// workspace (decode_step.cpp).
+torch::Tensor rows_layer_norm_into(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                                   double eps, torch::Tensor y);
+torch::Tensor rows_rms_norm_into(const torch::Tensor& x, const torch::Tensor& weight, double eps, bool offset,
+                                 torch::Tensor y);
 
 // The native decoding step's contract with model/fast_step.py: bindings.cpp exports these enums by name
 // (kernels.Activation, kernels.Slot, kernels.Norm), so Python never restates their values.
@@ -74,6 +80,20 @@ std::tuple<torch::Tensor, torch::Tensor> int8_gated_quantized(
     const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale, const torch::Tensor& w_sum,
     const c10::optional<torch::Tensor>& bias, const torch::Tensor& up_packed, const torch::Tensor& up_scale,
     const torch::Tensor& up_sum, const c10::optional<torch::Tensor>& up_bias, Activation activation);
+// int8_linear, int8_gated_quantized and int8_linear_quantized into caller-owned buffers (the same bytes): x
+// contiguous (..., in); xq (rows, in padded to 4) uint8 and sx (rows,) the scratch of x's quantised rows; out
+// contiguous float32 (..., out); hq (rows, out padded to 4) uint8 and hs (rows,) the gated FFN's quantised rows.
+void int8_linear_out(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale,
+                     const torch::Tensor& w_sum, const c10::optional<torch::Tensor>& bias, const torch::Tensor& out,
+                     const torch::Tensor& xq, const torch::Tensor& sx);
+void int8_gated_quantized_out(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale,
+                              const torch::Tensor& w_sum, const c10::optional<torch::Tensor>& bias,
+                              const torch::Tensor& up_packed, const torch::Tensor& up_scale, const torch::Tensor& up_sum,
+                              const c10::optional<torch::Tensor>& up_bias, Activation activation, const torch::Tensor& xq,
+                              const torch::Tensor& sx, const torch::Tensor& hq, const torch::Tensor& hs);
+void int8_linear_quantized_out(const torch::Tensor& xq, const torch::Tensor& sx, const torch::Tensor& packed,
+                               const torch::Tensor& w_scale, const torch::Tensor& w_sum,
+                               const c10::optional<torch::Tensor>& bias, const torch::Tensor& out);
 torch::Tensor rows_add_(torch::Tensor y, const torch::Tensor& x);
 torch::Tensor rows_mul_(torch::Tensor y, const torch::Tensor& x);
 void rows_rotate_(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, double scale = 1.0);
