@@ -33,6 +33,11 @@ namespace {
 
 constexpr int64_t kMaxChunks = 16;  // head dims up to 256 (Gemma 3)
 constexpr int64_t kPrefetchKeys = 8;  // keys (each Dh floats) prefetched ahead: across 4 KB pages too
+// A unit's first keys only are prefetched in its K and V passes: past them the hardware's own stream keeps up, and
+// the software prefetches (one per 64-byte line) only slowed it (512 keys from memory: 0.86x the time without them;
+// docs/benchmarks.md, "Decode attention from memory"). A short cache (T5's self-attention, a prompt's first steps) is
+// prefetched whole, as before.
+constexpr int64_t kPrefetchedKeys = 64;
 
 struct Head {
   const float* q;     // first query; queries q_row apart
@@ -172,7 +177,7 @@ AVX512 void accumulate_block(Query* qs, const float* v, int64_t kv_row, int64_t 
     UNROLL for (int c = 0; c < C; ++c) acc[q][c] = qs[q].acc[c];
   for (int64_t j = j0; j < j1; ++j) {
     const float* row = v + j * kv_row;
-    if (j + kPrefetchKeys < keys) prefetch(row + kPrefetchKeys * kv_row, C);
+    if (j < kPrefetchedKeys && j + kPrefetchKeys < keys) prefetch(row + kPrefetchKeys * kv_row, C);
     __m512 value[C];
     UNROLL for (int c = 0; c < C; ++c) value[c] = _mm512_maskz_loadu_ps(lanes(c, C, last), row + c * 16);
     UNROLL for (int q = 0; q < NQ; ++q) {
@@ -247,7 +252,8 @@ AVX512 void attend(const Head* heads, int64_t n, float scale, float* scores, int
   for (; own + 16 <= a.keys; own += 16) {  // 16 keys at a time: one horizontal pass for their 16 sums
     // the next 16 keys, once for all the queries (no lines past the last key: a cache's unused positions, 1.5x the
     // reads of 33 keys at Dh 64)
-    for (int64_t j = own + 16; j < std::min(own + 32, a.keys); ++j) prefetch(a.k + j * a.kv_row, chunks);
+    if (own < kPrefetchedKeys)
+      for (int64_t j = own + 16; j < std::min(own + 32, a.keys); ++j) prefetch(a.k + j * a.kv_row, chunks);
     for (Query& x : qs) {
       __m512 score = score16(x.qv, a.k + own * a.kv_row, a.kv_row, chunks, last);
       if (x.bias) score = _mm512_add_ps(score, _mm512_loadu_ps(x.bias + own));
