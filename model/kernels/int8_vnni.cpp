@@ -317,6 +317,18 @@ Problem problem(const torch::Tensor& xq, const torch::Tensor& sx, const torch::T
                  xq.size(0) <= kStreamingRows};
 }
 
+// The product of a gated FFN (check_gated's gate and up weights) over the quantised rows xq, sx: each tile reads a
+// block of the gate and the same block of up side by side.
+Problem gated_problem(const torch::Tensor& xq, const torch::Tensor& sx, const torch::Tensor& packed,
+                      const torch::Tensor& w_scale, const torch::Tensor& w_sum, const c10::optional<torch::Tensor>& bias,
+                      const torch::Tensor& up_packed, const torch::Tensor& up_scale, const torch::Tensor& up_sum,
+                      const c10::optional<torch::Tensor>& up_bias, Activation activation) {
+  Problem whole = problem(xq, sx, packed, w_scale, w_sum, bias, nullptr, activation);
+  whole.w_up = up_packed.data_ptr<int8_t>(), whole.sw_up = up_scale.data_ptr<float>();
+  whole.w_sum_up = up_sum.data_ptr<int32_t>(), whole.bias_up = up_bias.has_value() ? up_bias->data_ptr<float>() : nullptr;
+  return whole;
+}
+
 // The whole (m, n) product into p.out: tasks of (row chunk, group of 4 blocks) over the intra-op threads.
 void gemm(const Problem& p) {
   const int64_t groups = (p.blocks + 3) / 4, chunks = (p.m + kRowChunk - 1) / kRowChunk;
@@ -437,10 +449,8 @@ std::tuple<torch::Tensor, torch::Tensor> int8_gated_quantized(
     const torch::Tensor& up_sum, const c10::optional<torch::Tensor>& up_bias, Activation activation) {
   check_gated(packed, w_scale, w_sum, bias, up_packed, up_scale, up_sum, up_bias);
   auto [xq, sx] = quantize_input(x, packed);
-  Problem whole = problem(xq, sx, packed, w_scale, w_sum, bias, nullptr, activation);
-  whole.w_up = up_packed.data_ptr<int8_t>(), whole.sw_up = up_scale.data_ptr<float>();
-  whole.w_sum_up = up_sum.data_ptr<int32_t>(), whole.bias_up = up_bias.has_value() ? up_bias->data_ptr<float>() : nullptr;
-  return gemm_quantized(whole, x.options());
+  return gemm_quantized(gated_problem(xq, sx, packed, w_scale, w_sum, bias, up_packed, up_scale, up_sum, up_bias,
+                                      activation), x.options());
 }
 
 // int8_linear of rows already quantised: xq (rows, in padded to 4) uint8 and sx (rows,) float32, as
@@ -498,10 +508,8 @@ void int8_gated_quantized_out(const torch::Tensor& x, const torch::Tensor& packe
               hq.size(1) == n_padded && hs.scalar_type() == at::kFloat && hs.is_contiguous() && hs.numel() == m,
               "int8 kernel: hq must be uint8 (rows, out padded to 4), hs float32 (rows,)");
   quantize_rows_into(x.data_ptr<float>(), m, x.size(-1), xq.size(1), xq.data_ptr<uint8_t>(), sx.data_ptr<float>());
-  Problem whole = problem(xq, sx, packed, w_scale, w_sum, bias, nullptr, activation);
-  whole.w_up = up_packed.data_ptr<int8_t>(), whole.sw_up = up_scale.data_ptr<float>();
-  whole.w_sum_up = up_sum.data_ptr<int32_t>(), whole.bias_up = up_bias.has_value() ? up_bias->data_ptr<float>() : nullptr;
-  gemm_quantized_into(whole, x.options(), hq, hs);
+  gemm_quantized_into(gated_problem(xq, sx, packed, w_scale, w_sum, bias, up_packed, up_scale, up_sum, up_bias,
+                                    activation), x.options(), hq, hs);
 }
 
 void int8_linear_quantized_out(const torch::Tensor& xq, const torch::Tensor& sx, const torch::Tensor& packed,
