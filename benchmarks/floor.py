@@ -1,14 +1,14 @@
 """The floor under every decoding result: bytes read over memory bandwidth, FLOPs over the matmul rate.
 
-A decoding step must read every weight it multiplies by (and the KV cache it attends to) and do
-2 FLOPs per weight per row, so no implementation on this machine beats, per step,
-``max(bytes / bandwidth, flops / matmul rate)``. Bandwidth is measured by reading a buffer as large
-as the step's weights (so a working set that lives in the last-level cache gets that cache's rate);
-the matmul rate by fp32 GEMMs (1024^3, and 512 rows through a 512 x 2048 linear, torch's and ours: the
-panel GEMM of model/kernel_layers.py, which beats MKL's) and, for int8, by the faster of fbgemm's dynamic int8
-linear and ours (model/kernels/int8_vnni.cpp), for bf16 by ours (model/bf16_linear.py: VDPBF16PS where the CPU
-has AVX512-BF16; its weights are 2 bytes, :data:`BF16`); a served shape adds 512 rows through its own FFN linear in
-each.
+A decoding step must read every weight it multiplies by (and the KV cache it attends to) and do 2 FLOPs per weight per
+row, so no implementation on this machine beats, per step, ``max(bytes / bandwidth, flops / matmul rate)``; the
+weights' products run at their precision's rate, attention's at float32's (its operands are activations and the
+float32 K/V cache whatever the weights are: :meth:`Rates.attention_rate`). Bandwidth is measured by reading a buffer
+as large as the step's weights (so a working set that lives in the last-level cache gets that cache's rate); the
+matmul rate by fp32 GEMMs (1024^3, and 512 rows through a 512 x 2048 linear, torch's and ours: the panel GEMM of
+model/kernel_layers.py, which beats MKL's) and, for int8, by the faster of fbgemm's dynamic int8 linear and ours
+(model/kernels/int8_vnni.cpp), for bf16 by ours (model/bf16_linear.py: VDPBF16PS where the CPU has AVX512-BF16; its
+weights are 2 bytes, :data:`BF16`); a served shape adds 512 rows through its own FFN linear in each.
 Each is the fastest of 7 runs at the best of the thread counts tried.
 A machine shared with other work reads memory at different rates from minute to minute (33-58 GB/s here within
 an hour), so a cell's floor takes the bandwidth read *while the cell ran*: :class:`BandwidthProbe`, run before
@@ -96,6 +96,13 @@ class Rates:
     def compute_rate(self, weight_bytes: int) -> float:
         """The GEMM rate of weights of ``weight_bytes`` bytes (FP32, BF16, INT8)."""
         return {FP32: self.fp32_flops, BF16: self.bf16_flops, INT8: self.int8_ops}[weight_bytes]
+
+    def attention_rate(self, weight_bytes: int, encoder: bool = False) -> float:
+        """The rate of attention's products (scores, weighted values). Their operands are activations and the float32
+        K/V cache whatever the weights' precision, so float32's GEMM rate, except an encoder's in bf16, whose
+        attention rounds its inputs to bf16 (model/attention.py's ``bf16_products``). An int8 model's attention at
+        int8's rate would need int8 activations and K/V; its K/V bytes are counted as float32 here too."""
+        return self.bf16_flops if encoder and weight_bytes == BF16 else self.fp32_flops
 
     def during(self, bandwidth: dict[int, float]) -> Rates:
         """These rates with the bandwidth read at some moment (a cell's runs) in place of the best one."""
@@ -211,23 +218,25 @@ def decode_floor(family: str, batch: int, beams: int, input_len: int, new_tokens
     d, layers, per_layer = dims.d_model, dims.layers, dims.self_attn + dims.ffn
     rows = batch * max(beams, 1)
     weights = decoder_weights(family, dims)
-    flop_rate = rates.compute_rate(weight_bytes)
+    flop_rate, attention_rate = rates.compute_rate(weight_bytes), rates.attention_rate(weight_bytes)
     step_bytes = weights * weight_bytes
     bandwidth = rates.read_rate(step_bytes)
     # Attention multiplies 4 * d per (query, key) pair (scores and weighted values), as in encoder_floor and the steps
     if family == "causal_lm":  # prefill: every prompt token through the layers (causal pairs), lm_head on the last one
         pairs = input_len * (input_len + 1) // 2
-        first = 2 * batch * (input_len * layers * per_layer + dims.lm_head) + batch * layers * 4 * d * pairs
+        first = (2 * batch * (input_len * layers * per_layer + dims.lm_head) / flop_rate
+                 + batch * layers * 4 * d * pairs / attention_rate)
         steps = [(input_len + t + 1, 0) for t in range(new_tokens - 1)]  # (self K/V length, cross length)
     else:  # encoder (every pair of source tokens), the cross K/V projections, then a decoder step per new token
-        first = 2 * batch * input_len * layers * (per_layer + 2 * d * d) + batch * layers * 4 * d * input_len**2
+        first = (2 * batch * input_len * layers * (per_layer + 2 * d * d) / flop_rate
+                 + batch * layers * 4 * d * input_len**2 / rates.attention_rate(weight_bytes, encoder=True))
         steps = [(t + 1, input_len) for t in range(new_tokens)]
-    seconds = max(first / flop_rate, (layers * per_layer * weight_bytes) / bandwidth)
+    seconds = max(first, (layers * per_layer * weight_bytes) / bandwidth)
     for t, (self_len, cross_len) in enumerate(steps):
         live = batch if t == 0 and family == "seq2seq" else rows  # beams expand after the first step
         kv_bytes = layers * 2 * FP32 * (dims.kv * live * self_len + d * batch * cross_len)
-        flops = 2 * live * weights + layers * 4 * d * live * (self_len + cross_len)
-        seconds += max((step_bytes + kv_bytes) / bandwidth, flops / flop_rate)
+        compute = 2 * live * weights / flop_rate + layers * 4 * d * live * (self_len + cross_len) / attention_rate
+        seconds += max((step_bytes + kv_bytes) / bandwidth, compute)
     return seconds
 
 
@@ -240,10 +249,11 @@ def encoder_floor(lengths: list[int], rates: Rates, weight_bytes: int, dims: Dim
     """Seconds for one encoder forward of sequences of ``lengths`` tokens (their own tokens: padding is work an
     engine may skip), the weights read once."""
     weights = dims.layers * (dims.self_attn + dims.ffn)
-    flop_rate = rates.compute_rate(weight_bytes)
-    flops = 2 * sum(lengths) * weights + dims.layers * 4 * dims.d_model * sum(n * n for n in lengths)
+    compute = (2 * sum(lengths) * weights / rates.compute_rate(weight_bytes)
+               + dims.layers * 4 * dims.d_model * sum(n * n for n in lengths)
+               / rates.attention_rate(weight_bytes, encoder=True))
     nbytes = weights * weight_bytes
-    return max(flops / flop_rate, nbytes / rates.read_rate(nbytes))
+    return max(compute, nbytes / rates.read_rate(nbytes))
 
 
 __all__ = ["BF16", "FP32", "INT8", "TOY", "BandwidthProbe", "Dims", "Rates", "by_precision", "classifier_floor",
