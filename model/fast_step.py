@@ -37,7 +37,7 @@ from torch import nn
 
 from model import native
 from model.attention import MultiHeadAttention, decode_attention
-from model.kernel_layers import is_layer_norm, is_plain, kernels_for, linear
+from model.kernel_layers import is_layer_norm, is_plain, linear
 from model.kv_cache import KVCache, within_window
 from model.layers import LayerStack, TransformerLayer
 from model.lora_layers import LoRALinear
@@ -55,20 +55,6 @@ def _op(module: nn.Module) -> Op:
         shape, weight, bias, eps = module.normalized_shape, module.weight, module.bias, module.eps
         return lambda x: torch.layer_norm(x, shape, weight, bias, eps)
     return module.forward if not module._forward_hooks and not module._forward_pre_hooks else module
-
-
-def _final_norm(module: nn.Module) -> Op:
-    """The stack's final norm as :func:`_op` binds it; an RMSNorm on the kernels' row norm where they compute (1 us
-    where the module's four tensor ops took 23 us of each batch-1 step)."""
-    if not is_rms_norm(module) or module._forward_hooks or module._forward_pre_hooks:
-        return _op(module)
-    weight, eps, offset = module.weight, module.eps, module.offset
-
-    def norm(x: torch.Tensor) -> torch.Tensor:
-        kernels = kernels_for(x)
-        return module.forward(x) if kernels is None else kernels.rows_rms_norm(x, weight, eps, offset)
-
-    return norm
 
 
 @dataclass
@@ -245,7 +231,7 @@ class DecodePlan:
 
     def __init__(self, stack: LayerStack) -> None:
         self.layers = [_Layer.of(layer) for layer in stack.layers]
-        self.final_norm = _final_norm(stack.final_norm) if stack.final_norm is not None else None
+        self.final_norm = _op(stack.final_norm) if stack.final_norm is not None else None
         self.kernels = native.kernels()  # the process's kernels when the plan was built (plan_for compares)
         self.native = NativeStep.of(stack, self.kernels) if self.kernels is not None else None
         self.rotaries, self.rotary_of = rotary_kinds(stack)  # the distinct rotaries, each layer's among them

@@ -9,6 +9,7 @@ from model import native, packed_weights
 from model.classifier import TransformerClassifier
 from model.config import ClassifierConfig
 from model.kernel_layers import LayerNorm, Linear, activate, is_plain, linear
+from model.layers import RMSNorm
 from model.layout import use_input_major_weights
 from model.quantize import prepare_for_inference
 
@@ -125,6 +126,39 @@ def test_layer_norm_inference_on_the_kernel_equals_torch_in_float64():
     reference = F.layer_norm(x.double(), (40,), norm.weight.double(), norm.bias.double(), 1e-5)
     torch.testing.assert_close(got.double(), reference, rtol=1e-5, atol=1e-5)
     norm(x.requires_grad_(True)).sum().backward()  # training: torch's op, gradients flow
+    assert x.grad is not None and norm.weight.grad is not None
+
+
+@pytest.mark.parametrize("offset", [False, True])
+def test_rms_norm_inference_on_the_kernel_equals_torch_in_float64(offset, monkeypatch):
+    """RMSNorm's inference (a prefill's norms, the final norm of a step) takes the kernels' one-pass row norm; its
+    values are the float64 reference's, and training keeps torch's ops (gradients flow)."""
+    kernels, calls = native.kernels(), []
+    if kernels is None:
+        pytest.skip("the C++ kernels do not run here")
+
+    class Recording:  # the kernels, counting row norms
+        def __getattr__(self, name: str) -> object:
+            return getattr(kernels, name)
+
+        def rows_rms_norm(self, *args: object) -> torch.Tensor:
+            calls.append(args)
+            return kernels.rows_rms_norm(*args)
+
+    monkeypatch.setattr(native, "kernels", Recording)
+    torch.manual_seed(0)
+    norm = RMSNorm(40, eps=1e-6, offset=offset)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(3, 5, 40) * 3 + 1
+    with torch.no_grad():
+        got = norm(x)
+    assert len(calls) == 1
+    x64 = x.double()
+    scale = (1.0 + norm.weight.double()) if offset else norm.weight.double()
+    reference = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * scale
+    torch.testing.assert_close(got.double(), reference, rtol=1e-5, atol=1e-5)
+    norm(x.requires_grad_(True)).sum().backward()
     assert x.grad is not None and norm.weight.grad is not None
 
 
