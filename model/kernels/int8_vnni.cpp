@@ -190,16 +190,20 @@ void tile_blocks(const Problem& p, int64_t blk, int64_t m0) {
 }
 
 // Rows [m0, m0 + MR) of a few-row product, 1 <= MR <= 8, against blocks [blk0, blk1) (at most kSpanBlocks) one at a
-// time (gated: one block of the gate and one of up), each block's weights one sequential stream (consecutive blocks
-// are contiguous), consecutive steps split over up to 16 accumulators. The hardware prefetchers keep up with such a
-// stream unaided up to 4 rows (prefetching 1-4 KB ahead into L1 slowed 1 row 10-20%, 4 rows 10%); 5-8 rows (up to 8
-// vpdpbusd a line, near the core's rate at the read rate) prefetch 8 KB ahead into L2: 8 rows then read and compute
-// at once, the stream as fast as the same loop on weights in cache, a fifth faster than 4 KB into L1 (which let the
-// dot products wait on the stream) (docs/benchmarks.md, "The int8 GEMM at a few rows", "Prefetching into L2"). The
-// span's outputs are stored after all its sums: a block's float epilogue (an activation: tens of instructions a row)
-// waits on the block's last weights and, run between two blocks' loops, stalled the stream (no loads while it ran, the
-// next block's starting again at memory latency): SmolLM2-135M's gated FFN at 8 rows took 27% less time with its
-// outputs stored a span at a time than a block at a time (4 rows 15%).
+// time (gated: one block of the gate and one of up), each block's weights one sequential stream (consecutive blocks are
+// contiguous), consecutive steps split over up to 16 accumulators. The hardware prefetchers keep up with such a stream
+// unaided up to 4 rows: 2-4 rows read at 0.88-1.0 of a plain read's rate and every software prefetch slowed them (1-4
+// KB into L1 0-16%, 4-16 KB into L2 8-38%, both 15-25%, one line in 16 or 64 unchanged; 1-4 accumulator sets alike);
+// 5-8 rows (up to 8 vpdpbusd a line, near the core's rate at the read rate) prefetch 8 KB ahead into L2 (none: 7-8%
+// slower at 5-6 rows): 8 rows then read and compute at once, the stream as fast as the same loop on weights in cache, a
+// fifth faster than 4 KB into L1 (which let the dot products wait on the stream). 9-16 rows (8, then the rest over the
+// span from L2) run within 3-5% of the same loop on weights in cache, at the wide GEMM's rate a row: bound by their
+// vpdpbusd, which no distance or chunking (6 + 6) moved (docs/benchmarks.md, "The int8 GEMM at a few rows",
+// "Prefetching into L2", "Prefetching at 2-4 and 9-16 int8 rows"). The span's outputs are stored after all its sums: a
+// block's float epilogue (an activation: tens of instructions a row) waits on the block's last weights and, run between
+// two blocks' loops, stalled the stream (no loads while it ran, the next block's starting again at memory latency):
+// SmolLM2-135M's gated FFN at 8 rows took 27% less time with its outputs stored a span at a time than a block at a time
+// (4 rows 15%).
 template <int MR, bool Gated>
 VNNI void tile_stream(const Problem& p, int64_t blk0, int64_t blk1, int64_t m0) {
   constexpr int chains = MR * (Gated ? 2 : 1), split = chains <= 4 ? 4 : chains <= 8 ? 2 : 1;
