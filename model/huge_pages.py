@@ -4,7 +4,8 @@ are "madvise" or "always").
 A decoding step reads every weight once from memory; over 2 MB pages the stream walks no 4 KB page tables
 mid-way: the int8 1-row GEMV ran 3-4% faster (docs/benchmarks.md, "Decoding steps at a few rows") and the float32
 panels of Qwen2.5's step ~6% ("Packed fp32 weights on 2 MB pages"). The one place that maps them: the int8
-weights' arena (model/int8_kernel.py) and the float32 panels (model/packed_weights.py).
+weights' arena (model/int8_kernel.py), the float32 panels (model/packed_weights.py) and the KV caches' buffers
+(model/kv_cache.py: a decoding step reads every cached key and value once too).
 """
 
 from __future__ import annotations
@@ -43,3 +44,16 @@ def floats(shape: tuple[int, ...]) -> torch.Tensor:
     if nbytes < HUGE_PAGE:
         return torch.zeros(shape)
     return mapping(nbytes).view(torch.float32).view(shape)
+
+
+def buffers(count: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
+            zeroed: bool = True) -> list[torch.Tensor]:
+    """``count`` tensors of ``shape``: on CPU, where together they span a 2 MB page or more, views of one fresh
+    mapping (zeroed whatever ``zeroed`` says), since each alone is often far smaller (a KV cache's layer at batch 1:
+    ~0.2-0.5 MB) and a mapping of its own gets no huge page; else tensors of their own (``torch.zeros``, or
+    ``torch.empty`` where not ``zeroed``). No view overlaps another; the mapping lives while any of them does."""
+    nbytes = count * math.prod(shape) * dtype.itemsize
+    if torch.device(device).type != "cpu" or nbytes < HUGE_PAGE:
+        make = torch.zeros if zeroed else torch.empty
+        return [make(shape, dtype=dtype, device=device) for _ in range(count)]
+    return list(mapping(nbytes).view(dtype).view(count, *shape).unbind(0))

@@ -21,10 +21,17 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from model import native
+from model import huge_pages, native
 from model.shared_prefix import SharedPrefix
 
 GROWTH = 64  # positions added when a buffer runs out; amortises the copy
+# A cache's buffers (every layer's K and V) are views of one mapping on 2 MB pages where they span 2 MB or more
+# (model.huge_pages.buffers): a decoding step after a long prompt reads them all once, and over 4 KB pages that read
+# walks page tables mid-stream (its 25 MB at batch 1 span ~6,300 4 KB pages, twice what the TLB holds). The 30 layers'
+# decode attention of SmolLM2 at 512 keys, K/V from memory, took 1.47-1.67 ms on 4 KB pages and 1.26-1.31 ms on 2 MB
+# pages; SmolLM2 int8's decoding steps after a 512-token prompt 0.96-0.99x (15 in-process runs, all faster; session
+# 30, docs/benchmarks.md). A fresh cache costs ~1 ms more to fault in (12 huge pages against a reused heap's none).
+# Growth, joins and row selections allocate a new set of views likewise, so a cache keeps its pages.
 
 
 @dataclass
@@ -108,11 +115,9 @@ class KVCache:
         dtype: torch.dtype,
     ) -> KVCache:
         shape = (batch, n_heads, max(capacity, 1), head_dim)
-        return cls(
-            keys=[torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)],
-            values=[torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)],
-            lengths=torch.zeros(batch, dtype=torch.long, device=device),
-        )
+        buffers = huge_pages.buffers(2 * n_layers, shape, dtype, device)
+        return cls(keys=buffers[:n_layers], values=buffers[n_layers:],
+                   lengths=torch.zeros(batch, dtype=torch.long, device=device))
 
     @property
     def batch_size(self) -> int:
@@ -223,9 +228,7 @@ class KVCache:
         if index.shape[0] == self.batch_size:
             self._reorder_in_place(index, tails)
         else:
-            zero_tail = not self.uniform
-            self.keys = [_select_prefix(k, index, self.max_length, zero_tail) for k in self.keys]
-            self.values = [_select_prefix(v, index, self.max_length, zero_tail) for v in self.values]
+            self._select_rows(index)
         self.lengths = self.lengths.index_select(0, index)
         if self.cross is not None:
             self.cross = self.cross.select(index)
@@ -259,13 +262,27 @@ class KVCache:
             window = buffer[:, :, start: self.max_length]
             window[targets] = window.index_select(0, parents)
 
+    def _select_rows(self, index: torch.Tensor) -> None:
+        """New buffers holding old rows ``index`` in the used positions; the rest zeroed or left unset.
+
+        Uniform rows never read a position before writing it, so their tail may hold garbage; rows of
+        different lengths read (masked) positions past their own length, which must hold finite values.
+        """
+        used, like = self.max_length, self.keys[0]
+        shape = (index.shape[0], *like.shape[1:])
+        fresh = huge_pages.buffers(2 * len(self.keys), shape, like.dtype, like.device, zeroed=not self.uniform)
+        for out, buffer in zip(fresh, self.keys + self.values, strict=True):
+            out[:, :, :used] = buffer[:, :, :used].index_select(0, index)
+        self.keys, self.values = fresh[: len(self.keys)], fresh[len(self.keys):]
+
     @classmethod
     def concat(cls, caches: list[KVCache]) -> KVCache:
         """Stack the rows of several caches (continuous batching: requests joining a running batch)."""
-        capacity = max(c.capacity for c in caches)
+        n_layers = len(caches[0].keys)
+        buffers = _joined_rows([c.keys + c.values for c in caches])
         joined = cls(
-            keys=[_cat_padded([c.keys[i] for c in caches], 2, capacity) for i in range(len(caches[0].keys))],
-            values=[_cat_padded([c.values[i] for c in caches], 2, capacity) for i in range(len(caches[0].keys))],
+            keys=buffers[:n_layers],
+            values=buffers[n_layers:],
             lengths=torch.cat([c.lengths for c in caches]),
             max_length=max(c.max_length for c in caches),
             uniform=all(c.uniform for c in caches) and len({c.max_length for c in caches}) == 1,
@@ -292,10 +309,12 @@ class KVCache:
     def _reserve(self, needed: int) -> None:
         if needed <= self.capacity:
             return
-        new_capacity = max(needed, self.capacity + GROWTH)
-        pad = new_capacity - self.capacity
-        self.keys = [F.pad(k, (0, 0, 0, pad)) for k in self.keys]
-        self.values = [F.pad(v, (0, 0, 0, pad)) for v in self.values]
+        capacity, like = self.capacity, self.keys[0]
+        shape = (*like.shape[:2], max(needed, capacity + GROWTH), like.shape[3])
+        fresh = huge_pages.buffers(2 * len(self.keys), shape, like.dtype, like.device)  # zeros past the old capacity
+        for out, buffer in zip(fresh, self.keys + self.values, strict=True):
+            out[:, :, :capacity] = buffer
+        self.keys, self.values = fresh[: len(self.keys)], fresh[len(self.keys):]
 
 
 def within_window(mask: torch.Tensor | None, queries: torch.Tensor, keys: int, window: int) -> torch.Tensor:
@@ -318,17 +337,20 @@ def _cat_padded(tensors: list[torch.Tensor], dim: int, size: int) -> torch.Tenso
     return torch.cat(padded, dim=0)
 
 
-def _select_prefix(buffer: torch.Tensor, index: torch.Tensor, used: int, zero_tail: bool) -> torch.Tensor:
-    """``buffer.index_select(0, index)`` for the first ``used`` positions; the rest is zeroed or left unset.
-
-    Uniform rows never read a position before writing it, so their tail may hold garbage; rows of
-    different lengths read (masked) positions past their own length, which must hold finite values.
-    """
-    out = buffer.new_empty((index.shape[0], *buffer.shape[1:]))
-    out[:, :, :used] = buffer[:, :, :used].index_select(0, index)
-    if zero_tail:
-        out[:, :, used:] = 0
-    return out
+def _joined_rows(caches: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """Per cache, its buffers (B_i, H, capacity_i, Dh) (the same count and order in each): per buffer, every cache's
+    rows stacked (sum B_i, H, max capacity_i, Dh), zero past each cache's own capacity (``_cat_padded``)."""
+    like = caches[0][0]
+    rows, capacity = sum(c[0].shape[0] for c in caches), max(c[0].shape[2] for c in caches)
+    shape = (rows, like.shape[1], capacity, like.shape[3])
+    joined = huge_pages.buffers(len(caches[0]), shape, like.dtype, like.device)
+    for i, out in enumerate(joined):
+        start = 0
+        for cache in caches:
+            part = cache[i]
+            out[start: start + part.shape[0], :, : part.shape[2]] = part
+            start += part.shape[0]
+    return joined
 
 
 def _offset_sources(sources: list[torch.Tensor]) -> torch.Tensor:

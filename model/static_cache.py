@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from model import huge_pages
 from model.kv_cache import CrossAttentionMemory, KVCache
 
 
@@ -31,10 +32,10 @@ class StaticKVCache(KVCache):
     @classmethod
     def allocate(cls, n_layers: int, rows: int, n_heads: int, head_dim: int, capacity: int,
                  device: torch.device | str, dtype: torch.dtype) -> StaticKVCache:
-        """Zeroed buffers for ``rows`` rows of ``capacity`` positions (zeros: masked positions stay finite)."""
-        shape = (rows, n_heads, capacity, head_dim)
-        return cls(keys=[torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)],
-                   values=[torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)],
+        """Zeroed buffers for ``rows`` rows of ``capacity`` positions (zeros: masked positions stay finite), on 2 MB
+        pages as :meth:`KVCache.empty` makes them."""
+        buffers = huge_pages.buffers(2 * n_layers, (rows, n_heads, capacity, head_dim), dtype, device)
+        return cls(keys=buffers[:n_layers], values=buffers[n_layers:],
                    lengths=torch.zeros(rows, dtype=torch.long, device=device),
                    max_length=capacity - 1, uniform=False,  # a step sees max_length + t = capacity keys (begin_step)
                    key_positions=torch.arange(capacity, device=device))
@@ -45,7 +46,7 @@ class StaticKVCache(KVCache):
         shape = (rows, n_heads, source_capacity, head_dim)
         mask = torch.zeros(rows, 1, 1, source_capacity, dtype=torch.bool, device=device)
         mask[..., 0] = True  # padding rows: one finite key to attend to
-        buffers = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(2 * n_layers)]
+        buffers = huge_pages.buffers(2 * n_layers, shape, dtype, device)
         self.cross = CrossAttentionMemory(keys=buffers[:n_layers], values=buffers[n_layers:], mask=mask,
                                           sources=torch.arange(rows, device=device))
 
