@@ -307,13 +307,17 @@ class KVCache:
         return joined
 
     def _reserve(self, needed: int) -> None:
-        if needed <= self.capacity:
-            return
-        capacity, like = self.capacity, self.keys[0]
-        shape = (*like.shape[:2], max(needed, capacity + GROWTH), like.shape[3])
-        fresh = huge_pages.buffers(2 * len(self.keys), shape, like.dtype, like.device)  # zeros past the old capacity
+        if needed > self.capacity:
+            self.resize(max(needed, self.capacity + GROWTH))
+
+    def resize(self, capacity: int) -> None:
+        """New buffers of ``capacity`` positions holding today's first ones (zeros past them), on 2 MB pages as
+        :meth:`empty` makes them (growth; the engine's compaction after long rows left)."""
+        like, kept = self.keys[0], min(capacity, self.capacity)
+        shape = (*like.shape[:2], capacity, like.shape[3])
+        fresh = huge_pages.buffers(2 * len(self.keys), shape, like.dtype, like.device)
         for out, buffer in zip(fresh, self.keys + self.values, strict=True):
-            out[:, :, :capacity] = buffer
+            out[:, :, :kept] = buffer[:, :, :kept]
         self.keys, self.values = fresh[: len(self.keys)], fresh[len(self.keys):]
 
 

@@ -96,9 +96,7 @@ def compact(cache: KVCache) -> None:
     longest = int(cache.lengths.max())
     cache.max_length = min(cache.max_length, longest)
     if cache.capacity > longest + 2 * GROWTH:
-        keep = longest + GROWTH
-        cache.keys = [k[:, :, :keep].clone() for k in cache.keys]
-        cache.values = [v[:, :, :keep].clone() for v in cache.values]
+        cache.resize(longest + GROWTH)
     if cache.cross is not None:
         used = cache.cross.mask.reshape(cache.batch_size, -1).any(dim=0).nonzero()
         source_len = int(used.max()) + 1 if used.numel() else 1

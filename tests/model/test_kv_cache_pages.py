@@ -64,6 +64,17 @@ def test_growth_keeps_the_contents_in_a_new_mapping():
         assert not buffer[:, :, 1024:].any()
 
 
+def test_a_shrunk_cache_keeps_its_first_positions_in_a_new_mapping():
+    """The engine's compaction (service.engine.batch.compact) after long rows left keeps the cache on its pages."""
+    cache = _big(capacity=2048)
+    before = _fill(cache)
+    cache.resize(1500)
+    buffers = cache.keys + cache.values
+    _one_disjoint_mapping(buffers)
+    for buffer, old in zip(buffers, before, strict=True):
+        assert buffer.shape[2] == 1500 and torch.equal(buffer, old[:, :, :1500])
+
+
 def test_selected_rows_keep_their_used_positions_and_a_zeroed_tail_in_a_new_mapping():
     cache = _big(batch=3)
     before = _fill(cache)
