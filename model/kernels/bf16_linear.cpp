@@ -7,9 +7,10 @@
 // to bf16 first (round to nearest even, NaN kept quiet: the same bits as PyTorch's x.bfloat16(), so ours and the
 // torch fallback differ only in the order of the float32 sums), zero-padded to an even K, then every tile
 // broadcasts a row's pair of inputs (32 bits) against the panel's two vectors: the structure of packed_linear.cpp
-// (tiles of up to 6 rows x 2 panels in registers, 1-2 row tiles walking up to 4 panels side by side, blocks of
+// (tiles of up to 6 rows x 2 panels in registers, 1-row products walking up to 4 panels side by side, blocks of
 // rows kept in L2, prefetch by model/cpu.py's PanelTuning), with half the weight bytes and twice the products per
-// instruction. Panels are spread over ATen's threads. Only has_avx512_bf16() runs on other CPUs.
+// instruction; products of 2-8 rows (decoding) take all their rows in one tile over one panel at a time
+// (stream_panel). Panels are spread over ATen's threads. Only has_avx512_bf16() runs on other CPUs.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -28,6 +29,13 @@ namespace {
 constexpr int64_t kPanel = 32;       // outputs per panel: two vectors of float32 sums
 constexpr int64_t kMaxTileRows = 6;  // 6 rows x 2 panels x 2 accumulators + 4 weight vectors + a broadcast: 29 of 32
 constexpr int64_t kMaxGemvRows = 2;  // tiles that may walk 4 panels at once
+// Products of 2 to kStreamRows rows stream the weights from memory once (stream_panel): 8 rows x 1 panel x 2
+// accumulators + 2 weight vectors + a broadcast, 19 registers. Up to kUnaidedRows rows the hardware prefetchers keep
+// up unaided (5 rows took 0.87x the time of prefetching); more rows (up to 8 VDPBF16PS a 64-byte line, near the
+// core's rate at the read rate) prefetch by the tuning's streaming rule, 8 KB ahead into L2 on Zen 4 (6-8 rows
+// 0.9-0.95x the time unaided: reading and computing overlap).
+constexpr int64_t kStreamRows = 8;
+constexpr int64_t kUnaidedRows = 5;
 
 struct Problem {
   const uint16_t* x;       // (rows, k2 * 2) bf16 bits, zero-padded
@@ -66,8 +74,8 @@ BF16 inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
 }
 
 // y[r0 .. r0 + R, 32 p .. 32 (p + S)) for the S panels p .. p + S - 1 walked side by side, the outputs past n left
-// out; prefetching `ahead` panel rows ahead in each panel.
-template <int R, int S, _mm_hint Hint>
+// out; prefetching `ahead` panel rows ahead in each panel (none unless Prefetch).
+template <int R, int S, _mm_hint Hint, bool Prefetch = true>
 BF16 void tile(const Problem& q, int64_t p, int64_t r0, int64_t ahead) {
   __m512 acc[R][S][2];
   for (int r = 0; r < R; ++r)
@@ -78,8 +86,10 @@ BF16 void tile(const Problem& q, int64_t p, int64_t r0, int64_t ahead) {
     __m512i w[S][2];
     for (int s = 0; s < S; ++s) {
       const uint16_t* row = panel + (s * q.k2 + i) * kPanel * 2;
-      _mm_prefetch(reinterpret_cast<const char*>(row + ahead * kPanel * 2), Hint);
-      _mm_prefetch(reinterpret_cast<const char*>(row + ahead * kPanel * 2 + 32), Hint);
+      if constexpr (Prefetch) {
+        _mm_prefetch(reinterpret_cast<const char*>(row + ahead * kPanel * 2), Hint);
+        _mm_prefetch(reinterpret_cast<const char*>(row + ahead * kPanel * 2 + 32), Hint);
+      }
       w[s][0] = _mm512_loadu_si512(row);
       w[s][1] = _mm512_loadu_si512(row + 32);
     }
@@ -124,6 +134,34 @@ void tile_rows(const Problem& q, int64_t p, int64_t r0, int64_t rows, int64_t pa
   tile_rows<1>(q, p, r0, rows);
 }
 
+// All R <= kStreamRows rows of a product over panel p: the weights one sequential stream, read once. Each output's
+// sum runs over the pairs in the same order as in tile_rows' tiles, so the outputs are the same bits.
+template <int R>
+void stream_tile(const Problem& q, int64_t p) {
+  if constexpr (R <= kUnaidedRows) return tile<R, 1, _MM_HINT_T0, false>(q, p, 0, 0);
+  const int64_t ahead = q.rule.streaming_prefetch_rows;
+  if (q.rule.streaming_into_l2) return tile<R, 1, _MM_HINT_T1>(q, p, 0, ahead);
+  tile<R, 1, _MM_HINT_T0>(q, p, 0, ahead);
+}
+
+// A product of 2 to kStreamRows rows over panel p. On SmolLM2-135M's step linears at 1 thread (docs/benchmarks.md,
+// "One pass over the bf16 weights at a few rows"), 7-8 rows took 0.57-0.7x the time of two passes of 4-row x 2-panel
+// tiles (the second pass computed from L2 after the first's stream, not during it), 5-6 rows 0.8x a 2-panel tile
+// prefetching 4 KB into L1, 2-4 rows 0.85-0.95x 2 or 4 panels side by side (2-4 streams) prefetching into L2; with
+// the weights in L2 (576x576, 3072x576) 2-8 rows ran at 0.93-1.04x the old tiles. 1 row keeps 4 panels: one panel
+// took the same time on these linears but SmolLM2-135M's greedy b1 decode 1.19x as long.
+void stream_panel(const Problem& q, int64_t p) {
+  switch (q.rows) {
+    case 2: return stream_tile<2>(q, p);
+    case 3: return stream_tile<3>(q, p);
+    case 4: return stream_tile<4>(q, p);
+    case 5: return stream_tile<5>(q, p);
+    case 6: return stream_tile<6>(q, p);
+    case 7: return stream_tile<7>(q, p);
+    default: return stream_tile<8>(q, p);
+  }
+}
+
 }  // namespace
 
 bool has_avx512_bf16() {
@@ -161,14 +199,19 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, i
   const torch::Tensor b = bias.has_value() ? bias->contiguous() : torch::Tensor();
   const Problem q{xb, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
                   b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(), rows, k2, n, panel_tuning()};
+  if (rows > 1 && rows <= kStreamRows) {
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) stream_panel(q, p);
+    });
+    return y;
+  }
   const int64_t tiles = (rows + kMaxTileRows - 1) / kMaxTileRows, per_tile = (rows + tiles - 1) / tiles;
   const int64_t row_bytes = k2 * 4;  // a bf16 row of x
   const int64_t block = rows * row_bytes <= q.rule.row_block_bytes
                             ? rows
                             : std::max<int64_t>(1, q.rule.row_block_bytes / row_bytes / per_tile) * per_tile;
-  // Each tile walks 2 panels at least: a VDPBF16PS waits for its accumulator's previous one, so 1-row tiles of one
-  // panel (2 chains) ran at 0.6x and 4-row ones (8 chains) at 0.55x the 2-panel tiles on Zen 4, and 12 x 1 tiles at
-  // 0.95x 6 x 2 (docs/benchmarks.md, issue 40's bf16 section); gemv_panels (4 on AMD) for tiles of 1-2 rows.
+  // Each tile walks 2 panels at least (12 x 1 tiles ran at 0.95x 6 x 2 on Zen 4: docs/benchmarks.md, issue 40's
+  // bf16 section); gemv_panels (4 on AMD) for 1-row products.
   const int64_t together = per_tile <= kMaxGemvRows ? std::max<int64_t>(2, q.rule.gemv_panels) : 2;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t first = 0; first < rows; first += block)
