@@ -11,7 +11,9 @@
 
 namespace tserve {
 
-#define TSERVE_ACTIVATION_TARGET __attribute__((target("avx512f")))
+// Always inlined: called, the int8 GEMM's gated tile (int8_vnni.cpp) made 8 calls with 228 vector spills and reloads
+// around them; inlined, none, and a 512-row SmolLM2 gated FFN takes ~0.3 ms (~6%) less, its 512-token prefill ~3%.
+#define TSERVE_ACTIVATION_TARGET __attribute__((target("avx512f"), always_inline))
 
 // erf(x), |error| < 3e-7 (Abramowitz & Stegun 7.1.26 with exp(-x^2) from simd_math.h)
 TSERVE_ACTIVATION_TARGET inline __m512 erf_approx(__m512 x) {
