@@ -25,13 +25,6 @@ from model import huge_pages, native
 from model.shared_prefix import SharedPrefix
 
 GROWTH = 64  # positions added when a buffer runs out; amortises the copy
-# A cache's buffers (every layer's K and V) are views of one mapping on 2 MB pages where they span 2 MB or more
-# (model.huge_pages.buffers): a decoding step after a long prompt reads them all once, and over 4 KB pages that read
-# walks page tables mid-stream (its 25 MB at batch 1 span ~6,300 4 KB pages, twice what the TLB holds). The 30 layers'
-# decode attention of SmolLM2 at 512 keys, K/V from memory, took 1.47-1.67 ms on 4 KB pages and 1.26-1.31 ms on 2 MB
-# pages; SmolLM2 int8's decoding steps after a 512-token prompt 0.96-0.99x (15 in-process runs, all faster; session
-# 30, docs/benchmarks.md). A fresh cache costs ~1 ms more to fault in (12 huge pages against a reused heap's none).
-# Growth, joins and row selections allocate a new set of views likewise, so a cache keeps its pages.
 
 
 @dataclass
@@ -115,9 +108,8 @@ class KVCache:
         dtype: torch.dtype,
     ) -> KVCache:
         shape = (batch, n_heads, max(capacity, 1), head_dim)
-        buffers = huge_pages.buffers(2 * n_layers, shape, dtype, device)
-        return cls(keys=buffers[:n_layers], values=buffers[n_layers:],
-                   lengths=torch.zeros(batch, dtype=torch.long, device=device))
+        keys, values = kv_buffers(n_layers, shape, dtype, device)
+        return cls(keys=keys, values=values, lengths=torch.zeros(batch, dtype=torch.long, device=device))
 
     @property
     def batch_size(self) -> int:
@@ -270,19 +262,18 @@ class KVCache:
         """
         used, like = self.max_length, self.keys[0]
         shape = (index.shape[0], *like.shape[1:])
-        fresh = huge_pages.buffers(2 * len(self.keys), shape, like.dtype, like.device, zeroed=not self.uniform)
-        for out, buffer in zip(fresh, self.keys + self.values, strict=True):
+        keys, values = kv_buffers(len(self.keys), shape, like.dtype, like.device, zeroed=not self.uniform)
+        for out, buffer in zip(keys + values, self.keys + self.values, strict=True):
             out[:, :, :used] = buffer[:, :, :used].index_select(0, index)
-        self.keys, self.values = fresh[: len(self.keys)], fresh[len(self.keys):]
+        self.keys, self.values = keys, values
 
     @classmethod
     def concat(cls, caches: list[KVCache]) -> KVCache:
         """Stack the rows of several caches (continuous batching: requests joining a running batch)."""
-        n_layers = len(caches[0].keys)
-        buffers = _joined_rows([c.keys + c.values for c in caches])
+        keys, values = _joined_rows(caches)
         joined = cls(
-            keys=buffers[:n_layers],
-            values=buffers[n_layers:],
+            keys=keys,
+            values=values,
             lengths=torch.cat([c.lengths for c in caches]),
             max_length=max(c.max_length for c in caches),
             uniform=all(c.uniform for c in caches) and len({c.max_length for c in caches}) == 1,
@@ -315,10 +306,10 @@ class KVCache:
         :meth:`empty` makes them (growth; the engine's compaction after long rows left)."""
         like, kept = self.keys[0], min(capacity, self.capacity)
         shape = (*like.shape[:2], capacity, like.shape[3])
-        fresh = huge_pages.buffers(2 * len(self.keys), shape, like.dtype, like.device)
-        for out, buffer in zip(fresh, self.keys + self.values, strict=True):
+        keys, values = kv_buffers(len(self.keys), shape, like.dtype, like.device)
+        for out, buffer in zip(keys + values, self.keys + self.values, strict=True):
             out[:, :, :kept] = buffer[:, :, :kept]
-        self.keys, self.values = fresh[: len(self.keys)], fresh[len(self.keys):]
+        self.keys, self.values = keys, values
 
 
 def within_window(mask: torch.Tensor | None, queries: torch.Tensor, keys: int, window: int) -> torch.Tensor:
@@ -341,20 +332,32 @@ def _cat_padded(tensors: list[torch.Tensor], dim: int, size: int) -> torch.Tenso
     return torch.cat(padded, dim=0)
 
 
-def _joined_rows(caches: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-    """Per cache, its buffers (B_i, H, capacity_i, Dh) (the same count and order in each): per buffer, every cache's
-    rows stacked (sum B_i, H, max capacity_i, Dh), zero past each cache's own capacity (``_cat_padded``)."""
-    like = caches[0][0]
-    rows, capacity = sum(c[0].shape[0] for c in caches), max(c[0].shape[2] for c in caches)
-    shape = (rows, like.shape[1], capacity, like.shape[3])
-    joined = huge_pages.buffers(len(caches[0]), shape, like.dtype, like.device)
-    for i, out in enumerate(joined):
-        start = 0
-        for cache in caches:
-            part = cache[i]
-            out[start: start + part.shape[0], :, : part.shape[2]] = part
-            start += part.shape[0]
-    return joined
+def kv_buffers(n_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
+               zeroed: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Every layer's K and V buffers of ``shape`` (zeroed, or left unset where not ``zeroed``): views of one mapping
+    on 2 MB pages where together they span 2 MB or more (model.huge_pages.buffers). A decoding step after a long
+    prompt reads them all once, and over 4 KB pages that read walks page tables mid-stream (25 MB at batch 1 span
+    ~6,300 pages, twice what the TLB holds): SmolLM2's 30 layers of decode attention at 512 keys from memory took
+    1.47-1.67 ms on 4 KB pages and 1.26-1.31 ms on 2 MB pages, its int8 steps after a 512-token prompt 0.96-0.99x
+    (session 30, docs/benchmarks.md). A fresh cache costs ~1 ms more to fault in than a reused heap; growth, joins and
+    row selections make their new buffers here too, so a cache keeps its pages."""
+    buffers = huge_pages.buffers(2 * n_layers, shape, dtype, device, zeroed)
+    return buffers[:n_layers], buffers[n_layers:]
+
+
+def _joined_rows(caches: list[KVCache]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Every cache's rows stacked per K and V buffer (sum B_i, H, max capacity_i, Dh), zero past each cache's own
+    capacity (as ``_cat_padded`` pads)."""
+    like = caches[0].keys[0]
+    rows, capacity = sum(c.batch_size for c in caches), max(c.capacity for c in caches)
+    keys, values = kv_buffers(len(caches[0].keys), (rows, like.shape[1], capacity, like.shape[3]), like.dtype,
+                              like.device)
+    start = 0
+    for cache in caches:
+        for out, part in zip(keys + values, cache.keys + cache.values, strict=True):
+            out[start: start + cache.batch_size, :, : cache.capacity] = part
+        start += cache.batch_size
+    return keys, values
 
 
 def _offset_sources(sources: list[torch.Tensor]) -> torch.Tensor:

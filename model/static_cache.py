@@ -19,8 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model import huge_pages
-from model.kv_cache import CrossAttentionMemory, KVCache
+from model.kv_cache import CrossAttentionMemory, KVCache, kv_buffers
 
 
 @dataclass
@@ -34,8 +33,8 @@ class StaticKVCache(KVCache):
                  device: torch.device | str, dtype: torch.dtype) -> StaticKVCache:
         """Zeroed buffers for ``rows`` rows of ``capacity`` positions (zeros: masked positions stay finite), on 2 MB
         pages as :meth:`KVCache.empty` makes them."""
-        buffers = huge_pages.buffers(2 * n_layers, (rows, n_heads, capacity, head_dim), dtype, device)
-        return cls(keys=buffers[:n_layers], values=buffers[n_layers:],
+        keys, values = kv_buffers(n_layers, (rows, n_heads, capacity, head_dim), dtype, device)
+        return cls(keys=keys, values=values,
                    lengths=torch.zeros(rows, dtype=torch.long, device=device),
                    max_length=capacity - 1, uniform=False,  # a step sees max_length + t = capacity keys (begin_step)
                    key_positions=torch.arange(capacity, device=device))
@@ -46,8 +45,8 @@ class StaticKVCache(KVCache):
         shape = (rows, n_heads, source_capacity, head_dim)
         mask = torch.zeros(rows, 1, 1, source_capacity, dtype=torch.bool, device=device)
         mask[..., 0] = True  # padding rows: one finite key to attend to
-        buffers = huge_pages.buffers(2 * n_layers, shape, dtype, device)
-        self.cross = CrossAttentionMemory(keys=buffers[:n_layers], values=buffers[n_layers:], mask=mask,
+        keys, values = kv_buffers(n_layers, shape, dtype, device)
+        self.cross = CrossAttentionMemory(keys=keys, values=values, mask=mask,
                                           sources=torch.arange(rows, device=device))
 
     def view(self, rows: int) -> StaticKVCache:
