@@ -3,9 +3,10 @@
 
 A cell of benchmarks/shape_compare.py (32-token sources, 64 new tokens, the shape's forced first token), split into:
 the encoder (``encode`` and the cross-attention K/V), the decoder steps (``decode_step`` less its head: the decoder's
-layers and the step's Python), the output head (``logits``), the search's top-k and beam bookkeeping (``advance``),
-the cache reorder of the beams that moved (``KVCache.select``) and the rest (the search loop's Python), each timed
-within the cell where the search runs it, the median of ``--repeats`` runs on one thread count (``--threads``).
+layers and the step's Python), the output head (``logits``), the search's top-k and beam bookkeeping (``advance``) and
+within it its pass over the logits (the C++ top-k or greedy pick: ``fused_beam_top_k``, ``greedy_choice``), the cache
+reorder of the beams that moved (``KVCache.select``) and the rest (the search loop's Python), each timed within the
+cell where the search runs it, the median of ``--repeats`` runs on one thread count (``--threads``).
 Whether the decoder ran the C++ step (model.native_support) or LayerStack.forward (``--pytorch-path`` forces it) is
 printed beside it, with each part's floor (bytes over the bandwidth read now).
 """
@@ -22,6 +23,7 @@ import torch
 
 from benchmarks import floor, shapes
 from benchmarks.shape_engines import forced_first_id, ours_tokens, random_ids
+from model import beam_search, decoding
 from model.beam_search import BeamSearch
 from model.checkpoint import load_checkpoint
 from model.decoding import GreedySearch
@@ -81,7 +83,8 @@ def cell_parts(model: Seq2SeqTransformer, run: Callable[[], object], repeats: in
     Flan-T5-base, its 24.7 MB read from the last-level cache; helper T, session 29)."""
     targets = {"encode": (model, "encode"), "cross": (model, "new_cache"), "step": (model, "decode_step"),
                "head": (model, "logits"), "advance": (BeamSearch, "advance"), "greedy": (GreedySearch, "advance"),
-               "select": (KVCache, "select")}
+               "select": (KVCache, "select"), "topk": (beam_search, "fused_beam_top_k"),
+               "pick": (decoding, "greedy_choice")}
     runs = []
     for _ in range(repeats):
         with Stopwatch(targets) as watch:
@@ -89,7 +92,8 @@ def cell_parts(model: Seq2SeqTransformer, run: Callable[[], object], repeats: in
             run()
             cell = time.perf_counter() - start
         parts = watch.seconds
-        parts["rest"] = cell - sum(parts[k] for k in targets if k != "head")  # the head is within the step
+        within = ("head", "topk", "pick")  # inside the step and the search's advance
+        parts["rest"] = cell - sum(parts[k] for k in targets if k not in within)
         runs.append(parts)
     return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
 
@@ -126,6 +130,7 @@ def profile(args: argparse.Namespace) -> list[tuple[str, float, str]]:
              f"{path} and the step's Python (embedding, masks); weights' floor {layers_floor:.3f} s"),
             ("output head, 64 steps", parts["head"], f"{rows} rows x {dims.vocab:,}; floor {head_floor:.3f} s"),
             ("search: top-k, beams", parts["advance"] + parts["greedy"], "Search.advance"),
+            ("of which the logits' pass", parts["topk"] + parts["pick"], "the C++ top-k or greedy pick"),
             ("cache reorder", parts["select"], "KVCache.select of the beams that moved"),
             ("the rest", parts["rest"], "the search loop's Python")]
 

@@ -21,6 +21,8 @@ from benchmarks.shape_engines import (
     quantized,
     random_ids,
 )
+from model import beam_search, logits
+from model.checkpoint import load_checkpoint
 
 # the checkpoints' sizes: encoder + decoder layers, d_model, heads, FFN, vocabulary, gated FFN, tied head
 SIZES = {"nllb-200-distilled-600m": (12, 12, 1024, 16, 4096, 256206, False, True),
@@ -118,9 +120,20 @@ def test_the_profile_splits_a_tiny_cell_and_names_the_decoders_path(tmp_path):
     forced = seq2seq_profile.main([*common, "--pytorch-path"])
     rows = [line.split(" | ")[0].strip("| ") for line in native.splitlines() if line.startswith("| ")][1:]
     assert rows == ["whole cell (generate_seq2seq)", "encoder + cross K/V", "decoder layers, 64 steps",
-                    "output head, 64 steps", "search: top-k, beams", "cache reorder", "the rest"]
+                    "output head, 64 steps", "search: top-k, beams", "of which the logits' pass", "cache reorder",
+                    "the rest"]
     assert "8 rows x 300" in native and ("the C++ decode step" in native) != ("LayerStack.forward" in native)
     assert "LayerStack.forward (PyTorch; --pytorch-path)" in forced
+
+
+def test_the_profile_times_the_searchs_pass_over_the_logits_within_its_advance(tmp_path):
+    files = shapes.build("flan-t5-base", tmp_path, tiny=True)
+    checkpoint = load_checkpoint(files.hf, device="cpu")
+    inputs = random_ids(files.shape, 2, 8, seed=0)
+    with torch.inference_mode():
+        parts = seq2seq_profile.cell_parts(checkpoint.model, lambda: ours_tokens(checkpoint, inputs, 4, 8), 1)
+    assert 0 < parts["topk"] < parts["advance"] and parts["pick"] == parts["greedy"] == 0  # beam search only
+    assert beam_search.fused_beam_top_k is logits.fused_beam_top_k  # the stopwatch put the module's function back
 
 
 def test_the_profiles_stopwatch_times_methods_and_puts_them_back():
