@@ -9,8 +9,8 @@
 // broadcasts a row's pair of inputs (32 bits) against the panel's two vectors: the structure of packed_linear.cpp
 // (tiles of up to 6 rows x 2 panels in registers, 1-row products walking up to 4 panels side by side, blocks of
 // rows kept in L2, prefetch by model/cpu.py's PanelTuning), with half the weight bytes and twice the products per
-// instruction; products of 2-8 rows (decoding) take all their rows in one tile over one panel at a time
-// (stream_panel). Panels are spread over ATen's threads. Only has_avx512_bf16() runs on other CPUs.
+// instruction; products of 2-32 rows (decoding) take one panel at a time, its rows in groups of up to 10 one
+// after another (stream_panel). Panels are spread over ATen's threads. Only has_avx512_bf16() runs on other CPUs.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -29,12 +29,17 @@ namespace {
 constexpr int64_t kPanel = 32;       // outputs per panel: two vectors of float32 sums
 constexpr int64_t kMaxTileRows = 6;  // 6 rows x 2 panels x 2 accumulators + 4 weight vectors + a broadcast: 29 of 32
 constexpr int64_t kMaxGemvRows = 2;  // tiles that may walk 4 panels at once
-// Products of 2 to kStreamRows rows stream the weights from memory once (stream_panel): 8 rows x 1 panel x 2
-// accumulators + 2 weight vectors + a broadcast, 19 registers. Up to kUnaidedRows rows the hardware prefetchers keep
-// up unaided (5 rows took 0.87x the time of prefetching); more rows (up to 8 VDPBF16PS a 64-byte line, near the
-// core's rate at the read rate) prefetch by the tuning's streaming rule, 8 KB ahead into L2 on Zen 4 (6-8 rows
-// 0.9-0.95x the time unaided: reading and computing overlap).
-constexpr int64_t kStreamRows = 8;
+// Products of 2 to kStreamRows rows stream the weights from memory once (stream_panel): each panel in turn, its rows
+// in groups of up to kGroupRows rows one after another, the first group reading the panel from memory and the others
+// from the caches right after it. Up to kUnaidedRows rows the hardware prefetchers keep up unaided (5 rows took 0.87x
+// the time of prefetching); a larger first group (6-8 VDPBF16PS a 64-byte line come near the core's rate at the read
+// rate) prefetches by the tuning's streaming rule, 8 KB ahead into L2 on Zen 4 (6-8 rows 0.9-0.95x the time unaided:
+// reading and computing overlap). Past 8 rows the products are compute-bound (one 512-bit VDPBF16PS a cycle on Zen 4:
+// 8 rows a 64-byte line take about as long as reading it at 30 GB/s), so the groups after the first compute from the
+// cache the panel the first has just streamed, at the core's rate: kGroupRows (see stream_panel) keeps the first
+// group near 8 rows.
+constexpr int64_t kStreamRows = 32;
+constexpr int64_t kGroupRows = 10;
 constexpr int64_t kUnaidedRows = 5;
 
 struct Problem {
@@ -134,32 +139,48 @@ void tile_rows(const Problem& q, int64_t p, int64_t r0, int64_t rows, int64_t pa
   tile_rows<1>(q, p, r0, rows);
 }
 
-// All R <= kStreamRows rows of a product over panel p: the weights one sequential stream, read once. Each output's
-// sum runs over the pairs in the same order as in tile_rows' tiles, so the outputs are the same bits.
+// Rows r0 .. r0 + R of a product over panel p, the panel one sequential stream from memory (`first`, the panel's
+// first group) or from the caches where an earlier group has just read it. Each output's sum runs over the pairs in
+// the same order as in tile_rows' tiles, so the outputs are the same bits.
 template <int R>
-void stream_tile(const Problem& q, int64_t p) {
-  if constexpr (R <= kUnaidedRows) return tile<R, 1, _MM_HINT_T0, false>(q, p, 0, 0);
+void stream_tile(const Problem& q, int64_t p, int64_t r0, bool first) {
+  if (R <= kUnaidedRows || !first) return tile<R, 1, _MM_HINT_T0, false>(q, p, r0, 0);
   const int64_t ahead = q.rule.streaming_prefetch_rows;
-  if (q.rule.streaming_into_l2) return tile<R, 1, _MM_HINT_T1>(q, p, 0, ahead);
-  tile<R, 1, _MM_HINT_T0>(q, p, 0, ahead);
+  if (q.rule.streaming_into_l2) return tile<R, 1, _MM_HINT_T1>(q, p, r0, ahead);
+  tile<R, 1, _MM_HINT_T0>(q, p, r0, ahead);
 }
 
-// A product of 2 to kStreamRows rows over panel p. On SmolLM2-135M's step linears at 1 thread (docs/benchmarks.md,
-// "One pass over the bf16 weights at a few rows"), 7-8 rows took 0.57-0.7x the time of two passes of 4-row x 2-panel
-// tiles (the second pass computed from L2 after the first's stream, not during it), 5-6 rows 0.8x a 2-panel tile
-// prefetching 4 KB into L1, 2-4 rows 0.85-0.95x 2 or 4 panels side by side (2-4 streams) prefetching into L2; with
-// the weights in L2 (576x576, 3072x576) 2-8 rows ran at 0.93-1.04x the old tiles. 1 row keeps 4 panels: one panel
-// took the same time on these linears but SmolLM2-135M's greedy b1 decode 1.19x as long.
-void stream_panel(const Problem& q, int64_t p) {
-  switch (q.rows) {
-    case 2: return stream_tile<2>(q, p);
-    case 3: return stream_tile<3>(q, p);
-    case 4: return stream_tile<4>(q, p);
-    case 5: return stream_tile<5>(q, p);
-    case 6: return stream_tile<6>(q, p);
-    case 7: return stream_tile<7>(q, p);
-    default: return stream_tile<8>(q, p);
+void stream_group(const Problem& q, int64_t p, int64_t r0, int64_t rows, bool first) {
+  switch (rows) {
+    case 2: return stream_tile<2>(q, p, r0, first);
+    case 3: return stream_tile<3>(q, p, r0, first);
+    case 4: return stream_tile<4>(q, p, r0, first);
+    case 5: return stream_tile<5>(q, p, r0, first);
+    case 6: return stream_tile<6>(q, p, r0, first);
+    case 7: return stream_tile<7>(q, p, r0, first);
+    case 8: return stream_tile<8>(q, p, r0, first);
+    case 9: return stream_tile<9>(q, p, r0, first);
+    default: return stream_tile<10>(q, p, r0, first);
   }
+}
+
+// A product of 2 to kStreamRows rows over panel p: its rows in groups of equal sizes, at most kGroupRows. On
+// SmolLM2-135M's step linears at 1 thread (docs/benchmarks.md, "One pass over the bf16 weights at a few rows"), 7-8
+// rows took 0.57-0.7x the time of two passes of 4-row x 2-panel tiles (the second pass computed from L2 after the
+// first's stream, not during it), 5-6 rows 0.8x a 2-panel tile prefetching 4 KB into L1, 2-4 rows 0.85-0.95x 2 or 4
+// panels side by side (2-4 streams) prefetching into L2; with the weights in L2 (576x576, 3072x576) 2-8 rows ran at
+// 0.93-1.04x the old tiles. 1 row keeps 4 panels: one panel took the same time on these linears but SmolLM2-135M's
+// greedy b1 decode 1.19x as long. 9-32 rows (issue 40, session 31: opus-mt's and gpt2-small's step linears from
+// memory at 1 thread, probed against the blocked 6-row x 2-panel tiles they took before, whose first tile streamed
+// 2 panels at 6 VDPBF16PS a line and whose later tiles read them back from L2): 9 rows 0.74-0.78x the time, 12-16
+// rows 0.84-0.93x, 24-32 rows 0.89-0.94x; 16 rows at 73-80% of the core's VDPBF16PS rate (67% before). Groups of
+// up to 10 rows (9-10 rows one group, 12 two of 6, 24 three of 8) came within 3% of groups of up to 8, 12 or 14 at
+// every row count, each of those worse somewhere (9 rows as 5 + 4: 1.1x; 24 as 12 + 12: 1.05x); the broadcast folded
+// into VDPBF16PS (m32bcst) ran 2.5x slower on Zen 4.
+void stream_panel(const Problem& q, int64_t p) {
+  const int64_t groups = (q.rows + kGroupRows - 1) / kGroupRows, per_group = (q.rows + groups - 1) / groups;
+  for (int64_t r0 = 0; r0 < q.rows; r0 += per_group)
+    stream_group(q, p, r0, std::min(per_group, q.rows - r0), r0 == 0);
 }
 
 }  // namespace

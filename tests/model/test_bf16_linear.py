@@ -20,7 +20,7 @@ from tests.model.test_native_step import _assert_equal
 NO_KERNEL = "our bf16 kernel does not run here (no AVX512-BF16, or no C++ kernels)"
 needs_kernel = pytest.mark.skipif(kernel() is None, reason=NO_KERNEL)
 BACKENDS = [pytest.param("avx512_bf16", marks=needs_kernel), "torch"]
-ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 64, 100]
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 16, 17, 24, 31, 32, 33, 64, 100]
 # (in, out): whole panels; in odd and not a multiple of 32, out not a multiple of 16; out under one vector
 SHAPES = [(64, 96), (33, 17), (31, 70), (8, 5)]
 
@@ -71,13 +71,14 @@ def test_outputs_equal_the_float64_reference_of_the_rounded_operands(backend, ro
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", range(1, 9))
+@pytest.mark.parametrize("rows", range(1, 33))
 def test_a_few_rows_give_the_bits_they_give_in_a_wider_product(rows, threads):
-    """Up to 8 rows take one pass over the weights a panel at a time, more rows tiles of 2 panels: each output is
-    the same sum in the same order either way, so a row's outputs are the same bits alone or in a wide batch."""
+    """2-32 rows take one pass over the weights a panel at a time (in groups of up to 10 rows), 1 row and more than
+    32 tiles of 2 or 4 panels: each output is the same sum in the same order either way, so a row's outputs are the
+    same bits alone or in a wide batch."""
     torch.manual_seed(rows)
     layer = Bf16Linear(torch.randn(70, 95), torch.randn(70), "avx512_bf16")
-    x = torch.randn(24, 95)
+    x = torch.randn(40, 95)
     wide = layer(x)
     for _ in threads():
         assert torch.equal(layer(x[5:5 + rows]), wide[5:5 + rows])
