@@ -100,6 +100,7 @@ def cell_parts(model: Seq2SeqTransformer, run: Callable[[], object], repeats: in
 
 def profile(args: argparse.Namespace) -> list[tuple[str, float, str]]:
     """(part, seconds per cell, note) of ours on one cell."""
+    torch.set_num_threads(args.threads)  # before loading too: a profile of the whole process then shows no other thread
     files = shapes.build(args.shape, args.cache, tiny=args.tiny)
     checkpoint = load_checkpoint(files.hf, device="cpu")
     prepare_for_inference(checkpoint.model, "int8" if args.int8 else "none")
@@ -112,7 +113,6 @@ def profile(args: argparse.Namespace) -> list[tuple[str, float, str]]:
     def cell() -> None:
         ours_tokens(checkpoint, inputs, args.beams, NEW_TOKENS, forced)
 
-    torch.set_num_threads(args.threads)
     with torch.inference_mode():
         ours_tokens(checkpoint, inputs, args.beams, 4, forced)  # warm-up
         total = median_seconds(cell, args.repeats)
