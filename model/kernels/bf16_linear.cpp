@@ -144,10 +144,14 @@ void tile_rows(const Problem& q, int64_t p, int64_t r0, int64_t rows, int64_t pa
 // the same order as in tile_rows' tiles, so the outputs are the same bits.
 template <int R>
 void stream_tile(const Problem& q, int64_t p, int64_t r0, bool first) {
-  if (R <= kUnaidedRows || !first) return tile<R, 1, _MM_HINT_T0, false>(q, p, r0, 0);
-  const int64_t ahead = q.rule.streaming_prefetch_rows;
-  if (q.rule.streaming_into_l2) return tile<R, 1, _MM_HINT_T1>(q, p, r0, ahead);
-  tile<R, 1, _MM_HINT_T0>(q, p, r0, ahead);
+  if constexpr (R > kUnaidedRows) {
+    if (first) {
+      const int64_t ahead = q.rule.streaming_prefetch_rows;
+      if (q.rule.streaming_into_l2) return tile<R, 1, _MM_HINT_T1>(q, p, r0, ahead);
+      return tile<R, 1, _MM_HINT_T0>(q, p, r0, ahead);
+    }
+  }
+  tile<R, 1, _MM_HINT_T0, false>(q, p, r0, 0);
 }
 
 void stream_group(const Problem& q, int64_t p, int64_t r0, int64_t rows, bool first) {
