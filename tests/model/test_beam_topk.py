@@ -25,7 +25,7 @@ def torch_candidates(logits: torch.Tensor, scores: torch.Tensor, k: int, banned:
 @pytest.mark.parametrize("sentences, width, vocab, k, banned, case", [
     (1, 1, 256206, 8, [2], "plain"),  # NLLB's first step: one row
     (2, 4, 6000, 8, [2, 7], "plain"),
-    (32, 4, 32768, 8, [2], "plain"),  # 2 x 2^21 logits: rows in parallel
+    (32, 4, 32768, 8, [2], "plain"),  # 4 x 2^20 logits: rows in parallel
     (1, 4, 3000, 12, [], "restricted"),  # a vocabulary map: most columns -inf
     (2, 3, 50, 8, [1], "forced"),  # one finite column: the rest are -inf ties, filled in column order
     (1, 3, 5, 12, [0], "dead beam"),  # a tiny vocabulary, fewer columns than k, an empty (-inf) beam
