@@ -113,6 +113,15 @@ class BeamSearch(Search):
             self._alternatives.extend(parents, tokens)
         return tokens, parents
 
+    def shared_history(self) -> tuple[int, torch.Tensor] | None:
+        """Each sentence's beams (runs of ``width`` rows): per row, the leading tokens of its history equal to its
+        sentence's first beam's."""
+        if self._history is None or self._scores is None or self._scores.shape[1] < 2:
+            return None
+        sentences, width = self._scores.shape
+        history = self._history.view(sentences, width, -1)
+        return width, (history == history[:, :1]).cumprod(dim=2).sum(dim=2).flatten()
+
     def _layout(self, sentences: int, width: int, count: int, device: torch.device
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """(each sentence's first row (S, 1), whether each candidate rank is within the top ``num_beams`` (count,)):

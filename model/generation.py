@@ -53,7 +53,8 @@ def generate_causal(
         if speculative is not None:
             drafter = make_drafter(speculative, list(prompts[0]), draft_model)
             return _run_speculative(model, search, first, cache, drafter)
-        return run_search(search, first, lambda t: model.decode_step(t, cache), rows.select_with(cache.select))
+        return run_search(search, first, lambda t: model.decode_step(t, cache), rows.select_with(cache.select),
+                          cache.share_beam_prefix)
 
 
 def _run_speculative(model: CausalLM, search: Search, first: torch.Tensor, cache: KVCache,
@@ -108,7 +109,7 @@ def generate_seq2seq(
         if forced is not None:
             first = force_first_tokens(first, forced)
         return run_search(search, first, lambda t: model.decode_step(t, cache, search.vocabulary),
-                          rows.select_with(cache.select))
+                          rows.select_with(cache.select), cache.share_beam_prefix)
 
 
 def prompt_logprobs(model: CausalLM, prompt: Sequence[int], top: int = 0

@@ -94,6 +94,10 @@ class KVCache:
     cross: CrossAttentionMemory | None = None
     uniform: bool = True  # every row holds exactly max_length tokens (host-side, no device sync)
     prefix: SharedPrefix | None = None  # cached blocks each row reads ahead of its own K/V
+    # Beams: rows in runs of beam_group (a sentence's), each row's first beam_shared[r] positions equal to its run's
+    # first row's (share_beam_prefix); the C++ step's attention reads them there once. None: each row its own.
+    beam_group: int = 1
+    beam_shared: torch.Tensor | None = None
     _write_positions: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
@@ -181,6 +185,20 @@ class KVCache:
         self.values[layer][rows, :, positions] = v.transpose(1, 2).to(self.values[layer].dtype)
         return self.keys[layer][:, :, :visible], self.values[layer][:, :, :visible]
 
+    def share_beam_prefix(self, shared: tuple[int, torch.Tensor] | None, generated: int) -> None:
+        """The beams' shared history, from the search (:meth:`model.search.Search.shared_history`): (g, per row the
+        generated tokens its history shares with its run's first row's) for rows in runs of g, or None. The positions
+        before the generated tokens (the decoder's start, a prompt) and those of the shared tokens hold the same K/V in
+        every row of a run, bit for bit: each token prefix was computed once, in one row, and copied by the reorders
+        (:meth:`select`). ``generated``: the tokens generated so far, the last not yet in the cache. Only uniform
+        rows without a shared prefix cache; anything else reads every row's own positions."""
+        if shared is None or self.prefix is not None or not self.uniform or self.keys[0].device.type != "cpu":
+            self.beam_group, self.beam_shared = 1, None
+            return
+        group, tokens = shared
+        before = self.max_length - (generated - 1)  # positions ahead of the generated tokens in the cache
+        self.beam_group, self.beam_shared = group, (tokens + before).clamp_(max=self.max_length)
+
     def end_step(self, advance: torch.Tensor | int, max_advance: int | None = None) -> None:
         """Advance lengths by ``advance`` per row (an int, or (B,) for a right-padded prefill)."""
         self.lengths = self.lengths + advance
@@ -198,6 +216,7 @@ class KVCache:
         self.lengths = lengths
         self.max_length = int(lengths.max()) if lengths.numel() else 0
         self.uniform = bool((lengths == self.max_length).all())
+        self.beam_group, self.beam_shared = 1, None
 
     def snapshot(self) -> tuple[torch.Tensor, int, bool]:
         """What a step changes in the rows' bookkeeping; :meth:`rollback` returns to it."""
@@ -208,6 +227,7 @@ class KVCache:
         overwritten by the next step)."""
         self.lengths, self.max_length, self.uniform = snapshot
         self._write_positions = None
+        self.beam_group, self.beam_shared = 1, None
 
     def select(self, index: torch.Tensor, tails: torch.Tensor | None = None) -> None:
         """Keep, reorder or duplicate rows: row i becomes old row ``index[i]`` (beams, finished rows).
@@ -217,6 +237,7 @@ class KVCache:
         ``tails`` (a search's :attr:`model.search.Search.tails`): per row, how many of its last positions may
         differ from old row ``index[i]``'s; the positions before hold the same tokens and are not copied.
         """
+        self.beam_group, self.beam_shared = 1, None  # of the old rows
         if index.shape[0] == self.batch_size:
             self._reorder_in_place(index, tails)
         else:

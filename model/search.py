@@ -98,6 +98,12 @@ class Search(ABC):
     def results(self) -> list[list[Hypothesis]]:
         """Finished hypotheses per input, once done."""
 
+    def shared_history(self) -> tuple[int, torch.Tensor] | None:
+        """(g, per row the leading tokens of its history equal to its run's first row's) where the rows come in
+        runs of g > 1 of one input (a sentence's beams), else None: a cache may read those positions once
+        (model.kv_cache.KVCache.share_beam_prefix)."""
+        return None
+
     def choices_ahead(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The one row's picks (t,) and their log-probs (t,) at its next t steps, each from the logits (t, V) after
         the picks before it, where they can be made at once (greedy, the same bans at every step); else None."""
@@ -174,10 +180,14 @@ def force_first_tokens(logits: torch.Tensor, forced: Sequence[int | None]) -> to
 
 
 def run_search(search: Search, first_logits: torch.Tensor, step: Callable[[torch.Tensor], torch.Tensor],
-               select_rows: Callable[[torch.Tensor, torch.Tensor | None], None]) -> list[list[Hypothesis]]:
+               select_rows: Callable[[torch.Tensor, torch.Tensor | None], None],
+               share_rows: Callable[[tuple[int, torch.Tensor] | None, int], None] | None = None,
+               ) -> list[list[Hypothesis]]:
     """Drive `search` offline: step(tokens) -> next logits; select_rows(parents, tails) reorders per-row state
-    (``tails``: :attr:`Search.tails`); the search's own vocabulary restriction follows the rows here, and after the
-    first step (whose logits may have had tokens forced) gives compact logits to a search that reads them."""
+    (``tails``: :attr:`Search.tails`); share_rows(shared, generated) hears after it what the rows' histories share
+    (:meth:`Search.shared_history`, the tokens generated so far); the search's own vocabulary restriction follows
+    the rows here, and after the first step (whose logits may have had tokens forced) gives compact logits to a
+    search that reads them."""
     logits = first_logits
     steps = 0
     in_place = None  # the last parents tensor found to keep every row where it was (the searches return it again)
@@ -198,4 +208,6 @@ def run_search(search: Search, first_logits: torch.Tensor, step: Callable[[torch
                 search.vocabulary = search.vocabulary.select(parents)
         if search.vocabulary is not None and search.reads_compact_logits:
             search.vocabulary = search.vocabulary.compacted(search.config.finish_token_ids)
+        if share_rows is not None:
+            share_rows(search.shared_history(), search.step)
         logits = step(tokens)

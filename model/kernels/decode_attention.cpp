@@ -50,6 +50,10 @@ struct Head {
   const float* const* prefix_k = nullptr;  // per prefix block: its first key (keys dh apart), read before k
   const float* const* prefix_v = nullptr;
   int64_t prefix_blocks = 0, block = 0;    // blocks this row reads, keys per block
+  // The mask or bias of the prefix's keys (a beam's positions shared with its group's first row: laid out as mask /
+  // bias, which then start after them), or null: a prefix cache's blocks are all visible, unbiased.
+  const bool* prefix_mask = nullptr;
+  const float* prefix_bias = nullptr;
 };
 
 // The keys and values the thread's next unit reads first (its k and v, kv_row apart; keys 0: none), fetched while
@@ -146,6 +150,8 @@ struct Query {
   __m512 tops, total;      // running maxima of its scores (lanes), sum of its weights
   const bool* mask;
   const float* bias;
+  const bool* prefix_mask;  // Head's, this query's row of them
+  const float* prefix_bias;
   float* out;
   float* scores;           // its row of the scratch: prefix keys' scores, then its own keys'
   float top;
@@ -234,6 +240,8 @@ AVX512 void attend(const Head* heads, int64_t n, float scale, float* scores, int
         x.qv[c] = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes(c), q + c * 16), _mm512_set1_ps(scale));
       x.mask = head.mask ? head.mask + i * head.mask_row : nullptr;
       x.bias = head.bias ? head.bias + i * head.mask_row : nullptr;
+      x.prefix_mask = head.prefix_mask ? head.prefix_mask + i * head.mask_row : nullptr;
+      x.prefix_bias = head.prefix_bias ? head.prefix_bias + i * head.mask_row : nullptr;
       x.out = head.out + i * head.out_row;
       x.scores = scores + next * row;
       x.top = -INFINITY;
@@ -241,13 +249,29 @@ AVX512 void attend(const Head* heads, int64_t n, float scale, float* scores, int
       for (int64_t c = 0; c < chunks; ++c) x.acc[c] = _mm512_setzero_ps();
     }
   }
-  for (Query& x : qs)
-    for (int64_t s = 0; s < a.prefix_blocks; ++s)
-      for (int64_t j = 0; j < a.block; ++j) {
-        float& score = x.scores[s * a.block + j];
+  for (Query& x : qs)  // the prefix's keys (keys dh apart) as the own keys' below: 16 at a time, then one at a time
+    for (int64_t s = 0; s < a.prefix_blocks; ++s) {
+      int64_t j = 0;
+      for (; j + 16 <= a.block; j += 16) {
+        const int64_t at = s * a.block + j;
+        __m512 score = score16(x.qv, a.prefix_k[s] + j * a.dh, a.dh, chunks, last);
+        if (x.prefix_bias) score = _mm512_add_ps(score, _mm512_loadu_ps(x.prefix_bias + at));
+        if (x.prefix_mask) {
+          const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x.prefix_mask + at));
+          score = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), _mm_test_epi8_mask(bytes, bytes), score);
+        }
+        _mm512_storeu_ps(x.scores + at, score);
+        x.tops = _mm512_max_ps(x.tops, score);
+      }
+      for (; j < a.block; ++j) {
+        const int64_t at = s * a.block + j;
+        float& score = x.scores[at];
         score = dot(x.qv, a.prefix_k[s] + j * a.dh, a.dh, chunks, last);
+        if (x.prefix_bias) score += x.prefix_bias[at];
+        if (x.prefix_mask && !x.prefix_mask[at]) score = -INFINITY;
         x.top = std::max(x.top, score);
       }
+    }
   int64_t own = 0;
   for (; own + 16 <= a.keys; own += 16) {  // 16 keys at a time: one horizontal pass for their 16 sums
     // the next 16 keys, once for all the queries (no lines past the last key: a cache's unused positions, 1.5x the
@@ -290,24 +314,25 @@ AVX512 void attend(const Head* heads, int64_t n, float scale, float* scores, int
       _mm512_mask_storeu_ps(x.scores + j, m, e);
       x.total = _mm512_add_ps(x.total, e);
     }
-    for (int64_t s = 0; s < a.prefix_blocks; ++s)
-      for (int64_t j = 0; j < a.block; ++j) accumulate(x.acc, x.scores[s * a.block + j], a.prefix_v[s] + j * a.dh, a.dh, chunks, last);
   }
-  for (int64_t j0 = 0; j0 < a.keys; j0 += 16) {  // 16 values at a time, into every query (a query with nothing to
-    const int64_t j1 = std::min(j0 + 16, a.keys);  // attend to adds -inf weights into sums never stored)
+  // Values [j0, j1) of n, kv_row floats apart, into every query (weights from its scores at offset): 16 at a time
+  // (a query with nothing to attend to adds -inf weights into sums never stored); the prefix's, then the own ones.
+  auto add_values = [&](const float* v, int64_t kv_row, int64_t offset, int64_t j0, int64_t j1, int64_t n) {
     switch (chunks) {
-      case 1: accumulate_queries<1>(first, count, a.v, a.kv_row, shared, j0, j1, a.keys, last); break;
-      case 2: accumulate_queries<2>(first, count, a.v, a.kv_row, shared, j0, j1, a.keys, last); break;
-      case 3: accumulate_queries<3>(first, count, a.v, a.kv_row, shared, j0, j1, a.keys, last); break;
-      case 4: accumulate_queries<4>(first, count, a.v, a.kv_row, shared, j0, j1, a.keys, last); break;
-      case 8: accumulate_queries<8>(first, count, a.v, a.kv_row, shared, j0, j1, a.keys, last); break;
+      case 1: return accumulate_queries<1>(first, count, v, kv_row, offset, j0, j1, n, last);
+      case 2: return accumulate_queries<2>(first, count, v, kv_row, offset, j0, j1, n, last);
+      case 3: return accumulate_queries<3>(first, count, v, kv_row, offset, j0, j1, n, last);
+      case 4: return accumulate_queries<4>(first, count, v, kv_row, offset, j0, j1, n, last);
+      case 8: return accumulate_queries<8>(first, count, v, kv_row, offset, j0, j1, n, last);
       default:
         for (Query& x : qs)
           for (int64_t j = j0; j < j1; ++j)
-            accumulate(x.acc, x.scores[shared + j], a.v + j * a.kv_row, j + kPrefetchKeys < a.keys ? a.kv_row : 0,
-                       chunks, last);
+            accumulate(x.acc, x.scores[offset + j], v + j * kv_row, j + kPrefetchKeys < n ? kv_row : 0, chunks, last);
     }
-  }
+  };
+  for (int64_t s = 0; s < a.prefix_blocks; ++s)
+    for (int64_t j0 = 0; j0 < a.block; j0 += 16) add_values(a.prefix_v[s], a.dh, s * a.block, j0, std::min(j0 + 16, a.block), a.block);
+  for (int64_t j0 = 0; j0 < a.keys; j0 += 16) add_values(a.v, a.kv_row, shared, j0, std::min(j0 + 16, a.keys), a.keys);
   for (Query& x : qs) {
     if (x.out == nullptr) continue;
     const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(x.total));
@@ -348,7 +373,8 @@ bool has_avx512() {
 // header); no blocks: none.
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const c10::optional<torch::Tensor>& mask, const std::vector<torch::Tensor>& prefix_blocks,
-                               const c10::optional<torch::Tensor>& prefix_table, int64_t layer) {
+                               const c10::optional<torch::Tensor>& prefix_table, int64_t layer, int64_t beam_group,
+                               const c10::optional<torch::Tensor>& beam_shared) {
   TORCH_CHECK(has_avx512(), "decode attention: this CPU has no AVX-512");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "decode attention: q, k, v must be (B, H, T, Dh)");
   for (const auto* t : {&q, &k, &v})
@@ -387,6 +413,22 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
     prefix.layer = layer, prefix.heads = kv_heads, prefix.block = first.size(3), prefix.dh = dh;
   }
   const int64_t most_shared = prefix.data.empty() ? 0 : prefix.table.size(1) * prefix.block;
+  // Beams: rows in runs of beam_group (a sentence's), row r's first beam_shared[r] positions equal to its run's first
+  // row's (the same tokens: copied there by the search's reorders). A run's other rows read those from the first row
+  // as a prefix block (the same floats: dot and accumulate sum as dot16 and accumulate_block do, keys in order), and
+  // the run's units of one head follow each other, so the first row's keys come from memory once and from the cache
+  // for the others. Only over the cache's own (B, H_kv, T, Dh) layout (keys dh apart), without a prefix cache.
+  const int64_t* shared_of = nullptr;
+  if (beam_shared.has_value() && beam_group > 1) {
+    TORCH_CHECK(beam_shared->scalar_type() == at::kLong && beam_shared->dim() == 1 && beam_shared->size(0) == b &&
+                beam_shared->is_contiguous() && beam_shared->device().is_cpu() && b % beam_group == 0,
+                "decode attention: beam_shared must be int64 (B,) with B a multiple of beam_group");
+    const int64_t* shared = beam_shared->data_ptr<int64_t>();
+    TORCH_CHECK(std::all_of(shared, shared + b, [t](int64_t n) { return n >= 0 && n <= t; }),
+                "decode attention: beam_shared outside [0, T]");
+    if (prefix.data.empty() && k.stride(2) == dh && v.stride(2) == dh) shared_of = shared;
+  }
+  const int64_t runs = shared_of ? beam_group : 1;
   // (B, H, Tq, Dh) laid out (B, Tq, H, Dh): merging the heads for the out projection is then a view, not a copy
   torch::Tensor out = torch::empty({b, tq, h, dh}, q.options()).transpose(1, 2);
   const float scale = 1.f / std::sqrt(static_cast<float>(dh));
@@ -401,26 +443,40 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
     QueryBuffer queries;
     std::vector<Head> heads(together);
     std::vector<const float*> prefix_k, prefix_v;
-    // unit i's row and KV head
-    auto kv_of = [&](int64_t i) { return std::pair<int64_t, int64_t>{i / units_per_row, (i % units_per_row) * together / group}; };
+    // unit i's row and first query head: row after row, or with beams a run's rows after each other per head
+    auto unit = [&](int64_t i) {
+      const int64_t run = i / (units_per_row * runs), within = i % (units_per_row * runs);
+      return std::pair<int64_t, int64_t>{run * runs + within % runs, (within / runs) * together};
+    };
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t bi = i / units_per_row, first = (i % units_per_row) * together, kv = first / group;
-      const int64_t shared_blocks = prefix.lookup(bi, kv, prefix_k, prefix_v);
+      const auto [bi, first] = unit(i);
+      const int64_t kv = first / group;
+      int64_t shared_blocks = prefix.lookup(bi, kv, prefix_k, prefix_v);
+      const int64_t lead = bi - bi % runs, shared = shared_of && bi != lead ? shared_of[bi] : 0;  // keys read from lead
+      if (shared > 0) {
+        prefix_k.assign(1, k.data_ptr<float>() + lead * k.stride(0) + kv * k.stride(1));
+        prefix_v.assign(1, v.data_ptr<float>() + lead * v.stride(0) + kv * v.stride(1));
+        shared_blocks = 1;
+      }
       for (int64_t u = 0; u < together; ++u) {
         const int64_t hi = first + u;
+        const bool* mask_at = m.defined() && !additive ? m.data_ptr<bool>() + bi * m.stride(0) + hi * m.stride(1) : nullptr;
+        const float* bias_at = additive ? m.data_ptr<float>() + bi * m.stride(0) + hi * m.stride(1) : nullptr;
         heads[u] = Head{q.data_ptr<float>() + bi * q.stride(0) + hi * q.stride(1),
-                        k.data_ptr<float>() + bi * k.stride(0) + kv * k.stride(1),
-                        v.data_ptr<float>() + bi * v.stride(0) + kv * v.stride(1),
-                        m.defined() && !additive ? m.data_ptr<bool>() + bi * m.stride(0) + hi * m.stride(1) : nullptr,
-                        additive ? m.data_ptr<float>() + bi * m.stride(0) + hi * m.stride(1) : nullptr,
+                        k.data_ptr<float>() + bi * k.stride(0) + kv * k.stride(1) + shared * k.stride(2),
+                        v.data_ptr<float>() + bi * v.stride(0) + kv * v.stride(1) + shared * v.stride(2),
+                        mask_at ? mask_at + shared : nullptr, bias_at ? bias_at + shared : nullptr,
                         out.data_ptr<float>() + bi * out.stride(0) + hi * out.stride(1),
-                        q.stride(2), k.stride(2), m.defined() ? m.stride(2) : 0, out.stride(2), tq, t, dh};
+                        q.stride(2), k.stride(2), m.defined() ? m.stride(2) : 0, out.stride(2), tq, t - shared, dh};
         heads[u].prefix_blocks = shared_blocks;
-        heads[u].prefix_k = prefix_k.data(), heads[u].prefix_v = prefix_v.data(), heads[u].block = prefix.block;
+        heads[u].prefix_k = prefix_k.data(), heads[u].prefix_v = prefix_v.data();
+        heads[u].block = shared > 0 ? shared : prefix.block;
+        if (shared > 0) heads[u].prefix_mask = mask_at, heads[u].prefix_bias = bias_at;
       }
       Next next;
       if (i + 1 < end) {
-        const auto [nb, nkv] = kv_of(i + 1);
+        const auto [nb, nfirst] = unit(i + 1);
+        const int64_t nkv = nfirst / group;
         next = Next{k.data_ptr<float>() + nb * k.stride(0) + nkv * k.stride(1),
                     v.data_ptr<float>() + nb * v.stride(0) + nkv * v.stride(1), k.stride(2), t};
       }
