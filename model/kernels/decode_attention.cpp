@@ -13,7 +13,9 @@
 // A row may also read a shared prefix ahead of its own keys: blocks of a prefix cache (model/shared_prefix.py),
 // each (layers, 2, H_kv, block, Dh) contiguous, listed per row by a block table (B, M) of indices into the blocks
 // (-1 after the row's last). Every query sees every key of its row's blocks, in table order, then its own keys:
-// the rows of one system prompt read one copy of it in place (paged attention for the prefix).
+// the rows of one system prompt read one copy of it in place (paged attention for the prefix). And the beams of a
+// sentence (rows in runs of beam_group) may read the positions they share with the run's first row from there
+// (beam_shared: model/kv_cache.py's share_beam_prefix).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -315,19 +317,20 @@ AVX512 void attend(const Head* heads, int64_t n, float scale, float* scores, int
       x.total = _mm512_add_ps(x.total, e);
     }
   }
-  // Values [j0, j1) of n, kv_row floats apart, into every query (weights from its scores at offset): 16 at a time
+  // Values [j0, j1) of `values`, kv_row floats apart, into every query (weights from its scores at offset): 16 at a time
   // (a query with nothing to attend to adds -inf weights into sums never stored); the prefix's, then the own ones.
-  auto add_values = [&](const float* v, int64_t kv_row, int64_t offset, int64_t j0, int64_t j1, int64_t n) {
+  auto add_values = [&](const float* v, int64_t kv_row, int64_t offset, int64_t j0, int64_t j1, int64_t values) {
     switch (chunks) {
-      case 1: return accumulate_queries<1>(first, count, v, kv_row, offset, j0, j1, n, last);
-      case 2: return accumulate_queries<2>(first, count, v, kv_row, offset, j0, j1, n, last);
-      case 3: return accumulate_queries<3>(first, count, v, kv_row, offset, j0, j1, n, last);
-      case 4: return accumulate_queries<4>(first, count, v, kv_row, offset, j0, j1, n, last);
-      case 8: return accumulate_queries<8>(first, count, v, kv_row, offset, j0, j1, n, last);
+      case 1: return accumulate_queries<1>(first, count, v, kv_row, offset, j0, j1, values, last);
+      case 2: return accumulate_queries<2>(first, count, v, kv_row, offset, j0, j1, values, last);
+      case 3: return accumulate_queries<3>(first, count, v, kv_row, offset, j0, j1, values, last);
+      case 4: return accumulate_queries<4>(first, count, v, kv_row, offset, j0, j1, values, last);
+      case 8: return accumulate_queries<8>(first, count, v, kv_row, offset, j0, j1, values, last);
       default:
         for (Query& x : qs)
           for (int64_t j = j0; j < j1; ++j)
-            accumulate(x.acc, x.scores[offset + j], v + j * kv_row, j + kPrefetchKeys < n ? kv_row : 0, chunks, last);
+            accumulate(x.acc, x.scores[offset + j], v + j * kv_row, j + kPrefetchKeys < values ? kv_row : 0, chunks,
+                       last);
     }
   };
   for (int64_t s = 0; s < a.prefix_blocks; ++s)
@@ -415,8 +418,8 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
   const int64_t most_shared = prefix.data.empty() ? 0 : prefix.table.size(1) * prefix.block;
   // Beams: rows in runs of beam_group (a sentence's), row r's first beam_shared[r] positions equal to its run's first
   // row's (the same tokens: copied there by the search's reorders). A run's other rows read those from the first row
-  // as a prefix block (the same floats: dot and accumulate sum as dot16 and accumulate_block do, keys in order), and
-  // the run's units of one head follow each other, so the first row's keys come from memory once and from the cache
+  // as a prefix block (scored and summed as their own keys are, in order: the same floats), and the run's units of
+  // one head follow each other, so the first row's keys come from memory once and from the cache
   // for the others. Only over the cache's own (B, H_kv, T, Dh) layout (keys dh apart), without a prefix cache.
   const int64_t* shared_of = nullptr;
   if (beam_shared.has_value() && beam_group > 1) {
