@@ -120,7 +120,7 @@ class BeamSearch(Search):
             return None
         sentences, width = self._scores.shape
         history = self._history.view(sentences, width, -1)
-        return width, (history == history[:, :1]).cumprod(dim=2).sum(dim=2).flatten()
+        return width, _common_prefix(history, history[:, :1]).flatten()
 
     def _layout(self, sentences: int, width: int, count: int, device: torch.device
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -258,5 +258,9 @@ def _differing_tails(history: torch.Tensor, inherited: torch.Tensor) -> torch.Te
     changes."""
     if inherited.shape[0] != history.shape[0]:
         return None
-    shared = (inherited == history).cumprod(dim=1).sum(dim=1)
-    return history.shape[1] - shared
+    return history.shape[1] - _common_prefix(inherited, history)
+
+
+def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many leading tokens (along the last dim) ``a`` and ``b`` share, per row."""
+    return (a == b).cumprod(dim=-1).sum(dim=-1)

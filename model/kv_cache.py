@@ -193,11 +193,15 @@ class KVCache:
         (:meth:`select`). ``generated``: the tokens generated so far, the last not yet in the cache. Only uniform
         rows without a shared prefix cache; anything else reads every row's own positions."""
         if shared is None or self.prefix is not None or not self.uniform or self.keys[0].device.type != "cpu":
-            self.beam_group, self.beam_shared = 1, None
+            self._read_own_rows()
             return
         group, tokens = shared
         before = self.max_length - (generated - 1)  # positions ahead of the generated tokens in the cache
         self.beam_group, self.beam_shared = group, (tokens + before).clamp_(max=self.max_length)
+
+    def _read_own_rows(self) -> None:
+        """Forget the beams' sharing (:meth:`share_beam_prefix`): every row reads its own positions."""
+        self.beam_group, self.beam_shared = 1, None
 
     def end_step(self, advance: torch.Tensor | int, max_advance: int | None = None) -> None:
         """Advance lengths by ``advance`` per row (an int, or (B,) for a right-padded prefill)."""
@@ -216,7 +220,7 @@ class KVCache:
         self.lengths = lengths
         self.max_length = int(lengths.max()) if lengths.numel() else 0
         self.uniform = bool((lengths == self.max_length).all())
-        self.beam_group, self.beam_shared = 1, None
+        self._read_own_rows()
 
     def snapshot(self) -> tuple[torch.Tensor, int, bool]:
         """What a step changes in the rows' bookkeeping; :meth:`rollback` returns to it."""
@@ -227,7 +231,7 @@ class KVCache:
         overwritten by the next step)."""
         self.lengths, self.max_length, self.uniform = snapshot
         self._write_positions = None
-        self.beam_group, self.beam_shared = 1, None
+        self._read_own_rows()
 
     def select(self, index: torch.Tensor, tails: torch.Tensor | None = None) -> None:
         """Keep, reorder or duplicate rows: row i becomes old row ``index[i]`` (beams, finished rows).
@@ -237,7 +241,7 @@ class KVCache:
         ``tails`` (a search's :attr:`model.search.Search.tails`): per row, how many of its last positions may
         differ from old row ``index[i]``'s; the positions before hold the same tokens and are not copied.
         """
-        self.beam_group, self.beam_shared = 1, None  # of the old rows
+        self._read_own_rows()  # the sharing was the old rows'
         if index.shape[0] == self.batch_size:
             self._reorder_in_place(index, tails)
         else:
