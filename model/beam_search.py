@@ -51,6 +51,7 @@ class BeamSearch(Search):
         self._history: torch.Tensor | None = None  # (S * width, step) tokens of each row
         self._finish_ids: torch.Tensor | None = None  # EOS + stop ids, on the logits' device
         self._layouts: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # see _layout
+        self._leads: dict[tuple[int, int], torch.Tensor] = {}  # (sentences, width) -> each row's first beam
         self._alternatives: _BeamAlternatives | None = None  # config.logprobs set: each row's per-token record
 
     @property
@@ -113,14 +114,17 @@ class BeamSearch(Search):
             self._alternatives.extend(parents, tokens)
         return tokens, parents
 
-    def shared_history(self) -> tuple[int, torch.Tensor] | None:
-        """Each sentence's beams (runs of ``width`` rows): per row, the leading tokens of its history equal to its
-        sentence's first beam's."""
+    def shared_history(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Each sentence's beams (runs of ``width`` rows): per row, its sentence's first beam and the leading tokens of
+        its history equal to that beam's."""
         if self._history is None or self._scores is None or self._scores.shape[1] < 2:
             return None
         sentences, width = self._scores.shape
         history = self._history.view(sentences, width, -1)
-        return width, _common_prefix(history, history[:, :1]).flatten()
+        key = (sentences, width)
+        if key not in self._leads:
+            self._leads[key] = torch.arange(sentences * width, device=history.device) // width * width
+        return self._leads[key], _common_prefix(history, history[:, :1]).flatten()
 
     def _layout(self, sentences: int, width: int, count: int, device: torch.device
                 ) -> tuple[torch.Tensor, torch.Tensor]:

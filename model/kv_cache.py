@@ -94,9 +94,9 @@ class KVCache:
     cross: CrossAttentionMemory | None = None
     uniform: bool = True  # every row holds exactly max_length tokens (host-side, no device sync)
     prefix: SharedPrefix | None = None  # cached blocks each row reads ahead of its own K/V
-    # Beams: rows in runs of beam_group (a sentence's), each row's first beam_shared[r] positions equal to its run's
-    # first row's (share_beam_prefix); the C++ step's attention reads them there once. None: each row its own.
-    beam_group: int = 1
+    # Beams: each row's first beam_shared[r] positions equal row beam_lead[r]'s, its run's first (a sentence's beams
+    # are a run of rows; share_beam_prefix); the C++ step's attention reads them there once. None: each row its own.
+    beam_lead: torch.Tensor | None = None
     beam_shared: torch.Tensor | None = None
     _write_positions: torch.Tensor | None = field(default=None, repr=False)
 
@@ -185,23 +185,25 @@ class KVCache:
         self.values[layer][rows, :, positions] = v.transpose(1, 2).to(self.values[layer].dtype)
         return self.keys[layer][:, :, :visible], self.values[layer][:, :, :visible]
 
-    def share_beam_prefix(self, shared: tuple[int, torch.Tensor] | None, generated: int) -> None:
-        """The beams' shared history, from the search (:meth:`model.search.Search.shared_history`): (g, per row the
-        generated tokens its history shares with its run's first row's) for rows in runs of g, or None. The positions
+    def share_beam_prefix(self, shared: tuple[torch.Tensor, torch.Tensor] | None,
+                          generated: int | torch.Tensor) -> None:
+        """The beams' shared history, from the search (:meth:`model.search.Search.shared_history`): per row its run's
+        first row (its lead) and the generated tokens its history shares with the lead's, or None. The positions
         before the generated tokens (the decoder's start, a prompt) and those of the shared tokens hold the same K/V in
         every row of a run, bit for bit: each token prefix was computed once, in one row, and copied by the reorders
-        (:meth:`select`). ``generated``: the tokens generated so far, the last not yet in the cache. Only uniform
-        rows without a shared prefix cache; anything else reads every row's own positions."""
-        if shared is None or self.prefix is not None or not self.uniform or self.keys[0].device.type != "cpu":
+        (:meth:`select`). ``generated``: the tokens generated so far (per row, or one count for all), the last not
+        yet in the cache. Rows of different lengths are fine (a run's rows have one length); not with a shared prefix
+        cache, nor off the CPU: there every row reads its own positions."""
+        if shared is None or self.prefix is not None or self.keys[0].device.type != "cpu":
             self._read_own_rows()
             return
-        group, tokens = shared
-        before = self.max_length - (generated - 1)  # positions ahead of the generated tokens in the cache
-        self.beam_group, self.beam_shared = group, (tokens + before).clamp_(max=self.max_length)
+        leads, tokens = shared
+        before = self.lengths - (generated - 1)  # each row's positions ahead of its generated tokens
+        self.beam_lead, self.beam_shared = leads, torch.minimum(tokens + before, self.lengths)
 
     def _read_own_rows(self) -> None:
         """Forget the beams' sharing (:meth:`share_beam_prefix`): every row reads its own positions."""
-        self.beam_group, self.beam_shared = 1, None
+        self.beam_lead = self.beam_shared = None
 
     def end_step(self, advance: torch.Tensor | int, max_advance: int | None = None) -> None:
         """Advance lengths by ``advance`` per row (an int, or (B,) for a right-padded prefill)."""

@@ -98,9 +98,9 @@ class Search(ABC):
     def results(self) -> list[list[Hypothesis]]:
         """Finished hypotheses per input, once done."""
 
-    def shared_history(self) -> tuple[int, torch.Tensor] | None:
-        """(g, per row the leading tokens of its history equal to its run's first row's) where the rows come in
-        runs of g > 1 of one input (a sentence's beams), else None: a cache may read those positions once
+    def shared_history(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Per row, its run's first row (a sentence's beams are a run of rows) and how many leading tokens of its
+        history equal that row's; None where no rows share: a cache may read those positions once
         (model.kv_cache.KVCache.share_beam_prefix)."""
         return None
 
@@ -181,7 +181,7 @@ def force_first_tokens(logits: torch.Tensor, forced: Sequence[int | None]) -> to
 
 def run_search(search: Search, first_logits: torch.Tensor, step: Callable[[torch.Tensor], torch.Tensor],
                select_rows: Callable[[torch.Tensor, torch.Tensor | None], None],
-               share_rows: Callable[[tuple[int, torch.Tensor] | None, int], None] | None = None,
+               share_rows: Callable[[tuple[torch.Tensor, torch.Tensor] | None, int], None] | None = None,
                ) -> list[list[Hypothesis]]:
     """Drive `search` offline: step(tokens) -> next logits; select_rows(parents, tails) reorders per-row state
     (``tails``: :attr:`Search.tails`); share_rows(shared, generated) hears after it what the rows' histories share

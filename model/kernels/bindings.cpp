@@ -22,7 +22,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              "attention of a few queries per head over a KV cache (and a shared prefix's blocks), float32",
              pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("mask"),
              pybind11::arg("prefix_blocks") = std::vector<torch::Tensor>{},
-             pybind11::arg("prefix_table") = c10::nullopt, pybind11::arg("layer") = 0, pybind11::arg("beam_group") = 1,
+             pybind11::arg("prefix_table") = c10::nullopt, pybind11::arg("layer") = 0, pybind11::arg("beam_lead") = c10::nullopt,
              pybind11::arg("beam_shared") = c10::nullopt, release());
   module.def("encoder_attention", &encoder_attention,
              "bidirectional self-attention of (B, H, T, 64) rows under a key mask (B|1, 1, 1, T), float32",
@@ -115,12 +115,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   pybind11::class_<StepCache>(module, "StepCache", "one step's KV cache and masks, as DecoderStack.step reads them")
       .def(pybind11::init<Tensors, Tensors, Tensors, Tensors, int64_t, int64_t, c10::optional<torch::Tensor>,
                           c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, int64_t, Tensors,
-                          c10::optional<torch::Tensor>, Tensors, Tensors, c10::optional<torch::Tensor>, int64_t,
-                          c10::optional<torch::Tensor>>(),
+                          c10::optional<torch::Tensor>, Tensors, Tensors, c10::optional<torch::Tensor>,
+                          c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>(),
            arg("keys"), arg("values"), arg("cross_keys"), arg("cross_values"), arg("start"), arg("visible"),
            arg("write_positions"), arg("self_mask"), arg("memory_mask"), arg("group"), arg("prefix_blocks") = Tensors{},
            arg("prefix_table") = c10::nullopt, arg("rotary_cos") = Tensors{}, arg("rotary_sin") = Tensors{},
-           arg("window_mask") = c10::nullopt, arg("beam_group") = 1, arg("beam_shared") = c10::nullopt);
+           arg("window_mask") = c10::nullopt, arg("beam_lead") = c10::nullopt, arg("beam_shared") = c10::nullopt);
   pybind11::class_<DecoderStack>(module, "DecoderStack", "a decoder stack's weights bound for the native step")
       .def(pybind11::init<std::vector<Tensors>, std::vector<Tensors>, std::vector<double>, int64_t, bool, Activation,
                           int64_t, int64_t, std::vector<int64_t>, std::vector<bool>, bool, double>(),

@@ -14,8 +14,8 @@
 // each (layers, 2, H_kv, block, Dh) contiguous, listed per row by a block table (B, M) of indices into the blocks
 // (-1 after the row's last). Every query sees every key of its row's blocks, in table order, then its own keys:
 // the rows of one system prompt read one copy of it in place (paged attention for the prefix). And the beams of a
-// sentence (rows in runs of beam_group) may read the positions they share with the run's first row from there
-// (beam_shared: model/kv_cache.py's share_beam_prefix).
+// sentence (a run of consecutive rows, beam_lead naming its first) may read the positions they share with the run's
+// first row from there (beam_shared: model/kv_cache.py's share_beam_prefix).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -376,7 +376,8 @@ bool has_avx512() {
 // header); no blocks: none.
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const c10::optional<torch::Tensor>& mask, const std::vector<torch::Tensor>& prefix_blocks,
-                               const c10::optional<torch::Tensor>& prefix_table, int64_t layer, int64_t beam_group,
+                               const c10::optional<torch::Tensor>& prefix_table, int64_t layer,
+                               const c10::optional<torch::Tensor>& beam_lead,
                                const c10::optional<torch::Tensor>& beam_shared) {
   TORCH_CHECK(has_avx512(), "decode attention: this CPU has no AVX-512");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "decode attention: q, k, v must be (B, H, T, Dh)");
@@ -416,22 +417,27 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
     prefix.layer = layer, prefix.heads = kv_heads, prefix.block = first.size(3), prefix.dh = dh;
   }
   const int64_t most_shared = prefix.data.empty() ? 0 : prefix.table.size(1) * prefix.block;
-  // Beams: rows in runs of beam_group (a sentence's), row r's first beam_shared[r] positions equal to its run's first
-  // row's (the same tokens: copied there by the search's reorders). A run's other rows read those from the first row
-  // as a prefix block (scored and summed as their own keys are, in order: the same floats), and the run's units of
-  // one head follow each other, so the first row's keys come from memory once and from the cache
-  // for the others. Only over the cache's own (B, H_kv, T, Dh) layout (keys dh apart), without a prefix cache.
-  const int64_t* shared_of = nullptr;
-  if (beam_shared.has_value() && beam_group > 1) {
-    TORCH_CHECK(beam_shared->scalar_type() == at::kLong && beam_shared->dim() == 1 && beam_shared->size(0) == b &&
-                beam_shared->is_contiguous() && beam_shared->device().is_cpu() && b % beam_group == 0,
-                "decode attention: beam_shared must be int64 (B,) with B a multiple of beam_group");
-    const int64_t* shared = beam_shared->data_ptr<int64_t>();
+  // Beams: row r's first beam_shared[r] positions equal row beam_lead[r]'s (its sentence's first beam: the same
+  // tokens, copied there by the search's reorders); a sentence's beams are consecutive rows, their lead the first
+  // (the lead of a row alone is itself). The other rows read those positions from the lead as a prefix block (scored
+  // and summed as their own keys are, in order: the same floats), and a run's units of one head follow each other, so
+  // the lead's keys come from memory once and from the cache for the others. Runs may differ in width (the serving
+  // engine's requests). Only over the cache's own (B, H_kv, T, Dh) layout (keys dh apart), without a prefix cache.
+  const int64_t *shared_of = nullptr, *lead_of = nullptr;
+  if (beam_shared.has_value() || beam_lead.has_value()) {
+    TORCH_CHECK(beam_shared.has_value() && beam_lead.has_value(), "decode attention: beam_lead and beam_shared together");
+    for (const auto* beams : {&*beam_lead, &*beam_shared})
+      TORCH_CHECK(beams->scalar_type() == at::kLong && beams->dim() == 1 && beams->size(0) == b &&
+                  beams->is_contiguous() && beams->device().is_cpu(),
+                  "decode attention: beam_lead and beam_shared must be int64 (B,)");
+    const int64_t *shared = beam_shared->data_ptr<int64_t>(), *lead = beam_lead->data_ptr<int64_t>();
     TORCH_CHECK(std::all_of(shared, shared + b, [t](int64_t n) { return n >= 0 && n <= t; }),
                 "decode attention: beam_shared outside [0, T]");
-    if (prefix.data.empty() && k.stride(2) == dh && v.stride(2) == dh) shared_of = shared;
+    for (int64_t r = 0; r < b; ++r)
+      TORCH_CHECK(lead[r] == r || (r > 0 && lead[r] == lead[r - 1]),
+                  "decode attention: beam_lead must name each run's first row (runs of consecutive rows)");
+    if (prefix.data.empty() && k.stride(2) == dh && v.stride(2) == dh) shared_of = shared, lead_of = lead;
   }
-  const int64_t runs = shared_of ? beam_group : 1;
   // (B, H, Tq, Dh) laid out (B, Tq, H, Dh): merging the heads for the out projection is then a view, not a copy
   torch::Tensor out = torch::empty({b, tq, h, dh}, q.options()).transpose(1, 2);
   const float scale = 1.f / std::sqrt(static_cast<float>(dh));
@@ -440,22 +446,25 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
   // query head alone, as many units as heads (b = 1 on 2 threads: 3 KV heads would leave one thread idle a third).
   const int64_t together = b * kv_heads >= 2 * at::get_num_threads() ? group : 1;
   const int64_t units_per_row = h / together;
+  // Each unit's (row, first query head): row after row, a beam run's rows after each other per head.
+  std::vector<std::pair<int64_t, int64_t>> units;
+  units.reserve(b * units_per_row);
+  for (int64_t first = 0, next = 1; first < b; first = next++) {
+    while (lead_of && next < b && lead_of[next] == first) ++next;
+    for (int64_t u = 0; u < units_per_row; ++u)
+      for (int64_t r = first; r < next; ++r) units.emplace_back(r, u * together);
+  }
   at::parallel_for(0, b * units_per_row, 1, [&](int64_t begin, int64_t end) {
     const int64_t row = most_shared + t + 32;
     std::vector<float> scores(together * tq * row);
     QueryBuffer queries;
     std::vector<Head> heads(together);
     std::vector<const float*> prefix_k, prefix_v;
-    // unit i's row and first query head: row after row, or with beams a run's rows after each other per head
-    auto unit = [&](int64_t i) {
-      const int64_t run = i / (units_per_row * runs), within = i % (units_per_row * runs);
-      return std::pair<int64_t, int64_t>{run * runs + within % runs, (within / runs) * together};
-    };
     for (int64_t i = begin; i < end; ++i) {
-      const auto [bi, first] = unit(i);
+      const auto [bi, first] = units[i];
       const int64_t kv = first / group;
       int64_t shared_blocks = prefix.lookup(bi, kv, prefix_k, prefix_v);
-      const int64_t lead = bi - bi % runs, shared = shared_of && bi != lead ? shared_of[bi] : 0;  // keys read from lead
+      const int64_t lead = lead_of ? lead_of[bi] : bi, shared = lead != bi ? shared_of[bi] : 0;  // keys read from lead
       if (shared > 0) {
         prefix_k.assign(1, k.data_ptr<float>() + lead * k.stride(0) + kv * k.stride(1));
         prefix_v.assign(1, v.data_ptr<float>() + lead * v.stride(0) + kv * v.stride(1));
@@ -478,7 +487,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
       }
       Next next;
       if (i + 1 < end) {
-        const auto [nb, nfirst] = unit(i + 1);
+        const auto [nb, nfirst] = units[i + 1];
         const int64_t nkv = nfirst / group;
         next = Next{k.data_ptr<float>() + nb * k.stride(0) + nkv * k.stride(1),
                     v.data_ptr<float>() + nb * v.stride(0) + nkv * v.stride(1), k.stride(2), t};

@@ -330,7 +330,7 @@ torch::Tensor DecoderStack::step(torch::Tensor x, const StepCache& cache, const 
       const bool window = !windowed.empty() && windowed[l];
       auto out = decode_attention(q, keys[l].narrow(2, 0, cache.visible), values[l].narrow(2, 0, cache.visible),
                                   window ? cache.window_mask : cache.self_mask, cache.prefix_blocks, cache.prefix_table, l,
-                                  cache.beam_group, cache.beam_shared);
+                                  cache.beam_lead, cache.beam_shared);
       return projection(s.merge(out), kOut);
     });
     if (!p[kCrossQ].empty()) {

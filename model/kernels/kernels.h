@@ -15,7 +15,8 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
                                const c10::optional<torch::Tensor>& mask,
                                const std::vector<torch::Tensor>& prefix_blocks = {},
                                const c10::optional<torch::Tensor>& prefix_table = c10::nullopt, int64_t layer = 0,
-                               int64_t beam_group = 1, const c10::optional<torch::Tensor>& beam_shared = c10::nullopt);
+                               const c10::optional<torch::Tensor>& beam_lead = c10::nullopt,
+                               const c10::optional<torch::Tensor>& beam_shared = c10::nullopt);
 torch::Tensor encoder_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                 const c10::optional<torch::Tensor>& mask);
 // encoder_attention with bf16 products and float32 sums (encoder_attention_bf16.cpp; needs has_avx512_bf16()).
@@ -128,10 +129,9 @@ struct StepCache {
   c10::optional<torch::Tensor> prefix_table;
   Tensors rotary_cos, rotary_sin;    // per rotary kind (DecoderStack::rotary): (B|1, t, R) at this step's positions
   c10::optional<torch::Tensor> window_mask;  // the self-attention mask of sliding-window layers (None: every key)
-  // Beams: rows in runs of beam_group, each row's first beam_shared[r] positions its run's first row's (int64 (B,);
+  // Beams: each row's first beam_shared[r] positions row beam_lead[r]'s, its run's first (int64 (B,) each;
   // decode_attention reads them there once); None: every row reads its own.
-  int64_t beam_group = 1;
-  c10::optional<torch::Tensor> beam_shared;
+  c10::optional<torch::Tensor> beam_lead, beam_shared;
 };
 
 // A decoder stack's weights as the native step reads them, bound once per decode plan. projections: per layer

@@ -51,6 +51,27 @@ class RunningBatch:
         if self.vocabulary is not None:
             self.vocabulary = self.vocabulary.select(index)
 
+    def share_beam_prefixes(self) -> None:
+        """Tell the cache, for the next decoding step, which leading positions each row shares with its beam run's
+        first row (every job's :meth:`model.search.Search.shared_history`, offset to its rows; a row alone leads
+        itself), so that the C++ step reads them once (:meth:`KVCache.share_beam_prefix`)."""
+        histories = [job.search.shared_history() for job in self.jobs]
+        if all(shared is None for shared in histories):  # no beams running: nothing to build
+            self.cache.share_beam_prefix(None, 0)
+            return
+        device, leads, tokens, generated, offset = self.cache.lengths.device, [], [], [], 0
+        for job, shared in zip(self.jobs, histories, strict=True):
+            rows = job.search.num_rows
+            if shared is None:
+                leads.append(torch.arange(offset, offset + rows, device=device))
+                tokens.append(torch.zeros(rows, dtype=torch.long, device=device))
+            else:
+                leads.append(shared[0] + offset)
+                tokens.append(shared[1])
+            generated.append(torch.full((rows,), job.search.step, device=device))
+            offset += rows
+        self.cache.share_beam_prefix((torch.cat(leads), torch.cat(tokens)), torch.cat(generated))
+
     def filter(self, keep: list[GenerationJob]) -> RunningBatch | None:
         """This batch with only the rows of ``keep`` (None when empty)."""
         if not keep:

@@ -157,6 +157,10 @@ class GenerationScheduler(Scheduler):
         snapshot = cache.snapshot()
         drafts = drafts_for(batch.jobs)
         vocabulary = _searched_vocabulary(batch, drafts is None)
+        if drafts is None:  # the beams' shared positions read once (a verification step: every row its own)
+            batch.share_beam_prefixes()
+        else:
+            cache.share_beam_prefix(None, 0)
         try:
             if drafts is None:
                 logits = self._call_model(batch.jobs, batch.adapter_rows(), self._step_fn(batch, vocabulary, 1),

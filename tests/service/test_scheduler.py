@@ -8,8 +8,10 @@ import time
 import pytest
 import torch
 
+from model.kv_cache import KVCache
 from model.lora import adapter_names
 from service.engine.errors import EngineFailure, NotReady, QueueFull, RequestTimeout
+from service.engine.requests import GenerationRequest
 from service.engine.scheduler import FaultHook, install_fault_hooks
 from service.engine.types import QueueTag
 from tests.helpers import StepGate, block_worker, gather_queued, on_stop, stepping, wait_until
@@ -32,6 +34,19 @@ def first_job_step(scheduler) -> int:
 def batch_ids(scheduler) -> list[str]:
     batch = scheduler.batch
     return [job.id for job in batch.jobs] if batch is not None else []
+
+
+async def join_later(worker, first: GenerationRequest, second: GenerationRequest, steps: int
+                     ) -> tuple[StepGate, asyncio.Task, asyncio.Task]:
+    """Request ``first`` ("first") decodes more than ``steps`` steps alone, then ``second`` ("second") waits to join
+    it: the gate holding "first" there (release it to go on) and both requests' tasks."""
+    sched = worker.scheduler
+    running = StepGate(sched, when=lambda ids: ids == ["first"] and first_job_step(sched) > steps)
+    first_task = asyncio.create_task(worker.generate(first, "first"))
+    await running.until_parked()
+    second_task = asyncio.create_task(worker.generate(second, "second"))
+    await wait_until(lambda: sched.num_waiting == 1)
+    return running, first_task, second_task
 
 
 async def sleep_past(moment: float) -> None:
@@ -79,11 +94,7 @@ def test_request_joining_mid_run_equals_alone(models_dir):
         async with running_engine(models_dir, None) as engine:
             worker = engine.get(MT)
             sched = worker.scheduler
-            running = StepGate(sched, when=lambda ids: ids == ["first"] and first_job_step(sched) > 5)
-            first = asyncio.create_task(worker.generate(ask("hello world", **long), "first"))
-            await running.until_parked()  # "first" has decoded a few steps alone
-            second = asyncio.create_task(worker.generate(ask("the cat", **short), "second"))
-            await wait_until(lambda: sched.num_waiting == 1)
+            running, first, second = await join_later(worker, ask("hello world", **long), ask("the cat", **short), 5)
             seen = set()
 
             def second_left(ids: list[str]) -> bool:
@@ -100,6 +111,38 @@ def test_request_joining_mid_run_equals_alone(models_dir):
     first, second = asyncio.run(main())
     assert_same(first, offline(models_dir / MT, ["hello world"], long))
     assert_same(second, offline(models_dir / MT, ["the cat"], short))
+
+
+@pytest.mark.parametrize("model", [LM, MT])
+def test_beam_requests_side_by_side_read_their_shared_positions_once(models_dir, model, monkeypatch):
+    """A beam-2 request joins a running beam-4 one (rows of different lengths and steps, runs of 4 and 2): each beam
+    reads the positions it shares with its request's first beam from there, and both equal their offline results."""
+    first_params = dict(strategy="beam", num_beams=4, max_new_tokens=24, min_new_tokens=24)
+    second_params = dict(strategy="beam", num_beams=2, max_new_tokens=8, min_new_tokens=8)
+    leads, most, real = set(), 0, KVCache.share_beam_prefix
+
+    def recorded(cache, shared, generated):
+        nonlocal most
+        real(cache, shared, generated)
+        if cache.beam_lead is not None and cache.batch_size == 6:  # both requests' beams
+            leads.add(tuple(cache.beam_lead.tolist()))
+            led = cache.beam_lead != torch.arange(6)  # rows reading their first beam's positions
+            most = max(most, int((cache.beam_shared - cache.lengths + generated - 1)[led].max()))
+
+    monkeypatch.setattr(KVCache, "share_beam_prefix", recorded)
+
+    async def main():
+        async with running_engine(models_dir, None) as engine:
+            worker = engine.get(model)
+            running, first, second = await join_later(worker, ask("hello world", **first_params),
+                                                      ask("numbers 1 2 3", **second_params), 3)
+            running.release()
+            return await first, await second
+
+    first, second = asyncio.run(main())
+    assert (0, 0, 0, 0, 4, 4) in leads and most > 0  # beams read generated tokens' positions from their first
+    assert_same(first, offline(models_dir / model, ["hello world"], first_params))
+    assert_same(second, offline(models_dir / model, ["numbers 1 2 3"], second_params))
 
 
 def test_mixed_strategies_in_one_batch_equal_alone(models_dir):
