@@ -56,7 +56,8 @@ class RelativePositionBias(nn.Module):
         doubling as needed): a decoding step's bias is a slice of it instead of the buckets' ~20 tensor ops (0.16 ms
         a step of Flan-T5-base's decoder, 3% of it; docs/benchmarks.md, helper T, session 24)."""
         weight = self.embedding.weight
-        if self._table is not None and self._table[0] is weight and self._table[1] == weight._version:
+        if self._table is not None and self._table[0] is weight and not weight.is_inference() \
+                and self._table[1] == weight._version:
             table = self._table[2]
             if table.shape[1] >= 2 * span - 1:
                 return table, table.shape[1] // 2
@@ -65,7 +66,8 @@ class RelativePositionBias(nn.Module):
                                   self.num_buckets, self.max_distance)
         with torch.no_grad():
             table = self.embedding(buckets).t().contiguous()
-        self._table = (weight, weight._version, table)
+        # A weight made under torch.inference_mode (a checkpoint loaded there) has no version to follow: made anew
+        self._table = None if weight.is_inference() else (weight, weight._version, table)
         return table, size - 1
 
     def forward(self, queries: torch.Tensor, keys: int) -> torch.Tensor:

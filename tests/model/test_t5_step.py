@@ -52,6 +52,22 @@ def test_a_decoding_step_slices_the_table_and_follows_the_weight():
         assert torch.equal(bias.attention_mask(None, 1, cache), _buckets_bias(bias, cache.write_positions[:1], 76))
 
 
+def test_a_bias_made_under_inference_mode_follows_its_weight():
+    """A weight made under torch.inference_mode (a checkpoint loaded there) keeps no version counter: the bias is
+    still the buckets' floats, and after an in-place change of the weight the changed ones."""
+    torch.manual_seed(2)
+    with torch.inference_mode():
+        bias = RelativePositionBias(32, 128, 4, bidirectional=False)
+    queries = torch.tensor([[0], [40]])
+    for _ in range(2):
+        reference = RelativePositionBias(32, 128, 4, bidirectional=False)
+        reference.load_state_dict({"embedding.weight": bias.embedding.weight.clone()})
+        with torch.inference_mode():
+            got = bias(queries, 41)
+            bias.embedding.weight.add_(1.0)
+        assert torch.equal(got, _buckets_bias(reference, queries, 41))
+
+
 @needs_kernel
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("keys", [1, 15, 16, 17, 33, 48])
