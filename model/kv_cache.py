@@ -54,6 +54,21 @@ class CrossAttentionMemory:
         return group if bool((runs == runs[:, :1]).all()) else 1
 
     @functools.cached_property
+    def leads(self) -> torch.Tensor | None:
+        """Each row's run's first row, the runs consecutive rows of one source of any lengths (requests of different
+        beam widths side by side): the C++ step's cross-attention reads that row's copy for the whole run. None where
+        every row is its own source or :attr:`group_size` runs serve (their queries attend together)."""
+        rows = self.sources.shape[0]
+        if rows < 2 or self.group_size > 1:
+            return None
+        starts = torch.ones(rows, dtype=torch.bool, device=self.sources.device)
+        starts[1:] = self.sources[1:] != self.sources[:-1]
+        if bool(starts.all()):
+            return None
+        index = torch.arange(rows, device=self.sources.device)
+        return torch.where(starts, index, 0).cummax(0).values
+
+    @functools.cached_property
     def attention_mask(self) -> torch.Tensor | None:
         """``mask`` for attention, or None when no source has padding (SDPA's unmasked path is faster)."""
         return None if bool(self.mask.all()) else self.mask

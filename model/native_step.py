@@ -230,6 +230,7 @@ class NativeStep:
             prefix_table=cache.prefix.table if cache.prefix is not None else None,
             rotary_cos=[cos for cos, _ in angles], rotary_sin=[sin for _, sin in angles], window_mask=masks[1],
             beam_lead=cache.beam_lead, beam_shared=cache.beam_shared,
+            cross_lead=cross.leads if cross is not None else None,
         )
         return self.stack.step(x, step_cache, deltas, self.panels(kernels, x.shape[0]))
 

@@ -116,11 +116,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       .def(pybind11::init<Tensors, Tensors, Tensors, Tensors, int64_t, int64_t, c10::optional<torch::Tensor>,
                           c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, int64_t, Tensors,
                           c10::optional<torch::Tensor>, Tensors, Tensors, c10::optional<torch::Tensor>,
-                          c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>(),
+                          c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>(),
            arg("keys"), arg("values"), arg("cross_keys"), arg("cross_values"), arg("start"), arg("visible"),
            arg("write_positions"), arg("self_mask"), arg("memory_mask"), arg("group"), arg("prefix_blocks") = Tensors{},
            arg("prefix_table") = c10::nullopt, arg("rotary_cos") = Tensors{}, arg("rotary_sin") = Tensors{},
-           arg("window_mask") = c10::nullopt, arg("beam_lead") = c10::nullopt, arg("beam_shared") = c10::nullopt);
+           arg("window_mask") = c10::nullopt, arg("beam_lead") = c10::nullopt, arg("beam_shared") = c10::nullopt,
+           arg("cross_lead") = c10::nullopt);
   pybind11::class_<DecoderStack>(module, "DecoderStack", "a decoder stack's weights bound for the native step")
       .def(pybind11::init<std::vector<Tensors>, std::vector<Tensors>, std::vector<double>, int64_t, bool, Activation,
                           int64_t, int64_t, std::vector<int64_t>, std::vector<bool>, bool, double>(),

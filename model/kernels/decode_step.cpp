@@ -223,10 +223,16 @@ Step step_shape(const DecoderStack& stack, const torch::Tensor& x) {
               stack.pre_norm, stack.activation, stack.norm_offset, stack.query_scale};
 }
 
-// SDPA of q over per-row K/V whose rows repeat in runs of `group` (beams of one source): the g queries of
-// a run attend together to its first row (fast_step._grouped_attention).
+// SDPA of q over per-row K/V copies of the rows' sources, in runs of rows of one source (beams of a sentence): with
+// every run `group` rows long, the g queries of a run attend together to its first row (fast_step._grouped_attention);
+// with runs of different lengths (requests of different beam widths side by side), each row reads its run's first
+// row (`lead`, model.kv_cache.CrossAttentionMemory.leads: decode_attention's beam_lead, every position shared), the
+// run's rows one after another, so the first row's K/V come from memory once.
 torch::Tensor grouped_attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
-                                const optional<torch::Tensor>& mask, int64_t group) {
+                                const optional<torch::Tensor>& mask, int64_t group, const optional<torch::Tensor>& lead) {
+  if (group == 1 && lead.has_value())
+    return decode_attention(q, keys, values, mask, {}, c10::nullopt, 0, lead,
+                            torch::full({q.size(0)}, keys.size(2), lead->options()));
   if (group == 1) return decode_attention(q, keys, values, mask);
   const int64_t b = q.size(0), h = q.size(1), t = q.size(2), dh = q.size(3);
   auto grouped = q.view({b / group, group, h, t, dh}).transpose(1, 2).reshape({b / group, h, group * t, dh});
@@ -338,7 +344,8 @@ torch::Tensor DecoderStack::step(torch::Tensor x, const StepCache& cache, const 
       x = s.sublayer(x, n, e, kCrossAttnNorm, kNorms, [&](const torch::Tensor& h) {
         auto q = s.split(projection(h, kCrossQ));
         if (s.query_scale != 1.0) q.mul_(s.query_scale);  // the stack's scale of q.k, cross-attention's too (T5's)
-        auto out = grouped_attention(q, cache.cross_keys[l], cache.cross_values[l], cache.memory_mask, cache.group);
+        auto out = grouped_attention(q, cache.cross_keys[l], cache.cross_values[l], cache.memory_mask, cache.group,
+                                     cache.cross_lead);
         return projection(s.merge(out), kCrossOut);
       });
     }

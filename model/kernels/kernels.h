@@ -132,6 +132,9 @@ struct StepCache {
   // Beams: each row's first beam_shared[r] positions row beam_lead[r]'s, its run's first (int64 (B,) each;
   // decode_attention reads them there once); None: every row reads its own.
   c10::optional<torch::Tensor> beam_lead, beam_shared;
+  // Cross-attention rows in runs of one source of different lengths (group 1): each row's run's first row (int64
+  // (B,)), whose K/V copy every row of the run reads; None: every row its own.
+  c10::optional<torch::Tensor> cross_lead;
 };
 
 // A decoder stack's weights as the native step reads them, bound once per decode plan. projections: per layer

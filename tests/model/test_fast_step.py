@@ -121,6 +121,19 @@ def test_group_size_finds_equal_runs_of_one_source(sources, group):
     assert memory.group_size == group
 
 
+@pytest.mark.parametrize(
+    ("sources", "leads"),
+    [([0, 0, 0, 0, 1, 1, 2], [0, 0, 0, 0, 4, 4, 6]), ([3, 1, 1], [0, 1, 1]), ([0, 0, 1, 1], None), ([0, 1, 2], None),
+     ([7], None)],
+)
+def test_leads_name_each_runs_first_row_where_runs_differ_in_length(sources, leads):
+    """Runs of one source of different lengths (requests of different beam widths): each row's run's first row; None
+    where group_size's equal runs serve or every row is its own."""
+    memory = CrossAttentionMemory([], [], torch.ones(len(sources), 1, 1, 3, dtype=torch.bool), torch.tensor(sources))
+    got = memory.leads
+    assert got.tolist() == leads if leads is not None else got is None
+
+
 def test_beams_of_one_source_attend_to_one_copy_of_its_memory():
     """After beams expand each source to 3 rows, cross-attention reads one K/V row per source: same result."""
     mt = tiny_seq2seq().double()

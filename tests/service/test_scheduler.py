@@ -116,16 +116,19 @@ def test_request_joining_mid_run_equals_alone(models_dir):
 @pytest.mark.parametrize("model", [LM, MT])
 def test_beam_requests_side_by_side_read_their_shared_positions_once(models_dir, model, monkeypatch):
     """A beam-2 request joins a running beam-4 one (rows of different lengths and steps, runs of 4 and 2): each beam
-    reads the positions it shares with its request's first beam from there, and both equal their offline results."""
+    reads the positions it shares with its request's first beam from there (and a translator's source memory from
+    its first beam's copy), and both equal their offline results."""
     first_params = dict(strategy="beam", num_beams=4, max_new_tokens=24, min_new_tokens=24)
     second_params = dict(strategy="beam", num_beams=2, max_new_tokens=8, min_new_tokens=8)
-    leads, most, real = set(), 0, KVCache.share_beam_prefix
+    leads, cross_leads, most, real = set(), set(), 0, KVCache.share_beam_prefix
 
     def recorded(cache, shared, generated):
         nonlocal most
         real(cache, shared, generated)
         if cache.beam_lead is not None and cache.batch_size == 6:  # both requests' beams
             leads.add(tuple(cache.beam_lead.tolist()))
+            if cache.cross is not None:  # the translator's source memory: runs of 4 and 2 rows
+                cross_leads.add(tuple(cache.cross.leads.tolist()))
             led = cache.beam_lead != torch.arange(6)  # rows reading their first beam's positions
             most = max(most, int((cache.beam_shared - cache.lengths + generated - 1)[led].max()))
 
@@ -141,6 +144,7 @@ def test_beam_requests_side_by_side_read_their_shared_positions_once(models_dir,
 
     first, second = asyncio.run(main())
     assert (0, 0, 0, 0, 4, 4) in leads and most > 0  # beams read generated tokens' positions from their first
+    assert cross_leads == ({(0, 0, 0, 0, 4, 4)} if model == MT else set())
     assert_same(first, offline(models_dir / model, ["hello world"], first_params))
     assert_same(second, offline(models_dir / model, ["numbers 1 2 3"], second_params))
 
