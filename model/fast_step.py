@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from model import native
-from model.attention import MultiHeadAttention, decode_attention
+from model.attention import KERNEL_MAX_QUERIES, MultiHeadAttention, decode_attention
 from model.kernel_layers import is_layer_norm, is_plain, linear
 from model.kv_cache import KVCache, within_window
 from model.layers import LayerStack, TransformerLayer
@@ -382,7 +382,8 @@ def _encode(
     """One forward of the stack. Rows of up to ``MAX_ENCODE_TOKENS`` positions in float32 CPU inference without
     active adapters take the C++ stack (``DecoderStack.encode``), which saves the interpreter's time per layer
     (about 0.1 ms, a tenth of BERT-base's forward over 16 tokens); ``keep_last`` may then be None or the first
-    position alone."""
+    position alone. Past decode_attention's queries its layers attend through the layers' own attention
+    (model.attention.decode_attention, called back), so the two paths give the same floats."""
     plan = (None if stack.training or attention_weights or x.dtype != torch.float32 or not stack.native
             else plan_for(stack))
     native_step = plan.native if plan is not None else None
@@ -402,5 +403,9 @@ def _encode(
     if plan.relative_bias is not None:  # T5's encoder: the bias as a float mask, as LayerStack.forward makes it
         mask = plan.relative_bias.attention_mask(mask, x.shape[1], None)
     rows = x.shape[0] * x.shape[1]
-    x = native_step.stack.encode(x, mask, native_step.panels(plan.kernels, rows), keep_last is not None)
+    attention = None
+    if x.shape[1] > KERNEL_MAX_QUERIES:  # the kernel the layers pick for longer rows (a bf16 model's bf16 products)
+        bf16_products = stack.layers[0].self_attn.bf16_products
+        attention = lambda q, k, v: decode_attention(q, k, v, mask, bf16_products=bf16_products)  # noqa: E731
+    x = native_step.stack.encode(x, mask, native_step.panels(plan.kernels, rows), keep_last is not None, attention)
     return (plan.final_norm(x) if plan.final_norm is not None else x), [{} for _ in stack.layers]

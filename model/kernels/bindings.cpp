@@ -1,5 +1,6 @@
 // The Python module of model/kernels (built and loaded by model/native.py).
 #include <torch/extension.h>
+#include <pybind11/functional.h>
 
 #include "kernels.h"
 
@@ -131,5 +132,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       .def("step", &DecoderStack::step, "one decoding step through every decoder layer (model/fast_step.py)",
            arg("x"), arg("cache"), arg("deltas"), arg("panels"), release())
       .def("encode", &DecoderStack::encode, "an encoder's forward over short rows, no cache (model/fast_step.py)",
-           arg("x"), arg("mask"), arg("panels"), arg("keep_first"), release());
+           arg("x"), arg("mask"), arg("panels"), arg("keep_first"), arg("attention"), release());
 }

@@ -357,7 +357,7 @@ torch::Tensor DecoderStack::step(torch::Tensor x, const StepCache& cache, const 
 }
 
 torch::Tensor DecoderStack::encode(torch::Tensor x, const optional<torch::Tensor>& mask, const Tensors& panels,
-                                   bool keep_first) const {
+                                   bool keep_first, const Attention& attention) const {
   const int64_t count = layers();
   TORCH_CHECK(x.dim() == 3 && x.size(1) >= 1 && x.size(1) <= kMaxEncodeTokens, "encode: x must be (B, T, D), T <= ",
               kMaxEncodeTokens);
@@ -384,7 +384,8 @@ torch::Tensor DecoderStack::encode(torch::Tensor x, const optional<torch::Tensor
         k = s.split(project(h, p[kK], panel(kK)), kv_heads), v = s.split(project(h, p[kV], panel(kV)), kv_heads);
       }
       s.prepare(q, k, n, e, torch::Tensor(), torch::Tensor());
-      return project(out.merge(decode_attention(q, k, v, mask, {}, c10::nullopt, 0)), p[kOut], panel(kOut));
+      const torch::Tensor attended = attention ? attention(q, k, v) : decode_attention(q, k, v, mask, {}, c10::nullopt, 0);
+      return project(out.merge(attended), p[kOut], panel(kOut));
     };
     if (keep_first && l == count - 1 && s.tokens > 1) {  // the kept position's sub-layer: its residual is x[:, :1]
       Step first = s;

@@ -4,6 +4,8 @@
 
 #include <torch/extension.h>
 
+#include <functional>
+
 #include <tuple>
 #include <vector>
 
@@ -113,9 +115,10 @@ using Tensors = std::vector<torch::Tensor>;
 // Most tokens per row one native step takes: a short prompt's prefill (model/fast_step.py's run_prefill: at 32-64
 // tokens the step took SmolLM2's and Qwen2.5's prefill in 0.65-0.87 of the PyTorch layer path's time), or a
 // speculative draft plus the fed token. An encoder's forward (DecoderStack::encode) takes rows of up to
-// kMaxEncodeTokens.
+// kMaxEncodeTokens (at 32-64 tokens in 0.89-0.98 of the layers' time at batch 1: docs/benchmarks.md, "The C++ encoder
+// up to 64 tokens").
 constexpr int64_t kMaxStepTokens = 64;
-constexpr int64_t kMaxEncodeTokens = 16;
+constexpr int64_t kMaxEncodeTokens = 64;
 
 struct StepCache {
   Tensors keys, values;              // per layer: the cache buffers (B, H_kv, capacity, Dh)
@@ -171,8 +174,11 @@ struct DecoderStack {
   torch::Tensor step(torch::Tensor x, const StepCache& cache, const std::vector<Tensors>& deltas,
                      const Tensors& panels) const;
   // An encoder's forward (no cache, no cross-attention, no adapters) of x (B, T, D), T <= kMaxEncodeTokens: each
-  // layer's queries attend to the rows' own keys under `mask` (the padding). keep_first: the last layer computes
-  // the first position alone, attending to all (a [CLS] head): (B, 1, D).
+  // layer's queries attend to the rows' own keys under `mask` (the padding), through decode_attention, or through
+  // `attention(q, k, v)` where given (the interpreter's: model/attention.py picks the kernel for longer rows, as the
+  // layers do, so both paths give the same floats). keep_first: the last layer computes the first position alone,
+  // attending to all (a [CLS] head): (B, 1, D).
+  using Attention = std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&)>;
   torch::Tensor encode(torch::Tensor x, const c10::optional<torch::Tensor>& mask, const Tensors& panels,
-                       bool keep_first) const;
+                       bool keep_first, const Attention& attention) const;
 };

@@ -4,11 +4,18 @@ outputs of one forward; what must see every row at once takes one forward."""
 import pytest
 import torch
 
-from model import fast_step
+from model import fast_step, native
 from model.lora import LoRAConfig, add_adapter, use_adapters
 from tests.model.conftest import random_ids, tiny_classifier
 
-LENGTH = 20  # past the C++ encoder's 16 positions: the layers run, and their forwards can be counted
+LENGTH = 20  # past the C++ encoder's positions (lowered to 16 here): the layers run, and their forwards can be counted
+
+
+@pytest.fixture(autouse=True)
+def layers_past_16_tokens(monkeypatch):
+    """Rows of LENGTH tokens take the layers, not the C++ encoder (which takes up to 64)."""
+    if native.kernels() is not None:
+        monkeypatch.setattr(native.kernels(), "MAX_ENCODE_TOKENS", 16)
 
 
 class _Forwards:

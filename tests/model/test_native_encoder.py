@@ -40,7 +40,7 @@ def _padded_ids(batch: int = 3, length: int = 12):
     return ids
 
 
-@pytest.mark.parametrize("length", [1, 12, 16])
+@pytest.mark.parametrize("length", [1, 12, 16, 40, 64])
 def test_classifier_logits_and_hidden_states_equal_the_float64_reference(norm, length):
     model = tiny_classifier(norm=norm, n_layers=3)
     reference = copy.deepcopy(model).double()
@@ -58,11 +58,13 @@ def test_classifier_logits_and_hidden_states_equal_the_float64_reference(norm, l
     torch.testing.assert_close(hidden.double(), want_hidden, rtol=0, atol=1e-5)
 
 
-def test_int8_with_the_fused_projection_equals_the_layers_python_path():
+@pytest.mark.parametrize("length", [12, 40])
+def test_int8_with_the_fused_projection_equals_the_layers_python_path(length):
+    """Past 16 queries both paths attend through the kernel the layers pick, so int8's roundings agree too."""
     model = tiny_classifier(n_layers=2)
     quantize_int8(model)
     assert model.encoder.layers[0].self_attn.fused
-    ids = _padded_ids()
+    ids = _padded_ids(length=length)
     counting = _counted(model.encoder)
     with torch.inference_mode():
         native_logits, (native_hidden, _) = model(ids), model.encode(ids)
@@ -88,12 +90,13 @@ def test_a_translators_encoder_memory_equals_the_float64_reference(norm):
     torch.testing.assert_close(memory.double(), want, rtol=0, atol=1e-5)
 
 
-def test_the_layers_compute_what_the_native_forward_does_not_take():
+def test_the_layers_compute_what_the_native_forward_does_not_take(monkeypatch):
     """Long rows, attention maps, autograd, training and active adapters go through the layers."""
     model = tiny_classifier(n_layers=2)
     counting = _counted(model.encoder)
+    monkeypatch.setattr(native.kernels(), "MAX_ENCODE_TOKENS", 16)  # below the tiny model's 64 positions
     with torch.inference_mode():
-        model(_padded_ids(length=17))  # past the kernel's 16 queries
+        model(_padded_ids(length=17))  # past the kernel's limit
         model.encode(_padded_ids(), attention_weights=True)
     model(_padded_ids())  # autograd on
     assert counting.calls == 0
