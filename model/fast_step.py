@@ -31,6 +31,7 @@ import operator
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -403,9 +404,8 @@ def _encode(
     if plan.relative_bias is not None:  # T5's encoder: the bias as a float mask, as LayerStack.forward makes it
         mask = plan.relative_bias.attention_mask(mask, x.shape[1], None)
     rows = x.shape[0] * x.shape[1]
-    attention = None
-    if x.shape[1] > KERNEL_MAX_QUERIES:  # the kernel the layers pick for longer rows (a bf16 model's bf16 products)
-        bf16_products = stack.layers[0].self_attn.bf16_products
-        attention = lambda q, k, v: decode_attention(q, k, v, mask, bf16_products=bf16_products)  # noqa: E731
+    attention = None  # the kernel the layers pick for longer rows (a bf16 model's bf16 products)
+    if x.shape[1] > KERNEL_MAX_QUERIES:
+        attention = partial(decode_attention, mask=mask, bf16_products=stack.layers[0].self_attn.bf16_products)
     x = native_step.stack.encode(x, mask, native_step.panels(plan.kernels, rows), keep_last is not None, attention)
     return (plan.final_norm(x) if plan.final_norm is not None else x), [{} for _ in stack.layers]
