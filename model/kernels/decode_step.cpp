@@ -226,14 +226,12 @@ Step step_shape(const DecoderStack& stack, const torch::Tensor& x) {
 // SDPA of q over per-row K/V copies of the rows' sources, in runs of rows of one source (beams of a sentence): with
 // every run `group` rows long, the g queries of a run attend together to its first row (fast_step._grouped_attention);
 // with runs of different lengths (requests of different beam widths side by side), each row reads its run's first
-// row (`lead`, model.kv_cache.CrossAttentionMemory.leads: decode_attention's beam_lead, every position shared), the
-// run's rows one after another, so the first row's K/V come from memory once.
+// row (`lead`, model.kv_cache.CrossAttentionMemory.leads: decode_attention's beam_lead, with `whole` every position
+// shared), the run's rows one after another, so the first row's K/V come from memory once.
 torch::Tensor grouped_attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values,
-                                const optional<torch::Tensor>& mask, int64_t group, const optional<torch::Tensor>& lead) {
-  if (group == 1 && lead.has_value())
-    return decode_attention(q, keys, values, mask, {}, c10::nullopt, 0, lead,
-                            torch::full({q.size(0)}, keys.size(2), lead->options()));
-  if (group == 1) return decode_attention(q, keys, values, mask);
+                                const optional<torch::Tensor>& mask, int64_t group, const optional<torch::Tensor>& lead,
+                                const optional<torch::Tensor>& whole) {
+  if (group == 1) return decode_attention(q, keys, values, mask, {}, c10::nullopt, 0, lead, whole);
   const int64_t b = q.size(0), h = q.size(1), t = q.size(2), dh = q.size(3);
   auto grouped = q.view({b / group, group, h, t, dh}).transpose(1, 2).reshape({b / group, h, group * t, dh});
   auto first = [&](const torch::Tensor& x) { return x.slice(0, 0, b, group); };
@@ -293,6 +291,11 @@ torch::Tensor DecoderStack::step(torch::Tensor x, const StepCache& cache, const 
               (panels.empty() || panels.size() == projections.size()) &&
               cache.cross_keys.size() == cache.cross_values.size() && cache.group >= 1,
               "decode step: per-layer argument counts disagree");
+  // Cross-attention over runs of one source of different lengths: every position of a row's source is its lead's.
+  const optional<torch::Tensor> whole_source =
+      cache.cross_lead.has_value() && !cache.cross_keys.empty()
+          ? optional<torch::Tensor>(torch::full({x.size(0)}, cache.cross_keys[0].size(2), cache.cross_lead->options()))
+          : c10::nullopt;
   for (int64_t kind : rotary)
     TORCH_CHECK(kind < static_cast<int64_t>(cache.rotary_cos.size()) && cache.rotary_cos.size() == cache.rotary_sin.size(),
                 "decode step: a rotary stack needs this step's cos and sin of each rotary kind");
@@ -345,7 +348,7 @@ torch::Tensor DecoderStack::step(torch::Tensor x, const StepCache& cache, const 
         auto q = s.split(projection(h, kCrossQ));
         if (s.query_scale != 1.0) q.mul_(s.query_scale);  // the stack's scale of q.k, cross-attention's too (T5's)
         auto out = grouped_attention(q, cache.cross_keys[l], cache.cross_values[l], cache.memory_mask, cache.group,
-                                     cache.cross_lead);
+                                     cache.cross_lead, whole_source);
         return projection(s.merge(out), kCrossOut);
       });
     }

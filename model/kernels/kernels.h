@@ -5,7 +5,6 @@
 #include <torch/extension.h>
 
 #include <functional>
-
 #include <tuple>
 #include <vector>
 
