@@ -176,7 +176,8 @@ def kernels() -> str:
         f"fbgemm ({why or 'TSERVE_INT8_KERNEL=fbgemm'})"
     gemms = f"int8 GEMM {int8}; bf16 GEMM {'AVX512-BF16 kernel' if bf16_linear.kernel() else 'torch (float32 upcast)'}"
     if native.kernels() is None:
-        return f"{gemms}; decoding step: Python replay, MKL, SDPA"
+        fp32 = "panel GEMM (AVX2) over packed weights" if native.gemm_kernels() and packed_weights.enabled() else "MKL"
+        return f"{gemms}; decoding step: Python replay, float32 {fp32}, SDPA"
     packed = "panel GEMM over packed weights" if packed_weights.enabled() else "MKL (TSERVE_PACKED_WEIGHTS=off)"
     return (f"{gemms}; decoding step (AVX-512): native layers, few-rows GEMV, beyond 4 rows {packed}, "
             "attention, LayerNorm/activations/cache writes, greedy choice")

@@ -2,7 +2,7 @@
 
 model/cpu.py picks the panel GEMM's blocking and prefetch rule from what the CPU reports (its vendor, its L2). This
 times every vendor's rule here, alternating in rotating order within one process, so a run on a machine says
-whether the rule chosen for it is the fastest one there:
+whether the rule chosen for it is the fastest one there (on an AVX-512 CPU, also its rule in AVX2's 256-bit tiles):
 - streaming: 1- and 4-row GEMVs over a stack of GPT-2 small's 12 layers' weights (340 MB, past any L3; a decoding
   step at batch 1 and beam 4 of one source), in GB/s of weights read, beside ``torch.sum`` over the same bytes;
 - wide tiles and blocking: 16, 64 and 4,096 rows through 768 -> 3072 (a BERT forward's FFN), in GFLOP/s;
@@ -18,7 +18,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -41,6 +41,9 @@ def rules() -> dict[str, PanelTuning]:
     named = {"this CPU's": kernel_tuning(here)}
     for label, vendor in (("AMD's", AMD), ("Intel's", INTEL)):
         named[label] = kernel_tuning(CpuInfo(vendor=vendor, model_name="", l2_bytes=here.l2_bytes))
+    kernel = native.gemm_kernels()
+    if kernel is not None and kernel.has_avx512():  # AVX2's tiles, as a CPU without AVX-512 runs them
+        named["this CPU's at 256 bits"] = replace(named["this CPU's"], vector_bits=256)
     return named
 
 
@@ -64,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cache", type=Path, default=shapes.DEFAULT_CACHE, help="where the shapes' files are kept")
     parser.add_argument("--tiny", action="store_true", help="the shapes at toy sizes (the test's)")
     args = parser.parse_args(argv)
-    kernel = native.kernels()
+    kernel = native.gemm_kernels()
     if kernel is None:
         raise SystemExit("the C++ kernels do not run here: nothing to compare")
     torch.set_num_threads(args.threads)

@@ -14,7 +14,10 @@ one rule for which kernel multiplies:
 - more than :data:`model.packed_weights.MAX_GEMV_ROWS` rows (0: always): the panel GEMM over the weight's
   packed copy (model/packed_weights.py);
 - otherwise, or with ``TSERVE_PACKED_WEIGHTS=off``, the few-rows GEMV over the weights as stored (input-major
-  after model/layout.py), which hands more than 4 rows to MKL.
+  after model/layout.py), which hands more than 4 rows to MKL (and every row, on a CPU without AVX-512).
+
+The panel GEMM has 256-bit tiles for CPUs with AVX2 but no AVX-512, where MKL's float32 GEMV and GEMM run slowly
+on AMD; the norms and activations there stay torch's.
 """
 
 from __future__ import annotations
@@ -36,8 +39,11 @@ def kernels_for(x: torch.Tensor) -> ModuleType | None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, on our kernels where :func:`kernels_for` allows (see the module's rule)."""
-    kernels = kernels_for(x)
+    """``F.linear(x, weight, bias)``, on our kernels for float32 CPU inference where the panel GEMM runs
+    (:func:`model.native.gemm_kernels`: AVX2 CPUs too; see the module's rule)."""
+    if torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    kernels = native.gemm_kernels()
     if kernels is None or weight.device.type != "cpu":
         return F.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0

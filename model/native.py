@@ -63,7 +63,8 @@ class KernelOptions:
         lambda value: Path(value) if value else DEFAULT_KERNEL_DIR, shown="~/.cache/tserve/kernels",
     )
     decode_kernels: bool = _option(
-        True, "TSERVE_DECODE_KERNELS", "off: inference uses PyTorch ops (MKL, SDPA) instead of our AVX-512 kernels",
+        True, "TSERVE_DECODE_KERNELS",
+        "off: inference uses PyTorch ops (MKL, SDPA) instead of our AVX-512 kernels (and AVX2 float32 GEMM)",
         _switch,
         shown="auto",
     )
@@ -114,11 +115,13 @@ def using_options(**changes: Any) -> Iterator[KernelOptions]:
     previous = options()
     _options = dataclasses.replace(previous, **changes)
     kernels.cache_clear()
+    gemm_kernels.cache_clear()
     try:
         yield _options
     finally:
         _options = previous
         kernels.cache_clear()
+        gemm_kernels.cache_clear()
 
 
 def module_name() -> str:
@@ -227,6 +230,19 @@ def kernels() -> ModuleType | None:
     return module
 
 
+@functools.cache
+def gemm_kernels() -> ModuleType | None:
+    """The C++ kernels where their float32 panel GEMM (``packed_linear``) runs: wherever :func:`kernels` does, and on
+    CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 2 and 3, Intel before Skylake-SP), whose other ops are PyTorch's;
+    None with ``options().decode_kernels`` off or no kernels built."""
+    if not options().decode_kernels:
+        return None
+    module, _ = load()
+    if module is None or not (module.has_avx512() or module.has_avx2()):
+        return None
+    return module
+
+
 def main() -> None:
     """``python -m model.native``: build the kernels now (Docker image builds) and say which run here."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -234,8 +250,9 @@ def main() -> None:
     if module is None:
         logger.info("C++ kernels: none (%s)", why)
         return
-    logger.info("C++ kernels: %s; int8 AVX512-VNNI: %s, decoding step and attention (AVX-512): %s",
-                options().kernel_dir / module_name(), module.has_vnni(), module.has_avx512())
+    logger.info("C++ kernels: %s; int8 AVX512-VNNI: %s, decoding step and attention (AVX-512): %s, float32 panel "
+                "GEMM: %s", options().kernel_dir / module_name(), module.has_vnni(), module.has_avx512(),
+                "AVX-512" if module.has_avx512() else "AVX2" if module.has_avx2() else "no (MKL)")
     logger.info("CPU: %s; panel GEMM: %s", this_cpu(), kernel_tuning(this_cpu()))
 
 if __name__ == "__main__":

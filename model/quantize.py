@@ -76,6 +76,10 @@ def quantize_bf16(model: nn.Module) -> int:
     count = _replace_linears(model, "bf16", Bf16Linear)
     backends = sorted({m.backend for m in model.modules() if type(m) is Bf16Linear})
     logger.info("quantised %d linear layers to bf16 (%s)", count, ", ".join(backends) or "none")
+    if "torch" in backends:
+        logger.warning("bf16 weights on this CPU (no AVX512-BF16, or TSERVE_DECODE_KERNELS=off) are upcast to "
+                       "float32 at every call: several times slower than float32 weights (docs/benchmarks.md); serve "
+                       "float32 or int8 here")
     return count
 
 

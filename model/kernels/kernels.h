@@ -12,6 +12,8 @@ bool has_vnni();
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale,
                           const torch::Tensor& w_sum, const c10::optional<torch::Tensor>& bias);
 bool has_avx512();
+// AVX2 and FMA: packed_linear's 256-bit tiles (packed_linear.cpp), for CPUs without AVX-512.
+bool has_avx2();
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const c10::optional<torch::Tensor>& mask,
                                const std::vector<torch::Tensor>& prefix_blocks = {},
@@ -43,6 +45,7 @@ struct PanelTuning {
   int64_t streaming_prefetch_rows;
   bool streaming_into_l2;
   int64_t gemv_panels;
+  int64_t vector_bits;  // the widest tiles packed_linear may run: 512 (AVX-512 where the CPU has it) or 256 (AVX2)
 };
 void set_panel_tuning(const PanelTuning& chosen);
 PanelTuning panel_tuning();

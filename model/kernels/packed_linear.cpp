@@ -10,6 +10,10 @@
 // panels spread over ATen's threads: 1.3-1.45x MKL on the causal step's 37 weights at 8-64 rows. The packed copy
 // is as large as the weight: model/packed_weights.py makes it only for batched steps and refreshes it when the
 // weight changes.
+// On CPUs with AVX2 and FMA but not AVX-512 (AMD Zen 2 and 3, Intel before Skylake-SP) the same panels go through
+// 256-bit tiles of up to 6 rows (16 registers: R x V accumulators, V weight vectors and a broadcast), where MKL's
+// GEMV and GEMM took its generic code path on AMD: 10-18 GB/s at one row, 35-90 GFLOP/s at 16-64 rows on a Zen 3
+// (docs/benchmarks.md, "float32 on AVX2 CPUs"). The tuning's vector_bits caps the width (tests run both).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -20,12 +24,16 @@
 #include <algorithm>
 
 #define AVX512 __attribute__((target("avx512f")))
+#define AVX2 __attribute__((target("avx2,fma")))
+#define UNROLL _Pragma("GCC unroll 16")
 
 namespace {
 
 constexpr int64_t kPanel = 32;         // columns per panel: two vectors
 constexpr int64_t kMaxTileRows = 12;   // 12 x 2 accumulators + 2 weight vectors + a broadcast fit 32 registers
 constexpr int64_t kMaxGemvRows = 2;    // tiles that may walk several panels at once (2 x 4 x 2 accumulators at most)
+constexpr int64_t kMaxTileRows256 = 6;  // AVX2: 6 x 2 accumulators over half a panel + 2 weight vectors + a broadcast
+constexpr int64_t kMaxWholePanelRows256 = 2;  // AVX2 tiles of up to 2 rows take the whole panel (2 x 4 + 4 + 1)
 
 // The blocking and prefetch rule, chosen per CPU at run time (model/cpu.py sets it through set_panel_tuning when
 // the kernels load): rows of x a thread keeps in L2 while it walks its panels (3/4 of the L2 the CPU reports); panel
@@ -34,7 +42,7 @@ constexpr int64_t kMaxGemvRows = 2;    // tiles that may walk several panels at 
 // their FMAs, and on Zen 4 read faster prefetching farther ahead into L2 (docs/benchmarks.md, lever 11); tiles of
 // 1-2 rows walk gemv_panels panels side by side, for more streams from memory in flight per core (lever 12). The
 // defaults are Zen 4's. Each call takes a copy, so a rule set meanwhile never changes a call halfway.
-PanelTuning tuning{768 * 1024, 32, 4, 64, true, 4};
+PanelTuning tuning{768 * 1024, 32, 4, 64, true, 4, 512};
 
 struct Problem {
   const float* x;       // (rows, k) contiguous
@@ -102,7 +110,83 @@ void tile_rows(const Problem& q, int64_t p, int64_t r0, int64_t rows, int64_t pa
   }
 }
 
+// The AVX2 tile: y[r0 .. r0 + R, 32 p + 8 v0 .. 32 (p + S - 1) + 8 (v0 + V)), V of the four 8-column vectors of each of
+// the S panels p .. p + S - 1 from v0 (S > 1: one row over several panels side by side, more streams from memory),
+// the columns past n left out; prefetching `ahead` floats ahead in each panel.
+template <int R, int V, int S, _mm_hint Hint>
+AVX2 void tile256(const Problem& q, int64_t p, int64_t v0, int64_t r0, int64_t ahead) {
+  __m256 acc[R][S][V];
+  UNROLL for (int r = 0; r < R; ++r)
+    UNROLL for (int s = 0; s < S; ++s)
+      UNROLL for (int v = 0; v < V; ++v) acc[r][s][v] = _mm256_setzero_ps();
+  const int64_t k = q.k;
+  const float* panel = q.panels + p * k * kPanel + v0 * 8;
+  const float* x = q.x + r0 * k;
+  for (int64_t i = 0; i < k; ++i) {
+    UNROLL for (int s = 0; s < S; ++s) {
+      const float* row = panel + (s * k + i) * kPanel;
+      _mm_prefetch(reinterpret_cast<const char*>(row + ahead), Hint);
+      if (V > 2) _mm_prefetch(reinterpret_cast<const char*>(row + ahead + 16), Hint);
+      __m256 w[V];
+      UNROLL for (int v = 0; v < V; ++v) w[v] = _mm256_loadu_ps(row + 8 * v);
+      UNROLL for (int r = 0; r < R; ++r) {
+        const __m256 xr = _mm256_broadcast_ss(x + r * k + i);
+        UNROLL for (int v = 0; v < V; ++v) acc[r][s][v] = _mm256_fmadd_ps(xr, w[v], acc[r][s][v]);
+      }
+    }
+  }
+  // The sums leave the registers through a buffer, stored at once: a store loop that indexed the accumulators at
+  // run time (a partial panel's early exit) made GCC keep them on the stack, stored at every k (3x slower).
+  alignas(32) float sums[R][S][V * 8];
+  UNROLL for (int r = 0; r < R; ++r)
+    UNROLL for (int s = 0; s < S; ++s)
+      UNROLL for (int v = 0; v < V; ++v) _mm256_store_ps(sums[r][s] + 8 * v, acc[r][s][v]);
+  for (int s = 0; s < S; ++s) {
+    const int64_t c0 = (p + s) * kPanel + v0 * 8, width = std::min<int64_t>(V * 8, q.n - c0);
+    for (int r = 0; r < R; ++r) {
+      float* out = q.y + (r0 + r) * q.n + c0;
+      for (int64_t c = 0; c < width; ++c) out[c] = sums[r][s][c] + (q.bias != nullptr ? q.bias[c0 + c] : 0.f);
+    }
+  }
+}
+
+// An AVX2 tile of R rows over S panels from p: each panel whole up to kMaxWholePanelRows256 rows, else its two halves
+// one after the other.
+template <int R, int S, _mm_hint Hint>
+void tile256_panel(const Problem& q, int64_t p, int64_t r0, int64_t ahead) {
+  constexpr int V = R <= kMaxWholePanelRows256 ? 4 : 2;
+  for (int64_t v0 = 0; v0 < 4; v0 += V) tile256<R, V, S, Hint>(q, p, v0, r0, ahead);
+}
+
+// ... under the tuning's prefetch rule for its width.
+template <int R, int S = 1>
+void tile256_ruled(const Problem& q, int64_t p, int64_t r0) {
+  if (R > q.rule.streaming_tile_rows) return tile256_panel<R, S, _MM_HINT_T0>(q, p, r0, q.rule.prefetch_rows * kPanel);
+  const int64_t ahead = q.rule.streaming_prefetch_rows * kPanel;
+  if (q.rule.streaming_into_l2) return tile256_panel<R, S, _MM_HINT_T1>(q, p, r0, ahead);
+  tile256_panel<R, S, _MM_HINT_T0>(q, p, r0, ahead);
+}
+
+// Rows r0 .. r0 + rows over `panels` panels from p: 2 only for one row (2 x 4 accumulators, 4 weights, a broadcast).
+void tile256_rows(const Problem& q, int64_t p, int64_t r0, int64_t rows, int64_t panels) {
+  if (panels == 2) return tile256_ruled<1, 2>(q, p, r0);
+  switch (rows) {
+    case 1: return tile256_ruled<1>(q, p, r0);
+    case 2: return tile256_ruled<2>(q, p, r0);
+    case 3: return tile256_ruled<3>(q, p, r0);
+    case 4: return tile256_ruled<4>(q, p, r0);
+    case 5: return tile256_ruled<5>(q, p, r0);
+    default: return tile256_ruled<6>(q, p, r0);
+  }
+}
+
 int64_t panels_for(int64_t n) { return (n + kPanel - 1) / kPanel; }
+
+// Whether packed_linear runs 512-bit tiles: on an AVX-512 CPU unless the tuning caps the width at 256.
+bool wide_tiles(const PanelTuning& rule) {
+  static const bool avx512 = has_avx512();
+  return avx512 && rule.vector_bits == 512;
+}
 
 }  // namespace
 
@@ -112,10 +196,14 @@ void set_panel_tuning(const PanelTuning& chosen) {
               "set_panel_tuning: sizes must be positive, streaming_tile_rows at most ", kMaxTileRows);
   TORCH_CHECK(chosen.gemv_panels == 1 || chosen.gemv_panels == 2 || chosen.gemv_panels == 4,
               "set_panel_tuning: gemv_panels must be 1, 2 or 4");
+  TORCH_CHECK(chosen.vector_bits == 512 || chosen.vector_bits == 256,
+              "set_panel_tuning: vector_bits must be 512 or 256");
   tuning = chosen;
 }
 
 PanelTuning panel_tuning() { return tuning; }
+
+bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 
 // weight (N, K) float32, any strides -> its panels (ceil(N / 32), K, 32), the columns past N zero; written into
 // `out` where given (model.packed_weights places it in 2 MB pages, model.huge_pages).
@@ -141,15 +229,15 @@ torch::Tensor pack_weight(const torch::Tensor& weight, const c10::optional<torch
 // x (..., K) float32; packed from pack_weight of an (N, K) weight; bias (N,) or None -> (..., N).
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
                             const c10::optional<torch::Tensor>& bias) {
-  static const bool avx512 = has_avx512();
+  static const bool runs = has_avx512() || has_avx2();
   const int64_t k = x.size(-1);
   TORCH_CHECK(packed.dim() == 3 && packed.size(0) == panels_for(n) && packed.size(1) == k && packed.size(2) == kPanel &&
                   packed.is_contiguous() && packed.scalar_type() == at::kFloat && packed.device().is_cpu(),
               "packed_linear: packed weights must be pack_weight's (ceil(n / 32), K, 32) of an (n, K) weight");
   TORCH_CHECK(!bias.has_value() || (bias->numel() == n && bias->scalar_type() == at::kFloat && bias->device().is_cpu()),
               "packed_linear: bias must be a float32 CPU (n,) tensor");
-  TORCH_CHECK(avx512 && x.scalar_type() == at::kFloat && x.device().is_cpu() && !at::GradMode::is_enabled(),
-              "packed_linear: float32 CPU input without autograd on an AVX-512 CPU only");
+  TORCH_CHECK(runs && x.scalar_type() == at::kFloat && x.device().is_cpu() && !at::GradMode::is_enabled(),
+              "packed_linear: float32 CPU input without autograd on an AVX-512 or AVX2 CPU only");
   auto sizes = x.sizes().vec();
   sizes.back() = n;
   if (k == 0) return bias.has_value() ? bias->expand(sizes).contiguous() : at::zeros(sizes, x.options());
@@ -160,19 +248,24 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
   const torch::Tensor b = bias.has_value() ? bias->contiguous() : torch::Tensor();
   const Problem q{input.data_ptr<float>(), packed.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr,
                   y.data_ptr<float>(), rows, k, n, tuning};
-  const int64_t tiles = (rows + kMaxTileRows - 1) / kMaxTileRows, per_tile = (rows + tiles - 1) / tiles;  // even tiles
+  const bool wide = wide_tiles(q.rule);
+  const int64_t max_tile = wide ? kMaxTileRows : kMaxTileRows256;
+  const int64_t tiles = (rows + max_tile - 1) / max_tile, per_tile = (rows + tiles - 1) / tiles;  // even tiles
   // Inputs larger than L2: each thread walks its panels once per block of rows that stays in L2, rather than all the
   // rows once per panel (a 4,096-token batch's x, 12-50 MB, streamed from L3 or memory for each of 24-96 panels).
   const int64_t block_bytes = q.rule.row_block_bytes;
   const int64_t block = rows * k * 4 <= block_bytes ? rows
                                                     : std::max<int64_t>(1, block_bytes / (k * 4) / per_tile) * per_tile;
-  const int64_t together = per_tile <= kMaxGemvRows ? q.rule.gemv_panels : 1;
+  const int64_t together = wide ? (per_tile <= kMaxGemvRows ? q.rule.gemv_panels : 1)
+                                : (per_tile == 1 ? std::min<int64_t>(q.rule.gemv_panels, 2) : 1);
   at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
     for (int64_t first = 0; first < rows; first += block)
       for (int64_t p = begin, step; p < end; p += step) {
         step = p + together <= end ? together : 1;
-        for (int64_t r0 = first; r0 < std::min(first + block, rows); r0 += per_tile)
-          tile_rows(q, p, r0, std::min(per_tile, rows - r0), step);
+        for (int64_t r0 = first; r0 < std::min(first + block, rows); r0 += per_tile) {
+          if (wide) tile_rows(q, p, r0, std::min(per_tile, rows - r0), step);
+          else tile256_rows(q, p, r0, std::min(per_tile, rows - r0), step);
+        }
       }
   });
   return y;

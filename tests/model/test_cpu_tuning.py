@@ -64,7 +64,7 @@ def test_each_vendor_gets_the_rule_measured_on_it():
     assert unknown == PanelTuning(**{**spr.__dict__, "row_block_bytes": 768 * 1024})
 
 
-kernel = native.kernels()
+kernel = native.gemm_kernels()  # the panel GEMM: AVX-512 or AVX2
 needs_kernels = pytest.mark.skipif(kernel is None, reason="the C++ kernels do not run here")
 
 
@@ -96,6 +96,8 @@ def test_a_rule_the_kernel_cannot_run_is_refused(restore_tuning):
         native.apply_tuning(kernel, PanelTuning(0, 32, 4, 64, True, 4))
     with pytest.raises(RuntimeError, match="gemv_panels must be 1, 2 or 4"):
         native.apply_tuning(kernel, PanelTuning(768 * 1024, 32, 4, 64, True, 3))
+    with pytest.raises(RuntimeError, match="vector_bits must be 512 or 256"):
+        native.apply_tuning(kernel, PanelTuning(768 * 1024, 32, 4, 64, True, 4, vector_bits=128))
     assert _in_force() == kernel_tuning(this_cpu())
 
 
@@ -106,18 +108,24 @@ RULES = [
                 streaming_into_l2=False, gemv_panels=2),  # tiny blocks; every tile "streaming"
     PanelTuning(row_block_bytes=64 << 20, prefetch_rows=200, streaming_tile_rows=0, streaming_prefetch_rows=0,
                 streaming_into_l2=True, gemv_panels=4),  # one block; no tile streaming
+    PanelTuning(row_block_bytes=384 * 1024, prefetch_rows=32, streaming_tile_rows=4, streaming_prefetch_rows=64,
+                streaming_into_l2=True, gemv_panels=4, vector_bits=256),  # AVX2's tiles (a Zen 3's L2)
+    PanelTuning(row_block_bytes=4096, prefetch_rows=0, streaming_tile_rows=12, streaming_prefetch_rows=512,
+                streaming_into_l2=False, gemv_panels=1, vector_bits=256),  # AVX2, tiny blocks, every tile streaming
 ]
 
 
 @needs_kernels
-@pytest.mark.parametrize("tuning", RULES, ids=["zen4", "sapphire-rapids", "small-blocks", "one-block"])
+@pytest.mark.parametrize("tuning", RULES, ids=["zen4", "sapphire-rapids", "small-blocks", "one-block", "avx2",
+                                               "avx2-small-blocks"])
 @pytest.mark.parametrize(("rows", "out_features", "in_features"), [
     (1, 70, 300), (1, 250, 64), (1, 512, 33), (2, 200, 100), (2, 8000, 64), (4, 100, 64), (13, 40, 128),
     (700, 70, 300), (150, 100, 3000)])
 def test_every_rule_gives_the_float64_reference(restore_tuning, tuning, rows, out_features, in_features):
     """Rows in blocks of several sizes (700 x 300 is 820 KB: one block under Sapphire Rapids' rule, two under Zen
-    4's), tiles of 1-12 rows under either prefetch rule; 1-2 rows over panels walked 1, 2 or 4 at a time, with
-    panel counts (per thread) that are and are not multiples of them and a last panel cut short (70, 250, 200)."""
+    4's), tiles of 1-12 rows (AVX2: 1-6, whole panels or halves) under either prefetch rule; 1-2 rows over panels
+    walked 1, 2 or 4 at a time, with panel counts (per thread) that are and are not multiples of them and a last
+    panel cut short (70, 250, 200). A CPU without AVX-512 runs the 512-bit rules in AVX2's tiles."""
     g = torch.Generator().manual_seed(rows)
     weight = torch.randn(out_features, in_features, generator=g) / in_features**0.5
     bias, x = torch.randn(out_features, generator=g), torch.randn(rows, in_features, generator=g)

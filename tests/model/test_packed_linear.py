@@ -1,10 +1,14 @@
 """The panel GEMM over packed weights (model/kernels/packed_linear.cpp, model/packed_weights.py) against float64,
-how packed copies follow their weights, and generation with and without them."""
+how packed copies follow their weights, and generation with and without them; in 512-bit tiles where the CPU has
+AVX-512 and in AVX2's 256-bit ones (which AVX-512 CPUs run too)."""
+
+import dataclasses
 
 import pytest
 import torch
 
 from model import native, packed_weights
+from model.cpu import kernel_tuning, this_cpu
 from model.decoding import GenerationConfig
 from model.fast_step import plan_for
 from model.generation import generate_causal, generate_seq2seq
@@ -13,8 +17,17 @@ from model.lora import LoRAConfig, add_adapter, merge_adapter
 from model.lora_layers import LoRALinear
 from tests.model.conftest import random_ids, tiny_causal_lm, tiny_seq2seq
 
-kernel = native.kernels()
+kernel = native.gemm_kernels()
 pytestmark = pytest.mark.skipif(kernel is None, reason="the C++ kernels do not run here")
+WIDTHS = [bits for bits, runs in ((512, kernel and kernel.has_avx512()), (256, kernel and kernel.has_avx2())) if runs]
+
+
+@pytest.fixture(params=WIDTHS, ids=lambda bits: f"{bits}-bit")
+def vector_bits(request):
+    """The panel GEMM capped at this width for the test (this CPU's rule otherwise)."""
+    native.apply_tuning(kernel, dataclasses.replace(kernel_tuning(this_cpu()), vector_bits=request.param))
+    yield request.param
+    native.apply_tuning(kernel, kernel_tuning(this_cpu()))
 
 
 def _weights(out_features: int, in_features: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,9 +39,9 @@ def _weights(out_features: int, in_features: int, seed: int = 0) -> tuple[torch.
 @pytest.mark.parametrize("rows", [1, 5, 12, 13, 32, 37])
 @pytest.mark.parametrize(("out_features", "in_features"), [(512, 512), (40, 7), (8000, 64), (7, 2048), (100, 33)])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_kernel_equals_the_float64_reference(rows, out_features, in_features, with_bias):
-    """Row tiles of 1-12 (13 and 37 rows split unevenly), column counts that are and are not multiples of
-    the 32-column panels, odd inner sizes."""
+def test_kernel_equals_the_float64_reference(vector_bits, rows, out_features, in_features, with_bias):
+    """Row tiles of 1-12 (AVX2: 1-6; 13 and 37 rows split unevenly), column counts that are and are not multiples
+    of the 32-column panels and of 8, odd inner sizes."""
     weight, bias = _weights(out_features, in_features)
     bias = bias if with_bias else None
     x = torch.randn(rows, in_features)
@@ -39,7 +52,8 @@ def test_kernel_equals_the_float64_reference(rows, out_features, in_features, wi
 
 
 @pytest.mark.parametrize(("rows", "out_features", "in_features"), [(150, 100, 3000), (700, 70, 300)])
-def test_inputs_larger_than_l2_taken_in_blocks_of_rows_equal_the_float64_reference(rows, out_features, in_features):
+def test_inputs_larger_than_l2_taken_in_blocks_of_rows_equal_the_float64_reference(vector_bits, rows, out_features,
+                                                                                     in_features):
     """Over 768 KB of inputs the panels are walked once per block of rows: 60-row blocks and a partial last one
     (150 x 3,000), 648-row blocks of uneven tiles (700 x 300)."""
     weight, bias = _weights(out_features, in_features, seed=1)
@@ -50,7 +64,7 @@ def test_inputs_larger_than_l2_taken_in_blocks_of_rows_equal_the_float64_referen
     torch.testing.assert_close(got.double(), x.double() @ weight.double().t() + bias.double(), atol=1e-4, rtol=1e-5)
 
 
-def test_leading_dims_strided_inputs_and_either_weight_layout():
+def test_leading_dims_strided_inputs_and_either_weight_layout(vector_bits):
     weight, bias = _weights(70, 48)
     x = torch.randn(6, 1, 96)[..., ::2]  # (6, 1, 48), not contiguous
     with torch.no_grad():
@@ -97,6 +111,7 @@ def test_packed_copies_follow_their_weights():
     assert packed_weights.packed(kernel, layer.weight.double()) is None
 
 
+@pytest.mark.skipif(native.kernels() is None, reason="the native step needs AVX-512")
 def test_steps_of_a_few_rows_or_with_packing_off_use_none(kernel_options):
     lm = tiny_causal_lm()
     native = plan_for(lm.decoder).native
@@ -108,7 +123,7 @@ def test_steps_of_a_few_rows_or_with_packing_off_use_none(kernel_options):
 
 @pytest.mark.parametrize("family", ["causal", "seq2seq"])
 @pytest.mark.parametrize("strategy", ["greedy", "beam"])
-def test_batched_generation_is_the_same_with_packed_weights(family, strategy):
+def test_batched_generation_is_the_same_with_packed_weights(vector_bits, family, strategy):
     """Batches of more than 4 rows (6 inputs, or 3 inputs x 4 beams) through the panel GEMM, including the
     output projection, against MKL on the same input-major weights; then with an adapter merged (new
     versions of its weights, packed afresh)."""

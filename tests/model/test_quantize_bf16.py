@@ -2,10 +2,12 @@
 per row over a bf16 base, the restricted head, and what a bf16 model refuses (merging, saving, a GPU)."""
 
 import copy
+import logging
 
 import pytest
 import torch
 
+from model import native
 from model.bf16_linear import Bf16Linear
 from model.checkpoint import CheckpointError, save_checkpoint
 from model.decoding import GenerationConfig
@@ -62,6 +64,18 @@ def test_bf16_replaces_the_layers_int8_does_and_leaves_adapters_and_embeddings_f
     with torch.inference_mode():  # the fused rows are the separate layers' rows
         fused = attn.qkv_proj(x)
         torch.testing.assert_close(fused, torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], -1))
+
+
+@pytest.mark.parametrize("kernels", ["on", "off"])
+def test_bf16_upcast_per_call_is_named_a_slow_choice(caplog, kernels):
+    """Where the layers upcast their weights at every call (no AVX512-BF16, or the kernels off), quantising says
+    so as a warning; with our bf16 kernel it does not."""
+    with native.using_options(decode_kernels=kernels == "on"), caplog.at_level(logging.INFO, logger="model.quantize"):
+        model = _bf16(tiny_causal_lm())
+    backends = {m.backend for m in model.modules() if type(m) is Bf16Linear}
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "upcast to float32" in r.message]
+    assert backends and len(warned) == (1 if "torch" in backends else 0)
+    assert kernels == "on" or backends == {"torch"}
 
 
 def test_bf16_logits_close_and_greedy_outputs_equal(trained_mt, trained_lm):  # noqa: F811
