@@ -22,6 +22,7 @@
 #include "simd_math.h"
 
 #include <algorithm>
+#include <type_traits>
 
 #define AVX512 __attribute__((target("avx512f")))
 #define AVX2 __attribute__((target("avx2,fma")))
@@ -81,33 +82,40 @@ AVX512 void tile(const Problem& q, int64_t p, int64_t r0, int64_t ahead) {
   tserve::store_panel_tile<R, S>(acc, q.bias, q.y, q.n, r0, p);
 }
 
+// fn(hint, ahead) under the tuning's prefetch rule for a tile of `rows` rows: wide tiles prefetch prefetch_rows panel
+// rows ahead into L1, streaming ones streaming_prefetch_rows ahead into L2 or L1; the hint a compile-time constant.
+template <typename Fn>
+void with_prefetch_rule(const Problem& q, int rows, Fn&& fn) {
+  using L1 = std::integral_constant<_mm_hint, _MM_HINT_T0>;
+  using L2 = std::integral_constant<_mm_hint, _MM_HINT_T1>;
+  if (rows > q.rule.streaming_tile_rows) return fn(L1{}, q.rule.prefetch_rows * kPanel);
+  const int64_t ahead = q.rule.streaming_prefetch_rows * kPanel;
+  if (q.rule.streaming_into_l2) return fn(L2{}, ahead);
+  fn(L1{}, ahead);
+}
+
+// fn(std::integral_constant<int, R>) with R = rows, 1 .. Max (Max for more): a tile's rows as a template argument.
+template <int Max, int R = 1, typename Fn>
+void with_rows(int64_t rows, Fn&& fn) {
+  if constexpr (R == Max) {
+    fn(std::integral_constant<int, R>{});
+  } else {
+    if (rows <= R) return fn(std::integral_constant<int, R>{});
+    with_rows<Max, R + 1>(rows, fn);
+  }
+}
+
 // A tile of R rows over S panels under the tuning's prefetch rule for its width.
 template <int R, int S = 1>
 void tile(const Problem& q, int64_t p, int64_t r0) {
-  if (R > q.rule.streaming_tile_rows) return tile<R, S, _MM_HINT_T0>(q, p, r0, q.rule.prefetch_rows * kPanel);
-  const int64_t ahead = q.rule.streaming_prefetch_rows * kPanel;
-  if (q.rule.streaming_into_l2) return tile<R, S, _MM_HINT_T1>(q, p, r0, ahead);
-  tile<R, S, _MM_HINT_T0>(q, p, r0, ahead);
+  with_prefetch_rule(q, R, [&](auto hint, int64_t ahead) { tile<R, S, decltype(hint)::value>(q, p, r0, ahead); });
 }
 
 // Rows r0 .. r0 + rows over `panels` panels from p: several only for tiles of up to kMaxGemvRows rows.
 void tile_rows(const Problem& q, int64_t p, int64_t r0, int64_t rows, int64_t panels) {
   if (panels == 4) return rows == 1 ? tile<1, 4>(q, p, r0) : tile<2, 4>(q, p, r0);
   if (panels == 2) return rows == 1 ? tile<1, 2>(q, p, r0) : tile<2, 2>(q, p, r0);
-  switch (rows) {
-    case 1: return tile<1>(q, p, r0);
-    case 2: return tile<2>(q, p, r0);
-    case 3: return tile<3>(q, p, r0);
-    case 4: return tile<4>(q, p, r0);
-    case 5: return tile<5>(q, p, r0);
-    case 6: return tile<6>(q, p, r0);
-    case 7: return tile<7>(q, p, r0);
-    case 8: return tile<8>(q, p, r0);
-    case 9: return tile<9>(q, p, r0);
-    case 10: return tile<10>(q, p, r0);
-    case 11: return tile<11>(q, p, r0);
-    default: return tile<12>(q, p, r0);
-  }
+  with_rows<kMaxTileRows>(rows, [&](auto r) { tile<decltype(r)::value>(q, p, r0); });
 }
 
 // The AVX2 tile: y[r0 .. r0 + R, 32 p + 8 v0 .. 32 (p + S - 1) + 8 (v0 + V)), V of the four 8-column vectors of each of
@@ -158,26 +166,18 @@ void tile256_panel(const Problem& q, int64_t p, int64_t r0, int64_t ahead) {
   for (int64_t v0 = 0; v0 < 4; v0 += V) tile256<R, V, S, Hint>(q, p, v0, r0, ahead);
 }
 
-// ... under the tuning's prefetch rule for its width.
+// An AVX2 tile of R rows over S panels under the tuning's prefetch rule for its width.
 template <int R, int S = 1>
 void tile256_ruled(const Problem& q, int64_t p, int64_t r0) {
-  if (R > q.rule.streaming_tile_rows) return tile256_panel<R, S, _MM_HINT_T0>(q, p, r0, q.rule.prefetch_rows * kPanel);
-  const int64_t ahead = q.rule.streaming_prefetch_rows * kPanel;
-  if (q.rule.streaming_into_l2) return tile256_panel<R, S, _MM_HINT_T1>(q, p, r0, ahead);
-  tile256_panel<R, S, _MM_HINT_T0>(q, p, r0, ahead);
+  with_prefetch_rule(q, R, [&](auto hint, int64_t ahead) {
+    tile256_panel<R, S, decltype(hint)::value>(q, p, r0, ahead);
+  });
 }
 
 // Rows r0 .. r0 + rows over `panels` panels from p: 2 only for one row (2 x 4 accumulators, 4 weights, a broadcast).
 void tile256_rows(const Problem& q, int64_t p, int64_t r0, int64_t rows, int64_t panels) {
   if (panels == 2) return tile256_ruled<1, 2>(q, p, r0);
-  switch (rows) {
-    case 1: return tile256_ruled<1>(q, p, r0);
-    case 2: return tile256_ruled<2>(q, p, r0);
-    case 3: return tile256_ruled<3>(q, p, r0);
-    case 4: return tile256_ruled<4>(q, p, r0);
-    case 5: return tile256_ruled<5>(q, p, r0);
-    default: return tile256_ruled<6>(q, p, r0);
-  }
+  with_rows<kMaxTileRows256>(rows, [&](auto r) { tile256_ruled<decltype(r)::value>(q, p, r0); });
 }
 
 int64_t panels_for(int64_t n) { return (n + kPanel - 1) / kPanel; }
