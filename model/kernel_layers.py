@@ -31,19 +31,20 @@ from torch import nn
 from model import native, packed_weights
 
 
+def _float32_cpu_inference(x: torch.Tensor) -> bool:
+    """Whether ``x`` is what our kernels compute on: float32 on the CPU, no autograd."""
+    return not torch.is_grad_enabled() and x.dtype == torch.float32 and x.device.type == "cpu"
+
+
 def kernels_for(x: torch.Tensor) -> ModuleType | None:
     """Our kernels where they compute on ``x``: float32 CPU inference on a CPU that runs them; else None."""
-    if torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
-        return None
-    return native.kernels()
+    return native.kernels() if _float32_cpu_inference(x) else None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, on our kernels for float32 CPU inference where the panel GEMM runs
     (:func:`model.native.gemm_kernels`: AVX2 CPUs too; see the module's rule)."""
-    if torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
-        return F.linear(x, weight, bias)
-    kernels = native.gemm_kernels()
+    kernels = native.gemm_kernels() if _float32_cpu_inference(x) else None
     if kernels is None or weight.device.type != "cpu":
         return F.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
