@@ -175,9 +175,10 @@ def kernels() -> str:
     int8 = "AVX512-VNNI kernel" if module is not None and int8_kernel.kernel_choice() != "fbgemm" else \
         f"fbgemm ({why or 'TSERVE_INT8_KERNEL=fbgemm'})"
     gemms = f"int8 GEMM {int8}; bf16 GEMM {'AVX512-BF16 kernel' if bf16_linear.kernel() else 'torch (float32 upcast)'}"
-    if native.kernels() is None:
-        fp32 = "panel GEMM (AVX2) over packed weights" if native.gemm_kernels() and packed_weights.enabled() else "MKL"
-        return f"{gemms}; decoding step: Python replay, float32 {fp32}, SDPA"
+    module = native.kernels()
+    if module is None:
+        return f"{gemms}; decoding step: Python replay, float32 MKL, SDPA"
+    width = "AVX-512" if module.has_avx512() else "AVX2"
     packed = "panel GEMM over packed weights" if packed_weights.enabled() else "MKL (TSERVE_PACKED_WEIGHTS=off)"
-    return (f"{gemms}; decoding step (AVX-512): native layers, few-rows GEMV, beyond 4 rows {packed}, "
-            "attention, LayerNorm/activations/cache writes, greedy choice")
+    return (f"{gemms}; decoding step ({width}): native layers, float32 {packed}, attention, "
+            "LayerNorm/activations/cache writes, greedy choice")

@@ -41,7 +41,7 @@ def rules() -> dict[str, PanelTuning]:
     named = {"this CPU's": kernel_tuning(here)}
     for label, vendor in (("AMD's", AMD), ("Intel's", INTEL)):
         named[label] = kernel_tuning(CpuInfo(vendor=vendor, model_name="", l2_bytes=here.l2_bytes))
-    kernel = native.gemm_kernels()
+    kernel = native.kernels()
     if kernel is not None and kernel.has_avx512():  # AVX2's tiles, as a CPU without AVX-512 runs them
         named["this CPU's at 256 bits"] = replace(named["this CPU's"], vector_bits=256)
     return named
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cache", type=Path, default=shapes.DEFAULT_CACHE, help="where the shapes' files are kept")
     parser.add_argument("--tiny", action="store_true", help="the shapes at toy sizes (the test's)")
     args = parser.parse_args(argv)
-    kernel = native.gemm_kernels()
+    kernel = native.kernels()
     if kernel is None:
         raise SystemExit("the C++ kernels do not run here: nothing to compare")
     torch.set_num_threads(args.threads)

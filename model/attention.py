@@ -3,7 +3,7 @@
 The fast path is ``torch.nn.functional.scaled_dot_product_attention`` (fused kernels on GPU);
 ``attention_weights=True`` takes the explicit path so the weights can be returned for introspection.
 Blocks of up to 16 queries per row (decoding steps over the KV cache, short sentences, a [CLS]-only last
-layer) go through :func:`decode_attention`: our AVX-512 kernel (model/kernels/decode_attention.cpp) on CPU
+layer) go through :func:`decode_attention`: our AVX-512 / AVX2 kernel (model/kernels/decode_attention.cpp) on CPU
 float32 inference, SDPA otherwise; longer blocks (a prompt's prefill) through :func:`blocked_sdpa`: our
 prefill kernel (model/kernels/prefill_attention.cpp) where :func:`prefill_rows` holds, else SDPA by query blocks.
 Masks are boolean, True where a query may attend, broadcastable to (B, H, Tq, Tk); or float, added to the scores
@@ -88,6 +88,8 @@ def blocked_sdpa(
     whose GEMMs already round their inputs: :attr:`MultiHeadAttention.bf16_products`): encoder rows go through the
     bf16-product kernel where :func:`bf16_encoder_kernel` finds it."""
     kernel = native.kernels()
+    if kernel is not None and not kernel.has_avx512():  # the encoder and prefill kernels are AVX-512 only
+        kernel = None
     if kernel is not None and encoder_rows(q, k, v, mask):
         bf16 = bf16_encoder_kernel() if bf16_products else None
         return (kernel.encoder_attention(q, k, v, mask) if bf16 is None
@@ -218,7 +220,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     1.4 ms a layer for q, whose temporaries leave the L2 cache)."""
     kernel = native.kernels()
     if (kernel is None or x.device.type != "cpu" or x.dtype != torch.float32 or x.stride(3) != 1
-            or (torch.is_grad_enabled() and x.requires_grad) or cos.dtype != torch.float32 or not kernel.has_avx512()):
+            or (torch.is_grad_enabled() and x.requires_grad) or cos.dtype != torch.float32):
         return apply_rotary(x, cos, sin)
     kernel.rows_rotate_rounded_(x, cos.contiguous(), sin.contiguous())
     return x

@@ -88,8 +88,8 @@ class PanelTuning:
     streaming_prefetch_rows: int  # panel rows prefetched ahead by streaming tiles
     streaming_into_l2: bool  # streaming tiles prefetch into L2 (else into L1)
     gemv_panels: int  # panels a tile of 1-2 rows walks side by side (1, 2 or 4): streams from memory per thread
-    # The widest tiles: 512 (AVX-512 where the CPU has it; else the kernel takes 256) or 256 (AVX2 and FMA tiles of up
-    # to 6 rows, one panel each, for CPUs without AVX-512; a test or benchmark may cap an AVX-512 CPU at them)
+    # The widest vectors the kernels use: 512 (AVX-512 where the CPU has it; else they take 256) or 256 (their AVX2 and
+    # FMA twins: the panel GEMM's tiles of up to 6 rows, one panel each; a test or benchmark may cap an AVX-512 CPU)
     vector_bits: int = 512
 
 

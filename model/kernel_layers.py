@@ -16,8 +16,8 @@ one rule for which kernel multiplies:
 - otherwise, or with ``TSERVE_PACKED_WEIGHTS=off``, the few-rows GEMV over the weights as stored (input-major
   after model/layout.py), which hands more than 4 rows to MKL (and every row, on a CPU without AVX-512).
 
-The panel GEMM has 256-bit tiles for CPUs with AVX2 but no AVX-512, where MKL's float32 GEMV and GEMM run slowly
-on AMD; the norms and activations there stay torch's.
+On CPUs with AVX2 but no AVX-512 (where MKL's float32 GEMV and GEMM run slowly on AMD) the panel GEMM, norms and
+activations run as 8-lane twins of the AVX-512 kernels.
 """
 
 from __future__ import annotations
@@ -31,20 +31,16 @@ from torch import nn
 from model import native, packed_weights
 
 
-def _float32_cpu_inference(x: torch.Tensor) -> bool:
-    """Whether ``x`` is what our kernels compute on: float32 on the CPU, no autograd."""
-    return not torch.is_grad_enabled() and x.dtype == torch.float32 and x.device.type == "cpu"
-
-
 def kernels_for(x: torch.Tensor) -> ModuleType | None:
     """Our kernels where they compute on ``x``: float32 CPU inference on a CPU that runs them; else None."""
-    return native.kernels() if _float32_cpu_inference(x) else None
+    float32_cpu_inference = not torch.is_grad_enabled() and x.dtype == torch.float32 and x.device.type == "cpu"
+    return native.kernels() if float32_cpu_inference else None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, on our kernels for float32 CPU inference where the panel GEMM runs
-    (:func:`model.native.gemm_kernels`: AVX2 CPUs too; see the module's rule)."""
-    kernels = native.gemm_kernels() if _float32_cpu_inference(x) else None
+    """``F.linear(x, weight, bias)``, on our kernels for float32 CPU inference where they run (see the module's
+    rule)."""
+    kernels = kernels_for(x)
     if kernels is None or weight.device.type != "cpu":
         return F.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0

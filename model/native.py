@@ -5,9 +5,9 @@ with the system's C++ compiler and ninja) into ``TSERVE_KERNEL_DIR`` (default ``
 under a name carrying the sources' hash and the Python/torch versions: later processes import the built
 module directly (no compiler needed then, as in the Docker image, which builds it at image build time),
 and edited sources build afresh. Only x86-64 Linux; each kernel also checks the CPU features it needs
-(``has_vnni``, ``has_avx512``), and :func:`load` returns None, with the reason, where it cannot run. The rule
-that depends on the CPU's make and caches (model/cpu.py) is set at every load, not compiled in: an image built on
-one CPU runs with the rule of the CPU it runs on.
+(``has_vnni``, ``has_avx512``, ``has_avx2``), and :func:`load` returns None, with the reason, where it cannot run.
+The rule that depends on the CPU's make and caches (model/cpu.py) is set at every load, not compiled in: an image
+built on one CPU runs with the rule of the CPU it runs on.
 
 How they are used is one :class:`KernelOptions`, read once per process from the environment (``TSERVE_*``,
 listed in the service's settings table); :func:`kernels` is the module every decoding-step caller asks.
@@ -64,7 +64,7 @@ class KernelOptions:
     )
     decode_kernels: bool = _option(
         True, "TSERVE_DECODE_KERNELS",
-        "off: inference uses PyTorch ops (MKL, SDPA) instead of our AVX-512 kernels (and AVX2 float32 GEMM)",
+        "off: inference uses PyTorch ops (MKL, SDPA) instead of our AVX-512 / AVX2 kernels",
         _switch,
         shown="auto",
     )
@@ -115,13 +115,11 @@ def using_options(**changes: Any) -> Iterator[KernelOptions]:
     previous = options()
     _options = dataclasses.replace(previous, **changes)
     kernels.cache_clear()
-    gemm_kernels.cache_clear()
     try:
         yield _options
     finally:
         _options = previous
         kernels.cache_clear()
-        gemm_kernels.cache_clear()
 
 
 def module_name() -> str:
@@ -218,28 +216,17 @@ def apply_tuning(module: ModuleType, tuning: PanelTuning) -> None:
 @functools.cache
 def kernels() -> ModuleType | None:
     """The C++ kernels of inference (the decoding step's attention, native layers and greedy choice, and the
-    linear layers, LayerNorms and activations of model/kernel_layers.py) where they run on this CPU, unless
+    linear layers, LayerNorms and activations of model/kernel_layers.py) where they run on this CPU (AVX-512, or
+    AVX2 + FMA: AMD Zen 2 and 3, Intel before Skylake-SP, whose 8-lane twins of these kernels run instead; the
+    encoder and prefill attention kernels and int8 / bf16 GEMMs ask for their own features), unless
     ``options().decode_kernels`` is off; None: PyTorch ops instead."""
     if not options().decode_kernels:
         return None
     module, why = load()
-    if module is not None and not module.has_avx512():
-        module, why = None, "this CPU has no AVX-512"
+    if module is not None and not (module.has_avx512() or module.has_avx2()):
+        module, why = None, "this CPU has neither AVX-512 nor AVX2 with FMA"
     if module is None:
         logger.info("inference uses PyTorch ops (SDPA, MKL): %s", why)
-    return module
-
-
-@functools.cache
-def gemm_kernels() -> ModuleType | None:
-    """The C++ kernels where their float32 panel GEMM (``packed_linear``) runs: wherever :func:`kernels` does, and on
-    CPUs with AVX2 and FMA but no AVX-512 (AMD Zen 2 and 3, Intel before Skylake-SP), whose other ops are PyTorch's;
-    None with ``options().decode_kernels`` off or no kernels built."""
-    if not options().decode_kernels:
-        return None
-    module, _ = load()
-    if module is None or not (module.has_avx512() or module.has_avx2()):
-        return None
     return module
 
 
@@ -250,9 +237,9 @@ def main() -> None:
     if module is None:
         logger.info("C++ kernels: none (%s)", why)
         return
-    logger.info("C++ kernels: %s; int8 AVX512-VNNI: %s, decoding step and attention (AVX-512): %s, float32 panel "
-                "GEMM: %s", options().kernel_dir / module_name(), module.has_vnni(), module.has_avx512(),
-                "AVX-512" if module.has_avx512() else "AVX2" if module.has_avx2() else "no (MKL)")
+    logger.info("C++ kernels: %s; int8 AVX512-VNNI: %s; decoding step, attention and float32 panel GEMM: %s",
+                options().kernel_dir / module_name(), module.has_vnni(),
+                "AVX-512" if module.has_avx512() else "AVX2" if module.has_avx2() else "no (PyTorch ops)")
     logger.info("CPU: %s; panel GEMM: %s", this_cpu(), kernel_tuning(this_cpu()))
 
 if __name__ == "__main__":

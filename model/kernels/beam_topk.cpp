@@ -1,4 +1,4 @@
-// Beam search's candidates in one pass over each row of logits, float32 on AVX-512 (model/beam_search.py).
+// Beam search's candidates in one pass over each row of logits, float32 on AVX-512 or AVX2 (model/beam_search.py).
 //
 // A beam search step needs, per sentence, the best k of (log_softmax(logits[r]) + score[r]) over its `width`
 // rows and every column outside `banned`. torch makes a (R, V) tensor of log-probs, adds the scores into it and
@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "avx2_math.h"
 #include "kernels.h"
 #include "simd_math.h"
 
@@ -99,11 +100,60 @@ AVX512 void scan_row(const float* row, int64_t v, const std::vector<int64_t>& ba
   log_sum = std::log(_mm512_reduce_add_ps(sum));
 }
 
+// scan_row() on 8-lane AVX2 vectors (avx2_math.h), for CPUs without AVX-512: the same best k, the sum in another
+// order.
+namespace avx2 {
+
+using tserve::avx2::first_lanes8;
+
+// The floats of row[c, end) among the 8 from c, -inf past end.
+TSERVE_AVX2 inline __m256 load_or_lowest(const float* row, int64_t c, int64_t end) {
+  if (end - c >= 8) return _mm256_loadu_ps(row + c);
+  return _mm256_blendv_ps(_mm256_set1_ps(kNegInf), tserve::avx2::load_first(row + c, end - c),
+                          _mm256_castsi256_ps(first_lanes8(end - c)));
+}
+
+TSERVE_AVX2 void scan_row(const float* row, int64_t v, const std::vector<int64_t>& banned, RowBest& out, float& shift,
+                          float& log_sum) {
+  float running = kNegInf;  // the maximum so far
+  __m256 sum = _mm256_setzero_ps();  // per lane: sum of exp(x - running)
+  for (int64_t start = 0; start < v; start += kBlock) {
+    const int64_t end = std::min(start + kBlock, v);
+    __m256 top = _mm256_set1_ps(kNegInf);
+    for (int64_t c = start; c < end; c += 8) top = _mm256_max_ps(top, load_or_lowest(row, c, end));
+    const float block_max = tserve::avx2::reduce_max(top);
+    if (block_max > out.threshold) {  // some column here may enter the best k
+      for (int64_t c = start; c < end; c += 8) {
+        const __m256 above = _mm256_cmp_ps(load_or_lowest(row, c, end), _mm256_set1_ps(out.threshold), _CMP_GT_OQ);
+        for (unsigned bits = _mm256_movemask_ps(above); bits; bits &= bits - 1) {
+          const int lane = __builtin_ctz(bits);
+          out.offer(row[c + lane], c + lane, banned);
+        }
+      }
+    }
+    if (block_max > running) {  // a new maximum: rescale the sum so far
+      sum = _mm256_mul_ps(sum, _mm256_set1_ps(std::exp(running - block_max)));
+      running = block_max;
+    }
+    if (running == kNegInf) continue;
+    const __m256 shift_v = _mm256_set1_ps(running);
+    for (int64_t c = start; c < end; c += 8) {
+      const __m256 e = tserve::avx2::exp_nonpositive(_mm256_sub_ps(tserve::avx2::load_first(row + c, end - c), shift_v));
+      sum = _mm256_add_ps(sum, end - c >= 8 ? e : _mm256_and_ps(e, _mm256_castsi256_ps(first_lanes8(end - c))));
+    }
+  }
+  shift = running;
+  log_sum = std::log(tserve::avx2::reduce_add(sum));
+}
+
+}  // namespace avx2
+
 }  // namespace
 
 std::tuple<torch::Tensor, torch::Tensor> beam_topk(const torch::Tensor& logits, const torch::Tensor& scores,
                                                    int64_t width, int64_t k, const std::vector<int64_t>& banned) {
-  TORCH_CHECK(has_avx512(), "beam top-k: this CPU has no AVX-512");
+  TORCH_CHECK(has_avx512() || has_avx2(), "beam top-k: this CPU has neither AVX-512 nor AVX2");
+  const bool avx512 = wide_vectors();
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.device().is_cpu() && logits.stride(1) == 1,
               "beam top-k: logits must be (R, V) float32 on CPU with unit stride along V");
   const int64_t rows = logits.size(0), v = logits.size(1);
@@ -120,7 +170,11 @@ std::tuple<torch::Tensor, torch::Tensor> beam_topk(const torch::Tensor& logits, 
   std::vector<float> shift(rows), log_sum(rows);
   const auto scan = [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      scan_row(data + r * logits.stride(0), v, banned, best[r], shift[r], log_sum[r]);
+      const float* row = data + r * logits.stride(0);
+      if (avx512)
+        scan_row(row, v, banned, best[r], shift[r], log_sum[r]);
+      else
+        avx2::scan_row(row, v, banned, best[r], shift[r], log_sum[r]);
       best[r].fill(v);
     }
   };

@@ -1,4 +1,5 @@
-// Attention of a few queries per head over a KV cache, float32 on AVX-512 (model/native.py, model/attention.py).
+// Attention of a few queries per head over a KV cache, float32 on AVX-512, or AVX2 (avx2::attend) (model/native.py,
+// model/attention.py).
 //
 // out[b, h, i] = softmax(q[b, h, i] . k[b, h, :T] / sqrt(Dh), masked) @ v[b, h, :T] for every query i, with no
 // causal structure among the queries: one decoding step (one query per row), or the grouped beams of one
@@ -20,6 +21,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "avx2_math.h"
 #include "kernels.h"
 #include "simd_math.h"
 
@@ -343,6 +345,89 @@ AVX512 void attend(const Head* heads, int64_t n, float scale, float* scores, int
   }
 }
 
+// attend() on 8-lane AVX2 vectors (avx2_math.h), for CPUs without AVX-512: each query alone, its scores, their
+// softmax, then its weighted values (keys in order; the sums in another order than attend()'s).
+namespace avx2 {
+
+using tserve::avx2::load_first;
+
+constexpr int64_t kMaxChunks = ::kMaxChunks * 2;  // 8-float chunks of the largest head
+
+// The scaled query's dot product with one key of dh floats.
+TSERVE_AVX2 inline float score(const __m256* qv, const float* k, int64_t dh) {
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t c = 0; c * 8 < dh; ++c) sum = _mm256_fmadd_ps(qv[c], load_first(k + c * 8, dh - c * 8), sum);
+  return tserve::avx2::reduce_add(sum);
+}
+
+// acc += weight * v for one value row (nothing for a zero weight: masked or underflowed keys).
+TSERVE_AVX2 inline void accumulate(__m256* acc, float weight, const float* v, int64_t dh) {
+  if (weight == 0.f) return;
+  const __m256 p = _mm256_set1_ps(weight);
+  for (int64_t c = 0; c * 8 < dh; ++c) acc[c] = _mm256_fmadd_ps(p, load_first(v + c * 8, dh - c * 8), acc[c]);
+}
+
+// Query i of `head` (its prefix's keys, then its own); scores: a scratch row of the prefix's and own keys.
+TSERVE_AVX2 void attend_query(const Head& head, int64_t i, float scale, float* scores) {
+  const int64_t dh = head.dh, shared = head.prefix_blocks * head.block, keys = shared + head.keys;
+  const float* q = head.q + i * head.q_row;
+  const bool* mask = head.mask ? head.mask + i * head.mask_row : nullptr;
+  const float* bias = head.bias ? head.bias + i * head.mask_row : nullptr;
+  const bool* prefix_mask = head.prefix_mask ? head.prefix_mask + i * head.mask_row : nullptr;
+  const float* prefix_bias = head.prefix_bias ? head.prefix_bias + i * head.mask_row : nullptr;
+  float* out = head.out + i * head.out_row;
+  __m256 qv[kMaxChunks], acc[kMaxChunks];
+  for (int64_t c = 0; c * 8 < dh; ++c) {
+    qv[c] = _mm256_mul_ps(load_first(q + c * 8, dh - c * 8), _mm256_set1_ps(scale));
+    acc[c] = _mm256_setzero_ps();
+  }
+  float top = -INFINITY;
+  for (int64_t s = 0; s < head.prefix_blocks; ++s)
+    for (int64_t j = 0; j < head.block; ++j) {
+      const int64_t at = s * head.block + j;
+      float& x = scores[at];
+      x = score(qv, head.prefix_k[s] + j * dh, dh);
+      if (prefix_bias) x += prefix_bias[at];
+      if (prefix_mask && !prefix_mask[at]) x = -INFINITY;
+      top = std::max(top, x);
+    }
+  for (int64_t j = 0; j < head.keys; ++j) {
+    float& x = scores[shared + j];
+    if (mask && !mask[j]) {
+      x = -INFINITY;
+      continue;
+    }
+    x = score(qv, head.k + j * head.kv_row, dh);
+    if (bias) x += bias[j];
+    top = std::max(top, x);
+  }
+  if (top == -INFINITY) {  // nothing to attend to: zeros
+    for (int64_t c = 0; c * 8 < dh; ++c) tserve::avx2::store_first(out + c * 8, _mm256_setzero_ps(), dh - c * 8);
+    return;
+  }
+  const __m256 shift = _mm256_set1_ps(top);
+  __m256 total = _mm256_setzero_ps();
+  for (int64_t j = 0; j < keys; j += 8) {
+    const __m256 kept = _mm256_castsi256_ps(tserve::avx2::first_lanes8(keys - j));
+    const __m256 e = _mm256_and_ps(kept, tserve::avx2::exp_nonpositive(_mm256_sub_ps(load_first(scores + j, keys - j), shift)));
+    tserve::avx2::store_first(scores + j, e, keys - j);
+    total = _mm256_add_ps(total, e);
+  }
+  for (int64_t s = 0; s < head.prefix_blocks; ++s)
+    for (int64_t j = 0; j < head.block; ++j) accumulate(acc, scores[s * head.block + j], head.prefix_v[s] + j * dh, dh);
+  for (int64_t j = 0; j < head.keys; ++j) accumulate(acc, scores[shared + j], head.v + j * head.kv_row, dh);
+  const __m256 inv = _mm256_set1_ps(1.f / tserve::avx2::reduce_add(total));
+  for (int64_t c = 0; c * 8 < dh; ++c) tserve::avx2::store_first(out + c * 8, _mm256_mul_ps(acc[c], inv), dh - c * 8);
+}
+
+// attend()'s work: every query of the n heads.
+void attend(const Head* heads, int64_t n, float scale, float* scores) {
+  for (int64_t h = 0; h < n; ++h)
+    for (int64_t i = 0; i < heads[h].queries; ++i) attend_query(heads[h], i, scale, scores);
+}
+
+}  // namespace avx2
+
 // The prefix blocks a row reads: checked once per call; pointers per (row, head) looked up in the table.
 struct PrefixBlocks {
   std::vector<const float*> data;  // each block's first float
@@ -379,7 +464,8 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
                                const c10::optional<torch::Tensor>& prefix_table, int64_t layer,
                                const c10::optional<torch::Tensor>& beam_lead,
                                const c10::optional<torch::Tensor>& beam_shared) {
-  TORCH_CHECK(has_avx512(), "decode attention: this CPU has no AVX-512");
+  TORCH_CHECK(has_avx512() || has_avx2(), "decode attention: this CPU has neither AVX-512 nor AVX2");
+  const bool avx512 = wide_vectors();
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "decode attention: q, k, v must be (B, H, T, Dh)");
   for (const auto* t : {&q, &k, &v})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->stride(3) == 1,
@@ -492,7 +578,10 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
         next = Next{k.data_ptr<float>() + nb * k.stride(0) + nkv * k.stride(1),
                     v.data_ptr<float>() + nb * v.stride(0) + nkv * v.stride(1), k.stride(2), t};
       }
-      attend(heads.data(), together, scale, scores.data(), row, queries, next);
+      if (avx512)
+        attend(heads.data(), together, scale, scores.data(), row, queries, next);
+      else
+        avx2::attend(heads.data(), together, scale, scores.data());
     }
   });
   return out;

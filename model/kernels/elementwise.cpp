@@ -1,5 +1,5 @@
 // The native step's LayerNorm and RMSNorm, activations, residual adds, gates and rotary positions on (rows, D)
-// float32 activations (AVX-512), and its uniform KV-cache writes.
+// float32 activations (AVX-512, or AVX2: avx2_math.h), and its uniform KV-cache writes.
 //
 // At a few rows ATen's versions of these cost 3-8 us a call in allocations and dispatch (LayerNorm also
 // makes its mean and rstd tensors), about as long as one of the step's smaller GEMVs reads its weights;
@@ -12,6 +12,7 @@
 
 #include "activation_math.h"
 #include "kernels.h"
+#include "avx2_math.h"
 #include "simd_math.h"
 
 #include <cmath>
@@ -23,9 +24,14 @@ namespace {
 
 constexpr int64_t kGrain = 1 << 15;  // elements per task before rows are spread over threads
 
+// Whether the rows below or their AVX2 twins (namespace avx2, where wide_vectors() is false) run on this CPU.
+bool runs() {
+  static const bool found = has_avx512() || has_avx2();
+  return found;
+}
+
 bool fits(const torch::Tensor& t) {
-  static const bool avx512 = has_avx512();
-  return avx512 && t.scalar_type() == at::kFloat && t.device().is_cpu() && t.is_contiguous() &&
+  return runs() && t.scalar_type() == at::kFloat && t.device().is_cpu() && t.is_contiguous() &&
          !(at::GradMode::is_enabled() && t.requires_grad());
 }
 
@@ -135,6 +141,84 @@ AVX512 void add_row(float* y, const float* x, int64_t n) {
   }
 }
 
+// The rows above on 8-lane AVX2 vectors (avx2_math.h), for CPUs without AVX-512.
+namespace avx2 {
+
+using tserve::avx2::load_first;
+using tserve::avx2::store_first;
+
+TSERVE_AVX2 void layer_norm_row(const float* x, const float* w, const float* b, float* y, int64_t d, float eps) {
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t c = 0; c < d; c += 8) sum = _mm256_add_ps(sum, load_first(x + c, d - c));
+  const __m256 m = _mm256_set1_ps(tserve::avx2::reduce_add(sum) / static_cast<float>(d));
+  __m256 squares = _mm256_setzero_ps();
+  for (int64_t c = 0; c < d; c += 8) {
+    const __m256 keep = _mm256_castsi256_ps(tserve::avx2::first_lanes8(d - c));
+    const __m256 centred = _mm256_and_ps(keep, _mm256_sub_ps(load_first(x + c, d - c), m));
+    squares = _mm256_fmadd_ps(centred, centred, squares);
+  }
+  const __m256 rstd = _mm256_set1_ps(1.f / std::sqrt(tserve::avx2::reduce_add(squares) / static_cast<float>(d) + eps));
+  for (int64_t c = 0; c < d; c += 8) {
+    __m256 v = _mm256_mul_ps(_mm256_sub_ps(load_first(x + c, d - c), m), rstd);
+    if (w != nullptr) v = _mm256_mul_ps(v, load_first(w + c, d - c));
+    if (b != nullptr) v = _mm256_add_ps(v, load_first(b + c, d - c));
+    store_first(y + c, v, d - c);
+  }
+}
+
+TSERVE_AVX2 void rms_norm_row(const float* x, const float* w, float* y, int64_t d, float eps, bool offset) {
+  __m256 squares = _mm256_setzero_ps();
+  for (int64_t c = 0; c < d; c += 8) {
+    const __m256 v = load_first(x + c, d - c);
+    squares = _mm256_fmadd_ps(v, v, squares);
+  }
+  const __m256 r = _mm256_set1_ps(1.f / std::sqrt(tserve::avx2::reduce_add(squares) / static_cast<float>(d) + eps));
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (int64_t c = 0; c < d; c += 8) {
+    const __m256 v = _mm256_mul_ps(load_first(x + c, d - c), r), weight = load_first(w + c, d - c);
+    store_first(y + c, _mm256_mul_ps(offset ? _mm256_add_ps(one, weight) : weight, v), d - c);
+  }
+}
+
+template <bool kRounded>
+TSERVE_AVX2 inline __m256 product(__m256 a, __m256 b) {
+  __m256 p = _mm256_mul_ps(a, b);
+  if constexpr (kRounded) __asm__("" : "+x"(p));
+  return p;
+}
+
+template <bool kRounded>
+TSERVE_AVX2 void rotate_row(float* x, const float* c, const float* s, int64_t half, int64_t dh, bool scaled, float scale) {
+  const __m256 by = _mm256_set1_ps(scale);
+  for (int64_t j = 0; j < half; j += 8) {
+    const int64_t left = half - j;
+    const __m256 x1 = load_first(x + j, left), x2 = load_first(x + half + j, left);
+    __m256 y1 = _mm256_sub_ps(product<kRounded>(x1, load_first(c + j, left)), product<kRounded>(x2, load_first(s + j, left)));
+    __m256 y2 = _mm256_add_ps(product<kRounded>(x2, load_first(c + half + j, left)),
+                              product<kRounded>(x1, load_first(s + half + j, left)));
+    if (scaled) y1 = _mm256_mul_ps(y1, by), y2 = _mm256_mul_ps(y2, by);
+    store_first(x + j, y1, left);
+    store_first(x + half + j, y2, left);
+  }
+  if (!scaled) return;
+  for (int64_t j = 2 * half; j < dh; j += 8) store_first(x + j, _mm256_mul_ps(load_first(x + j, dh - j), by), dh - j);
+}
+
+TSERVE_AVX2 void mul_row(float* y, const float* x, int64_t n) {
+  for (int64_t c = 0; c < n; c += 8) store_first(y + c, _mm256_mul_ps(load_first(y + c, n - c), load_first(x + c, n - c)), n - c);
+}
+
+TSERVE_AVX2 void activate_row(float* y, int64_t n, Activation activation) {
+  for (int64_t c = 0; c < n; c += 8)
+    store_first(y + c, tserve::avx2::activate(load_first(y + c, n - c), activation), n - c);
+}
+
+TSERVE_AVX2 void add_row(float* y, const float* x, int64_t n) {
+  for (int64_t c = 0; c < n; c += 8) store_first(y + c, _mm256_add_ps(load_first(y + c, n - c), load_first(x + c, n - c)), n - c);
+}
+
+}  // namespace avx2
+
 }  // namespace
 
 // LayerNorm over the last dim of x with weight/bias (absent: empty tensors), as at::layer_norm.
@@ -157,7 +241,8 @@ torch::Tensor rows_layer_norm_into(const torch::Tensor& x, const torch::Tensor& 
   const float* b = bias.defined() && bias.numel() ? bias.data_ptr<float>() : nullptr;
   const float* in = x.data_ptr<float>();
   float* out = y.data_ptr<float>();
-  over_rows(x.numel() / d, d, [&](int64_t r) { layer_norm_row(in + r * d, w, b, out + r * d, d, static_cast<float>(eps)); });
+  const auto row = wide_vectors() ? layer_norm_row : avx2::layer_norm_row;
+  over_rows(x.numel() / d, d, [&](int64_t r) { row(in + r * d, w, b, out + r * d, d, static_cast<float>(eps)); });
   return y;
 }
 
@@ -178,23 +263,24 @@ torch::Tensor rows_rms_norm_into(const torch::Tensor& x, const torch::Tensor& we
   const float* w = weight.data_ptr<float>();
   const float* in = x.data_ptr<float>();
   float* out = y.data_ptr<float>();
-  over_rows(x.numel() / d, d,
-            [&](int64_t r) { rms_norm_row(in + r * d, w, out + r * d, d, static_cast<float>(eps), offset); });
+  const auto row = wide_vectors() ? rms_norm_row : avx2::rms_norm_row;
+  over_rows(x.numel() / d, d, [&](int64_t r) { row(in + r * d, w, out + r * d, d, static_cast<float>(eps), offset); });
   return y;
 }
 
 // x (B, H, t, Dh) with unit stride along Dh (a view of a fresh projection) normalized in place over each head's Dh
 // features: the q/k norms of Qwen3 and Gemma 3 (model.layers.RMSNorm of width Dh; `offset`: by 1 + weight).
 void rows_head_rms_norm_(const torch::Tensor& x, const torch::Tensor& weight, double eps, bool offset) {
-  TORCH_CHECK(has_avx512() && x.dim() == 4 && x.scalar_type() == at::kFloat && x.device().is_cpu() && x.stride(3) == 1,
+  TORCH_CHECK(runs() && x.dim() == 4 && x.scalar_type() == at::kFloat && x.device().is_cpu() && x.stride(3) == 1,
               "head norm: x must be a float32 CPU (B, H, t, Dh) tensor with unit stride along Dh");
   TORCH_CHECK(fits(weight) && weight.numel() == x.size(3), "head norm: the weight must be float32 (Dh,)");
   const int64_t heads = x.size(1), t = x.size(2), dh = x.size(3);
   float* data = x.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
+  const auto norm = wide_vectors() ? rms_norm_row : avx2::rms_norm_row;
   over_rows(x.size(0) * heads * t, dh, [&](int64_t i) {
     float* row = data + i / (heads * t) * x.stride(0) + i / t % heads * x.stride(1) + i % t * x.stride(2);
-    rms_norm_row(row, w, row, dh, static_cast<float>(eps), offset);  // in place: each lane read before written
+    norm(row, w, row, dh, static_cast<float>(eps), offset);  // in place: each lane read before written
   });
 }
 
@@ -204,7 +290,8 @@ torch::Tensor rows_mul_(torch::Tensor y, const torch::Tensor& x) {
   const int64_t n = y.size(-1);
   float* out = y.data_ptr<float>();
   const float* in = x.data_ptr<float>();
-  over_rows(n ? y.numel() / n : 0, n, [&](int64_t r) { mul_row(out + r * n, in + r * n, n); });
+  const auto row = wide_vectors() ? mul_row : avx2::mul_row;
+  over_rows(n ? y.numel() / n : 0, n, [&](int64_t r) { row(out + r * n, in + r * n, n); });
   return y;
 }
 
@@ -215,7 +302,7 @@ namespace {
 // head rotate, the rest pass through; then every feature is multiplied by `scale` unless it is 1.
 template <bool kRounded>
 void rotate_rows(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, double scale) {
-  TORCH_CHECK(has_avx512() && x.dim() == 4 && x.scalar_type() == at::kFloat && x.device().is_cpu() && x.stride(3) == 1,
+  TORCH_CHECK(runs() && x.dim() == 4 && x.scalar_type() == at::kFloat && x.device().is_cpu() && x.stride(3) == 1,
               "rotate: x must be a float32 CPU (B, H, t, Dh) tensor with unit stride along Dh");
   TORCH_CHECK(cos.dim() == 3 && cos.sizes() == sin.sizes() && (cos.size(0) == 1 || cos.size(0) == x.size(0)) &&
               cos.size(1) == x.size(2) && cos.size(2) % 2 == 0 && cos.size(2) <= x.size(3) &&
@@ -226,9 +313,10 @@ void rotate_rows(const torch::Tensor& x, const torch::Tensor& cos, const torch::
   float* data = x.data_ptr<float>();
   const float *c = cos.data_ptr<float>(), *s = sin.data_ptr<float>();
   const bool scaled = scale != 1.0;
+  const auto rotate = wide_vectors() ? rotate_row<kRounded> : avx2::rotate_row<kRounded>;
   over_rows(x.size(0) * heads * t, r, [&](int64_t i) {
     const int64_t b = i / (heads * t), h = i / t % heads, j = i % t, row = b * per_row + j * r;
-    rotate_row<kRounded>(data + b * x.stride(0) + h * x.stride(1) + j * x.stride(2), c + row, s + row, r / 2,
+    rotate(data + b * x.stride(0) + h * x.stride(1) + j * x.stride(2), c + row, s + row, r / 2,
                          x.size(3), scaled, static_cast<float>(scale));
   });
 }
@@ -254,7 +342,8 @@ torch::Tensor rows_activate_(torch::Tensor h, Activation activation) {
   }
   const int64_t n = h.size(-1);
   float* data = h.data_ptr<float>();
-  over_rows(n ? h.numel() / n : 0, n, [&](int64_t r) { activate_row(data + r * n, n, activation); });
+  const auto row = wide_vectors() ? activate_row : avx2::activate_row;
+  over_rows(n ? h.numel() / n : 0, n, [&](int64_t r) { row(data + r * n, n, activation); });
   return h;
 }
 
@@ -264,7 +353,8 @@ torch::Tensor rows_add_(torch::Tensor y, const torch::Tensor& x) {
   const int64_t n = y.size(-1);
   float* out = y.data_ptr<float>();
   const float* in = x.data_ptr<float>();
-  over_rows(n ? y.numel() / n : 0, n, [&](int64_t r) { add_row(out + r * n, in + r * n, n); });
+  const auto row = wide_vectors() ? add_row : avx2::add_row;
+  over_rows(n ? y.numel() / n : 0, n, [&](int64_t r) { row(out + r * n, in + r * n, n); });
   return y;
 }
 

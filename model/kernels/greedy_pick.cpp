@@ -1,4 +1,4 @@
-// One greedy decoding choice per row, float32 on AVX-512 (model/logits.py greedy_choice).
+// One greedy decoding choice per row, float32 on AVX-512 or AVX2 (model/logits.py greedy_choice).
 //
 // token = the first column of the row's maximum, leaving out `banned` columns (EOS and stop tokens before
 // min_new_tokens); logprob = logits[token] - logsumexp(logits) over every column, i.e. the token's
@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "avx2_math.h"
 #include "kernels.h"
 #include "simd_math.h"
 
@@ -64,11 +65,55 @@ AVX512 Choice pick(const float* row, int64_t v, const std::vector<int64_t>& bann
   return {token, row[token] - (top + std::log(_mm512_reduce_add_ps(sum)))};
 }
 
+// pick() on 8-lane AVX2 vectors (avx2_math.h), for CPUs without AVX-512: the same choice, the sum in another order.
+namespace avx2 {
+
+// The floats of row[c, c + 8) that lie before v, -inf past it (as pick()'s masked loads).
+TSERVE_AVX2 inline __m256 load_or_lowest(const float* row, int64_t c, int64_t v) {
+  if (v - c >= 8) return _mm256_loadu_ps(row + c);
+  return _mm256_blendv_ps(_mm256_set1_ps(kNegInf), tserve::avx2::load_first(row + c, v - c),
+                          _mm256_castsi256_ps(tserve::avx2::first_lanes8(v - c)));
+}
+
+TSERVE_AVX2 Choice pick(const float* row, int64_t v, const std::vector<int64_t>& banned) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 best = _mm256_set1_ps(kNegInf);
+  __m256i best_at = _mm256_set1_epi32(std::numeric_limits<int32_t>::max());
+  for (int64_t c = 0; c < v; c += 8) {  // per lane: the maximum and its first column
+    const __m256 x = load_or_lowest(row, c, v);
+    const __m256 better = _mm256_cmp_ps(x, best, _CMP_GT_OQ);
+    best = _mm256_blendv_ps(best, x, better);
+    const __m256i at = _mm256_add_epi32(lane, _mm256_set1_epi32(static_cast<int32_t>(c)));
+    best_at = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(best_at), _mm256_castsi256_ps(at), better));
+  }
+  const float top = tserve::avx2::reduce_max(best);
+  alignas(32) float lane_best[8];
+  alignas(32) int32_t lane_at[8];
+  _mm256_store_ps(lane_best, best);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lane_at), best_at);
+  int64_t token = std::numeric_limits<int32_t>::max();  // the first column among the lanes' maxima
+  for (int j = 0; j < 8; ++j)
+    if (lane_best[j] == top) token = std::min<int64_t>(token, lane_at[j]);
+  if (top == kNegInf || token >= v) token = 0;
+  if (std::find(banned.begin(), banned.end(), token) != banned.end()) token = first_max_allowed(row, v, banned);
+  if (top == kNegInf) return {token, kNegInf};
+  __m256 sum = _mm256_setzero_ps();
+  const __m256 shift = _mm256_set1_ps(top);
+  for (int64_t c = 0; c < v; c += 8) {
+    const __m256 e = tserve::avx2::exp_nonpositive(_mm256_sub_ps(tserve::avx2::load_first(row + c, v - c), shift));
+    sum = _mm256_add_ps(sum, v - c >= 8 ? e : _mm256_and_ps(e, _mm256_castsi256_ps(tserve::avx2::first_lanes8(v - c))));
+  }
+  return {token, row[token] - (top + std::log(tserve::avx2::reduce_add(sum)))};
+}
+
+}  // namespace avx2
+
 }  // namespace
 
 // logits (R, V) float32 CPU, unit stride along V; banned: column ids in [0, V). -> (tokens int64 (R,), logprobs (R,))
 std::tuple<torch::Tensor, torch::Tensor> greedy_pick(const torch::Tensor& logits, const std::vector<int64_t>& banned) {
-  TORCH_CHECK(has_avx512(), "greedy pick: this CPU has no AVX-512");
+  TORCH_CHECK(has_avx512() || has_avx2(), "greedy pick: this CPU has neither AVX-512 nor AVX2");
+  const bool avx512 = wide_vectors();
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.device().is_cpu() && logits.stride(1) == 1,
               "greedy pick: logits must be (R, V) float32 on CPU with unit stride along V");
   const int64_t rows = logits.size(0), v = logits.size(1);
@@ -81,7 +126,8 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_pick(const torch::Tensor& logits
   float* logprob_out = logprobs.data_ptr<float>();
   at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / v), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const Choice choice = pick(data + r * logits.stride(0), v, banned);
+      const float* row = data + r * logits.stride(0);
+      const Choice choice = avx512 ? pick(row, v, banned) : avx2::pick(row, v, banned);
       token_out[r] = choice.token;
       logprob_out[r] = choice.logprob;
     }

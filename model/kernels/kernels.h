@@ -12,8 +12,11 @@ bool has_vnni();
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale,
                           const torch::Tensor& w_sum, const c10::optional<torch::Tensor>& bias);
 bool has_avx512();
-// AVX2 and FMA: packed_linear's 256-bit tiles (packed_linear.cpp), for CPUs without AVX-512.
+// AVX2 and FMA: the 8-lane twins of the float32 kernels (avx2_math.h), for CPUs without AVX-512.
 bool has_avx2();
+// Whether the kernels run their AVX-512 code: on an AVX-512 CPU unless the tuning's vector_bits caps them at 256
+// (then, as on a CPU with AVX2 alone, their AVX2 twins: tests and benchmarks run both widths on one machine).
+bool wide_vectors();
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const c10::optional<torch::Tensor>& mask,
                                const std::vector<torch::Tensor>& prefix_blocks = {},
@@ -45,7 +48,7 @@ struct PanelTuning {
   int64_t streaming_prefetch_rows;
   bool streaming_into_l2;
   int64_t gemv_panels;
-  int64_t vector_bits;  // the widest tiles packed_linear may run: 512 (AVX-512 where the CPU has it) or 256 (AVX2)
+  int64_t vector_bits;  // the widest vectors the kernels may use: 512 (AVX-512 where the CPU has it) or 256 (AVX2)
 };
 void set_panel_tuning(const PanelTuning& chosen);
 PanelTuning panel_tuning();

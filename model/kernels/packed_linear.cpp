@@ -203,6 +203,8 @@ void set_panel_tuning(const PanelTuning& chosen) {
 
 PanelTuning panel_tuning() { return tuning; }
 
+bool wide_vectors() { return wide_tiles(tuning); }
+
 bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 
 // weight (N, K) float32, any strides -> its panels (ceil(N / 32), K, 32), the columns past N zero; written into

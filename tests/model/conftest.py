@@ -1,6 +1,7 @@
 """Tiny models shared by the model tests (float64 where the test compares numerics)."""
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from model import native
 from model.causal_lm import CausalLM
 from model.classifier import TransformerClassifier
 from model.config import CausalLMConfig, ClassifierConfig, Seq2SeqConfig
+from model.cpu import kernel_tuning, this_cpu
 from model.seq2seq import Seq2SeqTransformer
 
 TINY = dict(vocab_size=40, d_model=32, n_heads=4, d_ff=64, dropout=0.0, max_len=64)
@@ -56,3 +58,17 @@ def threads(request):
     torch.set_num_threads(request.param)
     yield request.param
     torch.set_num_threads(before)
+
+
+_kernels = native.kernels()
+VECTOR_WIDTHS = [bits for bits, runs in ((512, _kernels and _kernels.has_avx512()),
+                                         (256, _kernels and _kernels.has_avx2())) if runs]
+
+
+@pytest.fixture(params=VECTOR_WIDTHS, ids=lambda bits: f"{bits}-bit")
+def vector_bits(request):
+    """The C++ kernels capped at this vector width for the test (``PanelTuning.vector_bits``: an AVX-512 CPU runs
+    the AVX2 twins at 256), this CPU's rule restored after."""
+    native.apply_tuning(_kernels, dataclasses.replace(kernel_tuning(this_cpu()), vector_bits=request.param))
+    yield request.param
+    native.apply_tuning(_kernels, kernel_tuning(this_cpu()))

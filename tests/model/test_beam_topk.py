@@ -30,7 +30,7 @@ def torch_candidates(logits: torch.Tensor, scores: torch.Tensor, k: int, banned:
     (2, 3, 50, 8, [1], "forced"),  # one finite column: the rest are -inf ties, filled in column order
     (1, 3, 5, 12, [0], "dead beam"),  # a tiny vocabulary, fewer columns than k, an empty (-inf) beam
 ])
-def test_fused_candidates_equal_torch(sentences, width, vocab, k, banned, case):
+def test_fused_candidates_equal_torch(sentences, width, vocab, k, banned, case, vector_bits):
     g = torch.Generator().manual_seed(vocab)
     logits = torch.randn(sentences * width, vocab, generator=g) * 4
     scores = torch.randn(sentences, width, generator=g) * 3

@@ -64,7 +64,7 @@ def test_each_vendor_gets_the_rule_measured_on_it():
     assert unknown == PanelTuning(**{**spr.__dict__, "row_block_bytes": 768 * 1024})
 
 
-kernel = native.gemm_kernels()  # the panel GEMM: AVX-512 or AVX2
+kernel = native.kernels()  # the panel GEMM: AVX-512 or AVX2
 needs_kernels = pytest.mark.skipif(kernel is None, reason="the C++ kernels do not run here")
 
 

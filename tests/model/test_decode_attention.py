@@ -15,6 +15,7 @@ from tests.model.conftest import random_ids, tiny_causal_lm, tiny_classifier, ti
 
 kernel = native.kernels()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="the C++ decode-attention kernel does not run here")
+needs_avx512 = pytest.mark.skipif(kernel is None or not kernel.has_avx512(), reason="the encoder kernel needs AVX-512")
 
 
 def _reference(q, k, v, mask):
@@ -35,7 +36,7 @@ def _cache_slices(b, h, t, dh, capacity=40, seed=0):
 @pytest.mark.parametrize(("b", "h", "tq", "t", "dh"), [(1, 8, 1, 1, 64), (3, 4, 1, 37, 64), (2, 2, 4, 33, 8),
                                                        (5, 3, 1, 17, 24), (1, 1, 16, 40, 128), (2, 8, 3, 16, 100)])
 @pytest.mark.parametrize("masked", [False, True])
-def test_kernel_equals_the_float64_reference(b, h, tq, t, dh, masked):
+def test_kernel_equals_the_float64_reference(b, h, tq, t, dh, masked, vector_bits):
     q = torch.randn(b, h, tq, dh)
     k, v = _cache_slices(b, h, t, dh)
     mask = None
@@ -50,7 +51,7 @@ def test_kernel_equals_the_float64_reference(b, h, tq, t, dh, masked):
 
 
 @needs_kernel
-def test_per_query_masks_and_a_query_with_nothing_to_see():
+def test_per_query_masks_and_a_query_with_nothing_to_see(vector_bits):
     q = torch.randn(2, 2, 3, 16)
     k, v = _cache_slices(2, 2, 5, 16)
     mask = torch.rand(2, 2, 3, 5) > 0.4
@@ -174,7 +175,7 @@ def _prefixed_case(seed=0, layers=2, h=3, dh=24, block=4, t=5, tq=2, chains=((0,
 
 
 @needs_kernel
-def test_the_kernel_reads_each_rows_prefix_blocks_ahead_of_its_own_keys():
+def test_the_kernel_reads_each_rows_prefix_blocks_ahead_of_its_own_keys(vector_bits):
     blocks, chains, q, k, v, mask, references = _prefixed_case()
     table = torch.tensor([[0, 1], [2, -1], [0, 1], [-1, -1]])
     for layer, want in enumerate(references):
@@ -224,7 +225,7 @@ def test_the_pytorch_prefix_path_computes_half_precision_in_float32(kernel_optio
 # ---- the encoder-attention kernel (model/kernels/encoder_attention.cpp) ----
 
 
-@needs_kernel
+@needs_avx512
 @pytest.mark.parametrize(("b", "h", "t"), [(1, 12, 128), (3, 4, 37), (2, 2, 1), (4, 2, 200)])
 @pytest.mark.parametrize("masked", ["none", "per row", "shared"])
 def test_encoder_kernel_equals_the_float64_reference_on_fused_qkv_views(b, h, t, masked):
@@ -243,7 +244,7 @@ def test_encoder_kernel_equals_the_float64_reference_on_fused_qkv_views(b, h, t,
     torch.testing.assert_close(got.double(), _reference(q, k, v, mask), rtol=1e-5, atol=1e-5)
 
 
-@needs_kernel
+@needs_avx512
 def test_a_row_that_sees_no_key_gets_zeros():
     q = torch.randn(2, 3, 8, 64)
     mask = torch.ones(2, 1, 1, 8, dtype=torch.bool)
@@ -253,7 +254,7 @@ def test_a_row_that_sees_no_key_gets_zeros():
     torch.testing.assert_close(got[0].double(), _reference(q[:1], q[:1], q[:1], mask[:1])[0], rtol=1e-5, atol=1e-5)
 
 
-@needs_kernel
+@needs_avx512
 def test_encoder_rows_take_the_kernel_and_give_sdpas_outputs():
     q, k, v = (torch.randn(3, 4, 40, 64, generator=torch.Generator().manual_seed(s)) for s in range(3))
     mask = torch.ones(3, 1, 1, 40, dtype=torch.bool)
@@ -271,7 +272,7 @@ def _fused(b, h, t, seed):
     return tuple(x.view(b, t, h, 64).transpose(1, 2) for x in qkv.split(h * 64, -1))
 
 
-@needs_kernel
+@needs_avx512
 @pytest.mark.parametrize("t", [7, 8, 9, 16, 17, 31, 33, 48, 65])  # blocks of 8 queries; 16, 32 or 48 padded keys
 def test_partial_query_blocks_and_key_tiles_equal_the_float64_reference(t):
     q, k, v = _fused(2, 3, t, seed=t)
@@ -281,7 +282,7 @@ def test_partial_query_blocks_and_key_tiles_equal_the_float64_reference(t):
                                rtol=1e-5, atol=1e-5)
 
 
-@needs_kernel
+@needs_avx512
 def test_a_querys_output_does_not_depend_on_its_block():
     q, k, v = _fused(1, 2, 37, seed=0)
     order = torch.randperm(37, generator=torch.Generator().manual_seed(1))

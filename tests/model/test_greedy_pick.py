@@ -21,7 +21,7 @@ def _reference(logits: torch.Tensor, banned: list[int]) -> tuple[torch.Tensor, t
 
 @pytest.mark.parametrize(("rows", "vocab"), [(1, 8000), (3, 37), (32, 8000), (2, 16), (5, 1)])
 @pytest.mark.parametrize("banned", [[], [2], [0, 5]])
-def test_kernel_equals_the_reference(rows, vocab, banned):
+def test_kernel_equals_the_reference(rows, vocab, banned, vector_bits):
     banned = [b for b in banned if b < vocab]
     logits = torch.randn(rows, vocab) * 4
     tokens, logprobs = kernel.greedy_pick(logits, banned)
@@ -31,7 +31,7 @@ def test_kernel_equals_the_reference(rows, vocab, banned):
         torch.testing.assert_close(logprobs.double(), expected, rtol=1e-6, atol=1e-5)
 
 
-def test_the_first_maximal_column_wins_and_a_banned_maximum_gives_way():
+def test_the_first_maximal_column_wins_and_a_banned_maximum_gives_way(vector_bits):
     logits = torch.zeros(3, 40)
     logits[0, [7, 23, 39]] = 5.0  # ties across lanes: the first column
     logits[1, 2], logits[1, 30] = 9.0, 8.0  # the maximum is banned: the best allowed column
@@ -42,7 +42,7 @@ def test_the_first_maximal_column_wins_and_a_banned_maximum_gives_way():
     torch.testing.assert_close(logprobs.double(), _reference(logits, [2])[1], rtol=1e-6, atol=1e-5)
 
 
-def test_a_row_of_minus_infinity_gives_a_token_and_minus_infinity():
+def test_a_row_of_minus_infinity_gives_a_token_and_minus_infinity(vector_bits):
     tokens, logprobs = kernel.greedy_pick(torch.full((1, 20), float("-inf")), [0])
     assert 0 <= tokens.item() < 20 and logprobs.item() == float("-inf")
 

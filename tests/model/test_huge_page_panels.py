@@ -11,7 +11,7 @@ from model import native
 from model.huge_pages import HUGE_PAGE
 from model.packed_weights import packed
 
-kernel = native.gemm_kernels()  # the panel GEMM: AVX-512 or AVX2
+kernel = native.kernels()  # the panel GEMM: AVX-512 or AVX2
 pytestmark = pytest.mark.skipif(kernel is None, reason="the C++ kernels do not run here")
 
 MAPS, THP = Path("/proc/self/smaps"), Path("/sys/kernel/mm/transparent_hugepage/enabled")

@@ -13,9 +13,8 @@ from model.layers import RMSNorm
 from model.layout import use_input_major_weights
 from model.quantize import prepare_for_inference
 
-kernel = native.gemm_kernels()  # the linear layers' GEMMs: AVX-512 or AVX2
+kernel = native.kernels()  # AVX-512 or AVX2
 pytestmark = pytest.mark.skipif(kernel is None, reason="the C++ kernels do not run here")
-needs_avx512 = pytest.mark.skipif(native.kernels() is None, reason="the norms and activations need AVX-512")
 
 
 class _Recording:
@@ -41,8 +40,8 @@ def calls(monkeypatch) -> list[str]:
     def kernels():
         return _Recording(kernel, recorded)
 
-    kernels.cache_clear = native.gemm_kernels.cache_clear  # as native.using_options (kernel_options) expects
-    monkeypatch.setattr(native, "gemm_kernels", kernels)
+    kernels.cache_clear = native.kernels.cache_clear  # as native.using_options (kernel_options) expects
+    monkeypatch.setattr(native, "kernels", kernels)
     return recorded
 
 
@@ -106,7 +105,6 @@ def test_a_served_classifier_runs_every_projection_on_our_kernels_and_agrees_wit
         assert "packed_linear" in calls and set(calls) <= {"packed_linear", "few_rows_linear"}
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(native, "kernels", lambda: None)
-            patch.setattr(native, "gemm_kernels", lambda: None)
             expected = model(ids)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
@@ -116,25 +114,23 @@ def test_plain_means_float_linear_layers_only():
     assert not is_plain(nn.LayerNorm(3)) and not is_plain(nn.Sequential(Linear(2, 3)))
 
 
-@needs_avx512
-def test_layer_norm_inference_on_the_kernel_equals_torch_in_float64():
+def test_layer_norm_inference_on_the_kernel_equals_torch_in_float64(vector_bits):
     torch.manual_seed(0)
-    norm = LayerNorm(40, eps=1e-5)
+    norm = LayerNorm(44, eps=1e-5)
     with torch.no_grad():
         norm.weight.normal_()
         norm.bias.normal_()
-    x = torch.randn(3, 5, 40) * 3 + 1
+    x = torch.randn(3, 5, 44) * 3 + 1
     with torch.no_grad():
         got = norm(x)
-    reference = F.layer_norm(x.double(), (40,), norm.weight.double(), norm.bias.double(), 1e-5)
+    reference = F.layer_norm(x.double(), (44,), norm.weight.double(), norm.bias.double(), 1e-5)
     torch.testing.assert_close(got.double(), reference, rtol=1e-5, atol=1e-5)
     norm(x.requires_grad_(True)).sum().backward()  # training: torch's op, gradients flow
     assert x.grad is not None and norm.weight.grad is not None
 
 
-@needs_avx512
 @pytest.mark.parametrize("offset", [False, True])
-def test_rms_norm_inference_on_the_kernel_equals_torch_in_float64(offset, monkeypatch):
+def test_rms_norm_inference_on_the_kernel_equals_torch_in_float64(offset, monkeypatch, vector_bits):
     """RMSNorm's inference (a prefill's norms, the final norm of a step) takes the kernels' one-pass row norm; its
     values are the float64 reference's, and training keeps torch's ops (gradients flow)."""
     kernels, calls = native.kernels(), []
@@ -149,10 +145,10 @@ def test_rms_norm_inference_on_the_kernel_equals_torch_in_float64(offset, monkey
 
     monkeypatch.setattr(native, "kernels", Recording)
     torch.manual_seed(0)
-    norm = RMSNorm(40, eps=1e-6, offset=offset)
+    norm = RMSNorm(44, eps=1e-6, offset=offset)
     with torch.no_grad():
         norm.weight.normal_()
-    x = torch.randn(3, 5, 40) * 3 + 1
+    x = torch.randn(3, 5, 44) * 3 + 1
     with torch.no_grad():
         got = norm(x)
     assert len(calls) == 1
@@ -164,9 +160,8 @@ def test_rms_norm_inference_on_the_kernel_equals_torch_in_float64(offset, monkey
     assert x.grad is not None and norm.weight.grad is not None
 
 
-@needs_avx512
 @pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu"])
-def test_activations_on_the_kernel_equal_torch_in_float64(activation):
+def test_activations_on_the_kernel_equal_torch_in_float64(activation, vector_bits):
     h = torch.randn(4, 7, 50) * 4
     reference = {"relu": F.relu, "silu": F.silu, "gelu": F.gelu,
                  "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}[activation](h.double())

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from model import native
+from model import int8_kernel, native
 from model.fast_step import plan_for
 from model.layout import use_input_major_weights
 from model.lora import LoRAConfig, add_adapter, use_adapters
@@ -59,6 +59,7 @@ def test_classifier_logits_and_hidden_states_equal_the_float64_reference(norm, l
 
 
 @pytest.mark.parametrize("length", [12, 40])
+@pytest.mark.skipif(int8_kernel.vnni_kernel() is None, reason="the C++ encoder runs our int8 kernel (AVX512-VNNI)")
 def test_int8_with_the_fused_projection_equals_the_layers_python_path(length):
     """Past 16 queries both paths attend through the kernel the layers pick, so int8's roundings agree too."""
     model = tiny_classifier(n_layers=2)

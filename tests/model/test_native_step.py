@@ -112,7 +112,7 @@ def test_native_step_over_several_tokens_per_row_equals_the_python_replay(ragged
 
 
 @pytest.mark.parametrize("ragged", [False, True], ids=["uniform", "ragged"])
-def test_native_step_equals_the_python_replay(norm, ragged):
+def test_native_step_equals_the_python_replay(norm, ragged, vector_bits):
     """Pre-/post-LN, GELU/ReLU, uniform and ragged caches (per-row writes, masks), padded sources."""
     lm = tiny_causal_lm(norm=norm, activation="gelu_tanh")
     _assert_equal(lm, causal_cache(lm, ragged))

@@ -2,13 +2,10 @@
 how packed copies follow their weights, and generation with and without them; in 512-bit tiles where the CPU has
 AVX-512 and in AVX2's 256-bit ones (which AVX-512 CPUs run too)."""
 
-import dataclasses
-
 import pytest
 import torch
 
 from model import native, packed_weights
-from model.cpu import kernel_tuning, this_cpu
 from model.decoding import GenerationConfig
 from model.fast_step import plan_for
 from model.generation import generate_causal, generate_seq2seq
@@ -17,17 +14,8 @@ from model.lora import LoRAConfig, add_adapter, merge_adapter
 from model.lora_layers import LoRALinear
 from tests.model.conftest import random_ids, tiny_causal_lm, tiny_seq2seq
 
-kernel = native.gemm_kernels()
+kernel = native.kernels()
 pytestmark = pytest.mark.skipif(kernel is None, reason="the C++ kernels do not run here")
-WIDTHS = [bits for bits, runs in ((512, kernel and kernel.has_avx512()), (256, kernel and kernel.has_avx2())) if runs]
-
-
-@pytest.fixture(params=WIDTHS, ids=lambda bits: f"{bits}-bit")
-def vector_bits(request):
-    """The panel GEMM capped at this width for the test (this CPU's rule otherwise)."""
-    native.apply_tuning(kernel, dataclasses.replace(kernel_tuning(this_cpu()), vector_bits=request.param))
-    yield request.param
-    native.apply_tuning(kernel, kernel_tuning(this_cpu()))
 
 
 def _weights(out_features: int, in_features: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,7 +99,7 @@ def test_packed_copies_follow_their_weights():
     assert packed_weights.packed(kernel, layer.weight.double()) is None
 
 
-@pytest.mark.skipif(native.kernels() is None, reason="the native step needs AVX-512")
+@pytest.mark.skipif(native.kernels() is None, reason="the C++ kernels do not run here")
 def test_steps_of_a_few_rows_or_with_packing_off_use_none(kernel_options):
     lm = tiny_causal_lm()
     native = plan_for(lm.decoder).native

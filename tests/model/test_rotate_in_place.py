@@ -13,7 +13,7 @@ from model.rope import Rotary, apply_rotary
 from tests.model.test_hf_llama import save_llama
 
 kernels = native.kernels()
-pytestmark = pytest.mark.skipif(kernels is None or not kernels.has_avx512(), reason="the C++ kernels do not run here")
+pytestmark = pytest.mark.skipif(kernels is None, reason="the C++ kernels do not run here")
 
 
 def _heads(batch: int, heads: int, tokens: int, dh: int, seed: int) -> torch.Tensor:
@@ -25,7 +25,7 @@ def _heads(batch: int, heads: int, tokens: int, dh: int, seed: int) -> torch.Ten
 
 @pytest.mark.parametrize(("batch", "heads", "tokens", "dh", "rotary_dim", "per_row"), [
     (1, 3, 37, 64, 64, False), (2, 5, 19, 32, 16, False), (3, 2, 11, 48, 48, True), (1, 4, 1, 128, 128, False)])
-def test_rotate_is_apply_rotary_bit_for_bit_in_place(batch, heads, tokens, dh, rotary_dim, per_row):
+def test_rotate_is_apply_rotary_bit_for_bit_in_place(batch, heads, tokens, dh, rotary_dim, per_row, vector_bits):
     rotary = Rotary(dh, theta=10000.0, rotary_dim=rotary_dim)
     positions = torch.arange(tokens)[None] + (torch.tensor([[0], [7], [300]])[:batch] if per_row else 900)
     cos, sin = rotary.cos_sin(positions)
