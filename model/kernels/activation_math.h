@@ -18,12 +18,9 @@ namespace tserve {
 // erf(x), |error| < 3e-7 (Abramowitz & Stegun 7.1.26 with exp(-x^2) from simd_math.h)
 TSERVE_ACTIVATION_TARGET inline __m512 erf_approx(__m512 x) {
   const __m512 a = _mm512_abs_ps(x);
-  const __m512 t = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_fmadd_ps(_mm512_set1_ps(0.3275911f), a, _mm512_set1_ps(1.f)));
-  __m512 p = _mm512_set1_ps(1.061405429f);
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-1.453152027f));
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.421413741f));
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-0.284496736f));
-  p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(0.254829592f));
+  const __m512 t = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_fmadd_ps(_mm512_set1_ps(kErfP), a, _mm512_set1_ps(1.f)));
+  __m512 p = _mm512_set1_ps(kErfPoly[0]);
+  for (int i = 1; i < 5; ++i) p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(kErfPoly[i]));
   p = _mm512_mul_ps(p, t);
   const __m512 e = exp_nonpositive(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), a), a));
   const __m512 r = _mm512_fnmadd_ps(p, e, _mm512_set1_ps(1.f));  // erf(|x|)

@@ -1,6 +1,6 @@
 // simd_math.h's and activation_math.h's vector math on 8-lane AVX2 + FMA vectors: the AVX2 twins of the decoding
-// step's kernels (CPUs without AVX-512: AMD Zen 2 and 3, Intel before Skylake-SP). The same formulas (polynomial
-// exp, A&S erf), so both widths give values within the same error of the exact ones. A row's last, partial vector
+// step's kernels (CPUs without AVX-512: AMD Zen 2 and 3, Intel before Skylake-SP). The same formulas and polynomials
+// (simd_math.h's kExp2Poly, kErfPoly), so both widths give values within the same error of the exact ones. A row's last, partial vector
 // is read and written through a lane mask (first_lanes8), as the AVX-512 kernels do with theirs.
 #pragma once
 
@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "kernels.h"
+#include "simd_math.h"
 
 #define TSERVE_AVX2 __attribute__((target("avx2,fma")))
 #define TSERVE_AVX2_INLINE __attribute__((target("avx2,fma"), always_inline)) inline
@@ -48,13 +49,8 @@ TSERVE_AVX2_INLINE __m256 exp_nonpositive(__m256 x) {
   const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
   const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(t, n);
-  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  __m256 p = _mm256_set1_ps(kExp2Poly[0]);
+  for (int i = 1; i < 7; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Poly[i]));
   // 2^n for n in [-126, 0] (x >= -87): the exponent field n + 127
   const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
@@ -70,12 +66,9 @@ TSERVE_AVX2_INLINE __m256 with_sign_of(__m256 r, __m256 x) {
 // erf(x), |error| < 3e-7 (Abramowitz & Stegun 7.1.26)
 TSERVE_AVX2_INLINE __m256 erf_approx(__m256 x) {
   const __m256 a = abs(x);
-  const __m256 t = _mm256_div_ps(_mm256_set1_ps(1.f), _mm256_fmadd_ps(_mm256_set1_ps(0.3275911f), a, _mm256_set1_ps(1.f)));
-  __m256 p = _mm256_set1_ps(1.061405429f);
-  p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(-1.453152027f));
-  p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(1.421413741f));
-  p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(-0.284496736f));
-  p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(0.254829592f));
+  const __m256 t = _mm256_div_ps(_mm256_set1_ps(1.f), _mm256_fmadd_ps(_mm256_set1_ps(kErfP), a, _mm256_set1_ps(1.f)));
+  __m256 p = _mm256_set1_ps(kErfPoly[0]);
+  for (int i = 1; i < 5; ++i) p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(kErfPoly[i]));
   p = _mm256_mul_ps(p, t);
   const __m256 e = exp_nonpositive(_mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), a), a));
   return with_sign_of(_mm256_fnmadd_ps(p, e, _mm256_set1_ps(1.f)), x);
@@ -105,13 +98,6 @@ TSERVE_AVX2_INLINE __m256 activate(__m256 x, Activation activation) {
   const __m256 inner = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
                                      _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), x), _mm256_mul_ps(x, x), x));
   return _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, tanh_approx(inner)));
-}
-
-// The sum of a[i] * b[i] over n floats.
-TSERVE_AVX2_INLINE float dot(const float* a, const float* b, int64_t n) {
-  __m256 sum = _mm256_setzero_ps();
-  for (int64_t i = 0; i < n; i += 8) sum = _mm256_fmadd_ps(load_first(a + i, n - i), load_first(b + i, n - i), sum);
-  return reduce_add(sum);
 }
 
 }  // namespace tserve::avx2
