@@ -1,7 +1,7 @@
 // simd_math.h's and activation_math.h's vector math on 8-lane AVX2 + FMA vectors: the AVX2 twins of the decoding
 // step's kernels (CPUs without AVX-512: AMD Zen 2 and 3, Intel before Skylake-SP). The same formulas and polynomials
-// (simd_math.h's kExp2Poly, kErfPoly), so both widths give values within the same error of the exact ones. A row's last, partial vector
-// is read and written through a lane mask (first_lanes8), as the AVX-512 kernels do with theirs.
+// (simd_math.h's kExp2Poly, kErfPoly), so both widths give values within the same error of the exact ones. A row's
+// last, partial vector is read and written through a lane mask (first_lanes8), as the AVX-512 kernels do with theirs.
 #pragma once
 
 #include <immintrin.h>
@@ -66,12 +66,13 @@ TSERVE_AVX2_INLINE __m256 with_sign_of(__m256 r, __m256 x) {
 // erf(x), |error| < 3e-7 (Abramowitz & Stegun 7.1.26)
 TSERVE_AVX2_INLINE __m256 erf_approx(__m256 x) {
   const __m256 a = abs(x);
-  const __m256 t = _mm256_div_ps(_mm256_set1_ps(1.f), _mm256_fmadd_ps(_mm256_set1_ps(kErfP), a, _mm256_set1_ps(1.f)));
+  const __m256 one = _mm256_set1_ps(1.f);
+  const __m256 t = _mm256_div_ps(one, _mm256_fmadd_ps(_mm256_set1_ps(kErfP), a, one));
   __m256 p = _mm256_set1_ps(kErfPoly[0]);
   for (int i = 1; i < 5; ++i) p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(kErfPoly[i]));
   p = _mm256_mul_ps(p, t);
   const __m256 e = exp_nonpositive(_mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), a), a));
-  return with_sign_of(_mm256_fnmadd_ps(p, e, _mm256_set1_ps(1.f)), x);
+  return with_sign_of(_mm256_fnmadd_ps(p, e, one), x);
 }
 
 // tanh(u) = sign(u) (1 - e^{-2|u|}) / (1 + e^{-2|u|})
@@ -95,8 +96,8 @@ TSERVE_AVX2_INLINE __m256 activate(__m256 x, Activation activation) {
     return _mm256_mul_ps(x, _mm256_blendv_ps(inverse, _mm256_mul_ps(inverse, e), negative));
   }
   // x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
-  const __m256 inner = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
-                                     _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), x), _mm256_mul_ps(x, x), x));
+  const __m256 cubic = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), x), _mm256_mul_ps(x, x), x);
+  const __m256 inner = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f), cubic);
   return _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, tanh_approx(inner)));
 }
 

@@ -138,7 +138,8 @@ TSERVE_AVX2 void scan_row(const float* row, int64_t v, const std::vector<int64_t
     if (running == kNegInf) continue;
     const __m256 shift_v = _mm256_set1_ps(running);
     for (int64_t c = start; c < end; c += 8) {
-      const __m256 e = tserve::avx2::exp_nonpositive(_mm256_sub_ps(tserve::avx2::load_first(row + c, end - c), shift_v));
+      const __m256 x = tserve::avx2::load_first(row + c, end - c);
+      const __m256 e = tserve::avx2::exp_nonpositive(_mm256_sub_ps(x, shift_v));
       sum = _mm256_add_ps(sum, end - c >= 8 ? e : _mm256_and_ps(e, _mm256_castsi256_ps(first_lanes8(end - c))));
     }
   }

@@ -409,7 +409,8 @@ TSERVE_AVX2 void attend_query(const Head& head, int64_t i, float scale, float* s
   __m256 total = _mm256_setzero_ps();
   for (int64_t j = 0; j < keys; j += 8) {
     const __m256 kept = _mm256_castsi256_ps(tserve::avx2::first_lanes8(keys - j));
-    const __m256 e = _mm256_and_ps(kept, tserve::avx2::exp_nonpositive(_mm256_sub_ps(load_first(scores + j, keys - j), shift)));
+    const __m256 e =
+        _mm256_and_ps(kept, tserve::avx2::exp_nonpositive(_mm256_sub_ps(load_first(scores + j, keys - j), shift)));
     tserve::avx2::store_first(scores + j, e, keys - j);
     total = _mm256_add_ps(total, e);
   }

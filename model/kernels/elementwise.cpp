@@ -188,12 +188,14 @@ TSERVE_AVX2 inline __m256 product(__m256 a, __m256 b) {
 }
 
 template <bool kRounded>
-TSERVE_AVX2 void rotate_row(float* x, const float* c, const float* s, int64_t half, int64_t dh, bool scaled, float scale) {
+TSERVE_AVX2 void rotate_row(float* x, const float* c, const float* s, int64_t half, int64_t dh, bool scaled,
+                            float scale) {
   const __m256 by = _mm256_set1_ps(scale);
   for (int64_t j = 0; j < half; j += 8) {
     const int64_t left = half - j;
     const __m256 x1 = load_first(x + j, left), x2 = load_first(x + half + j, left);
-    __m256 y1 = _mm256_sub_ps(product<kRounded>(x1, load_first(c + j, left)), product<kRounded>(x2, load_first(s + j, left)));
+    __m256 y1 = _mm256_sub_ps(product<kRounded>(x1, load_first(c + j, left)),
+                              product<kRounded>(x2, load_first(s + j, left)));
     __m256 y2 = _mm256_add_ps(product<kRounded>(x2, load_first(c + half + j, left)),
                               product<kRounded>(x1, load_first(s + half + j, left)));
     if (scaled) y1 = _mm256_mul_ps(y1, by), y2 = _mm256_mul_ps(y2, by);
@@ -205,7 +207,8 @@ TSERVE_AVX2 void rotate_row(float* x, const float* c, const float* s, int64_t ha
 }
 
 TSERVE_AVX2 void mul_row(float* y, const float* x, int64_t n) {
-  for (int64_t c = 0; c < n; c += 8) store_first(y + c, _mm256_mul_ps(load_first(y + c, n - c), load_first(x + c, n - c)), n - c);
+  for (int64_t c = 0; c < n; c += 8)
+    store_first(y + c, _mm256_mul_ps(load_first(y + c, n - c), load_first(x + c, n - c)), n - c);
 }
 
 TSERVE_AVX2 void activate_row(float* y, int64_t n, Activation activation) {
@@ -214,7 +217,8 @@ TSERVE_AVX2 void activate_row(float* y, int64_t n, Activation activation) {
 }
 
 TSERVE_AVX2 void add_row(float* y, const float* x, int64_t n) {
-  for (int64_t c = 0; c < n; c += 8) store_first(y + c, _mm256_add_ps(load_first(y + c, n - c), load_first(x + c, n - c)), n - c);
+  for (int64_t c = 0; c < n; c += 8)
+    store_first(y + c, _mm256_add_ps(load_first(y + c, n - c), load_first(x + c, n - c)), n - c);
 }
 
 }  // namespace avx2
