@@ -33,8 +33,9 @@ from model import native, packed_weights
 
 def kernels_for(x: torch.Tensor) -> ModuleType | None:
     """Our kernels where they compute on ``x``: float32 CPU inference on a CPU that runs them; else None."""
-    float32_cpu_inference = not torch.is_grad_enabled() and x.dtype == torch.float32 and x.device.type == "cpu"
-    return native.kernels() if float32_cpu_inference else None
+    if torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
+        return None
+    return native.kernels()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -223,7 +223,7 @@ def kernels() -> ModuleType | None:
     if not options().decode_kernels:
         return None
     module, why = load()
-    if module is not None and not (module.has_avx512() or module.has_avx2()):
+    if module is not None and not module.has_vector_kernels():
         module, why = None, "this CPU has neither AVX-512 nor AVX2 with FMA"
     if module is None:
         logger.info("inference uses PyTorch ops (SDPA, MKL): %s", why)

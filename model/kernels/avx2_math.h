@@ -31,6 +31,13 @@ TSERVE_AVX2_INLINE void store_first(float* p, __m256 v, int64_t left) {
   else _mm256_maskstore_ps(p, first_lanes8(left), v);
 }
 
+// The first `left` floats at p, -inf past them (a maximum's or a comparison's last, partial vector).
+TSERVE_AVX2_INLINE __m256 load_first_or_lowest(const float* p, int64_t left) {
+  if (left >= 8) return _mm256_loadu_ps(p);
+  return _mm256_blendv_ps(_mm256_set1_ps(-__builtin_inff()), _mm256_maskload_ps(p, first_lanes8(left)),
+                          _mm256_castsi256_ps(first_lanes8(left)));
+}
+
 TSERVE_AVX2_INLINE float reduce_add(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -54,6 +61,12 @@ TSERVE_AVX2_INLINE __m256 exp_nonpositive(__m256 x) {
   // 2^n for n in [-126, 0] (x >= -87): the exponent field n + 127
   const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+// exp(p[i] - shift) for the first `left` floats at p (each at most shift), zeros past them: a softmax's terms.
+TSERVE_AVX2_INLINE __m256 exp_first(const float* p, int64_t left, __m256 shift) {
+  const __m256 e = exp_nonpositive(_mm256_sub_ps(load_first(p, left), shift));
+  return left >= 8 ? e : _mm256_and_ps(e, _mm256_castsi256_ps(first_lanes8(left)));
 }
 
 TSERVE_AVX2_INLINE __m256 abs(__m256 x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), x); }

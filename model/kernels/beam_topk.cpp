@@ -104,14 +104,7 @@ AVX512 void scan_row(const float* row, int64_t v, const std::vector<int64_t>& ba
 // order.
 namespace avx2 {
 
-using tserve::avx2::first_lanes8;
-
-// The floats of row[c, end) among the 8 from c, -inf past end.
-TSERVE_AVX2 inline __m256 load_or_lowest(const float* row, int64_t c, int64_t end) {
-  if (end - c >= 8) return _mm256_loadu_ps(row + c);
-  return _mm256_blendv_ps(_mm256_set1_ps(kNegInf), tserve::avx2::load_first(row + c, end - c),
-                          _mm256_castsi256_ps(first_lanes8(end - c)));
-}
+using tserve::avx2::load_first_or_lowest;
 
 TSERVE_AVX2 void scan_row(const float* row, int64_t v, const std::vector<int64_t>& banned, RowBest& out, float& shift,
                           float& log_sum) {
@@ -120,11 +113,12 @@ TSERVE_AVX2 void scan_row(const float* row, int64_t v, const std::vector<int64_t
   for (int64_t start = 0; start < v; start += kBlock) {
     const int64_t end = std::min(start + kBlock, v);
     __m256 top = _mm256_set1_ps(kNegInf);
-    for (int64_t c = start; c < end; c += 8) top = _mm256_max_ps(top, load_or_lowest(row, c, end));
+    for (int64_t c = start; c < end; c += 8) top = _mm256_max_ps(top, load_first_or_lowest(row + c, end - c));
     const float block_max = tserve::avx2::reduce_max(top);
     if (block_max > out.threshold) {  // some column here may enter the best k
       for (int64_t c = start; c < end; c += 8) {
-        const __m256 above = _mm256_cmp_ps(load_or_lowest(row, c, end), _mm256_set1_ps(out.threshold), _CMP_GT_OQ);
+        const __m256 above =
+            _mm256_cmp_ps(load_first_or_lowest(row + c, end - c), _mm256_set1_ps(out.threshold), _CMP_GT_OQ);
         for (unsigned bits = _mm256_movemask_ps(above); bits; bits &= bits - 1) {
           const int lane = __builtin_ctz(bits);
           out.offer(row[c + lane], c + lane, banned);
@@ -137,11 +131,8 @@ TSERVE_AVX2 void scan_row(const float* row, int64_t v, const std::vector<int64_t
     }
     if (running == kNegInf) continue;
     const __m256 shift_v = _mm256_set1_ps(running);
-    for (int64_t c = start; c < end; c += 8) {
-      const __m256 x = tserve::avx2::load_first(row + c, end - c);
-      const __m256 e = tserve::avx2::exp_nonpositive(_mm256_sub_ps(x, shift_v));
-      sum = _mm256_add_ps(sum, end - c >= 8 ? e : _mm256_and_ps(e, _mm256_castsi256_ps(first_lanes8(end - c))));
-    }
+    for (int64_t c = start; c < end; c += 8)
+      sum = _mm256_add_ps(sum, tserve::avx2::exp_first(row + c, end - c, shift_v));
   }
   shift = running;
   log_sum = std::log(tserve::avx2::reduce_add(sum));
@@ -153,7 +144,7 @@ TSERVE_AVX2 void scan_row(const float* row, int64_t v, const std::vector<int64_t
 
 std::tuple<torch::Tensor, torch::Tensor> beam_topk(const torch::Tensor& logits, const torch::Tensor& scores,
                                                    int64_t width, int64_t k, const std::vector<int64_t>& banned) {
-  TORCH_CHECK(has_avx512() || has_avx2(), "beam top-k: this CPU has neither AVX-512 nor AVX2");
+  TORCH_CHECK(has_vector_kernels(), "beam top-k: this CPU has neither AVX-512 nor AVX2");
   const bool avx512 = wide_vectors();
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.device().is_cpu() && logits.stride(1) == 1,
               "beam top-k: logits must be (R, V) float32 on CPU with unit stride along V");

@@ -20,6 +20,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              "a gated FFN's hidden rows act(x gate^T + b) * (x up^T + b') quantised for the next int8 GEMM", release());
   module.def("has_avx512", &has_avx512, "whether this CPU has AVX-512 F/BW/VL/DQ (decode_attention)");
   module.def("has_avx2", &has_avx2, "whether this CPU has AVX2 and FMA (the float32 kernels' 8-lane twins)");
+  module.def("has_vector_kernels", &has_vector_kernels, "whether this CPU runs the float32 kernels (AVX-512 or AVX2)");
   module.def("decode_attention", &decode_attention,
              "attention of a few queries per head over a KV cache (and a shared prefix's blocks), float32",
              pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("mask"),

@@ -408,9 +408,7 @@ TSERVE_AVX2 void attend_query(const Head& head, int64_t i, float scale, float* s
   const __m256 shift = _mm256_set1_ps(top);
   __m256 total = _mm256_setzero_ps();
   for (int64_t j = 0; j < keys; j += 8) {
-    const __m256 kept = _mm256_castsi256_ps(tserve::avx2::first_lanes8(keys - j));
-    const __m256 e =
-        _mm256_and_ps(kept, tserve::avx2::exp_nonpositive(_mm256_sub_ps(load_first(scores + j, keys - j), shift)));
+    const __m256 e = tserve::avx2::exp_first(scores + j, keys - j, shift);
     tserve::avx2::store_first(scores + j, e, keys - j);
     total = _mm256_add_ps(total, e);
   }
@@ -465,7 +463,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
                                const c10::optional<torch::Tensor>& prefix_table, int64_t layer,
                                const c10::optional<torch::Tensor>& beam_lead,
                                const c10::optional<torch::Tensor>& beam_shared) {
-  TORCH_CHECK(has_avx512() || has_avx2(), "decode attention: this CPU has neither AVX-512 nor AVX2");
+  TORCH_CHECK(has_vector_kernels(), "decode attention: this CPU has neither AVX-512 nor AVX2");
   const bool avx512 = wide_vectors();
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "decode attention: q, k, v must be (B, H, T, Dh)");
   for (const auto* t : {&q, &k, &v})

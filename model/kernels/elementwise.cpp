@@ -24,14 +24,8 @@ namespace {
 
 constexpr int64_t kGrain = 1 << 15;  // elements per task before rows are spread over threads
 
-// Whether the rows below or their AVX2 twins (namespace avx2, where wide_vectors() is false) run on this CPU.
-bool runs() {
-  static const bool found = has_avx512() || has_avx2();
-  return found;
-}
-
 bool fits(const torch::Tensor& t) {
-  return runs() && t.scalar_type() == at::kFloat && t.device().is_cpu() && t.is_contiguous() &&
+  return has_vector_kernels() && t.scalar_type() == at::kFloat && t.device().is_cpu() && t.is_contiguous() &&
          !(at::GradMode::is_enabled() && t.requires_grad());
 }
 
@@ -275,7 +269,7 @@ torch::Tensor rows_rms_norm_into(const torch::Tensor& x, const torch::Tensor& we
 // x (B, H, t, Dh) with unit stride along Dh (a view of a fresh projection) normalized in place over each head's Dh
 // features: the q/k norms of Qwen3 and Gemma 3 (model.layers.RMSNorm of width Dh; `offset`: by 1 + weight).
 void rows_head_rms_norm_(const torch::Tensor& x, const torch::Tensor& weight, double eps, bool offset) {
-  TORCH_CHECK(runs() && x.dim() == 4 && x.scalar_type() == at::kFloat && x.device().is_cpu() && x.stride(3) == 1,
+  TORCH_CHECK(has_vector_kernels() && x.dim() == 4 && x.scalar_type() == at::kFloat && x.device().is_cpu() && x.stride(3) == 1,
               "head norm: x must be a float32 CPU (B, H, t, Dh) tensor with unit stride along Dh");
   TORCH_CHECK(fits(weight) && weight.numel() == x.size(3), "head norm: the weight must be float32 (Dh,)");
   const int64_t heads = x.size(1), t = x.size(2), dh = x.size(3);
@@ -306,7 +300,7 @@ namespace {
 // head rotate, the rest pass through; then every feature is multiplied by `scale` unless it is 1.
 template <bool kRounded>
 void rotate_rows(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, double scale) {
-  TORCH_CHECK(runs() && x.dim() == 4 && x.scalar_type() == at::kFloat && x.device().is_cpu() && x.stride(3) == 1,
+  TORCH_CHECK(has_vector_kernels() && x.dim() == 4 && x.scalar_type() == at::kFloat && x.device().is_cpu() && x.stride(3) == 1,
               "rotate: x must be a float32 CPU (B, H, t, Dh) tensor with unit stride along Dh");
   TORCH_CHECK(cos.dim() == 3 && cos.sizes() == sin.sizes() && (cos.size(0) == 1 || cos.size(0) == x.size(0)) &&
               cos.size(1) == x.size(2) && cos.size(2) % 2 == 0 && cos.size(2) <= x.size(3) &&

@@ -68,19 +68,12 @@ AVX512 Choice pick(const float* row, int64_t v, const std::vector<int64_t>& bann
 // pick() on 8-lane AVX2 vectors (avx2_math.h), for CPUs without AVX-512: the same choice, the sum in another order.
 namespace avx2 {
 
-// The floats of row[c, c + 8) that lie before v, -inf past it (as pick()'s masked loads).
-TSERVE_AVX2 inline __m256 load_or_lowest(const float* row, int64_t c, int64_t v) {
-  if (v - c >= 8) return _mm256_loadu_ps(row + c);
-  return _mm256_blendv_ps(_mm256_set1_ps(kNegInf), tserve::avx2::load_first(row + c, v - c),
-                          _mm256_castsi256_ps(tserve::avx2::first_lanes8(v - c)));
-}
-
 TSERVE_AVX2 Choice pick(const float* row, int64_t v, const std::vector<int64_t>& banned) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   __m256 best = _mm256_set1_ps(kNegInf);
   __m256i best_at = _mm256_set1_epi32(std::numeric_limits<int32_t>::max());
   for (int64_t c = 0; c < v; c += 8) {  // per lane: the maximum and its first column
-    const __m256 x = load_or_lowest(row, c, v);
+    const __m256 x = tserve::avx2::load_first_or_lowest(row + c, v - c);
     const __m256 better = _mm256_cmp_ps(x, best, _CMP_GT_OQ);
     best = _mm256_blendv_ps(best, x, better);
     const __m256i at = _mm256_add_epi32(lane, _mm256_set1_epi32(static_cast<int32_t>(c)));
@@ -99,10 +92,7 @@ TSERVE_AVX2 Choice pick(const float* row, int64_t v, const std::vector<int64_t>&
   if (top == kNegInf) return {token, kNegInf};
   __m256 sum = _mm256_setzero_ps();
   const __m256 shift = _mm256_set1_ps(top);
-  for (int64_t c = 0; c < v; c += 8) {
-    const __m256 e = tserve::avx2::exp_nonpositive(_mm256_sub_ps(tserve::avx2::load_first(row + c, v - c), shift));
-    sum = _mm256_add_ps(sum, v - c >= 8 ? e : _mm256_and_ps(e, _mm256_castsi256_ps(tserve::avx2::first_lanes8(v - c))));
-  }
+  for (int64_t c = 0; c < v; c += 8) sum = _mm256_add_ps(sum, tserve::avx2::exp_first(row + c, v - c, shift));
   return {token, row[token] - (top + std::log(tserve::avx2::reduce_add(sum)))};
 }
 
@@ -112,7 +102,7 @@ TSERVE_AVX2 Choice pick(const float* row, int64_t v, const std::vector<int64_t>&
 
 // logits (R, V) float32 CPU, unit stride along V; banned: column ids in [0, V). -> (tokens int64 (R,), logprobs (R,))
 std::tuple<torch::Tensor, torch::Tensor> greedy_pick(const torch::Tensor& logits, const std::vector<int64_t>& banned) {
-  TORCH_CHECK(has_avx512() || has_avx2(), "greedy pick: this CPU has neither AVX-512 nor AVX2");
+  TORCH_CHECK(has_vector_kernels(), "greedy pick: this CPU has neither AVX-512 nor AVX2");
   const bool avx512 = wide_vectors();
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.device().is_cpu() && logits.stride(1) == 1,
               "greedy pick: logits must be (R, V) float32 on CPU with unit stride along V");

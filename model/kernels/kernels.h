@@ -14,6 +14,8 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, c
 bool has_avx512();
 // AVX2 and FMA: the 8-lane twins of the float32 kernels (avx2_math.h), for CPUs without AVX-512.
 bool has_avx2();
+// Whether this CPU runs the float32 kernels (the decoding step's, the panel GEMM): AVX-512, or AVX2 + FMA.
+bool has_vector_kernels();
 // Whether the kernels run their AVX-512 code: on an AVX-512 CPU unless the tuning's vector_bits caps them at 256
 // (then, as on a CPU with AVX2 alone, their AVX2 twins: tests and benchmarks run both widths on one machine).
 bool wide_vectors();

@@ -207,6 +207,11 @@ bool wide_vectors() { return wide_tiles(tuning); }
 
 bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 
+bool has_vector_kernels() {
+  static const bool found = has_avx512() || has_avx2();
+  return found;
+}
+
 // weight (N, K) float32, any strides -> its panels (ceil(N / 32), K, 32), the columns past N zero; written into
 // `out` where given (model.packed_weights places it in 2 MB pages, model.huge_pages).
 torch::Tensor pack_weight(const torch::Tensor& weight, const c10::optional<torch::Tensor>& out) {
@@ -231,14 +236,13 @@ torch::Tensor pack_weight(const torch::Tensor& weight, const c10::optional<torch
 // x (..., K) float32; packed from pack_weight of an (N, K) weight; bias (N,) or None -> (..., N).
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
                             const c10::optional<torch::Tensor>& bias) {
-  static const bool runs = has_avx512() || has_avx2();
   const int64_t k = x.size(-1);
   TORCH_CHECK(packed.dim() == 3 && packed.size(0) == panels_for(n) && packed.size(1) == k && packed.size(2) == kPanel &&
                   packed.is_contiguous() && packed.scalar_type() == at::kFloat && packed.device().is_cpu(),
               "packed_linear: packed weights must be pack_weight's (ceil(n / 32), K, 32) of an (n, K) weight");
   TORCH_CHECK(!bias.has_value() || (bias->numel() == n && bias->scalar_type() == at::kFloat && bias->device().is_cpu()),
               "packed_linear: bias must be a float32 CPU (n,) tensor");
-  TORCH_CHECK(runs && x.scalar_type() == at::kFloat && x.device().is_cpu() && !at::GradMode::is_enabled(),
+  TORCH_CHECK(has_vector_kernels() && x.scalar_type() == at::kFloat && x.device().is_cpu() && !at::GradMode::is_enabled(),
               "packed_linear: float32 CPU input without autograd on an AVX-512 or AVX2 CPU only");
   auto sizes = x.sizes().vec();
   sizes.back() = n;

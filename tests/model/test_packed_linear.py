@@ -99,7 +99,6 @@ def test_packed_copies_follow_their_weights():
     assert packed_weights.packed(kernel, layer.weight.double()) is None
 
 
-@pytest.mark.skipif(native.kernels() is None, reason="the C++ kernels do not run here")
 def test_steps_of_a_few_rows_or_with_packing_off_use_none(kernel_options):
     lm = tiny_causal_lm()
     native = plan_for(lm.decoder).native
