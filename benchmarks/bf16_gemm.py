@@ -2,9 +2,9 @@
 
 On the served FFN shapes (768 -> 3072, 3072 -> 768) at 1 to 512 rows: our float32 layers (``model.kernel_layers.
 linear``: the few-rows GEMV up to 4 rows, the panel GEMM over a packed copy beyond), our bf16 ``Bf16Linear``
-(AVX512-BF16 kernel, model/kernels/bf16_linear.cpp), its torch fallback (the bf16 operands upcast per call), our
-``Int8Linear``, and PyTorch's bf16 ``F.linear`` through oneDNN (x cast to bf16 in the call; its output is rounded
-to bf16, so it is not the same numbers: shown for its speed). The engines alternate in rotating order
+(model/kernels/bf16_linear.cpp: AVX512-BF16, else its AVX2 twin), its torch fallback (the bf16 operands upcast per
+call), our ``Int8Linear``, and PyTorch's bf16 ``F.linear`` through oneDNN (x cast to bf16 in the call; its output
+is rounded to bf16, so it is not the same numbers: shown for its speed). The engines alternate in rotating order
 (``benchmarks.gemm.measure``); medians of microseconds per call and each one's rate against our float32 from the
 same run. Outputs are checked first: bf16 layers against a float64 reference of the rounded operands.
 """
@@ -29,7 +29,7 @@ ENGINES = ["ours fp32", "ours bf16", "bf16 fallback", "ours int8", "torch bf16 (
 def engines(weight: torch.Tensor, bias: torch.Tensor, x: torch.Tensor, layers: dict) -> dict[str, Call]:
     stored, wb = layers["stored"], layers["bf16 weight"]
     calls: dict[str, Call] = {"ours fp32": lambda: linear(x, stored, bias)}
-    if layers["bf16"].backend == "avx512_bf16":
+    if layers["bf16"].backend == "kernel":
         calls["ours bf16"] = lambda: layers["bf16"](x)
     calls["bf16 fallback"] = lambda: layers["fallback"](x)
     calls["ours int8"] = lambda: layers["int8"](x)

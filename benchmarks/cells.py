@@ -174,7 +174,10 @@ def kernels() -> str:
     module, why = int8_kernel.available()
     int8 = "AVX512-VNNI kernel" if module is not None and int8_kernel.kernel_choice() != "fbgemm" else \
         f"fbgemm ({why or 'TSERVE_INT8_KERNEL=fbgemm'})"
-    gemms = f"int8 GEMM {int8}; bf16 GEMM {'AVX512-BF16 kernel' if bf16_linear.kernel() else 'torch (float32 upcast)'}"
+    bf16 = bf16_linear.kernel()
+    bf16_gemm = "torch (float32 upcast)" if bf16 is None else \
+        "AVX512-BF16 kernel" if bf16.has_avx512_bf16() else "AVX2 kernel (bf16 pairs split for float32 FMAs)"
+    gemms = f"int8 GEMM {int8}; bf16 GEMM {bf16_gemm}"
     module = native.kernels()
     if module is None:
         return f"{gemms}; decoding step: Python replay, float32 MKL, SDPA"

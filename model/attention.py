@@ -124,8 +124,9 @@ def encoder_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
 def bf16_encoder_kernel() -> ModuleType | None:
     """The kernels whose ``encoder_attention_bf16`` (model/kernels/encoder_attention_bf16.cpp: q, k, v and the softmax's
     weights rounded to bf16, float32 sums; 1.35-1.5x encoder_attention on 32 rows x 12 heads x 128 tokens) runs on
-    this CPU: the ones with AVX512-BF16 (:func:`model.bf16_linear.kernel`, the one check), else None (float32 kept)."""
-    return bf16_linear.kernel()
+    this CPU: the ones with AVX512-BF16, else None (float32 kept)."""
+    module = bf16_linear.kernel()
+    return module if module is not None and module.has_avx512_bf16() else None
 
 
 def prefill_rows(

@@ -7,9 +7,10 @@ the bias are float32, not rounded to bf16 as PyTorch's own bf16 ``linear`` round
 
 Two backends (:attr:`Bf16Linear.backend`), the same numbers up to the order of the float32 sums:
 
-- ``avx512_bf16``: ours (model/kernels/bf16_linear.cpp) where the C++ kernels run (model.native.kernels(), so not
-  under ``TSERVE_DECODE_KERNELS=off``) and the CPU has AVX512-BF16 (AMD Zen 4, Intel Cooper Lake and later), over
-  weights packed once (:func:`pack`);
+- ``kernel``: ours (model/kernels/bf16_linear.cpp) where the C++ kernels run (model.native.kernels(): AVX-512 or
+  AVX2 + FMA, not under ``TSERVE_DECODE_KERNELS=off``), over weights packed once (:func:`pack`): VDPBF16PS where the
+  CPU has AVX512-BF16 (AMD Zen 4, Intel Cooper Lake and later), else the kernel's AVX2 twin, which splits each pair
+  into two float32 weights for float32 FMAs (the same exact products);
 - ``torch`` elsewhere: the bf16 x and weights upcast to float32 per call and one float32 GEMM (exact: a product of
   two bf16 values fits float32's mantissa). PyTorch 2.13 on CPU has no bf16 GEMM with a float32 output
   (``torch.mm(..., out_dtype=torch.float32)`` is CUDA-only) and oneDNN's bf16 ``linear`` rounds its output to bf16
@@ -29,15 +30,12 @@ from torch import nn
 from model import native
 
 PANEL = 32  # outputs per packed panel (bf16_linear.cpp's kPanel): two 16-lane float32 accumulators per row
-BACKENDS = ("auto", "avx512_bf16", "torch")
+BACKENDS = ("auto", "kernel", "torch")
 
 
 def kernel() -> ModuleType | None:
     """The C++ kernels where our bf16 GEMM runs on this CPU (and the decoding kernels are on), else None."""
-    module = native.kernels()
-    if module is None or not module.has_avx512_bf16():
-        return None
-    return module
+    return native.kernels()
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:
@@ -71,7 +69,7 @@ class Bf16Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, backend: str = "auto") -> None:
         """Round ``weight`` (out, in) to bf16; ``bias`` (out,) stays float32. ``backend``: one of BACKENDS
-        (``avx512_bf16``: ours or an error; ``torch``: the fallback, on any machine)."""
+        (``kernel``: ours or an error; ``torch``: the fallback, on any machine)."""
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r}: expected one of {list(BACKENDS)}")
@@ -79,10 +77,10 @@ class Bf16Linear(nn.Module):
         w = weight.detach().to(torch.bfloat16)
         self._bias = bias.detach().float().contiguous() if bias is not None else None
         module = kernel() if backend != "torch" else None
-        if backend == "avx512_bf16" and module is None:
-            raise RuntimeError("backend='avx512_bf16': the C++ kernels do not run here or this CPU has no AVX512-BF16")
+        if backend == "kernel" and module is None:
+            raise RuntimeError("backend='kernel': the C++ kernels do not run here (no AVX-512 or AVX2, or turned off)")
         if module is not None:
-            self.backend, self._kernel_linear, self._w = "avx512_bf16", module.bf16_linear, pack(w)
+            self.backend, self._kernel_linear, self._w = "kernel", module.bf16_linear, pack(w)
         else:
             self.backend, self._kernel_linear, self._w = "torch", None, w.contiguous()
 
@@ -92,14 +90,14 @@ class Bf16Linear(nn.Module):
 
     def _bf16_weight(self) -> torch.Tensor:
         """The bf16 weights (out, in), a view or a fresh copy."""
-        if self.backend == "avx512_bf16":
+        if self.backend == "kernel":
             return unpack(self._w, self.out_features, self.in_features)
         return self._w
 
     def rows(self, ids: torch.Tensor) -> Bf16Linear:
         """The layer of output rows ``ids`` alone (a restricted vocabulary's head: model.restricted_vocab), with the
         same bf16 weights: its outputs are those rows of this layer's."""
-        if self.backend == "avx512_bf16":
+        if self.backend == "kernel":
             w = unpack_rows(self._w, ids, self.in_features)
         else:
             w = self._w.index_select(0, ids)
@@ -118,7 +116,7 @@ class Bf16Linear(nn.Module):
     @property
     def packed(self) -> torch.Tensor | None:
         """Our kernel's packed weights (model/kernels/decode_step.cpp reads them), None under the torch backend."""
-        return self._w if self.backend == "avx512_bf16" else None
+        return self._w if self.backend == "kernel" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in) float32 -> (..., out) float32 (ours without autograd, the same sums through torch with it)."""

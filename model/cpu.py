@@ -91,6 +91,9 @@ class PanelTuning:
     # The widest vectors the kernels use: 512 (AVX-512 where the CPU has it; else they take 256) or 256 (their AVX2 and
     # FMA twins: the panel GEMM's tiles of up to 6 rows, one panel each; a test or benchmark may cap an AVX-512 CPU)
     vector_bits: int = 512
+    # Tiles of 1-2 rows prefetch by the streaming rule; else they leave the reading ahead to the hardware prefetchers
+    # (a Zen 3, AVX2's tiles: 1.09-1.12x greedy batch-1 decoding, docs/benchmarks.md, session 36)
+    gemv_prefetch: bool = True
 
 
 def kernel_tuning(cpu: CpuInfo) -> PanelTuning:
@@ -98,7 +101,8 @@ def kernel_tuning(cpu: CpuInfo) -> PanelTuning:
     rows ahead into L2 (1.05-1.13x on Zen 4's 1-row GEMVs, lever 11) and tiles of 1-2 rows walk 4 panels side by
     side (lever 12); elsewhere every tile prefetches 32 rows ahead into L1 and walks one panel, the rule the
     Sapphire Rapids runs of sessions 1-6 measured for wide tiles (1-4 rows took another kernel there then:
-    ``python -m benchmarks.cpu_rules`` on such a machine says whether AMD's rule would serve it better)."""
+    ``python -m benchmarks.cpu_rules`` on such a machine says whether AMD's rule would serve it better). AMD CPUs
+    without AVX-512 (Zen 2 and 3) leave the reading ahead of 1-2 row tiles to their hardware prefetchers."""
     amd = cpu.vendor == AMD
     return PanelTuning(
         row_block_bytes=cpu.l2_bytes * 3 // 4,
@@ -107,6 +111,7 @@ def kernel_tuning(cpu: CpuInfo) -> PanelTuning:
         streaming_prefetch_rows=64 if amd else 32,
         streaming_into_l2=amd,
         gemv_panels=4 if amd else 1,
+        gemv_prefetch=not amd or "avx512f" in cpu.flags,
     )
 
 

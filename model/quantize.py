@@ -7,7 +7,7 @@ adapters and their head copies not) by an inference-only layer:
   on the fly): bytes read per decoding step drop about 4x;
 - "bf16": :class:`~model.bf16_linear.Bf16Linear` (bfloat16 weights, float32 activations rounded to bfloat16 at the
   GEMM's input, float32 accumulation and output): half the bytes of float32, and the CPU's bf16 dot products where
-  it has them (AVX512-BF16, AMX).
+  it has them (AVX512-BF16; on AVX2 CPUs float32 FMAs of the same products).
 
 Both fuse self-attention's q/k/v projections into one layer (:func:`_fused_qkv`). Embeddings, norms, attention and
 the KV cache stay in float. A quantised model is for inference only: it is never saved, and LoRA adapters still load
@@ -77,7 +77,7 @@ def quantize_bf16(model: nn.Module) -> int:
     backends = sorted({m.backend for m in model.modules() if type(m) is Bf16Linear})
     logger.info("quantised %d linear layers to bf16 (%s)", count, ", ".join(backends) or "none")
     if "torch" in backends:
-        logger.warning("bf16 weights on this CPU (no AVX512-BF16, or TSERVE_DECODE_KERNELS=off) are upcast to "
+        logger.warning("bf16 weights on this CPU (no AVX-512 or AVX2, or TSERVE_DECODE_KERNELS=off) are upcast to "
                        "float32 at every call: several times slower than float32 weights (docs/benchmarks.md); serve "
                        "float32 or int8 here")
     return count

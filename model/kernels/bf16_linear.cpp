@@ -10,17 +10,22 @@
 // (tiles of up to 6 rows x 2 panels in registers, 1-row products walking up to 4 panels side by side, blocks of
 // rows kept in L2, prefetch by model/cpu.py's PanelTuning), with half the weight bytes and twice the products per
 // instruction; products of 2-32 rows (decoding) take one panel at a time, its rows in groups of up to 10 one
-// after another (stream_panel). Panels are spread over ATen's threads. Only has_avx512_bf16() runs on other CPUs.
+// after another (stream_panel). Panels are spread over ATen's threads.
+// CPUs without AVX512-BF16 (AMD Zen 2 and 3, Intel before Cooper Lake) run an AVX2 and FMA twin (namespace avx2) over
+// the same panels: half of float32's bytes at batch 1, where a float32 copy of the weights per call (the torch
+// fallback) took 4x float32's time.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "avx2_math.h"
 #include "kernels.h"
 #include "simd_math.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #define BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
@@ -187,6 +192,112 @@ void stream_panel(const Problem& q, int64_t p) {
     stream_group(q, p, r0, std::min(per_group, q.rows - r0), r0 == 0);
 }
 
+// The twin for CPUs with AVX2 and FMA: each 32-bit pair of a panel row splits into two float32 weights (the low
+// bf16 shifted up, the high one masked), multiplied by x's bf16 values (kept as float32) in FMAs, so each output sums
+// even input, odd input, next pair, ... in float32 (the products exact, as VDPBF16PS's). A panel is read in blocks of
+// kBlockPairs pair rows (8 KB), each block for the rows two by two: the first two read it from memory, the others
+// from L1 (one stream from memory, as the float32 AVX2 tiles of 3-4 rows read theirs); the sums wait in a buffer
+// between blocks.
+namespace avx2 {
+
+constexpr int64_t kBlockPairs = 64;
+
+// Rows of x (rows, k) -> their bf16 values as float32 (rows, padded), RNE as c10::BFloat16 rounds, zero-padded.
+void round_rows(const float* x, float* out, int64_t rows, int64_t k, int64_t padded) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < k; ++i) out[r * padded + i] = static_cast<float>(c10::BFloat16(x[r * k + i]));
+    std::fill(out + r * padded + k, out + (r + 1) * padded, 0.f);
+  }
+}
+
+// Rows x[0 .. R) (row stride `padded`) times a panel's pair rows i0 .. i1, added to sums (R x 32, zeros instead when
+// `first`), prefetching `ahead` pair rows ahead when `prefetch`.
+template <int R, _mm_hint Hint>
+TSERVE_AVX2 inline void pair_block(const uint16_t* panel, const float* x, int64_t padded, int64_t i0, int64_t i1,
+                                   float* sums, bool first, bool prefetch, int64_t ahead) {
+  __m256 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4; ++v) acc[r][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + r * kPanel + 8 * v);
+  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int64_t i = i0; i < i1; ++i) {
+    const uint16_t* row = panel + i * kPanel * 2;
+    if (prefetch) {
+      _mm_prefetch(reinterpret_cast<const char*>(row + ahead * kPanel * 2), Hint);
+      _mm_prefetch(reinterpret_cast<const char*>(row + ahead * kPanel * 2 + 32), Hint);
+    }
+    __m256 even[R], odd[R];
+    for (int r = 0; r < R; ++r) {
+      even[r] = _mm256_broadcast_ss(x + r * padded + 2 * i);
+      odd[r] = _mm256_broadcast_ss(x + r * padded + 2 * i + 1);
+    }
+    for (int v = 0; v < 4; ++v) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * v));
+      const __m256 low_weights = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+      const __m256 high_weights = _mm256_castsi256_ps(_mm256_and_si256(w, high));
+      for (int r = 0; r < R; ++r) {
+        acc[r][v] = _mm256_fmadd_ps(even[r], low_weights, acc[r][v]);
+        acc[r][v] = _mm256_fmadd_ps(odd[r], high_weights, acc[r][v]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(sums + r * kPanel + 8 * v, acc[r][v]);
+}
+
+struct Problem {
+  const float* x;          // (rows, k2 * 2): x's bf16 values, zero-padded
+  const uint16_t* panels;  // (panels, k2, 32, 2) bf16 bits
+  const float* bias;       // (n,) or null
+  float* y;                // (rows, n) contiguous
+  int64_t rows, k2, n;
+};
+
+// y[r0 .. r1, 32 p .. 32 p + 32) (the outputs past n left out), the first two rows prefetching `ahead` pair rows
+// ahead; `sums` holds (r1 - r0) x 32 floats.
+template <_mm_hint Hint>
+void panel_rows(const Problem& q, int64_t p, int64_t r0, int64_t r1, int64_t ahead, float* sums) {
+  const uint16_t* panel = q.panels + p * q.k2 * kPanel * 2;
+  const int64_t padded = q.k2 * 2;
+  for (int64_t i0 = 0; i0 < q.k2; i0 += kBlockPairs) {
+    const int64_t i1 = std::min(q.k2, i0 + kBlockPairs);
+    for (int64_t r = r0; r < r1; r += 2) {
+      float* s = sums + (r - r0) * kPanel;
+      if (r + 1 < r1) pair_block<2, Hint>(panel, q.x + r * padded, padded, i0, i1, s, i0 == 0, r == r0, ahead);
+      else pair_block<1, Hint>(panel, q.x + r * padded, padded, i0, i1, s, i0 == 0, r == r0, ahead);
+    }
+  }
+  const int64_t c0 = p * kPanel, width = std::min<int64_t>(kPanel, q.n - c0);
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t c = 0; c < width; ++c)
+      q.y[r * q.n + c0 + c] = sums[(r - r0) * kPanel + c] + (q.bias != nullptr ? q.bias[c0 + c] : 0.f);
+}
+
+// y = x W^T + b into y (rows, n) for x (rows, k) float32 contiguous, under the tuning's rule: the panel's reading
+// rows prefetch by the streaming rule (none ahead at 1-2 rows unless gemv_prefetch); inputs past row_block_bytes in
+// blocks of rows, each block walking the thread's panels.
+void linear(const float* x, const uint16_t* panels, const float* bias, float* y, int64_t rows, int64_t k, int64_t n,
+            const PanelTuning& rule) {
+  const int64_t k2 = (k + 1) / 2, padded = k2 * 2, panels_n = (n + kPanel - 1) / kPanel;
+  std::vector<float> rounded(rows * padded);
+  at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 14) / k), [&](int64_t begin, int64_t end) {
+    round_rows(x + begin * k, rounded.data() + begin * padded, end - begin, k, padded);
+  });
+  const Problem q{rounded.data(), panels, bias, y, rows, k2, n};
+  const int64_t block = std::min(rows, std::max<int64_t>(2, rule.row_block_bytes / (padded * 4)));
+  const int64_t ahead = rows <= 2 && !rule.gemv_prefetch ? 0 : rule.streaming_prefetch_rows;
+  at::parallel_for(0, panels_n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> sums(block * kPanel);
+    for (int64_t r0 = 0; r0 < rows; r0 += block)
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t r1 = std::min(rows, r0 + block);
+        if (rule.streaming_into_l2) panel_rows<_MM_HINT_T1>(q, p, r0, r1, ahead, sums.data());
+        else panel_rows<_MM_HINT_T0>(q, p, r0, r1, ahead, sums.data());
+      }
+  });
+}
+
+}  // namespace avx2
+
 }  // namespace
 
 bool has_avx512_bf16() {
@@ -198,7 +309,7 @@ bool has_avx512_bf16() {
 // -> (..., n) float32.
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
                           const c10::optional<torch::Tensor>& bias) {
-  static const bool supported = has_avx512_bf16();
+  static const bool bf16_dots = has_avx512_bf16();
   const int64_t k = x.size(-1), k2 = (k + 1) / 2, panels = (n + kPanel - 1) / kPanel;
   TORCH_CHECK(packed.dim() == 4 && packed.size(0) == panels && packed.size(1) == k2 && packed.size(2) == kPanel &&
                   packed.size(3) == 2 && packed.is_contiguous() && packed.scalar_type() == at::kBFloat16 &&
@@ -206,8 +317,9 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, i
               "bf16_linear: packed weights must be model.bf16_linear.pack's (ceil(n / 32), ceil(K / 2), 32, 2) bf16");
   TORCH_CHECK(!bias.has_value() || (bias->numel() == n && bias->scalar_type() == at::kFloat && bias->device().is_cpu()),
               "bf16_linear: bias must be a float32 CPU (n,) tensor");
-  TORCH_CHECK(supported && x.scalar_type() == at::kFloat && x.device().is_cpu() && !at::GradMode::is_enabled(),
-              "bf16_linear: float32 CPU input without autograd on an AVX512-BF16 CPU only");
+  TORCH_CHECK(has_vector_kernels() && x.scalar_type() == at::kFloat && x.device().is_cpu() &&
+                  !at::GradMode::is_enabled(),
+              "bf16_linear: float32 CPU input without autograd on an AVX-512 or AVX2 CPU only");
   auto sizes = x.sizes().vec();
   sizes.back() = n;
   if (k == 0) return bias.has_value() ? bias->expand(sizes).contiguous() : at::zeros(sizes, x.options());
@@ -215,15 +327,20 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, i
   torch::Tensor y = at::empty(sizes, x.options());
   if (rows == 0) return y;
   const torch::Tensor input = x.is_contiguous() ? x : x.contiguous();
+  const torch::Tensor b = bias.has_value() ? bias->contiguous() : torch::Tensor();
+  const float* bias_data = b.defined() ? b.data_ptr<float>() : nullptr;
+  const uint16_t* panel_data = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  if (!(bf16_dots && wide_vectors())) {
+    avx2::linear(input.data_ptr<float>(), panel_data, bias_data, y.data_ptr<float>(), rows, k, n, panel_tuning());
+    return y;
+  }
   torch::Tensor rounded = at::empty({rows, k2 * 2}, x.options().dtype(at::kBFloat16));
   const float* src = input.data_ptr<float>();
   uint16_t* xb = reinterpret_cast<uint16_t*>(rounded.data_ptr<at::BFloat16>());
   at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 14) / k), [&](int64_t begin, int64_t end) {
     round_rows(src + begin * k, xb + begin * k2 * 2, end - begin, k, k2 * 2);
   });
-  const torch::Tensor b = bias.has_value() ? bias->contiguous() : torch::Tensor();
-  const Problem q{xb, reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
-                  b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<float>(), rows, k2, n, panel_tuning()};
+  const Problem q{xb, panel_data, bias_data, y.data_ptr<float>(), rows, k2, n, panel_tuning()};
   if (rows > 1 && rows <= kStreamRows) {
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) stream_panel(q, p);

@@ -106,16 +106,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       .value("q_norm", kQNorm)
       .value("k_norm", kKNorm);
   pybind11::class_<PanelTuning>(module, "PanelTuning", "model.cpu.PanelTuning's fields, for the kernel")
-      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, bool, int64_t, int64_t>(), arg("row_block_bytes"),
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, bool, int64_t, int64_t, bool>(), arg("row_block_bytes"),
            arg("prefetch_rows"), arg("streaming_tile_rows"), arg("streaming_prefetch_rows"), arg("streaming_into_l2"),
-           arg("gemv_panels"), arg("vector_bits"))
+           arg("gemv_panels"), arg("vector_bits"), arg("gemv_prefetch"))
       .def_readonly("row_block_bytes", &PanelTuning::row_block_bytes)
       .def_readonly("prefetch_rows", &PanelTuning::prefetch_rows)
       .def_readonly("streaming_tile_rows", &PanelTuning::streaming_tile_rows)
       .def_readonly("streaming_prefetch_rows", &PanelTuning::streaming_prefetch_rows)
       .def_readonly("streaming_into_l2", &PanelTuning::streaming_into_l2)
       .def_readonly("gemv_panels", &PanelTuning::gemv_panels)
-      .def_readonly("vector_bits", &PanelTuning::vector_bits);
+      .def_readonly("vector_bits", &PanelTuning::vector_bits)
+      .def_readonly("gemv_prefetch", &PanelTuning::gemv_prefetch);
   pybind11::class_<StepCache>(module, "StepCache", "one step's KV cache and masks, as DecoderStack.step reads them")
       .def(pybind11::init<Tensors, Tensors, Tensors, Tensors, int64_t, int64_t, c10::optional<torch::Tensor>,
                           c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, int64_t, Tensors,

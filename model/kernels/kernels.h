@@ -51,6 +51,7 @@ struct PanelTuning {
   bool streaming_into_l2;
   int64_t gemv_panels;
   int64_t vector_bits;  // the widest vectors the kernels may use: 512 (AVX-512 where the CPU has it) or 256 (AVX2)
+  bool gemv_prefetch;   // tiles of 1-2 rows prefetch by the streaming rule (else they leave it to the hardware)
 };
 void set_panel_tuning(const PanelTuning& chosen);
 PanelTuning panel_tuning();

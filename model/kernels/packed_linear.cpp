@@ -35,15 +35,17 @@ constexpr int64_t kMaxTileRows = 12;   // 12 x 2 accumulators + 2 weight vectors
 constexpr int64_t kMaxGemvRows = 2;    // tiles that may walk several panels at once (2 x 4 x 2 accumulators at most)
 constexpr int64_t kMaxTileRows256 = 6;  // AVX2: 6 x 2 accumulators over half a panel + 2 weight vectors + a broadcast
 constexpr int64_t kMaxWholePanelRows256 = 2;  // AVX2 tiles of up to 2 rows take the whole panel (2 x 4 + 4 + 1)
+constexpr int64_t kBlock256 = 64;  // panel rows (8 KB) an AVX2 tile of 3-4 rows reads for its first two rows, then the rest
 
 // The blocking and prefetch rule, chosen per CPU at run time (model/cpu.py sets it through set_panel_tuning when
 // the kernels load): rows of x a thread keeps in L2 while it walks its panels (3/4 of the L2 the CPU reports); panel
 // rows prefetched ahead (into the next panel near the end: harmless) by wide tiles, into L1; tiles of up to
 // streaming_tile_rows rows (a decoding step at batch 1, beams of one source) are bound by reading the panel, not by
 // their FMAs, and on Zen 4 read faster prefetching farther ahead into L2 (docs/benchmarks.md, lever 11); tiles of
-// 1-2 rows walk gemv_panels panels side by side, for more streams from memory in flight per core (lever 12). The
-// defaults are Zen 4's. Each call takes a copy, so a rule set meanwhile never changes a call halfway.
-PanelTuning tuning{768 * 1024, 32, 4, 64, true, 4, 512};
+// 1-2 rows walk gemv_panels panels side by side, for more streams from memory in flight per core (lever 12), and
+// prefetch nothing ahead unless gemv_prefetch (a Zen 3's hardware prefetchers alone read faster). The defaults are
+// Zen 4's. Each call takes a copy, so a rule set meanwhile never changes a call halfway.
+PanelTuning tuning{768 * 1024, 32, 4, 64, true, 4, 512, true};
 
 struct Problem {
   const float* x;       // (rows, k) contiguous
@@ -83,13 +85,15 @@ AVX512 void tile(const Problem& q, int64_t p, int64_t r0, int64_t ahead) {
 }
 
 // fn(hint, ahead) under the tuning's prefetch rule for a tile of `rows` rows: wide tiles prefetch prefetch_rows panel
-// rows ahead into L1, streaming ones streaming_prefetch_rows ahead into L2 or L1; the hint a compile-time constant.
+// rows ahead into L1, streaming ones streaming_prefetch_rows ahead into L2 or L1 (tiles of 1-2 rows none ahead
+// unless gemv_prefetch: the row being read, a no-op); the hint a compile-time constant.
 template <typename Fn>
 void with_prefetch_rule(const Problem& q, int rows, Fn&& fn) {
   using L1 = std::integral_constant<_mm_hint, _MM_HINT_T0>;
   using L2 = std::integral_constant<_mm_hint, _MM_HINT_T1>;
   if (rows > q.rule.streaming_tile_rows) return fn(L1{}, q.rule.prefetch_rows * kPanel);
-  const int64_t ahead = q.rule.streaming_prefetch_rows * kPanel;
+  const bool ahead_of_gemv = rows > kMaxGemvRows || q.rule.gemv_prefetch;
+  const int64_t ahead = ahead_of_gemv ? q.rule.streaming_prefetch_rows * kPanel : 0;
   if (q.rule.streaming_into_l2) return fn(L2{}, ahead);
   fn(L1{}, ahead);
 }
@@ -158,12 +162,65 @@ AVX2 void tile256(const Problem& q, int64_t p, int64_t v0, int64_t r0, int64_t a
   }
 }
 
-// An AVX2 tile of R rows over S panels from p: each panel whole up to kMaxWholePanelRows256 rows, else its two halves
-// one after the other.
+// Rows x[0 .. R) (row stride k) times the panel rows k0 .. k1 of a whole panel, added to sums (R x 32, zeros
+// instead when `first`), prefetching `ahead` floats ahead in the panel when `prefetch`.
+template <int R, _mm_hint Hint>
+AVX2 inline void panel_block256(const float* panel, const float* x, int64_t k, int64_t k0, int64_t k1, float* sums,
+                                bool first, bool prefetch, int64_t ahead) {
+  __m256 acc[R][4];
+  UNROLL for (int r = 0; r < R; ++r)
+    UNROLL for (int v = 0; v < 4; ++v) acc[r][v] = first ? _mm256_setzero_ps() : _mm256_load_ps(sums + r * kPanel + 8 * v);
+  for (int64_t i = k0; i < k1; ++i) {
+    const float* row = panel + i * kPanel;
+    if (prefetch) {
+      _mm_prefetch(reinterpret_cast<const char*>(row + ahead), Hint);
+      _mm_prefetch(reinterpret_cast<const char*>(row + ahead + 16), Hint);
+    }
+    __m256 w[4];
+    UNROLL for (int v = 0; v < 4; ++v) w[v] = _mm256_loadu_ps(row + 8 * v);
+    UNROLL for (int r = 0; r < R; ++r) {
+      const __m256 xr = _mm256_broadcast_ss(x + r * k + i);
+      UNROLL for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_fmadd_ps(xr, w[v], acc[r][v]);
+    }
+  }
+  UNROLL for (int r = 0; r < R; ++r)
+    UNROLL for (int v = 0; v < 4; ++v) _mm256_store_ps(sums + r * kPanel + 8 * v, acc[r][v]);
+}
+
+// An AVX2 tile of R = 3 or 4 rows over panel p: the whole panel in blocks of kBlock256 panel rows, each block for
+// rows r0, r0 + 1 (reading it from memory) and then for the rest (from L1), the sums kept between blocks in a buffer.
+// Half-panel tiles (R x 2 accumulators) read a panel's lines in two strided passes: 0.8-0.85x the time at 3-4 rows
+// streaming the weights from memory (beams of one source), and no slower in the cache (docs/benchmarks.md, session
+// 36).
+template <int R, _mm_hint Hint>
+void tile256_blocked(const Problem& q, int64_t p, int64_t r0, int64_t ahead) {
+  static_assert(R == 3 || R == 4);
+  alignas(32) float sums[R * kPanel];
+  const int64_t k = q.k;
+  const float* panel = q.panels + p * k * kPanel;
+  const float* x = q.x + r0 * k;
+  for (int64_t k0 = 0; k0 < k; k0 += kBlock256) {
+    const int64_t k1 = std::min(k, k0 + kBlock256);
+    panel_block256<2, Hint>(panel, x, k, k0, k1, sums, k0 == 0, true, ahead);
+    panel_block256<R - 2, Hint>(panel, x + 2 * k, k, k0, k1, sums + 2 * kPanel, k0 == 0, false, ahead);
+  }
+  const int64_t c0 = p * kPanel, width = std::min<int64_t>(kPanel, q.n - c0);
+  for (int r = 0; r < R; ++r) {
+    float* out = q.y + (r0 + r) * q.n + c0;
+    for (int64_t c = 0; c < width; ++c) out[c] = sums[r * kPanel + c] + (q.bias != nullptr ? q.bias[c0 + c] : 0.f);
+  }
+}
+
+// An AVX2 tile of R rows over S panels from p: each panel whole up to kMaxWholePanelRows256 rows, in blocks at 3-4
+// rows, else its two halves one after the other.
 template <int R, int S, _mm_hint Hint>
 void tile256_panel(const Problem& q, int64_t p, int64_t r0, int64_t ahead) {
-  constexpr int V = R <= kMaxWholePanelRows256 ? 4 : 2;
-  for (int64_t v0 = 0; v0 < 4; v0 += V) tile256<R, V, S, Hint>(q, p, v0, r0, ahead);
+  if constexpr (S == 1 && (R == 3 || R == 4)) {
+    tile256_blocked<R, Hint>(q, p, r0, ahead);
+  } else {
+    constexpr int V = R <= kMaxWholePanelRows256 ? 4 : 2;
+    for (int64_t v0 = 0; v0 < 4; v0 += V) tile256<R, V, S, Hint>(q, p, v0, r0, ahead);
+  }
 }
 
 // An AVX2 tile of R rows over S panels under the tuning's prefetch rule for its width.

@@ -65,10 +65,20 @@ VECTOR_WIDTHS = [bits for bits, runs in ((512, _kernels and _kernels.has_avx512(
                                          (256, _kernels and _kernels.has_avx2())) if runs]
 
 
+@pytest.fixture
+def vector_bits_of():
+    """cap(bits): the C++ kernels capped at that vector width for the test (``PanelTuning.vector_bits``: an AVX-512
+    CPU runs the AVX2 twins at 256); this CPU's rule restored after."""
+    def cap(bits: int) -> None:
+        native.apply_tuning(_kernels, dataclasses.replace(kernel_tuning(this_cpu()), vector_bits=bits))
+
+    yield cap
+    if _kernels is not None:
+        native.apply_tuning(_kernels, kernel_tuning(this_cpu()))
+
+
 @pytest.fixture(params=VECTOR_WIDTHS, ids=lambda bits: f"{bits}-bit")
-def vector_bits(request):
-    """The C++ kernels capped at this vector width for the test (``PanelTuning.vector_bits``: an AVX-512 CPU runs
-    the AVX2 twins at 256), this CPU's rule restored after."""
-    native.apply_tuning(_kernels, dataclasses.replace(kernel_tuning(this_cpu()), vector_bits=request.param))
-    yield request.param
-    native.apply_tuning(_kernels, kernel_tuning(this_cpu()))
+def vector_bits(request, vector_bits_of):
+    """The C++ kernels capped at each vector width this CPU runs, for the test."""
+    vector_bits_of(request.param)
+    return request.param

@@ -1,6 +1,7 @@
-"""The bf16 linear layer (model/bf16_linear.py): our AVX512-BF16 kernel and the torch fallback against a float64
-reference of the bf16-rounded x and weights, on shapes with edge tiles; its rows; the CPU flags it is chosen by;
-and models whose linears are Bf16Linear through the C++ decoding step and encoder forward."""
+"""The bf16 linear layer (model/bf16_linear.py): our kernel (AVX512-BF16, and its AVX2 twin, which AVX-512 CPUs run
+at 256 bits) and the torch fallback against a float64 reference of the bf16-rounded x and weights, on shapes with
+edge tiles; its rows; the CPU flags it is chosen by; and models whose linears are Bf16Linear through the C++
+decoding step and encoder forward."""
 
 import copy
 
@@ -12,14 +13,14 @@ from model.bf16_linear import Bf16Linear, kernel, pack, unpack
 from model.cpu import CpuInfo
 from model.fast_step import plan_for
 from model.kernel_layers import is_plain
-from tests.model.conftest import random_ids, tiny_classifier, tiny_seq2seq
+from tests.model.conftest import VECTOR_WIDTHS, random_ids, tiny_classifier, tiny_seq2seq
 from tests.model.helpers import seq2seq_cache
 from tests.model.test_cpu_tuning import ZEN_4, _cpuinfo
 from tests.model.test_native_step import _assert_equal
 
-NO_KERNEL = "our bf16 kernel does not run here (no AVX512-BF16, or no C++ kernels)"
-needs_kernel = pytest.mark.skipif(kernel() is None, reason=NO_KERNEL)
-BACKENDS = [pytest.param("avx512_bf16", marks=needs_kernel), "torch"]
+needs_kernel = pytest.mark.skipif(kernel() is None, reason="the C++ kernels do not run here")
+# the kernel at each vector width this CPU runs (512: VDPBF16PS where it has AVX512-BF16, else the twin), the fallback
+BACKENDS = [*(f"kernel-{bits}" for bits in VECTOR_WIDTHS), "torch"]
 ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 16, 17, 24, 31, 32, 33, 64, 100]
 # (in, out): whole panels; in odd and not a multiple of 32, out not a multiple of 16; out under one vector
 SHAPES = [(64, 96), (33, 17), (31, 70), (8, 5)]
@@ -29,6 +30,15 @@ SHAPES = [(64, 96), (33, 17), (31, 70), (8, 5)]
 def no_grad():
     with torch.no_grad():
         yield
+
+
+@pytest.fixture
+def backend(request, vector_bits_of):
+    """A BACKENDS name -> the Bf16Linear backend, the kernels capped at its vector width for the test."""
+    name, _, bits = request.param.partition("-")
+    if bits:
+        vector_bits_of(int(bits))
+    return name
 
 
 @pytest.fixture
@@ -54,7 +64,7 @@ def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> t
     return y, magnitude
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize(("inp", "out"), SHAPES)
 def test_outputs_equal_the_float64_reference_of_the_rounded_operands(backend, rows, inp, out, threads):
@@ -72,19 +82,19 @@ def test_outputs_equal_the_float64_reference_of_the_rounded_operands(backend, ro
 
 @needs_kernel
 @pytest.mark.parametrize("rows", range(1, 33))
-def test_a_few_rows_give_the_bits_they_give_in_a_wider_product(rows, threads):
-    """2-32 rows take one pass over the weights a panel at a time (in groups of up to 10 rows), 1 row and more than
-    32 tiles of 2 or 4 panels: each output is the same sum in the same order either way, so a row's outputs are the
-    same bits alone or in a wide batch."""
+def test_a_few_rows_give_the_bits_they_give_in_a_wider_product(rows, threads, vector_bits):
+    """2-32 rows take one pass over the weights a panel at a time (in groups of up to 10 rows; the twin: two rows at a
+    time), 1 row and more than 32 tiles of 2 or 4 panels: each output is the same sum in the same order either way, so
+    a row's outputs are the same bits alone or in a wide batch."""
     torch.manual_seed(rows)
-    layer = Bf16Linear(torch.randn(70, 95), torch.randn(70), "avx512_bf16")
+    layer = Bf16Linear(torch.randn(70, 95), torch.randn(70), "kernel")
     x = torch.randn(40, 95)
     wide = layer(x)
     for _ in threads():
         assert torch.equal(layer(x[5:5 + rows]), wide[5:5 + rows])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
 def test_leading_dimensions_weight_bias_and_rows_of_the_layer(backend):
     torch.manual_seed(1)
     w, b, x = torch.randn(70, 31), torch.randn(70), torch.randn(2, 3, 31)
@@ -101,7 +111,7 @@ def test_leading_dimensions_weight_bias_and_rows_of_the_layer(backend):
 
 
 @needs_kernel
-def test_the_kernel_rounds_x_to_bf16_as_torch_does():
+def test_the_kernel_rounds_x_to_bf16_as_torch_does(vector_bits):
     """One input, weight 1: no sum, so the output is x's bf16 rounding exactly (ties to even, NaN, infinities)."""
     step = 2.0 ** -8  # half a bf16 ulp at 1
     x = torch.tensor([1 + step, 1 + 3 * step, -(1 + step), 1 + step * 1.01, 3.0e38, float("inf"), float("nan"),
@@ -124,8 +134,8 @@ def test_an_unknown_or_unavailable_backend_is_refused():
     with pytest.raises(ValueError, match="backend"):
         Bf16Linear(torch.ones(2, 2), None, "amx")
     if kernel() is None:
-        with pytest.raises(RuntimeError, match="avx512_bf16"):
-            Bf16Linear(torch.ones(2, 2), None, "avx512_bf16")
+        with pytest.raises(RuntimeError, match="kernel"):
+            Bf16Linear(torch.ones(2, 2), None, "kernel")
 
 
 def test_with_autograd_on_the_layer_computes_the_same_sums_through_torch():
@@ -152,7 +162,7 @@ def _to_bf16(stack: torch.nn.Module) -> None:
 
 @needs_kernel
 @pytest.mark.skipif(native.kernels() is None, reason="the C++ decoding step does not run here")
-def test_the_native_decoding_step_runs_bf16_layers():
+def test_the_native_decoding_step_runs_bf16_layers(vector_bits):
     mt = tiny_seq2seq()
     _to_bf16(mt.decoder.layers)
     assert plan_for(mt.decoder).native is not None  # the C++ step binds the bf16 projections
@@ -161,7 +171,7 @@ def test_the_native_decoding_step_runs_bf16_layers():
 
 @needs_kernel
 @pytest.mark.skipif(native.kernels() is None, reason="the C++ encoder forward does not run here")
-def test_the_native_encoder_forward_runs_bf16_layers(norm):
+def test_the_native_encoder_forward_runs_bf16_layers(norm, vector_bits):
     model = tiny_classifier(norm=norm, n_layers=2)
     _to_bf16(model.encoder.layers)
     ids = random_ids(3, 12, seed=4)

@@ -54,11 +54,13 @@ def test_what_cannot_be_read_falls_back(tmp_path):
 
 
 def test_each_vendor_gets_the_rule_measured_on_it():
-    zen = kernel_tuning(CpuInfo(vendor=AMD, model_name="AMD EPYC", l2_bytes=1 << 20))
+    zen = kernel_tuning(CpuInfo(vendor=AMD, model_name="AMD EPYC", l2_bytes=1 << 20, flags=frozenset({"avx512f"})))
+    zen3 = kernel_tuning(CpuInfo(vendor=AMD, model_name="AMD EPYC", l2_bytes=512 << 10))
     spr = kernel_tuning(CpuInfo(vendor=INTEL, model_name="Xeon", l2_bytes=2 << 20))
     unknown = kernel_tuning(CpuInfo(vendor="", model_name="?", l2_bytes=1 << 20))
     assert zen == PanelTuning(row_block_bytes=768 * 1024, prefetch_rows=32, streaming_tile_rows=4,
                               streaming_prefetch_rows=64, streaming_into_l2=True, gemv_panels=4)
+    assert zen3 == PanelTuning(**{**zen.__dict__, "row_block_bytes": 384 * 1024, "gemv_prefetch": False})
     assert spr == PanelTuning(row_block_bytes=1536 * 1024, prefetch_rows=32, streaming_tile_rows=4,
                               streaming_prefetch_rows=32, streaming_into_l2=False, gemv_panels=1)
     assert unknown == PanelTuning(**{**spr.__dict__, "row_block_bytes": 768 * 1024})
@@ -102,14 +104,14 @@ def test_a_rule_the_kernel_cannot_run_is_refused(restore_tuning):
 
 
 RULES = [
-    kernel_tuning(CpuInfo(vendor=AMD, model_name="", l2_bytes=1 << 20)),
+    kernel_tuning(CpuInfo(vendor=AMD, model_name="", l2_bytes=1 << 20, flags=frozenset({"avx512f"}))),
     kernel_tuning(CpuInfo(vendor=INTEL, model_name="", l2_bytes=2 << 20)),
     PanelTuning(row_block_bytes=4096, prefetch_rows=0, streaming_tile_rows=12, streaming_prefetch_rows=512,
                 streaming_into_l2=False, gemv_panels=2),  # tiny blocks; every tile "streaming"
     PanelTuning(row_block_bytes=64 << 20, prefetch_rows=200, streaming_tile_rows=0, streaming_prefetch_rows=0,
                 streaming_into_l2=True, gemv_panels=4),  # one block; no tile streaming
     PanelTuning(row_block_bytes=384 * 1024, prefetch_rows=32, streaming_tile_rows=4, streaming_prefetch_rows=64,
-                streaming_into_l2=True, gemv_panels=4, vector_bits=256),  # AVX2's tiles (a Zen 3's L2)
+                streaming_into_l2=True, gemv_panels=4, vector_bits=256, gemv_prefetch=False),  # a Zen 3's rule
     PanelTuning(row_block_bytes=4096, prefetch_rows=0, streaming_tile_rows=12, streaming_prefetch_rows=512,
                 streaming_into_l2=False, gemv_panels=1, vector_bits=256),  # AVX2, tiny blocks, every tile streaming
 ]

@@ -24,12 +24,12 @@ def _weights(out_features: int, in_features: int, seed: int = 0) -> tuple[torch.
     return weight, torch.randn(out_features, generator=g)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 12, 13, 32, 37])
-@pytest.mark.parametrize(("out_features", "in_features"), [(512, 512), (40, 7), (8000, 64), (7, 2048), (100, 33)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 12, 13, 32, 37])
+@pytest.mark.parametrize(("out_features", "in_features"), [(512, 512), (40, 7), (8000, 64), (7, 2048), (100, 133)])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_kernel_equals_the_float64_reference(vector_bits, rows, out_features, in_features, with_bias):
-    """Row tiles of 1-12 (AVX2: 1-6; 13 and 37 rows split unevenly), column counts that are and are not multiples
-    of the 32-column panels and of 8, odd inner sizes."""
+    """Row tiles of 1-12 (AVX2: 1-6, 3-4 rows in blocks of 64 inputs; 13 and 37 rows split unevenly), column counts
+    that are and are not multiples of the 32-column panels and of 8, odd inner sizes and partial blocks."""
     weight, bias = _weights(out_features, in_features)
     bias = bias if with_bias else None
     x = torch.randn(rows, in_features)
