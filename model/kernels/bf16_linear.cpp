@@ -28,6 +28,7 @@
 #include <vector>
 
 #define BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define UNROLL _Pragma("GCC unroll 16")
 
 namespace {
 
@@ -197,10 +198,13 @@ void stream_panel(const Problem& q, int64_t p) {
 // even input, odd input, next pair, ... in float32 (the products exact, as VDPBF16PS's). A panel is read in blocks of
 // kBlockPairs pair rows (8 KB), each block for the rows two by two: the first two read it from memory, the others
 // from L1 (one stream from memory, as the float32 AVX2 tiles of 3-4 rows read theirs); the sums wait in a buffer
-// between blocks.
+// between blocks. Past kWidenRows rows each block is first widened into float32 weights (16 KB), which the rows then
+// multiply in tiles of up to 6 rows x 16 columns as the float32 tiles do: the split made once a block, not once for
+// every pair of rows (the same FMAs in the same order, so the same bits).
 namespace avx2 {
 
 constexpr int64_t kBlockPairs = 64;
+constexpr int64_t kWidenRows = 4;
 
 // Rows of x (rows, k) -> their bf16 values as float32 (rows, padded), RNE as c10::BFloat16 rounds, zero-padded.
 void round_rows(const float* x, float* out, int64_t rows, int64_t k, int64_t padded) {
@@ -216,8 +220,8 @@ template <int R, _mm_hint Hint>
 TSERVE_AVX2 inline void pair_block(const uint16_t* panel, const float* x, int64_t padded, int64_t i0, int64_t i1,
                                    float* sums, bool first, bool prefetch, int64_t ahead) {
   __m256 acc[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < 4; ++v) acc[r][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + r * kPanel + 8 * v);
+  UNROLL for (int r = 0; r < R; ++r)
+    UNROLL for (int v = 0; v < 4; ++v) acc[r][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + r * kPanel + 8 * v);
   const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   for (int64_t i = i0; i < i1; ++i) {
     const uint16_t* row = panel + i * kPanel * 2;
@@ -226,22 +230,79 @@ TSERVE_AVX2 inline void pair_block(const uint16_t* panel, const float* x, int64_
       _mm_prefetch(reinterpret_cast<const char*>(row + ahead * kPanel * 2 + 32), Hint);
     }
     __m256 even[R], odd[R];
-    for (int r = 0; r < R; ++r) {
+    UNROLL for (int r = 0; r < R; ++r) {
       even[r] = _mm256_broadcast_ss(x + r * padded + 2 * i);
       odd[r] = _mm256_broadcast_ss(x + r * padded + 2 * i + 1);
     }
-    for (int v = 0; v < 4; ++v) {
+    UNROLL for (int v = 0; v < 4; ++v) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * v));
       const __m256 low_weights = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
       const __m256 high_weights = _mm256_castsi256_ps(_mm256_and_si256(w, high));
-      for (int r = 0; r < R; ++r) {
+      UNROLL for (int r = 0; r < R; ++r) {
         acc[r][v] = _mm256_fmadd_ps(even[r], low_weights, acc[r][v]);
         acc[r][v] = _mm256_fmadd_ps(odd[r], high_weights, acc[r][v]);
       }
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(sums + r * kPanel + 8 * v, acc[r][v]);
+  UNROLL for (int r = 0; r < R; ++r)
+    UNROLL for (int v = 0; v < 4; ++v) _mm256_storeu_ps(sums + r * kPanel + 8 * v, acc[r][v]);
+}
+
+// A panel's pair rows i0 .. i1 as float32 weights (2 (i1 - i0), 32): each pair row's low bf16 then its high one,
+// prefetching `ahead` pair rows ahead.
+template <_mm_hint Hint>
+TSERVE_AVX2 void widen_block(const uint16_t* panel, int64_t i0, int64_t i1, int64_t ahead, float* out) {
+  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int64_t i = i0; i < i1; ++i) {
+    const uint16_t* row = panel + i * kPanel * 2;
+    _mm_prefetch(reinterpret_cast<const char*>(row + ahead * kPanel * 2), Hint);
+    _mm_prefetch(reinterpret_cast<const char*>(row + ahead * kPanel * 2 + 32), Hint);
+    float* low_out = out + (i - i0) * 2 * kPanel;
+    UNROLL for (int v = 0; v < 4; ++v) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * v));
+      _mm256_store_ps(low_out + 8 * v, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+      _mm256_store_ps(low_out + kPanel + 8 * v, _mm256_castsi256_ps(_mm256_and_si256(w, high)));
+    }
+  }
+}
+
+// Rows x[0 .. R) (row stride `padded`) times `inputs` rows of widened float32 weights (row stride 32), 16 of their
+// columns (two vectors: the float32 AVX2 tiles' 6 x 2 accumulators, 2 weights and a broadcast), added to sums (row
+// stride 32; zeros instead when `first`).
+template <int R>
+TSERVE_AVX2 void float_block(const float* weights, const float* x, int64_t padded, int64_t inputs, float* sums,
+                             bool first) {
+  __m256 acc[R][2];
+  UNROLL for (int r = 0; r < R; ++r)
+    UNROLL for (int v = 0; v < 2; ++v) acc[r][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + r * kPanel + 8 * v);
+  for (int64_t j = 0; j < inputs; ++j) {
+    const __m256 w0 = _mm256_load_ps(weights + j * kPanel), w1 = _mm256_load_ps(weights + j * kPanel + 8);
+    UNROLL for (int r = 0; r < R; ++r) {
+      const __m256 xr = _mm256_broadcast_ss(x + r * padded + j);
+      acc[r][0] = _mm256_fmadd_ps(xr, w0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xr, w1, acc[r][1]);
+    }
+  }
+  UNROLL for (int r = 0; r < R; ++r)
+    UNROLL for (int v = 0; v < 2; ++v) _mm256_storeu_ps(sums + r * kPanel + 8 * v, acc[r][v]);
+}
+
+// float_block over a widened block's 32 columns (two passes of 16) for rows x[0 .. rows), rows at most kWideRows.
+constexpr int64_t kWideRows = 6;
+void float_rows(const float* weights, const float* x, int64_t padded, int64_t inputs, float* sums, bool first,
+                int64_t rows) {
+  for (int64_t half = 0; half < kPanel; half += 16) {
+    const float* w = weights + half;
+    float* s = sums + half;
+    switch (rows) {
+      case 1: float_block<1>(w, x, padded, inputs, s, first); break;
+      case 2: float_block<2>(w, x, padded, inputs, s, first); break;
+      case 3: float_block<3>(w, x, padded, inputs, s, first); break;
+      case 4: float_block<4>(w, x, padded, inputs, s, first); break;
+      case 5: float_block<5>(w, x, padded, inputs, s, first); break;
+      default: float_block<6>(w, x, padded, inputs, s, first); break;
+    }
+  }
 }
 
 struct Problem {
@@ -252,18 +313,30 @@ struct Problem {
   int64_t rows, k2, n;
 };
 
-// y[r0 .. r1, 32 p .. 32 p + 32) (the outputs past n left out), the first two rows prefetching `ahead` pair rows
-// ahead; `sums` holds (r1 - r0) x 32 floats.
+// y[r0 .. r1, 32 p .. 32 p + 32) (the outputs past n left out), the panel read from memory prefetching `ahead` pair
+// rows ahead; `sums` holds (r1 - r0) x 32 floats.
 template <_mm_hint Hint>
 void panel_rows(const Problem& q, int64_t p, int64_t r0, int64_t r1, int64_t ahead, float* sums) {
   const uint16_t* panel = q.panels + p * q.k2 * kPanel * 2;
   const int64_t padded = q.k2 * 2;
+  const bool widen = r1 - r0 > kWidenRows;
+  alignas(32) float widened[kBlockPairs * 2 * kPanel];  // 16 KB, used past kWidenRows rows
   for (int64_t i0 = 0; i0 < q.k2; i0 += kBlockPairs) {
     const int64_t i1 = std::min(q.k2, i0 + kBlockPairs);
+    const bool first = i0 == 0;
+    if (widen) {
+      widen_block<Hint>(panel, i0, i1, ahead, widened);
+      const int64_t groups = (r1 - r0 + kWideRows - 1) / kWideRows, per_group = (r1 - r0 + groups - 1) / groups;
+      for (int64_t r = r0; r < r1; r += per_group)
+        float_rows(widened, q.x + r * padded + 2 * i0, padded, 2 * (i1 - i0), sums + (r - r0) * kPanel, first,
+                   std::min(per_group, r1 - r));
+      continue;
+    }
     for (int64_t r = r0; r < r1; r += 2) {
       float* s = sums + (r - r0) * kPanel;
-      if (r + 1 < r1) pair_block<2, Hint>(panel, q.x + r * padded, padded, i0, i1, s, i0 == 0, r == r0, ahead);
-      else pair_block<1, Hint>(panel, q.x + r * padded, padded, i0, i1, s, i0 == 0, r == r0, ahead);
+      const float* x = q.x + r * padded;
+      if (r + 1 < r1) pair_block<2, Hint>(panel, x, padded, i0, i1, s, first, r == r0, ahead);
+      else pair_block<1, Hint>(panel, x, padded, i0, i1, s, first, r == r0, ahead);
     }
   }
   const int64_t c0 = p * kPanel, width = std::min<int64_t>(kPanel, q.n - c0);
