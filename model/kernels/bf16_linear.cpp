@@ -221,7 +221,8 @@ TSERVE_AVX2 inline void pair_block(const uint16_t* panel, const float* x, int64_
                                    float* sums, bool first, bool prefetch, int64_t ahead) {
   __m256 acc[R][4];
   UNROLL for (int r = 0; r < R; ++r)
-    UNROLL for (int v = 0; v < 4; ++v) acc[r][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + r * kPanel + 8 * v);
+    UNROLL for (int v = 0; v < 4; ++v)
+      acc[r][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + r * kPanel + 8 * v);
   const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   for (int64_t i = i0; i < i1; ++i) {
     const uint16_t* row = panel + i * kPanel * 2;
@@ -274,7 +275,8 @@ TSERVE_AVX2 void float_block(const float* weights, const float* x, int64_t padde
                              bool first) {
   __m256 acc[R][2];
   UNROLL for (int r = 0; r < R; ++r)
-    UNROLL for (int v = 0; v < 2; ++v) acc[r][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + r * kPanel + 8 * v);
+    UNROLL for (int v = 0; v < 2; ++v)
+      acc[r][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + r * kPanel + 8 * v);
   for (int64_t j = 0; j < inputs; ++j) {
     const __m256 w0 = _mm256_load_ps(weights + j * kPanel), w1 = _mm256_load_ps(weights + j * kPanel + 8);
     UNROLL for (int r = 0; r < R; ++r) {
@@ -310,7 +312,7 @@ struct Problem {
   const uint16_t* panels;  // (panels, k2, 32, 2) bf16 bits
   const float* bias;       // (n,) or null
   float* y;                // (rows, n) contiguous
-  int64_t rows, k2, n;
+  int64_t k2, n;
 };
 
 // y[r0 .. r1, 32 p .. 32 p + 32) (the outputs past n left out), the panel read from memory prefetching `ahead` pair
@@ -355,7 +357,7 @@ void linear(const float* x, const uint16_t* panels, const float* bias, float* y,
   at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 14) / k), [&](int64_t begin, int64_t end) {
     round_rows(x + begin * k, rounded.data() + begin * padded, end - begin, k, padded);
   });
-  const Problem q{rounded.data(), panels, bias, y, rows, k2, n};
+  const Problem q{rounded.data(), panels, bias, y, k2, n};
   const int64_t block = std::min(rows, std::max<int64_t>(2, rule.row_block_bytes / (padded * 4)));
   const int64_t ahead = rows <= 2 && !rule.gemv_prefetch ? 0 : rule.streaming_prefetch_rows;
   at::parallel_for(0, panels_n, 1, [&](int64_t begin, int64_t end) {

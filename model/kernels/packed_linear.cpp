@@ -35,7 +35,7 @@ constexpr int64_t kMaxTileRows = 12;   // 12 x 2 accumulators + 2 weight vectors
 constexpr int64_t kMaxGemvRows = 2;    // tiles that may walk several panels at once (2 x 4 x 2 accumulators at most)
 constexpr int64_t kMaxTileRows256 = 6;  // AVX2: 6 x 2 accumulators over half a panel + 2 weight vectors + a broadcast
 constexpr int64_t kMaxWholePanelRows256 = 2;  // AVX2 tiles of up to 2 rows take the whole panel (2 x 4 + 4 + 1)
-constexpr int64_t kBlock256 = 64;  // panel rows (8 KB) an AVX2 tile of 3-4 rows reads for its first two rows, then the rest
+constexpr int64_t kBlock256 = 64;  // panel rows (8 KB) an AVX2 tile of 3-4 rows takes for rows 1-2, then for the rest
 
 // The blocking and prefetch rule, chosen per CPU at run time (model/cpu.py sets it through set_panel_tuning when
 // the kernels load): rows of x a thread keeps in L2 while it walks its panels (3/4 of the L2 the CPU reports); panel
@@ -169,7 +169,8 @@ AVX2 inline void panel_block256(const float* panel, const float* x, int64_t k, i
                                 bool first, bool prefetch, int64_t ahead) {
   __m256 acc[R][4];
   UNROLL for (int r = 0; r < R; ++r)
-    UNROLL for (int v = 0; v < 4; ++v) acc[r][v] = first ? _mm256_setzero_ps() : _mm256_load_ps(sums + r * kPanel + 8 * v);
+    UNROLL for (int v = 0; v < 4; ++v)
+      acc[r][v] = first ? _mm256_setzero_ps() : _mm256_load_ps(sums + r * kPanel + 8 * v);
   for (int64_t i = k0; i < k1; ++i) {
     const float* row = panel + i * kPanel;
     if (prefetch) {
@@ -189,9 +190,8 @@ AVX2 inline void panel_block256(const float* panel, const float* x, int64_t k, i
 
 // An AVX2 tile of R = 3 or 4 rows over panel p: the whole panel in blocks of kBlock256 panel rows, each block for
 // rows r0, r0 + 1 (reading it from memory) and then for the rest (from L1), the sums kept between blocks in a buffer.
-// Half-panel tiles (R x 2 accumulators) read a panel's lines in two strided passes: 0.8-0.85x the time at 3-4 rows
-// streaming the weights from memory (beams of one source), and no slower in the cache (docs/benchmarks.md, session
-// 36).
+// Half-panel tiles (R x 2 accumulators), which read a panel's lines in two strided passes, took 1.1-1.25x this one's
+// time at 3-4 rows streaming the weights from memory (beams of one source; docs/benchmarks.md, session 36).
 template <int R, _mm_hint Hint>
 void tile256_blocked(const Problem& q, int64_t p, int64_t r0, int64_t ahead) {
   static_assert(R == 3 || R == 4);
