@@ -359,7 +359,7 @@ void linear(const float* x, const uint16_t* panels, const float* bias, float* y,
   });
   const Problem q{rounded.data(), panels, bias, y, k2, n};
   const int64_t block = std::min(rows, std::max<int64_t>(2, rule.row_block_bytes / (padded * 4)));
-  const int64_t ahead = rows <= 2 && !rule.gemv_prefetch ? 0 : rule.streaming_prefetch_rows;
+  const int64_t ahead = streaming_ahead(rule, rows);
   at::parallel_for(0, panels_n, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> sums(block * kPanel);
     for (int64_t r0 = 0; r0 < rows; r0 += block)

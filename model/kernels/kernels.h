@@ -55,6 +55,9 @@ struct PanelTuning {
 };
 void set_panel_tuning(const PanelTuning& chosen);
 PanelTuning panel_tuning();
+// Panel rows a streaming tile of `rows` rows prefetches ahead under `rule`: streaming_prefetch_rows, none at 1-2 rows
+// unless gemv_prefetch (packed_linear.cpp; bf16_linear.cpp's AVX2 twin too).
+int64_t streaming_ahead(const PanelTuning& rule, int64_t rows);
 bool has_avx512_bf16();
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
                           const c10::optional<torch::Tensor>& bias);

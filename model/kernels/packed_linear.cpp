@@ -92,8 +92,7 @@ void with_prefetch_rule(const Problem& q, int rows, Fn&& fn) {
   using L1 = std::integral_constant<_mm_hint, _MM_HINT_T0>;
   using L2 = std::integral_constant<_mm_hint, _MM_HINT_T1>;
   if (rows > q.rule.streaming_tile_rows) return fn(L1{}, q.rule.prefetch_rows * kPanel);
-  const bool ahead_of_gemv = rows > kMaxGemvRows || q.rule.gemv_prefetch;
-  const int64_t ahead = ahead_of_gemv ? q.rule.streaming_prefetch_rows * kPanel : 0;
+  const int64_t ahead = streaming_ahead(q.rule, rows) * kPanel;
   if (q.rule.streaming_into_l2) return fn(L2{}, ahead);
   fn(L1{}, ahead);
 }
@@ -259,6 +258,10 @@ void set_panel_tuning(const PanelTuning& chosen) {
 }
 
 PanelTuning panel_tuning() { return tuning; }
+
+int64_t streaming_ahead(const PanelTuning& rule, int64_t rows) {
+  return rows > kMaxGemvRows || rule.gemv_prefetch ? rule.streaming_prefetch_rows : 0;
+}
 
 bool wide_vectors() { return wide_tiles(tuning); }
 
