@@ -172,7 +172,8 @@ def kernels() -> str:
     from model import bf16_linear, int8_kernel, native, packed_weights
 
     module, why = int8_kernel.available()
-    int8 = "AVX512-VNNI kernel" if module is not None and int8_kernel.kernel_choice() != "fbgemm" else \
+    int8 = ("AVX512-VNNI kernel" if module.has_vnni() else "AVX2 kernel") \
+        if module is not None and int8_kernel.kernel_choice() != "fbgemm" else \
         f"fbgemm ({why or 'TSERVE_INT8_KERNEL=fbgemm'})"
     bf16 = bf16_linear.kernel()
     bf16_gemm = "torch (float32 upcast)" if bf16 is None else \

@@ -7,7 +7,7 @@ float32 K/V cache whatever the weights are: :meth:`Rates.attention_rate`). Bandw
 as large as the step's weights (so a working set that lives in the last-level cache gets that cache's rate); the
 matmul rate by fp32 GEMMs (1024^3, and 512 rows through a 512 x 2048 linear, torch's and ours: the panel GEMM of
 model/kernel_layers.py, which beats MKL's) and, for int8, by the faster of fbgemm's dynamic int8 linear and ours
-(model/kernels/int8_vnni.cpp), for bf16 by ours (model/bf16_linear.py: VDPBF16PS where the CPU has AVX512-BF16; its
+(model/kernels/int8_gemm.cpp), for bf16 by ours (model/bf16_linear.py: VDPBF16PS where the CPU has AVX512-BF16; its
 weights are 2 bytes, :data:`BF16`); a served shape adds 512 rows through its own FFN linear in each.
 Each is the fastest of 7 runs at the best of the thread counts tried.
 A machine shared with other work reads memory at different rates from minute to minute (33-58 GB/s here within
@@ -164,7 +164,7 @@ def measure_rates(working_sets: list[int], threads: list[int], linears: list[tup
         q = torch.quantize_per_channel(w, (w.abs().amax(1) / 127).double(), torch.zeros(2048, dtype=torch.long), 0,
                                        torch.qint8)
         packed = torch.ops.quantized.linear_prepack(q, None)
-    ours = Int8Linear(w, None)  # the int8 GEMM our models run (the VNNI kernel where it runs, else fbgemm)
+    ours = Int8Linear(w, None)  # the int8 GEMM our models run (ours where it runs, else fbgemm)
     bf16 = Bf16Linear(w32, None)  # the bf16 GEMM our bf16 models run
     extra = [(torch.randn(rows, n_in), torch.randn(n_out, n_in) * 0.02) for rows, n_in, n_out in linears]
     extra = [(xl, wl, Int8Linear(wl, None), Bf16Linear(wl, None)) for xl, wl in extra]

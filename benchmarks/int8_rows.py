@@ -1,7 +1,7 @@
 """The int8 GEMM at a few rows against its 1-row time: `python -m benchmarks.int8_rows [--threads 1 2]`.
 
 Decoding at batch 1 (greedy: 1 row; beam 4: 4 rows) and small batches runs the int8 kernel (model/kernels/
-int8_vnni.cpp) over every projection's weights once a step, read from memory: the floor (benchmarks/floor.py) counts
+int8_gemm.cpp) over every projection's weights once a step, read from memory: the floor (benchmarks/floor.py) counts
 the same bytes whatever the row count, so a k-row product should take about its 1-row time. This times all the
 decoder projections of a T5-base-sized model (12 layers: 6 x 768x768, gated 768 -> 2048 x 2, 2048 -> 768; ~99 MB of
 int8, more than the L3 of most CPUs) at each row count, the row counts alternating round by round, and prints each

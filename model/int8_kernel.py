@@ -1,8 +1,8 @@
-"""Which int8 GEMM the int8 layers use, and the weight layout of ours (model/kernels/int8_vnni.cpp).
+"""Which int8 GEMM the int8 layers use, and the weight layout of ours (model/kernels/int8_gemm.cpp).
 
-``model.native.options().int8_kernel`` (``TSERVE_INT8_KERNEL``) picks: ``auto`` (default: our AVX512-VNNI
-kernel where the C++ kernels build (model/native.py) and the CPU has VNNI, fbgemm otherwise), ``vnni`` (ours
-or an error) or ``fbgemm``.
+``model.native.options().int8_kernel`` (``TSERVE_INT8_KERNEL``) picks: ``auto`` (default: our kernel where the
+C++ kernels build (model/native.py) and the CPU has AVX512-VNNI or AVX2 with FMA, fbgemm otherwise), ``kernel``
+(ours or an error) or ``fbgemm``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ ENV = native.KernelOptions.env("int8_kernel")  # named in errors
 
 
 class KernelUnavailable(RuntimeError):
-    """``TSERVE_INT8_KERNEL`` is not a known choice, or asks for ``vnni`` where it cannot run."""
+    """``TSERVE_INT8_KERNEL`` is not a known choice, or asks for ``kernel`` where it cannot run."""
 
 
 def kernel_choice() -> str:
@@ -40,20 +40,20 @@ def kernel_choice() -> str:
 def available() -> tuple[ModuleType | None, str]:
     """(the C++ kernels, "") where our int8 kernel runs on this CPU, else (None, why not)."""
     module, why = native.load()
-    if module is not None and not module.has_vnni():
-        return None, "this CPU has no AVX512-VNNI"
+    if module is not None and not module.has_int8_kernel():
+        return None, "this CPU has neither AVX512-VNNI nor AVX2 with FMA"
     return module, why
 
 
-def vnni_kernel() -> ModuleType | None:
+def kernel() -> ModuleType | None:
     """The C++ kernels when the int8 option (``TSERVE_INT8_KERNEL``) allows ours and it runs here; None: fbgemm."""
     choice = kernel_choice()
     if choice == "fbgemm":
         return None
     module, why = available()
     if module is None:
-        if choice == "vnni":
-            raise KernelUnavailable(f"{ENV}=vnni: {why}")
+        if choice == "kernel":
+            raise KernelUnavailable(f"{ENV}=kernel: {why}")
         _warn_once(why)
     return module
 

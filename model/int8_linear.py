@@ -4,8 +4,9 @@ Each weight is stored as int8 with one scale per output channel (symmetric, max-
 quantises its activations on the fly and runs an int8 GEMM. Two GEMMs (``model.int8_kernel`` picks,
 ``TSERVE_INT8_KERNEL``):
 
-- ours on AVX512-VNNI CPUs (model/kernels/int8_vnni.cpp): activations quantised per row on 8 bits,
-  so a row's result does not depend on the rest of its batch; 1.2-1.8x fbgemm's speed at 1-64 rows;
+- ours on CPUs with AVX512-VNNI or AVX2 (model/kernels/int8_gemm.cpp; the same outputs from either): activations
+  quantised per row on 8 bits, so a row's result does not depend on the rest of its batch; 1.2-1.8x fbgemm's speed
+  at 1-64 rows on AVX512-VNNI;
 - fbgemm's ``quantized::linear_dynamic`` elsewhere: activations per tensor on 7 bits
   (``reduce_range=True``, PyTorch's default: CPUs without VNNI can saturate 16-bit sums otherwise).
 
@@ -45,10 +46,10 @@ class Int8Linear(nn.Module):
         w = weight.detach().float()
         scales = (torch.maximum(w.amax(dim=1), -w.amin(dim=1)) / 127).clamp(min=1e-12)  # max |w|, no |w| copy
         bias = bias.detach().float().contiguous() if bias is not None else None
-        kernel = int8_kernel.vnni_kernel()
+        kernel = int8_kernel.kernel()
         if kernel is not None:
             q = (w / scales[:, None]).round_().clamp_(-127, 127).to(torch.int8)  # one float temporary, not three
-            self.backend = "vnni"
+            self.backend = "kernel"
             # the kernels' functions and enum, not their module: a deepcopy of the model copies neither
             self._kernel_linear, self._kernel_activated = kernel.int8_linear, kernel.int8_linear_activated
             self._kernel_into = kernel.int8_linear_activated_quantized
@@ -71,14 +72,14 @@ class Int8Linear(nn.Module):
     def rows(self, ids: torch.Tensor) -> Int8Linear:
         """The layer of output rows ``ids`` alone (a restricted vocabulary's head: model.restricted_vocab), with the
         same int8 weights and scales: its outputs are those rows of this layer's."""
-        if self.backend != "vnni":  # quantising the dequantised rows again gives the same int8 values and scales
+        if self.backend != "kernel":  # quantising the dequantised rows again gives the same int8 values and scales
             bias = self.bias.index_select(0, ids) if self.bias is not None else None
             return Int8Linear(self.weight.index_select(0, ids), bias, self.reduce_range)
         layer = Int8Linear.__new__(Int8Linear)
         nn.Module.__init__(layer)
         q = int8_kernel.unpack_rows(self._packed, ids, self.in_features)
         layer.out_features, layer.in_features, layer.reduce_range = ids.shape[0], self.in_features, self.reduce_range
-        layer.backend, layer._kernel_linear, layer._packed = "vnni", self._kernel_linear, int8_kernel.pack(q)
+        layer.backend, layer._kernel_linear, layer._packed = "kernel", self._kernel_linear, int8_kernel.pack(q)
         layer._kernel_activated, layer._activations = self._kernel_activated, self._activations
         layer._kernel_into, layer._kernel_quantized = self._kernel_into, self._kernel_quantized
         layer._kernel_gated = self._kernel_gated
@@ -89,20 +90,20 @@ class Int8Linear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The dequantised weight (out, in) in float32: a fresh copy, writes to it change nothing."""
-        if self.backend == "vnni":
+        if self.backend == "kernel":
             return int8_kernel.unpack(self._packed, self.out_features, self.in_features).float() * self._scales[:, None]
         q, _ = torch.ops.quantized.linear_unpack(self._packed)
         return q.dequantize()
 
     @property
     def bias(self) -> torch.Tensor | None:
-        if self.backend == "vnni":
+        if self.backend == "kernel":
             return self._bias
         return torch.ops.quantized.linear_unpack(self._packed)[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in) float32 -> (..., out) float32."""
-        if self.backend == "vnni":
+        if self.backend == "kernel":
             return self._kernel_linear(x, self._packed, self._scales, self._sums, self._bias)
         return _LINEAR_DYNAMIC(x, self._packed, self.reduce_range)
 
@@ -110,7 +111,7 @@ class Int8Linear(nn.Module):
         """``activation`` (a FeedForward's config name: relu, gelu, gelu_tanh, silu) of this layer's output; ours
         applies it to each output vector in registers before storing it (the same float operations as
         model.kernel_layers.activate, so the same values), instead of a pass over the whole output."""
-        if self.backend == "vnni":
+        if self.backend == "kernel":
             return self._kernel_activated(x, self._packed, self._scales, self._sums, self._bias,
                                           self._activations.__members__[activation])
         return activate(self(x), activation)
@@ -119,7 +120,7 @@ class Int8Linear(nn.Module):
         """``fc2(self.activated(x, activation))``; when both run ours, this GEMM's rows are quantised for fc2 as
         they are computed (a 64-row tile of the float output quantised while it is in L2) instead of the float
         output going to memory and fc2 reading it back: the same bytes as fc2 quantising that output."""
-        if self.backend != "vnni" or fc2.backend != "vnni":
+        if self.backend != "kernel" or fc2.backend != "kernel":
             return fc2(self.activated(x, activation))
         hq, hs = self._kernel_into(x.reshape(-1, x.shape[-1]), self._packed, self._scales, self._sums, self._bias,
                                    self._activations.__members__[activation])
@@ -130,7 +131,7 @@ class Int8Linear(nn.Module):
         ours, x is quantised once and each tile reads a block of this layer's weights and the same block of up's side
         by side (one pass, one parallel region), the product formed in registers and its rows quantised for fc2 as
         :meth:`activated_into` does: the same bytes as the separate passes."""
-        if self.backend != "vnni" or up.backend != "vnni" or fc2.backend != "vnni":
+        if self.backend != "kernel" or up.backend != "kernel" or fc2.backend != "kernel":
             return fc2(self.activated(x, activation) * up(x))
         code = self._activations.__members__[activation]
         hq, hs = self._kernel_gated(x.reshape(-1, x.shape[-1]), self._packed, self._scales, self._sums, self._bias,

@@ -5,7 +5,8 @@ with the system's C++ compiler and ninja) into ``TSERVE_KERNEL_DIR`` (default ``
 under a name carrying the sources' hash and the Python/torch versions: later processes import the built
 module directly (no compiler needed then, as in the Docker image, which builds it at image build time),
 and edited sources build afresh. Only x86-64 Linux; each kernel also checks the CPU features it needs
-(``has_vnni``, ``has_avx512``, ``has_avx2``), and :func:`load` returns None, with the reason, where it cannot run.
+(``has_int8_kernel``, ``has_avx512``, ``has_avx2``), and :func:`load` returns None, with the reason, where it cannot
+run.
 The rule that depends on the CPU's make and caches (model/cpu.py) is set at every load, not compiled in: an image
 built on one CPU runs with the rule of the CPU it runs on.
 
@@ -42,7 +43,7 @@ SOURCE_DIR = Path(__file__).parent / "kernels"
 SOURCES = sorted(SOURCE_DIR.glob("*.cpp"))
 HEADERS = sorted(SOURCE_DIR.glob("*.h"))
 DEFAULT_KERNEL_DIR = Path.home() / ".cache" / "tserve" / "kernels"
-INT8_KERNELS = ("auto", "vnni", "fbgemm")  # model.int8_kernel's choices
+INT8_KERNELS = ("auto", "kernel", "fbgemm")  # model.int8_kernel's choices
 
 
 def _switch(value: str) -> bool:
@@ -77,8 +78,8 @@ class KernelOptions:
     # checked where an int8 layer is made (model.int8_kernel.kernel_choice), as an unknown name always was
     int8_kernel: str = _option(
         "auto", "TSERVE_INT8_KERNEL",
-        f"int8 GEMM, one of {', '.join(INT8_KERNELS)}: auto is ours on AVX512-VNNI, else fbgemm; vnni is ours or "
-        "an error",
+        f"int8 GEMM, one of {', '.join(INT8_KERNELS)}: auto is ours on AVX512-VNNI or AVX2, else fbgemm; kernel is "
+        "ours or an error",
         lambda value: value.strip().lower() or "auto",
     )
 
@@ -237,8 +238,9 @@ def main() -> None:
     if module is None:
         logger.info("C++ kernels: none (%s)", why)
         return
-    logger.info("C++ kernels: %s; int8 AVX512-VNNI: %s; decoding step, attention and float32 panel GEMM: %s",
-                options().kernel_dir / module_name(), module.has_vnni(),
+    logger.info("C++ kernels: %s; int8 GEMM: %s; decoding step, attention and float32 panel GEMM: %s",
+                options().kernel_dir / module_name(),
+                "AVX512-VNNI" if module.has_vnni() else "AVX2" if module.has_int8_kernel() else "no (fbgemm)",
                 "AVX-512" if module.has_avx512() else "AVX2" if module.has_avx2() else "no (PyTorch ops)")
     logger.info("CPU: %s; panel GEMM: %s", this_cpu(), kernel_tuning(this_cpu()))
 

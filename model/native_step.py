@@ -67,7 +67,7 @@ def _projection(module: nn.Module | None) -> list[torch.Tensor] | None:
         module = module.base
     if is_plain(module) and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu":
         return [module.weight, _ABSENT if module.bias is None else module.bias]
-    if type(module) is Int8Linear and module.backend == "vnni":
+    if type(module) is Int8Linear and module.backend == "kernel":
         return [module._packed, module._scales, module._sums, _ABSENT if module._bias is None else module._bias]
     if type(module) is Bf16Linear and module.packed is not None:
         return [module.packed, torch.zeros(module.out_features) if module.bias is None else module.bias]

@@ -58,14 +58,15 @@ def quantize_int8(model: nn.Module) -> int:
     """
     _check_cpu(model, "int8")
     try:
-        kernel = int8_kernel.vnni_kernel()
+        kernel = int8_kernel.kernel()
     except int8_kernel.KernelUnavailable as exc:
         raise QuantizeError(str(exc)) from None
     if kernel is None and not {"fbgemm", "x86"} & set(torch.backends.quantized.supported_engines):
-        raise QuantizeError("no int8 kernel here: no AVX512-VNNI kernel and no x86/fbgemm quantized engine")
+        raise QuantizeError("no int8 kernel here: neither ours (AVX512-VNNI or AVX2) nor an x86/fbgemm quantized "
+                            "engine")
     with int8_kernel.huge_pages():  # the model's packed weights in 2 MB pages, contiguous in load order
         count = _replace_linears(model, "int8", Int8Linear)
-    logger.info("quantised %d linear layers to int8 (%s)", count, "AVX512-VNNI kernel" if kernel else "fbgemm")
+    logger.info("quantised %d linear layers to int8 (%s)", count, "our kernel" if kernel else "fbgemm")
     return count
 
 

@@ -8,7 +8,8 @@
 // Python threads run while a step computes.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
-  module.def("has_vnni", &has_vnni, "whether this CPU has AVX512-VNNI (int8_linear)");
+  module.def("has_vnni", &has_vnni, "whether this CPU has AVX512-VNNI (the int8 kernel's wide tiles)");
+  module.def("has_int8_kernel", &has_int8_kernel, "whether int8_linear runs here (AVX512-VNNI, or AVX2 with FMA)");
   module.def("int8_linear", &int8_linear, "int8 linear: x float32 (..., in) -> (..., out) float32", release());
   module.def("int8_linear_activated", &int8_linear_activated,
              "an Activation of int8_linear, applied to each output tile in the GEMM", release());

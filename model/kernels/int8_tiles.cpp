@@ -1,4 +1,4 @@
-// The int8 GEMM's inner loops on AVX512-VNNI (int8_vnni.cpp has the scheme, the checks and the entry points): one
+// The int8 GEMM's inner loops on AVX512-VNNI (int8_gemm.cpp has the scheme, the checks and the entry points): one
 // step of k against a tile's accumulators, a tile's sums and its float epilogue, the few-row stream (tile_stream) and
 // the wide products' 4-row tiles, and the row quantisation.
 #include <immintrin.h>
@@ -12,7 +12,7 @@
 
 #define UNROLL _Pragma("GCC unroll 16")
 
-namespace tserve::int8 {
+namespace tserve::int8::vnni {
 
 namespace {
 
@@ -219,7 +219,7 @@ void rows(const Problem& p, int64_t blk0, int64_t blk1, int64_t begin, int64_t e
   }
 }
 
-}  // namespace tserve::int8
+}  // namespace tserve::int8::vnni
 
 bool has_vnni() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"); }

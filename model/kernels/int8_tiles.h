@@ -1,5 +1,6 @@
-// The int8 GEMM's problem, shared by its tiles (int8_tiles.cpp: the AVX512-VNNI inner loops) and its entry points
-// (int8_vnni.cpp: checks, quantised inputs, the task split over threads). The scheme is int8_vnni.cpp's comment.
+// The int8 GEMM's problem, shared by its tiles (int8_tiles.cpp: the AVX512-VNNI inner loops; int8_tiles_avx2.cpp:
+// their AVX2 twins) and its entry points (int8_gemm.cpp: checks, quantised inputs, the task split over threads). The
+// scheme is int8_gemm.cpp's comment.
 #pragma once
 
 #include <cstdint>
@@ -36,9 +37,17 @@ struct Problem {
   const float* bias_up = nullptr;
 };
 
-// x (k floats) -> q (k_padded uint8 around 128, zero after the offset past k) and its scale max|x| / 127.
+// Each tile set's two functions, the same values from either (int8_gemm.cpp picks per CPU):
+// quantize_row: x (k floats) -> q (k_padded uint8 around 128, zero after the offset past k) and its scale max|x| / 127;
+// rows: rows [begin, end) of p against blocks [blk0, blk1) (blk0 a multiple of 4), into p.out.
+namespace vnni {
 VNNI void quantize_row(const float* x, int64_t k, int64_t k_padded, uint8_t* q, float* scale);
-// Rows [begin, end) of p against blocks [blk0, blk1) (blk0 a multiple of 4), into p.out.
 void rows(const Problem& p, int64_t blk0, int64_t blk1, int64_t begin, int64_t end);
+}  // namespace vnni
+
+namespace avx2 {
+void quantize_row(const float* x, int64_t k, int64_t k_padded, uint8_t* q, float* scale);
+void rows(const Problem& p, int64_t blk0, int64_t blk1, int64_t begin, int64_t end);
+}  // namespace avx2
 
 }  // namespace tserve::int8

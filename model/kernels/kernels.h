@@ -9,6 +9,7 @@
 #include <vector>
 
 bool has_vnni();
+bool has_int8_kernel();  // AVX512-VNNI or AVX2 + FMA: int8_linear and its kin run
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale,
                           const torch::Tensor& w_sum, const c10::optional<torch::Tensor>& bias);
 bool has_avx512();

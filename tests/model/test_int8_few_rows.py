@@ -1,6 +1,6 @@
 """The int8 kernel's few-row products (decoding: greedy, beams, small batches; tiles of 1-8 rows against one block at a
 time, their steps split over several accumulators, their outputs stored after a span of blocks, model/kernels/
-int8_vnni.cpp) against the integer reference, and bit-equal to each row alone."""
+int8_gemm.cpp) against the integer reference, and bit-equal to each row alone."""
 
 import numpy as np
 import pytest
@@ -19,7 +19,7 @@ needs_kernel = pytest.mark.skipif(kernel is None, reason=f"int8 kernel unavailab
 # outputs: 15 blocks of 16 (groups of 4, 4, 4, 3) with the last one partial; 38 blocks: spans of 16, 16 and 6 (at 2
 # threads 16 and 4, 16 and 2), the last block partial; inputs: not a multiple of 64 or of 4
 @pytest.mark.parametrize(("out", "inp"), [(229, 771), (40, 64), (512, 130), (600, 75)])
-def test_few_rows_equal_the_integer_reference_and_each_row_alone(threads, out, inp):
+def test_few_rows_equal_the_integer_reference_and_each_row_alone(vector_bits, threads, out, inp):
     q, scales = _quantized_weights(out, inp, seed=out)
     packed, sums, bias = int8_kernel.pack(q), q.sum(1, dtype=torch.int32), torch.randn(out)
     x = torch.randn(17, inp) * 3
@@ -44,7 +44,7 @@ def test_a_few_rows_quantised_handoff_equals_each_row_alone(threads, rows):
 
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 4, 8, 11])
-def test_a_gated_few_row_ffn_over_several_spans_equals_the_separate_passes(threads, rows):
+def test_a_gated_few_row_ffn_over_several_spans_equals_the_separate_passes(vector_bits, threads, rows):
     # d_ff 600: 38 blocks, spans of 16, 16 and 6 (at 2 threads 16 and 4, 16 and 2), the last block partial
     torch.manual_seed(rows)
     gate, up = (Int8Linear(torch.randn(600, 75) * 0.1, torch.randn(600)) for _ in range(2))

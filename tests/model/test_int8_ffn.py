@@ -1,4 +1,4 @@
-"""The int8 feed-forward in one pass (model/kernels/int8_vnni.cpp): a gated FFN's gate and up read side by side on one
+"""The int8 feed-forward in one pass (model/kernels/int8_gemm.cpp): a gated FFN's gate and up read side by side on one
 quantised input, act(gate) * up formed in registers and quantised for fc2 (Int8Linear.gated_into,
 int8_gated_quantized), and the ungated hand-off (Int8Linear.activated_into): bit-equal to the separate passes
 (int8_linear of each, the activation, the product, fc2 quantising the float hidden state), close to float64, and
@@ -67,7 +67,7 @@ def _float64(x, fc1, up, fc2, activation, gated: bool) -> torch.Tensor:
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "ungated"])
 # a lone row, streaming tiles of 2-8 rows, a 9th row alone, one chunk of 64 with 4-row tiles, several chunks
 @pytest.mark.parametrize("rows", [1, 3, 4, 8, 17, 64, 200])
-def test_the_ffn_in_one_pass_equals_the_separate_passes(layers, threads, activation, gated, rows):
+def test_the_ffn_in_one_pass_equals_the_separate_passes(vector_bits, layers, threads, activation, gated, rows):
     fc1, up, fc2 = layers
     x = torch.randn(rows, D, generator=torch.Generator().manual_seed(rows)) * 3
     before = _threads(threads)

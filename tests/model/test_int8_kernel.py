@@ -1,4 +1,5 @@
-"""The AVX512-VNNI int8 kernel against an exact integer reference, and how the int8 GEMM is chosen."""
+"""The int8 kernel (AVX512-VNNI, and its AVX2 twin) against an exact integer reference, and how the int8 GEMM is
+chosen."""
 
 import numpy as np
 import pytest
@@ -7,7 +8,7 @@ import torch
 from model import int8_kernel, native
 from model.int8_linear import Int8Linear
 from model.quantize import QuantizeError, quantize_int8
-from tests.model.conftest import tiny_seq2seq
+from tests.model.conftest import VECTOR_WIDTHS, tiny_seq2seq
 
 kernel, why_not = int8_kernel.available()
 needs_kernel = pytest.mark.skipif(kernel is None, reason=f"int8 kernel unavailable here: {why_not}")
@@ -39,7 +40,7 @@ def _reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: tor
 # outputs: 1, 3, 4, 4 + 1 and 4 + 2 blocks of 16 (the tile takes 4 at a time); inputs: remainders of 4 and of 16
 @pytest.mark.parametrize(("out", "inp"), [(1, 13), (37, 70), (64, 64), (80, 130), (96, 33), (16, 2048)])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_kernel_equals_the_integer_reference(rows, out, inp, with_bias):
+def test_kernel_equals_the_integer_reference(vector_bits, rows, out, inp, with_bias):
     q, scales = _quantized_weights(out, inp)
     bias = torch.randn(out) if with_bias else None
     x = torch.randn(rows, inp) * 3
@@ -50,10 +51,29 @@ def test_kernel_equals_the_integer_reference(rows, out, inp, with_bias):
         np.testing.assert_allclose(got.double().numpy(), want.numpy(), rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
+@pytest.mark.skipif(kernel is None or not kernel.has_vnni() or 256 not in VECTOR_WIDTHS,
+                    reason="comparing the AVX512-VNNI tiles with their AVX2 twins needs a CPU that runs both")
+@pytest.mark.parametrize("rows", [1, 5, 16, 70])  # a stream of one row, of 4 + 1 rows, of 16; the wide tiles
+def test_the_vnni_tiles_and_their_avx2_twins_give_the_same_bits(vector_bits_of, rows):
+    # the same int32 sums and float epilogue (relu: exact; the other activations' polynomials are the same formulas at
+    # each width, avx2_math.h and activation_math.h, not compared bit for bit here)
+    torch.manual_seed(rows)
+    gate, up, fc2 = (Int8Linear(torch.randn(out, inp) * 0.1, torch.randn(out)) for out, inp in
+                     ((200, 70), (200, 70), (70, 200)))
+    x = torch.randn(rows, 70) * 3
+    outputs = {}
+    for bits in (512, 256):
+        vector_bits_of(bits)
+        with torch.inference_mode():
+            outputs[bits] = (gate(x), gate.activated_into(x, "relu", fc2), gate.gated_into(x, up, "relu", fc2))
+    for wide, narrow in zip(outputs[512], outputs[256], strict=True):
+        assert torch.equal(wide, narrow)
+
+
 @needs_kernel
 def test_rows_do_not_depend_on_their_batch_and_leading_dims_are_kept():
     layer = torch.nn.Linear(96, 200)
-    int8 = _with_kernel(layer, "vnni")
+    int8 = _with_kernel(layer, "kernel")
     x = torch.randn(3, 7, 96)
     batched = int8(x)
     assert batched.shape == (3, 7, 200)
@@ -73,8 +93,8 @@ def test_pack_round_trips_and_the_module_dequantises():
     ids = torch.tensor([36, 0, 17, 16, 15, 17])  # any order, repeats, across the blocks of 16
     assert torch.equal(int8_kernel.unpack_rows(packed, ids, 70), q.index_select(0, ids))
     layer = torch.nn.Linear(70, 37)
-    int8 = _with_kernel(layer, "vnni")
-    assert int8.backend == "vnni" and torch.equal(int8.bias, layer.bias.detach())
+    int8 = _with_kernel(layer, "kernel")
+    assert int8.backend == "kernel" and torch.equal(int8.bias, layer.bias.detach())
     assert (int8.weight - layer.weight).abs().max() <= layer.weight.abs().amax(1).max() / 254 + 1e-7
 
 
@@ -91,7 +111,7 @@ def test_bad_inputs_raise_instead_of_reading_out_of_bounds():
 
 def test_the_kernel_choice_is_validated(kernel_options):
     kernel_options(int8_kernel="fbgemm")
-    assert int8_kernel.vnni_kernel() is None
+    assert int8_kernel.kernel() is None
     model = tiny_seq2seq()
     quantize_int8(model)
     assert {m.backend for m in model.modules() if isinstance(m, Int8Linear)} == {"fbgemm"}

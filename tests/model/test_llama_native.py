@@ -149,8 +149,8 @@ def test_what_the_c_step_implements_is_one_predicate():
 
 
 def test_int8_llama_runs_the_c_step_with_a_grouped_qkv_projection(tmp_path):
-    if int8_kernel.vnni_kernel() is None:
-        pytest.skip("the int8 VNNI kernel does not run here")
+    if int8_kernel.kernel() is None:
+        pytest.skip("our int8 kernel does not run here")
     float_model = _llama(tmp_path, "head_dim-biases")
     model = quantize(copy.deepcopy(float_model), "int8")
     attn = model.decoder.layers[0].self_attn
@@ -174,8 +174,8 @@ def test_int8_llama_runs_the_c_step_with_a_grouped_qkv_projection(tmp_path):
 
 def test_int8_quantises_q_k_norm_and_window_blocks_for_the_c_step():
     """q/k norms (Qwen3) and a sliding window (Mistral): int8 projections, fused q/k/v of GQA widths, C++ step."""
-    if int8_kernel.vnni_kernel() is None:
-        pytest.skip("the int8 VNNI kernel does not run here")
+    if int8_kernel.kernel() is None:
+        pytest.skip("our int8 kernel does not run here")
     torch.manual_seed(0)
     float_model = CausalLM(CausalLMConfig(**OWN, qk_norm=True, sliding_window=3)).eval()
     model = quantize(copy.deepcopy(float_model), "int8")

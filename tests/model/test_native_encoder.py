@@ -59,7 +59,7 @@ def test_classifier_logits_and_hidden_states_equal_the_float64_reference(norm, l
 
 
 @pytest.mark.parametrize("length", [12, 40])
-@pytest.mark.skipif(int8_kernel.vnni_kernel() is None, reason="the C++ encoder runs our int8 kernel (AVX512-VNNI)")
+@pytest.mark.skipif(int8_kernel.kernel() is None, reason="the C++ encoder runs our int8 kernel (AVX512-VNNI or AVX2)")
 def test_int8_with_the_fused_projection_equals_the_layers_python_path(length):
     """Past 16 queries both paths attend through the kernel the layers pick, so int8's roundings agree too."""
     model = tiny_classifier(n_layers=2)

@@ -42,8 +42,8 @@ def _prefill(model, ids: torch.Tensor, lengths: torch.Tensor, native_path: bool)
 @pytest.mark.parametrize("precision", ["float32", "int8"])
 @pytest.mark.parametrize("ragged", [False, True])
 def test_short_prompts_prefill_on_the_c_step_as_the_pytorch_path_does(llama, precision, ragged):
-    if precision == "int8" and int8_kernel.vnni_kernel() is None:
-        pytest.skip("the int8 VNNI kernel does not run here")
+    if precision == "int8" and int8_kernel.kernel() is None:
+        pytest.skip("our int8 kernel does not run here")
     model = llama if precision == "float32" else quantize(copy.deepcopy(llama), "int8")
     length = kernels.MAX_STEP_TOKENS
     ids = torch.randint(3, 90, (3, length), generator=torch.Generator().manual_seed(1))

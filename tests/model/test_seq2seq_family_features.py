@@ -145,8 +145,8 @@ def test_the_c_step_gives_the_pytorch_paths_tokens(checkpoints, family, dtype):
     """Greedy and beam-4 with each row's forced first token: the C++ encoder and decoding step (their calls counted)
     give the tokens of LayerStack.forward (the PyTorch path, itself equal to transformers), int8 against the PyTorch
     path over the same int8 layers; and so do sources read from the source cache (model.prefix_cache)."""
-    if dtype == "int8" and int8_kernel.vnni_kernel() is None:
-        pytest.skip("the int8 VNNI kernel does not run here")
+    if dtype == "int8" and int8_kernel.kernel() is None:
+        pytest.skip("our int8 kernel does not run here")
     checkpoint = checkpoints[family]
     model = checkpoint.model if dtype == "float32" else quantize(copy.deepcopy(checkpoint.model), "int8")
     assert model.decoder.native and model.encoder.native  # pre-LN, relative bias, gated GELU, RMSNorm: all bound

@@ -12,8 +12,8 @@ from model.quantize import quantize_int8
 from tests.model.conftest import random_ids, tiny_causal_lm
 from tests.model.helpers import causal_cache
 
-pytestmark = pytest.mark.skipif(native.kernels() is None or int8_kernel.vnni_kernel() is None,
-                                reason="the C++ decode kernels or the int8 VNNI kernel do not run here")
+pytestmark = pytest.mark.skipif(native.kernels() is None or int8_kernel.kernel() is None,
+                                reason="the C++ decode kernels or our int8 kernel do not run here")
 
 STEPS = 6
 

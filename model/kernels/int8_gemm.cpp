@@ -1,4 +1,4 @@
-// int8 x int8 linear layers on AVX512-VNNI: the int8 path's GEMM for every batch size (model/int8_kernel.py).
+// int8 x int8 linear layers: the int8 path's GEMM for every batch size (model/int8_kernel.py).
 //
 // y = sx * sw * (xq - 128) . w + bias, where
 //   w   int8 weights, one scale sw per output channel (symmetric, |w| <= 127), packed as
@@ -8,10 +8,13 @@
 //       row's result does not depend on the other rows of its batch;
 //   the -128 offset is undone with the weights' row sums (w_sum * 128).
 // Rows are tiled 4 at a time against 4 blocks of 16 outputs (16 accumulators); tiles are spread over
-// ATen's intra-op threads (the process's one OpenMP pool). Only `has_vnni()` runs on other CPUs.
+// ATen's intra-op threads (the process's one OpenMP pool).
 // A product of a few rows (decoding: greedy, beams, small batches) streams its weights from memory once: tiles of 1-8
 // rows against one block at a time, so the weights are read in order, one sequential stream (docs/benchmarks.md,
 // "The int8 GEMM at a few rows").
+// The tiles run on AVX512-VNNI (int8_tiles.cpp) or, on CPUs without it (or with the kernels capped at 256-bit vectors,
+// PanelTuning.vector_bits), on their AVX2 twins (int8_tiles_avx2.cpp: the same int32 sums by another route, so the
+// same outputs); other CPUs get has_int8_kernel() false and the fbgemm path.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -25,9 +28,23 @@ using namespace tserve::int8;
 
 namespace {
 
+// The tile set this call runs: VNNI's, else the AVX2 twins (the same values).
+bool vnni_tiles() {
+  static const bool vnni = has_vnni();
+  return vnni && wide_vectors();
+}
+
+void quantize_row(const float* x, int64_t k, int64_t k_padded, uint8_t* q, float* scale) {
+  vnni_tiles() ? vnni::quantize_row(x, k, k_padded, q, scale) : avx2::quantize_row(x, k, k_padded, q, scale);
+}
+
+void rows(const Problem& p, int64_t blk0, int64_t blk1, int64_t begin, int64_t end) {
+  vnni_tiles() ? vnni::rows(p, blk0, blk1, begin, end) : avx2::rows(p, blk0, blk1, begin, end);
+}
+
 void check_weights(const torch::Tensor& packed, const torch::Tensor& w_scale, const torch::Tensor& w_sum,
                    const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(has_vnni(), "int8 kernel: this CPU has no AVX512-VNNI");
+  TORCH_CHECK(has_int8_kernel(), "int8 kernel: this CPU has neither AVX512-VNNI nor AVX2");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 4 && packed.is_contiguous() &&
               packed.scalar_type() == at::kChar, "int8 kernel: packed weights must be int8 [out/16][in/4][16][4]");
   const int64_t n = w_scale.size(0), blocks = packed.size(0);
@@ -179,6 +196,8 @@ std::tuple<torch::Tensor, torch::Tensor> gemm_quantized(const Problem& whole, co
 }
 
 }  // namespace
+
+bool has_int8_kernel() { return has_vnni() || has_avx2(); }
 
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& w_scale,
                           const torch::Tensor& w_sum, const c10::optional<torch::Tensor>& bias) {
