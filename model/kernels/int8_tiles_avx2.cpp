@@ -27,6 +27,10 @@ using tserve::avx2::store_first;
 namespace {
 
 constexpr int64_t kSpanBlocks = 16;  // blocks of a few-row product whose sums are held before their outputs are stored
+// How far ahead of its loads (bytes) a few-row stream prefetches its weights into L1. On a Zen 3 (2 threads, the
+// decoder projections of a T5-base from memory) 1 KB took 1 and 4 rows 6-9% less time than none, 512 bytes and 2-4 KB
+// less than 1 KB gained (docs/benchmarks.md, "int8 layers on AVX2").
+constexpr int kStreamAhead = 1024;
 
 // A Problem's rows [row0, ...) as the tiles read them: each row's x - 128 (its sign) and |x - 128|, k_padded bytes
 // apart. Made once per call of `rows` (a few KB: the weights' bytes are rows x 16 times as many).
@@ -37,8 +41,9 @@ struct SignedRows {
 };
 
 // The int32 dot products of rows [m0, m0 + MR) and output blocks [blk, blk + NB) (of each of the NM matrices) into
-// sums[r][(m * NB + c) * 2 + h]: matrix m, block c, its outputs 8h to 8h + 7.
-template <int MR, int NB, bool Gated>
+// sums[r][(m * NB + c) * 2 + h]: matrix m, block c, its outputs 8h to 8h + 7. Ahead: bytes ahead of each matrix's
+// loads to prefetch into L1 (0: none).
+template <int MR, int NB, bool Gated, int Ahead>
 TSERVE_AVX2_INLINE void tile_sums(const Problem& p, const SignedRows& x, int64_t blk, int64_t m0,
                                   __m256i (&sums)[MR][(Gated ? 2 : 1) * NB * 2]) {
   constexpr int NM = Gated ? 2 : 1, NV = NM * NB * 2;  // weight vectors a step
@@ -57,6 +62,10 @@ TSERVE_AVX2_INLINE void tile_sums(const Problem& p, const SignedRows& x, int64_t
   UNROLL for (int r = 0; r < MR; ++r)
     UNROLL for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_setzero_si256();
   for (int64_t s = 0; s < steps; ++s) {
+    if constexpr (Ahead > 0) {
+      UNROLL for (int m = 0; m < NM; ++m)
+        _mm_prefetch(reinterpret_cast<const char*>(w[m] + s * 64 + Ahead), _MM_HINT_T0);  // a stream: NB is 1
+    }
     __m256i wv[NV];
     UNROLL for (int m = 0; m < NM; ++m)
       UNROLL for (int c = 0; c < NB; ++c)
@@ -114,7 +123,7 @@ constexpr int kTileRows = Gated ? 2 : 4;
 template <int MR, bool Gated>
 TSERVE_AVX2 void tile_stream(const Problem& p, const SignedRows& x, int64_t blk0, int64_t blk1, int64_t m0) {
   __m256i sums[kSpanBlocks][MR][(Gated ? 2 : 1) * 2];  // at most 4 KB
-  for (int64_t b = blk0; b < blk1; ++b) tile_sums<MR, 1, Gated>(p, x, b, m0, sums[b - blk0]);
+  for (int64_t b = blk0; b < blk1; ++b) tile_sums<MR, 1, Gated, kStreamAhead>(p, x, b, m0, sums[b - blk0]);
   for (int64_t b = blk0; b < blk1; ++b) tile_store<MR, 1, Gated>(p, b, m0, sums[b - blk0]);
 }
 
@@ -122,7 +131,7 @@ TSERVE_AVX2 void tile_stream(const Problem& p, const SignedRows& x, int64_t blk0
 template <int MR, bool Gated>
 TSERVE_AVX2 void tile(const Problem& p, const SignedRows& x, int64_t blk, int64_t m0) {
   __m256i sums[MR][(Gated ? 2 : 1) * 2];
-  tile_sums<MR, 1, Gated>(p, x, blk, m0, sums);
+  tile_sums<MR, 1, Gated, 0>(p, x, blk, m0, sums);
   tile_store<MR, 1, Gated>(p, blk, m0, sums);
 }
 
