@@ -6,7 +6,8 @@ quantises its activations on the fly and runs an int8 GEMM. Two GEMMs (``model.i
 
 - ours on CPUs with AVX512-VNNI or AVX2 (model/kernels/int8_gemm.cpp; the same outputs from either): activations
   quantised per row on 8 bits, so a row's result does not depend on the rest of its batch; 1.2-1.8x fbgemm's speed
-  at 1-64 rows on AVX512-VNNI;
+  at 1-64 rows on AVX512-VNNI, 1.1-3.9x at 1-4 rows and 0.86-0.96x at 64-256 on AVX2 (docs/benchmarks.md, "int8
+  layers on AVX2");
 - fbgemm's ``quantized::linear_dynamic`` elsewhere: activations per tensor on 7 bits
   (``reduce_range=True``, PyTorch's default: CPUs without VNNI can saturate 16-bit sums otherwise).
 
