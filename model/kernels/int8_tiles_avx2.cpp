@@ -28,8 +28,8 @@ namespace {
 
 constexpr int64_t kSpanBlocks = 16;  // blocks of a few-row product whose sums are held before their outputs are stored
 // How far ahead of its loads (bytes) a few-row stream prefetches its weights into L1. On a Zen 3 (2 threads, the
-// decoder projections of a T5-base from memory) 1 KB took 1 and 4 rows 6-9% less time than none, 512 bytes and 2-4 KB
-// less than 1 KB gained (docs/benchmarks.md, "int8 layers on AVX2").
+// decoder projections of a T5-base from memory) 1 KB took 5-12% less time than none at 1 and 4 rows; 512 bytes and 2-4
+// KB gained less (docs/benchmarks.md, "int8 layers on AVX2").
 constexpr int kStreamAhead = 1024;
 
 // A Problem's rows [row0, ...) as the tiles read them: each row's x - 128 (its sign) and |x - 128|, k_padded bytes
@@ -40,13 +40,16 @@ struct SignedRows {
   int64_t row0, k_padded;
 };
 
-// The int32 dot products of rows [m0, m0 + MR) and output blocks [blk, blk + NB) (of each of the NM matrices) into
-// sums[r][(m * NB + c) * 2 + h]: matrix m, block c, its outputs 8h to 8h + 7. Ahead: bytes ahead of each matrix's
-// loads to prefetch into L1 (0: none).
-template <int MR, int NB, bool Gated, int Ahead>
+// A block's int32 sums for a tile's rows: a row's two vectors of 8 outputs, then (gated) up's two.
+template <int MR, bool Gated>
+using BlockSums = __m256i[MR][Gated ? 4 : 2];
+
+// The sums of rows [m0, m0 + MR) against block blk (gated: the gate's and up's, read side by side): sums[r][2m + h]
+// holds matrix m's outputs 8h to 8h + 7. Ahead: bytes ahead of each matrix's loads to prefetch into L1 (0: none).
+template <int MR, bool Gated, int Ahead>
 TSERVE_AVX2_INLINE void tile_sums(const Problem& p, const SignedRows& x, int64_t blk, int64_t m0,
-                                  __m256i (&sums)[MR][(Gated ? 2 : 1) * NB * 2]) {
-  constexpr int NM = Gated ? 2 : 1, NV = NM * NB * 2;  // weight vectors a step
+                                  BlockSums<MR, Gated>& sums) {
+  constexpr int NM = Gated ? 2 : 1, NV = 2 * NM;  // weight matrices read, weight vectors a step
   const int64_t steps = p.k_padded / 4, stride = steps * 64;
   const int8_t* w[NM];
   w[0] = p.w + blk * stride;
@@ -62,15 +65,12 @@ TSERVE_AVX2_INLINE void tile_sums(const Problem& p, const SignedRows& x, int64_t
   UNROLL for (int r = 0; r < MR; ++r)
     UNROLL for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_setzero_si256();
   for (int64_t s = 0; s < steps; ++s) {
-    if constexpr (Ahead > 0) {
-      UNROLL for (int m = 0; m < NM; ++m)
-        _mm_prefetch(reinterpret_cast<const char*>(w[m] + s * 64 + Ahead), _MM_HINT_T0);  // a stream: NB is 1
-    }
     __m256i wv[NV];
-    UNROLL for (int m = 0; m < NM; ++m)
-      UNROLL for (int c = 0; c < NB; ++c)
-        UNROLL for (int h = 0; h < 2; ++h)
-          wv[(m * NB + c) * 2 + h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[m] + c * stride + s * 64 + h * 32));
+    UNROLL for (int m = 0; m < NM; ++m) {
+      if constexpr (Ahead > 0) _mm_prefetch(reinterpret_cast<const char*>(w[m] + s * 64 + Ahead), _MM_HINT_T0);
+      UNROLL for (int h = 0; h < 2; ++h)
+        wv[2 * m + h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[m] + s * 64 + h * 32));
+    }
     UNROLL for (int r = 0; r < MR; ++r) {
       const __m256i xs = _mm256_set1_epi32(sign[r][s]), xm = _mm256_set1_epi32(magnitude[r][s]);
       UNROLL for (int v = 0; v < NV; ++v) {
@@ -83,33 +83,29 @@ TSERVE_AVX2_INLINE void tile_sums(const Problem& p, const SignedRows& x, int64_t
     UNROLL for (int v = 0; v < NV; ++v) sums[r][v] = acc[r][v];
 }
 
-// The outputs of rows [m0, m0 + MR) and blocks [blk, blk + NB) from their sums: int8_tiles.cpp's tile_store in 8
-// lanes (the same float operations on the same dot products, so the same values).
-template <int MR, int NB, bool Gated>
-TSERVE_AVX2_INLINE void tile_store(const Problem& p, int64_t blk, int64_t m0,
-                                   const __m256i (&sums)[MR][(Gated ? 2 : 1) * NB * 2]) {
-  UNROLL for (int c = 0; c < NB; ++c) {
-    UNROLL for (int h = 0; h < 2; ++h) {
-      const int64_t n0 = (blk + c) * 16 + h * 8, left = p.n - n0;
-      if (left <= 0) return;
-      const __m256 sw = load_first(p.sw + n0, left);
-      const __m256 bias = p.bias ? load_first(p.bias + n0, left) : _mm256_setzero_ps();
-      __m256 sw_up, bias_up;
+// The outputs of rows [m0, m0 + MR) and block blk from their sums: int8_tiles.cpp's tile_store in 8 lanes (the same
+// float operations on the same dot products, so the same values).
+template <int MR, bool Gated>
+TSERVE_AVX2_INLINE void tile_store(const Problem& p, int64_t blk, int64_t m0, const BlockSums<MR, Gated>& sums) {
+  UNROLL for (int h = 0; h < 2; ++h) {
+    const int64_t n0 = blk * 16 + h * 8, left = p.n - n0;
+    if (left <= 0) return;
+    const __m256 sw = load_first(p.sw + n0, left);
+    const __m256 bias = p.bias ? load_first(p.bias + n0, left) : _mm256_setzero_ps();
+    __m256 sw_up, bias_up;
+    if constexpr (Gated) {
+      sw_up = load_first(p.sw_up + n0, left);
+      bias_up = p.bias_up ? load_first(p.bias_up + n0, left) : _mm256_setzero_ps();
+    }
+    UNROLL for (int r = 0; r < MR; ++r) {
+      const __m256 sx = _mm256_set1_ps(p.sx[m0 + r]);
+      __m256 y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][h]), _mm256_mul_ps(sw, sx), bias);
+      if (p.activation != kNoActivation) y = tserve::avx2::activate(y, static_cast<Activation>(p.activation));
       if constexpr (Gated) {
-        sw_up = load_first(p.sw_up + n0, left);
-        bias_up = p.bias_up ? load_first(p.bias_up + n0, left) : _mm256_setzero_ps();
+        const __m256 up = _mm256_cvtepi32_ps(sums[r][2 + h]);
+        y = _mm256_mul_ps(y, _mm256_fmadd_ps(up, _mm256_mul_ps(sw_up, sx), bias_up));
       }
-      UNROLL for (int r = 0; r < MR; ++r) {
-        const __m256 sx = _mm256_set1_ps(p.sx[m0 + r]);
-        const __m256 dot = _mm256_cvtepi32_ps(sums[r][c * 2 + h]);
-        __m256 y = _mm256_fmadd_ps(dot, _mm256_mul_ps(sw, sx), bias);
-        if (p.activation != kNoActivation) y = tserve::avx2::activate(y, static_cast<Activation>(p.activation));
-        if constexpr (Gated) {
-          const __m256 up = _mm256_cvtepi32_ps(sums[r][(NB + c) * 2 + h]);
-          y = _mm256_mul_ps(y, _mm256_fmadd_ps(up, _mm256_mul_ps(sw_up, sx), bias_up));
-        }
-        store_first(p.out + (m0 + r - p.out_row0) * p.n + n0, y, left);
-      }
+      store_first(p.out + (m0 + r - p.out_row0) * p.n + n0, y, left);
     }
   }
 }
@@ -122,17 +118,17 @@ constexpr int kTileRows = Gated ? 2 : 4;
 // block's weights one sequential stream; the outputs stored after all the span's sums (int8_tiles.cpp's tile_stream).
 template <int MR, bool Gated>
 TSERVE_AVX2 void tile_stream(const Problem& p, const SignedRows& x, int64_t blk0, int64_t blk1, int64_t m0) {
-  __m256i sums[kSpanBlocks][MR][(Gated ? 2 : 1) * 2];  // at most 4 KB
-  for (int64_t b = blk0; b < blk1; ++b) tile_sums<MR, 1, Gated, kStreamAhead>(p, x, b, m0, sums[b - blk0]);
-  for (int64_t b = blk0; b < blk1; ++b) tile_store<MR, 1, Gated>(p, b, m0, sums[b - blk0]);
+  BlockSums<MR, Gated> sums[kSpanBlocks];  // at most 4 KB
+  for (int64_t b = blk0; b < blk1; ++b) tile_sums<MR, Gated, kStreamAhead>(p, x, b, m0, sums[b - blk0]);
+  for (int64_t b = blk0; b < blk1; ++b) tile_store<MR, Gated>(p, b, m0, sums[b - blk0]);
 }
 
 // Rows [m0, m0 + MR) against one block: its sums, then its outputs.
 template <int MR, bool Gated>
 TSERVE_AVX2 void tile(const Problem& p, const SignedRows& x, int64_t blk, int64_t m0) {
-  __m256i sums[MR][(Gated ? 2 : 1) * 2];
-  tile_sums<MR, 1, Gated, 0>(p, x, blk, m0, sums);
-  tile_store<MR, 1, Gated>(p, blk, m0, sums);
+  BlockSums<MR, Gated> sums;
+  tile_sums<MR, Gated, 0>(p, x, blk, m0, sums);
+  tile_store<MR, Gated>(p, blk, m0, sums);
 }
 
 // Rows [m0, m0 + MR): a few-row product's stream over blocks [blk0, blk1), else a tile of block blk0.
