@@ -11,7 +11,8 @@
 // is as large as the weight: model/packed_weights.py makes it only for batched steps and refreshes it when the
 // weight changes.
 // On CPUs with AVX2 and FMA but not AVX-512 (AMD Zen 2 and 3, Intel before Skylake-SP) the same panels go through
-// 256-bit tiles of up to 6 rows (16 registers: R x V accumulators, V weight vectors and a broadcast), where MKL's
+// 256-bit tiles of up to 6 rows (16 registers: R x V accumulators, V weight vectors and a broadcast; a batched step's
+// 5-64 rows all over one block of a panel before the next, tile256_interleaved), where MKL's
 // GEMV and GEMM took its generic code path on AMD: 10-18 GB/s at one row, 35-90 GFLOP/s at 16-64 rows on a Zen 3
 // (docs/benchmarks.md, "float32 on AVX2 CPUs"). The tuning's vector_bits caps the width (tests run both).
 #include <torch/extension.h>
@@ -36,6 +37,11 @@ constexpr int64_t kMaxGemvRows = 2;    // tiles that may walk several panels at 
 constexpr int64_t kMaxTileRows256 = 6;  // AVX2: 6 x 2 accumulators over half a panel + 2 weight vectors + a broadcast
 constexpr int64_t kMaxWholePanelRows256 = 2;  // AVX2 tiles of up to 2 rows take the whole panel (2 x 4 + 4 + 1)
 constexpr int64_t kBlock256 = 64;  // panel rows (8 KB) an AVX2 tile of 3-4 rows takes for rows 1-2, then for the rest
+// AVX2 products of a few rows more than the streaming tiles' up to kMaxInterleavedRows256: each panel in blocks of
+// kInterleavedBlock256 panel rows (24 KB), every row tile over a block before the next, the block after it prefetched
+// into L2 meanwhile (see tile256_interleaved)
+constexpr int64_t kMaxInterleavedRows256 = 64;
+constexpr int64_t kInterleavedBlock256 = 192;
 
 // The blocking and prefetch rule, chosen per CPU at run time (model/cpu.py sets it through set_panel_tuning when
 // the kernels load): rows of x a thread keeps in L2 while it walks its panels (3/4 of the L2 the CPU reports); panel
@@ -46,6 +52,8 @@ constexpr int64_t kBlock256 = 64;  // panel rows (8 KB) an AVX2 tile of 3-4 rows
 // prefetch nothing ahead unless gemv_prefetch (a Zen 3's hardware prefetchers alone read faster). The defaults are
 // Zen 4's. Each call takes a copy, so a rule set meanwhile never changes a call halfway.
 PanelTuning tuning{768 * 1024, 32, 4, 64, true, 4, 512, true};
+
+int64_t panels_for(int64_t n) { return (n + kPanel - 1) / kPanel; }
 
 struct Problem {
   const float* x;       // (rows, k) contiguous
@@ -222,6 +230,74 @@ void tile256_panel(const Problem& q, int64_t p, int64_t r0, int64_t ahead) {
   }
 }
 
+// Rows x[0 .. R) (row stride k) times the panel rows k0 .. k1 of half v0 (16 of the 32 columns) of a panel, added to
+// sums (R rows of 32 floats; zeros instead when `first`); prefetching into L2 the `lines` cache lines from `next`
+// (part of the block after this one) spread evenly over the panel rows (prefetched all at the start, they ran 0.9x).
+template <int R>
+AVX2 void half_block256(const float* panel, const float* x, int64_t k, int64_t k0, int64_t k1, int64_t v0, float* sums,
+                        bool first, const char* next, int64_t lines) {
+  const char* const end = next + lines * 64;
+  const int64_t every = lines > 0 ? std::max<int64_t>(1, (k1 - k0) / lines) : k1 - k0 + 1;
+  int64_t countdown = 1;
+  __m256 acc[R][2];
+  UNROLL for (int r = 0; r < R; ++r)
+    UNROLL for (int v = 0; v < 2; ++v)
+      acc[r][v] = first ? _mm256_setzero_ps() : _mm256_load_ps(sums + r * kPanel + 8 * (v0 + v));
+  const float* half = panel + v0 * 8;
+  for (int64_t i = k0; i < k1; ++i) {
+    if (--countdown == 0) {
+      countdown = every;
+      if (next < end) _mm_prefetch(next, _MM_HINT_T1);
+      next += 64;
+    }
+    const float* row = half + i * kPanel;
+    const __m256 w0 = _mm256_loadu_ps(row), w1 = _mm256_loadu_ps(row + 8);
+    UNROLL for (int r = 0; r < R; ++r) {
+      const __m256 xr = _mm256_broadcast_ss(x + r * k + i);
+      acc[r][0] = _mm256_fmadd_ps(xr, w0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xr, w1, acc[r][1]);
+    }
+  }
+  UNROLL for (int r = 0; r < R; ++r)
+    UNROLL for (int v = 0; v < 2; ++v) _mm256_store_ps(sums + r * kPanel + 8 * (v0 + v), acc[r][v]);
+}
+
+// Every row of q (5 to kMaxInterleavedRows256, in tiles of per_tile <= 6) over panel p, into y. A step's weights
+// come from memory: walking the whole panel once per tile (tile256) reads it at the first tile's pace, a cache line
+// every 6 cycles a core, and leaves the memory idle through the others (the panel then in L2). Here the panel goes in
+// blocks of kInterleavedBlock256 rows, each block for every tile (its two halves, from L1 or L2 after the first pass)
+// before the next, and the next block (or the next panel's first) is prefetched into L2 meanwhile, spread over the
+// block's passes: the reads overlap the FMAs. Each output the same FMAs in the same order as tile256's (the sums
+// through `sums`, R x 32 floats per tile), so the same bits. Measured on a Zen 3 over 12 layers' weights from memory,
+// 2 threads: 1.13-1.39x tile256's GFLOP/s at 5-24 rows, 0.99-1.06x at 32-64 (a standalone copy: 0.9x at 64-128 rows,
+// where each panel's tiles are bound by their FMAs; docs/benchmarks.md, session 38).
+void tile256_interleaved(const Problem& q, int64_t p, int64_t per_tile, float* sums) {
+  const int64_t k = q.k, panels = panels_for(q.n), passes = 2 * ((q.rows + per_tile - 1) / per_tile);
+  const float* panel = q.panels + p * k * kPanel;
+  for (int64_t k0 = 0; k0 < k; k0 += kInterleavedBlock256) {
+    const int64_t k1 = std::min(k, k0 + kInterleavedBlock256);
+    const int64_t next_rows = k1 < k ? std::min(k, k1 + kInterleavedBlock256) - k1
+                                     : (p + 1 < panels ? std::min(k, kInterleavedBlock256) : 0);
+    const char* next = reinterpret_cast<const char*>(k1 < k ? panel + k1 * kPanel : panel + k * kPanel);
+    const int64_t lines = next_rows * kPanel * 4 / 64, per_pass = (lines + passes - 1) / passes;
+    int64_t pass = 0;
+    for (int64_t r0 = 0; r0 < q.rows; r0 += per_tile) {
+      with_rows<kMaxTileRows256>(std::min(per_tile, q.rows - r0), [&](auto r) {
+        for (int64_t v0 = 0; v0 < 4; v0 += 2, ++pass) {
+          const int64_t start = std::min(lines, pass * per_pass);
+          half_block256<decltype(r)::value>(panel, q.x + r0 * k, k, k0, k1, v0, sums + r0 * kPanel, k0 == 0,
+                                            next + start * 64, std::min(per_pass, lines - start));
+        }
+      });
+    }
+  }
+  const int64_t c0 = p * kPanel, width = std::min<int64_t>(kPanel, q.n - c0);
+  for (int64_t r = 0; r < q.rows; ++r) {
+    float* out = q.y + r * q.n + c0;
+    for (int64_t c = 0; c < width; ++c) out[c] = sums[r * kPanel + c] + (q.bias != nullptr ? q.bias[c0 + c] : 0.f);
+  }
+}
+
 // An AVX2 tile of R rows over S panels under the tuning's prefetch rule for its width.
 template <int R, int S = 1>
 void tile256_ruled(const Problem& q, int64_t p, int64_t r0) {
@@ -235,8 +311,6 @@ void tile256_rows(const Problem& q, int64_t p, int64_t r0, int64_t rows, int64_t
   if (panels == 2) return tile256_ruled<1, 2>(q, p, r0);
   with_rows<kMaxTileRows256>(rows, [&](auto r) { tile256_ruled<decltype(r)::value>(q, p, r0); });
 }
-
-int64_t panels_for(int64_t n) { return (n + kPanel - 1) / kPanel; }
 
 // Whether packed_linear runs 512-bit tiles: on an AVX-512 CPU unless the tuning caps the width at 256.
 bool wide_tiles(const PanelTuning& rule) {
@@ -324,6 +398,13 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
                                                     : std::max<int64_t>(1, block_bytes / (k * 4) / per_tile) * per_tile;
   const int64_t together = wide ? (per_tile <= kMaxGemvRows ? q.rule.gemv_panels : 1)
                                 : (per_tile == 1 ? std::min<int64_t>(q.rule.gemv_panels, 2) : 1);
+  if (!wide && rows > q.rule.streaming_tile_rows && rows <= kMaxInterleavedRows256) {
+    at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
+      alignas(32) float sums[kMaxInterleavedRows256 * kPanel];
+      for (int64_t p = begin; p < end; ++p) tile256_interleaved(q, p, per_tile, sums);
+    });
+    return y;
+  }
   at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
     for (int64_t first = 0; first < rows; first += block)
       for (int64_t p = begin, step; p < end; p += step) {

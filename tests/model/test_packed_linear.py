@@ -24,12 +24,13 @@ def _weights(out_features: int, in_features: int, seed: int = 0) -> tuple[torch.
     return weight, torch.randn(out_features, generator=g)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 12, 13, 32, 37])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 12, 13, 32, 37, 64, 65])
 @pytest.mark.parametrize(("out_features", "in_features"), [(512, 512), (40, 7), (8000, 64), (7, 2048), (100, 133)])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_kernel_equals_the_float64_reference(vector_bits, rows, out_features, in_features, with_bias):
-    """Row tiles of 1-12 (AVX2: 1-6, 3-4 rows in blocks of 64 inputs; 13 and 37 rows split unevenly), column counts
-    that are and are not multiples of the 32-column panels and of 8, odd inner sizes and partial blocks."""
+    """Row tiles of 1-12 (AVX2: 1-6, 3-4 rows in blocks of 64 inputs, 5-64 rows interleaved over blocks of 192
+    inputs, 65 past them; 13 and 37 rows split unevenly), column counts that are and are not multiples of the
+    32-column panels and of 8, odd inner sizes and partial blocks."""
     weight, bias = _weights(out_features, in_features)
     bias = bias if with_bias else None
     x = torch.randn(rows, in_features)
@@ -37,6 +38,18 @@ def test_kernel_equals_the_float64_reference(vector_bits, rows, out_features, in
         got = kernel.packed_linear(x, kernel.pack_weight(weight), out_features, bias)
     expected = x.double() @ weight.double().t() + (bias.double() if bias is not None else 0)
     torch.testing.assert_close(got.double(), expected, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("in_features", [64, 700])
+def test_a_row_gives_the_same_bits_in_any_batch(vector_bits, in_features):
+    """Each output is the same FMAs in the same order whatever tile its row falls in (1-2 rows over whole panels,
+    3-4 in blocks, 5-64 interleaved over blocks, more in half panels): a row's result does not depend on its batch."""
+    weight, bias = _weights(100, in_features, seed=2)
+    x = torch.randn(100, in_features)
+    with torch.no_grad():
+        alone = torch.cat([kernel.packed_linear(x[r:r + 1], kernel.pack_weight(weight), 100, bias) for r in range(4)])
+        for rows in (2, 3, 4, 5, 16, 37, 64, 100):
+            assert torch.equal(kernel.packed_linear(x[:rows], kernel.pack_weight(weight), 100, bias)[:4], alone[:rows])
 
 
 @pytest.mark.parametrize(("rows", "out_features", "in_features"), [(150, 100, 3000), (700, 70, 300)])
