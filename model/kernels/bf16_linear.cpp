@@ -21,6 +21,7 @@
 #include "avx2_math.h"
 #include "kernels.h"
 #include "simd_math.h"
+#include "spread_prefetch.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -249,15 +250,12 @@ TSERVE_AVX2 inline void pair_block(const uint16_t* panel, const float* x, int64_
     UNROLL for (int v = 0; v < 4; ++v) _mm256_storeu_ps(sums + r * kPanel + 8 * v, acc[r][v]);
 }
 
-// A panel's pair rows i0 .. i1 as float32 weights (2 (i1 - i0), 32): each pair row's low bf16 then its high one,
-// prefetching `ahead` pair rows ahead.
-template <_mm_hint Hint>
-TSERVE_AVX2 void widen_block(const uint16_t* panel, int64_t i0, int64_t i1, int64_t ahead, float* out) {
+// A panel's pair rows i0 .. i1 as float32 weights (2 (i1 - i0), 32): each pair row's low bf16 then its high one (the
+// block prefetched while the one before it was multiplied: float_rows).
+TSERVE_AVX2 void widen_block(const uint16_t* panel, int64_t i0, int64_t i1, float* out) {
   const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   for (int64_t i = i0; i < i1; ++i) {
     const uint16_t* row = panel + i * kPanel * 2;
-    _mm_prefetch(reinterpret_cast<const char*>(row + ahead * kPanel * 2), Hint);
-    _mm_prefetch(reinterpret_cast<const char*>(row + ahead * kPanel * 2 + 32), Hint);
     float* low_out = out + (i - i0) * 2 * kPanel;
     UNROLL for (int v = 0; v < 4; ++v) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * v));
@@ -269,15 +267,16 @@ TSERVE_AVX2 void widen_block(const uint16_t* panel, int64_t i0, int64_t i1, int6
 
 // Rows x[0 .. R) (row stride `padded`) times `inputs` rows of widened float32 weights (row stride 32), 16 of their
 // columns (two vectors: the float32 AVX2 tiles' 6 x 2 accumulators, 2 weights and a broadcast), added to sums (row
-// stride 32; zeros instead when `first`).
+// stride 32; zeros instead when `first`), prefetching its share of the next block.
 template <int R>
 TSERVE_AVX2 void float_block(const float* weights, const float* x, int64_t padded, int64_t inputs, float* sums,
-                             bool first) {
+                             bool first, tserve::SpreadPrefetch prefetch) {
   __m256 acc[R][2];
   UNROLL for (int r = 0; r < R; ++r)
     UNROLL for (int v = 0; v < 2; ++v)
       acc[r][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + r * kPanel + 8 * v);
   for (int64_t j = 0; j < inputs; ++j) {
+    prefetch.step();
     const __m256 w0 = _mm256_load_ps(weights + j * kPanel), w1 = _mm256_load_ps(weights + j * kPanel + 8);
     UNROLL for (int r = 0; r < R; ++r) {
       const __m256 xr = _mm256_broadcast_ss(x + r * padded + j);
@@ -289,20 +288,22 @@ TSERVE_AVX2 void float_block(const float* weights, const float* x, int64_t padde
     UNROLL for (int v = 0; v < 2; ++v) _mm256_storeu_ps(sums + r * kPanel + 8 * v, acc[r][v]);
 }
 
-// float_block over a widened block's 32 columns (two passes of 16) for rows x[0 .. rows), rows at most kWideRows.
+// float_block over a widened block's 32 columns (two passes of 16) for rows x[0 .. rows), rows at most kWideRows;
+// passes `pass` and `pass + 1` of `passes` over the block, prefetching their shares of the `lines` from `next`.
 constexpr int64_t kWideRows = 6;
 void float_rows(const float* weights, const float* x, int64_t padded, int64_t inputs, float* sums, bool first,
-                int64_t rows) {
-  for (int64_t half = 0; half < kPanel; half += 16) {
+                int64_t rows, const char* next, int64_t lines, int64_t pass, int64_t passes) {
+  for (int64_t half = 0; half < kPanel; half += 16, ++pass) {
     const float* w = weights + half;
     float* s = sums + half;
+    const tserve::SpreadPrefetch prefetch(next, lines, pass, passes, inputs);
     switch (rows) {
-      case 1: float_block<1>(w, x, padded, inputs, s, first); break;
-      case 2: float_block<2>(w, x, padded, inputs, s, first); break;
-      case 3: float_block<3>(w, x, padded, inputs, s, first); break;
-      case 4: float_block<4>(w, x, padded, inputs, s, first); break;
-      case 5: float_block<5>(w, x, padded, inputs, s, first); break;
-      default: float_block<6>(w, x, padded, inputs, s, first); break;
+      case 1: float_block<1>(w, x, padded, inputs, s, first, prefetch); break;
+      case 2: float_block<2>(w, x, padded, inputs, s, first, prefetch); break;
+      case 3: float_block<3>(w, x, padded, inputs, s, first, prefetch); break;
+      case 4: float_block<4>(w, x, padded, inputs, s, first, prefetch); break;
+      case 5: float_block<5>(w, x, padded, inputs, s, first, prefetch); break;
+      default: float_block<6>(w, x, padded, inputs, s, first, prefetch); break;
     }
   }
 }
@@ -316,7 +317,7 @@ struct Problem {
 };
 
 // y[r0 .. r1, 32 p .. 32 p + 32) (the outputs past n left out), the panel read from memory prefetching `ahead` pair
-// rows ahead; `sums` holds (r1 - r0) x 32 floats.
+// rows ahead (past kWidenRows rows: the next block, spread over this one's passes); `sums` holds (r1 - r0) x 32 floats.
 template <_mm_hint Hint>
 void panel_rows(const Problem& q, int64_t p, int64_t r0, int64_t r1, int64_t ahead, float* sums) {
   const uint16_t* panel = q.panels + p * q.k2 * kPanel * 2;
@@ -326,12 +327,16 @@ void panel_rows(const Problem& q, int64_t p, int64_t r0, int64_t r1, int64_t ahe
   for (int64_t i0 = 0; i0 < q.k2; i0 += kBlockPairs) {
     const int64_t i1 = std::min(q.k2, i0 + kBlockPairs);
     const bool first = i0 == 0;
-    if (widen) {
-      widen_block<Hint>(panel, i0, i1, ahead, widened);
+    if (widen) {  // the next block (or the next panel's first) prefetched over this one's passes, not in a burst
+      widen_block(panel, i0, i1, widened);
       const int64_t groups = (r1 - r0 + kWideRows - 1) / kWideRows, per_group = (r1 - r0 + groups - 1) / groups;
-      for (int64_t r = r0; r < r1; r += per_group)
+      const int64_t next_pairs = i1 < q.k2 ? std::min(q.k2, i1 + kBlockPairs) - i1
+                                           : (p + 1 < (q.n + kPanel - 1) / kPanel ? std::min(q.k2, kBlockPairs) : 0);
+      const char* next = reinterpret_cast<const char*>(panel + i1 * kPanel * 2);
+      const int64_t lines = next_pairs * kPanel * 2 * 2 / tserve::kLineBytes;
+      for (int64_t r = r0, pass = 0; r < r1; r += per_group, pass += 2)
         float_rows(widened, q.x + r * padded + 2 * i0, padded, 2 * (i1 - i0), sums + (r - r0) * kPanel, first,
-                   std::min(per_group, r1 - r));
+                   std::min(per_group, r1 - r), next, lines, pass, 2 * groups);
       continue;
     }
     for (int64_t r = r0; r < r1; r += 2) {

@@ -21,6 +21,7 @@
 
 #include "kernels.h"
 #include "simd_math.h"
+#include "spread_prefetch.h"
 
 #include <algorithm>
 #include <type_traits>
@@ -231,25 +232,17 @@ void tile256_panel(const Problem& q, int64_t p, int64_t r0, int64_t ahead) {
 }
 
 // Rows x[0 .. R) (row stride k) times the panel rows k0 .. k1 of half v0 (16 of the 32 columns) of a panel, added to
-// sums (R rows of 32 floats; zeros instead when `first`); prefetching into L2 the `lines` cache lines from `next`
-// (part of the block after this one) spread evenly over the panel rows (prefetched all at the start, they ran 0.9x).
+// sums (R rows of 32 floats; zeros instead when `first`), prefetching its share of the next block.
 template <int R>
 AVX2 void half_block256(const float* panel, const float* x, int64_t k, int64_t k0, int64_t k1, int64_t v0, float* sums,
-                        bool first, const char* next, int64_t lines) {
-  const char* const end = next + lines * 64;
-  const int64_t every = lines > 0 ? std::max<int64_t>(1, (k1 - k0) / lines) : k1 - k0 + 1;
-  int64_t countdown = 1;
+                        bool first, tserve::SpreadPrefetch prefetch) {
   __m256 acc[R][2];
   UNROLL for (int r = 0; r < R; ++r)
     UNROLL for (int v = 0; v < 2; ++v)
       acc[r][v] = first ? _mm256_setzero_ps() : _mm256_load_ps(sums + r * kPanel + 8 * (v0 + v));
   const float* half = panel + v0 * 8;
   for (int64_t i = k0; i < k1; ++i) {
-    if (--countdown == 0) {
-      countdown = every;
-      if (next < end) _mm_prefetch(next, _MM_HINT_T1);
-      next += 64;
-    }
+    prefetch.step();
     const float* row = half + i * kPanel;
     const __m256 w0 = _mm256_loadu_ps(row), w1 = _mm256_loadu_ps(row + 8);
     UNROLL for (int r = 0; r < R; ++r) {
@@ -278,16 +271,14 @@ void tile256_interleaved(const Problem& q, int64_t p, int64_t per_tile, float* s
     const int64_t k1 = std::min(k, k0 + kInterleavedBlock256);
     const int64_t next_rows = k1 < k ? std::min(k, k1 + kInterleavedBlock256) - k1
                                      : (p + 1 < panels ? std::min(k, kInterleavedBlock256) : 0);
-    const char* next = reinterpret_cast<const char*>(k1 < k ? panel + k1 * kPanel : panel + k * kPanel);
-    const int64_t lines = next_rows * kPanel * 4 / 64, per_pass = (lines + passes - 1) / passes;
+    const char* next = reinterpret_cast<const char*>(panel + k1 * kPanel);  // or the next panel's start
+    const int64_t lines = next_rows * kPanel * 4 / tserve::kLineBytes;
     int64_t pass = 0;
     for (int64_t r0 = 0; r0 < q.rows; r0 += per_tile) {
       with_rows<kMaxTileRows256>(std::min(per_tile, q.rows - r0), [&](auto r) {
-        for (int64_t v0 = 0; v0 < 4; v0 += 2, ++pass) {
-          const int64_t start = std::min(lines, pass * per_pass);
+        for (int64_t v0 = 0; v0 < 4; v0 += 2, ++pass)
           half_block256<decltype(r)::value>(panel, q.x + r0 * k, k, k0, k1, v0, sums + r0 * kPanel, k0 == 0,
-                                            next + start * 64, std::min(per_pass, lines - start));
-        }
+                                            tserve::SpreadPrefetch(next, lines, pass, passes, k1 - k0));
       });
     }
   }

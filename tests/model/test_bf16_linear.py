@@ -22,8 +22,9 @@ needs_kernel = pytest.mark.skipif(kernel() is None, reason="the C++ kernels do n
 # the kernel at each vector width this CPU runs (512: VDPBF16PS where it has AVX512-BF16, else the twin), the fallback
 BACKENDS = [*(f"kernel-{bits}" for bits in VECTOR_WIDTHS), "torch"]
 ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 16, 17, 24, 31, 32, 33, 64, 100]
-# (in, out): whole panels; in odd and not a multiple of 32, out not a multiple of 16; out under one vector
-SHAPES = [(64, 96), (33, 17), (31, 70), (8, 5)]
+# (in, out): whole panels; in odd and not a multiple of 32, out not a multiple of 16; out under one vector; in over
+# two of the AVX2 twin's blocks of 128 inputs (each block's successor prefetched during it), the last partial
+SHAPES = [(64, 96), (33, 17), (31, 70), (8, 5), (300, 40)]
 
 
 @pytest.fixture(autouse=True)

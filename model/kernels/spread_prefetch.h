@@ -1,0 +1,42 @@
+// The next block of a panel prefetched into L2 while the current one is multiplied, spread over the passes of its row
+// tiles: the float32 (packed_linear.cpp) and bf16 (bf16_linear.cpp) AVX2 GEMMs at a batched step's 5-64 rows, whose
+// weights come from memory. All of a block's lines asked for at the start of a pass ran 0.9x the spread pattern's
+// GFLOP/s on a Zen 3 (docs/benchmarks.md, session 38).
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace tserve {
+
+constexpr int64_t kLineBytes = 64;
+
+// Pass `pass` of `passes` over a block's share of the `lines` cache lines from `next`: every `every`-th step() (of
+// `steps` in the pass) prefetches the next of them into L2.
+class SpreadPrefetch {
+ public:
+  SpreadPrefetch(const char* next, int64_t lines, int64_t pass, int64_t passes, int64_t steps) {
+    const int64_t share = (lines + passes - 1) / passes, start = std::min(lines, pass * share);
+    const int64_t count = std::min(share, lines - start);
+    next_ = next + start * kLineBytes;
+    end_ = next_ + count * kLineBytes;
+    every_ = count > 0 ? std::max<int64_t>(1, steps / count) : steps + 1;
+  }
+
+  inline void step() {
+    if (--countdown_ != 0) return;
+    countdown_ = every_;
+    if (next_ < end_) _mm_prefetch(next_, _MM_HINT_T1);
+    next_ += kLineBytes;
+  }
+
+ private:
+  const char* next_;
+  const char* end_;
+  int64_t every_;
+  int64_t countdown_ = 1;
+};
+
+}  // namespace tserve
