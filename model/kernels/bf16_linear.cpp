@@ -330,10 +330,9 @@ void panel_rows(const Problem& q, int64_t p, int64_t r0, int64_t r1, int64_t ahe
     if (widen) {  // the next block (or the next panel's first) prefetched over this one's passes, not in a burst
       widen_block(panel, i0, i1, widened);
       const int64_t groups = (r1 - r0 + kWideRows - 1) / kWideRows, per_group = (r1 - r0 + groups - 1) / groups;
-      const int64_t next_pairs = i1 < q.k2 ? std::min(q.k2, i1 + kBlockPairs) - i1
-                                           : (p + 1 < (q.n + kPanel - 1) / kPanel ? std::min(q.k2, kBlockPairs) : 0);
-      const char* next = reinterpret_cast<const char*>(panel + i1 * kPanel * 2);
-      const int64_t lines = next_pairs * kPanel * 2 * 2 / tserve::kLineBytes;
+      const char* next = reinterpret_cast<const char*>(panel + i1 * kPanel * 2);  // or the next panel's start
+      const int64_t lines = tserve::next_block_lines(i1, q.k2, kBlockPairs, p + 1 < (q.n + kPanel - 1) / kPanel,
+                                                     kPanel * 2 * sizeof(uint16_t));
       for (int64_t r = r0, pass = 0; r < r1; r += per_group, pass += 2)
         float_rows(widened, q.x + r * padded + 2 * i0, padded, 2 * (i1 - i0), sums + (r - r0) * kPanel, first,
                    std::min(per_group, r1 - r), next, lines, pass, 2 * groups);

@@ -265,14 +265,12 @@ AVX2 void half_block256(const float* panel, const float* x, int64_t k, int64_t k
 // 2 threads: 1.13-1.39x tile256's GFLOP/s at 5-24 rows, 0.99-1.06x at 32-64 (a standalone copy: 0.9x at 64-128 rows,
 // where each panel's tiles are bound by their FMAs; docs/benchmarks.md, session 38).
 void tile256_interleaved(const Problem& q, int64_t p, int64_t per_tile, float* sums) {
-  const int64_t k = q.k, panels = panels_for(q.n), passes = 2 * ((q.rows + per_tile - 1) / per_tile);
+  const int64_t k = q.k, passes = 2 * ((q.rows + per_tile - 1) / per_tile);
   const float* panel = q.panels + p * k * kPanel;
   for (int64_t k0 = 0; k0 < k; k0 += kInterleavedBlock256) {
     const int64_t k1 = std::min(k, k0 + kInterleavedBlock256);
-    const int64_t next_rows = k1 < k ? std::min(k, k1 + kInterleavedBlock256) - k1
-                                     : (p + 1 < panels ? std::min(k, kInterleavedBlock256) : 0);
     const char* next = reinterpret_cast<const char*>(panel + k1 * kPanel);  // or the next panel's start
-    const int64_t lines = next_rows * kPanel * 4 / tserve::kLineBytes;
+    const int64_t lines = tserve::next_block_lines(k1, k, kInterleavedBlock256, p + 1 < panels_for(q.n), kPanel * 4);
     int64_t pass = 0;
     for (int64_t r0 = 0; r0 < q.rows; r0 += per_tile) {
       with_rows<kMaxTileRows256>(std::min(per_tile, q.rows - r0), [&](auto r) {
@@ -382,13 +380,6 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
   const bool wide = wide_tiles(q.rule);
   const int64_t max_tile = wide ? kMaxTileRows : kMaxTileRows256;
   const int64_t tiles = (rows + max_tile - 1) / max_tile, per_tile = (rows + tiles - 1) / tiles;  // even tiles
-  // Inputs larger than L2: each thread walks its panels once per block of rows that stays in L2, rather than all the
-  // rows once per panel (a 4,096-token batch's x, 12-50 MB, streamed from L3 or memory for each of 24-96 panels).
-  const int64_t block_bytes = q.rule.row_block_bytes;
-  const int64_t block = rows * k * 4 <= block_bytes ? rows
-                                                    : std::max<int64_t>(1, block_bytes / (k * 4) / per_tile) * per_tile;
-  const int64_t together = wide ? (per_tile <= kMaxGemvRows ? q.rule.gemv_panels : 1)
-                                : (per_tile == 1 ? std::min<int64_t>(q.rule.gemv_panels, 2) : 1);
   if (!wide && rows > q.rule.streaming_tile_rows && rows <= kMaxInterleavedRows256) {
     at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
       alignas(32) float sums[kMaxInterleavedRows256 * kPanel];
@@ -396,6 +387,13 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
     });
     return y;
   }
+  // Inputs larger than L2: each thread walks its panels once per block of rows that stays in L2, rather than all the
+  // rows once per panel (a 4,096-token batch's x, 12-50 MB, streamed from L3 or memory for each of 24-96 panels).
+  const int64_t block_bytes = q.rule.row_block_bytes;
+  const int64_t block = rows * k * 4 <= block_bytes ? rows
+                                                    : std::max<int64_t>(1, block_bytes / (k * 4) / per_tile) * per_tile;
+  const int64_t together = wide ? (per_tile <= kMaxGemvRows ? q.rule.gemv_panels : 1)
+                                : (per_tile == 1 ? std::min<int64_t>(q.rule.gemv_panels, 2) : 1);
   at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
     for (int64_t first = 0; first < rows; first += block)
       for (int64_t p = begin, step; p < end; p += step) {

@@ -13,6 +13,14 @@ namespace tserve {
 
 constexpr int64_t kLineBytes = 64;
 
+// Cache lines of the block that follows rows .. `end` of a panel of `total` rows of `row_bytes`, in blocks of `block`
+// rows: the panel's next block, or the next panel's first where `more_panels` (panels lie back to back); 0 after the
+// last.
+inline int64_t next_block_lines(int64_t end, int64_t total, int64_t block, bool more_panels, int64_t row_bytes) {
+  const int64_t rows = end < total ? std::min(total, end + block) - end : (more_panels ? std::min(total, block) : 0);
+  return rows * row_bytes / kLineBytes;
+}
+
 // Pass `pass` of `passes` over a block's share of the `lines` cache lines from `next`: every `every`-th step() (of
 // `steps` in the pass) prefetches the next of them into L2.
 class SpreadPrefetch {

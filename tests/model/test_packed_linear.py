@@ -45,11 +45,11 @@ def test_a_row_gives_the_same_bits_in_any_batch(vector_bits, in_features):
     """Each output is the same FMAs in the same order whatever tile its row falls in (1-2 rows over whole panels,
     3-4 in blocks, 5-64 interleaved over blocks, more in half panels): a row's result does not depend on its batch."""
     weight, bias = _weights(100, in_features, seed=2)
-    x = torch.randn(100, in_features)
+    x, panels = torch.randn(100, in_features), kernel.pack_weight(weight)
     with torch.no_grad():
-        alone = torch.cat([kernel.packed_linear(x[r:r + 1], kernel.pack_weight(weight), 100, bias) for r in range(4)])
+        alone = torch.cat([kernel.packed_linear(x[r:r + 1], panels, 100, bias) for r in range(4)])
         for rows in (2, 3, 4, 5, 16, 37, 64, 100):
-            assert torch.equal(kernel.packed_linear(x[:rows], kernel.pack_weight(weight), 100, bias)[:4], alone[:rows])
+            assert torch.equal(kernel.packed_linear(x[:rows], panels, 100, bias)[:4], alone[:rows])
 
 
 @pytest.mark.parametrize(("rows", "out_features", "in_features"), [(150, 100, 3000), (700, 70, 300)])
