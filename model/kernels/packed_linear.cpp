@@ -12,7 +12,7 @@
 // weight changes.
 // On CPUs with AVX2 and FMA but not AVX-512 (AMD Zen 2 and 3, Intel before Skylake-SP) the same panels go through
 // 256-bit tiles of up to 6 rows (16 registers: R x V accumulators, V weight vectors and a broadcast; a batched step's
-// 5-64 rows all over one block of a panel before the next, tile256_interleaved), where MKL's
+// 5-24 rows all over one block of a panel before the next, tile256_interleaved), where MKL's
 // GEMV and GEMM took its generic code path on AMD: 10-18 GB/s at one row, 35-90 GFLOP/s at 16-64 rows on a Zen 3
 // (docs/benchmarks.md, "float32 on AVX2 CPUs"). The tuning's vector_bits caps the width (tests run both).
 #include <torch/extension.h>
@@ -20,6 +20,7 @@
 #include <immintrin.h>
 
 #include "kernels.h"
+#include "panel_shares.h"
 #include "simd_math.h"
 #include "spread_prefetch.h"
 
@@ -40,8 +41,9 @@ constexpr int64_t kMaxWholePanelRows256 = 2;  // AVX2 tiles of up to 2 rows take
 constexpr int64_t kBlock256 = 64;  // panel rows (8 KB) an AVX2 tile of 3-4 rows takes for rows 1-2, then for the rest
 // AVX2 products of a few rows more than the streaming tiles' up to kMaxInterleavedRows256: each panel in blocks of
 // kInterleavedBlock256 panel rows (24 KB), every row tile over a block before the next, the block after it prefetched
-// into L2 meanwhile (see tile256_interleaved)
-constexpr int64_t kMaxInterleavedRows256 = 64;
+// into L2 meanwhile (see tile256_interleaved). Past 24 rows the half-panel tiles ran 1.04-1.12x faster in generation
+// (beam 4 at batch 16: 64 rows; docs/benchmarks.md, session 39).
+constexpr int64_t kMaxInterleavedRows256 = 24;
 constexpr int64_t kInterleavedBlock256 = 192;
 
 // The blocking and prefetch rule, chosen per CPU at run time (model/cpu.py sets it through set_panel_tuning when
@@ -262,8 +264,8 @@ AVX2 void half_block256(const float* panel, const float* x, int64_t k, int64_t k
 // before the next, and the next block (or the next panel's first) is prefetched into L2 meanwhile, spread over the
 // block's passes: the reads overlap the FMAs. Each output the same FMAs in the same order as tile256's (the sums
 // through `sums`, R x 32 floats per tile), so the same bits. Measured on a Zen 3 over 12 layers' weights from memory,
-// 2 threads: 1.13-1.39x tile256's GFLOP/s at 5-24 rows, 0.99-1.06x at 32-64 (a standalone copy: 0.9x at 64-128 rows,
-// where each panel's tiles are bound by their FMAs; docs/benchmarks.md, session 38).
+// 2 threads: 1.13-1.39x tile256's GFLOP/s at 5-24 rows (docs/benchmarks.md, session 38); at 32-64 rows 0.88-0.96x
+// of tile256 in one process (session 39), so they keep it.
 void tile256_interleaved(const Problem& q, int64_t p, int64_t per_tile, float* sums) {
   const int64_t k = q.k, passes = 2 * ((q.rows + per_tile - 1) / per_tile);
   const float* panel = q.panels + p * k * kPanel;
@@ -285,6 +287,18 @@ void tile256_interleaved(const Problem& q, int64_t p, int64_t per_tile, float* s
     float* out = q.y + r * q.n + c0;
     for (int64_t c = 0; c < width; ++c) out[c] = sums[r * kPanel + c] + (q.bias != nullptr ? q.bias[c0 + c] : 0.f);
   }
+}
+
+// fn(p) for each of `panels` panels on ATen's threads: even shares walked front to back, a thread done with its own
+// taking the others' last panels (panel_shares.h).
+template <typename Fn>
+void for_each_panel(int64_t panels, Fn&& fn) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), panels);  // none for no panels
+  tserve::PanelShares shares(panels, threads);
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t p = shares.next(t); p >= 0; p = shares.next(t)) fn(p);
+  });
 }
 
 // An AVX2 tile of R rows over S panels under the tuning's prefetch rule for its width.
@@ -381,9 +395,9 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
   const int64_t max_tile = wide ? kMaxTileRows : kMaxTileRows256;
   const int64_t tiles = (rows + max_tile - 1) / max_tile, per_tile = (rows + tiles - 1) / tiles;  // even tiles
   if (!wide && rows > q.rule.streaming_tile_rows && rows <= kMaxInterleavedRows256) {
-    at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
+    for_each_panel(packed.size(0), [&](int64_t p) {
       alignas(32) float sums[kMaxInterleavedRows256 * kPanel];
-      for (int64_t p = begin; p < end; ++p) tile256_interleaved(q, p, per_tile, sums);
+      tile256_interleaved(q, p, per_tile, sums);
     });
     return y;
   }
@@ -394,6 +408,12 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
                                                     : std::max<int64_t>(1, block_bytes / (k * 4) / per_tile) * per_tile;
   const int64_t together = wide ? (per_tile <= kMaxGemvRows ? q.rule.gemv_panels : 1)
                                 : (per_tile == 1 ? std::min<int64_t>(q.rule.gemv_panels, 2) : 1);
+  if (!wide && block == rows && together == 1) {  // a batched step's rows, each panel alone: shared with stealing
+    for_each_panel(packed.size(0), [&](int64_t p) {
+      for (int64_t r0 = 0; r0 < rows; r0 += per_tile) tile256_rows(q, p, r0, std::min(per_tile, rows - r0), 1);
+    });
+    return y;
+  }
   at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
     for (int64_t first = 0; first < rows; first += block)
       for (int64_t p = begin, step; p < end; p += step) {
