@@ -1,6 +1,6 @@
 // The next block of a panel prefetched into L2 while the current one is multiplied, spread over the passes of its row
-// tiles: the float32 (packed_linear.cpp) and bf16 (bf16_linear.cpp) AVX2 GEMMs at a batched step's 5-64 rows, whose
-// weights come from memory. All of a block's lines asked for at the start of a pass ran 0.9x the spread pattern's
+// tiles: the float32 (packed_linear.cpp, 5-24 rows) and bf16 (bf16_linear.cpp, past 4 rows) AVX2 GEMMs at a batched
+// step, whose weights come from memory. All of a block's lines asked for at the start of a pass ran 0.9x the spread pattern's
 // GFLOP/s on a Zen 3 (docs/benchmarks.md, session 38).
 #pragma once
 
